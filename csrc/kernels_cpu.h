@@ -1,0 +1,79 @@
+/* kernels_cpu.h — CPU reference kernels (unscale + inf check, norm partials, AdamW) that the CPU
+ * path runs and the CUDA kernels in csrc/cuda are tested against. */
+#ifndef FSC_KERNELS_CPU_H
+#define FSC_KERNELS_CPU_H
+
+#include <stdint.h>
+
+#include "status.h"
+#include "tensor.h"
+
+/* Hyper-parameters of one AdamW step, as torch.optim.AdamW takes them (amsgrad=False,
+ * maximize=False). `step` is the 1-based step count after incrementing, like the `step`
+ * entry in torch's optimizer state. */
+typedef struct {
+    double lr;
+    double beta1;
+    double beta2;
+    double eps;
+    double weight_decay;
+    int64_t step;
+} fsc_adamw_hparams_t;
+
+/* The per-step scalars of AdamW, rounded to float32 exactly as torch's single-tensor path
+ * rounds its Python-float scalars when it hands them to float32 tensor ops. Computed once on
+ * the host and shared by the CPU reference and the CUDA kernel so both use identical
+ * constants. */
+typedef struct {
+    float decay;         /* 1 - lr * weight_decay */
+    float one_minus_b1;  /* lerp weight for exp_avg */
+    float beta2;
+    float one_minus_b2;
+    float bc2_sqrt;      /* sqrt(1 - beta2^step) */
+    float neg_step_size; /* -lr / (1 - beta1^step) */
+    float eps;
+} fsc_adamw_scalars_t;
+
+/* Bit for `dtype` in the dtype masks below. */
+#define FSC_DTYPE_BIT(dt) (1u << (unsigned)(dt))
+#define FSC_FLOAT_DTYPES (FSC_DTYPE_BIT(FSC_FLOAT32) | FSC_DTYPE_BIT(FSC_FLOAT16) | FSC_DTYPE_BIT(FSC_BFLOAT16))
+
+/* The precondition check every kernel entry point (CPU and CUDA) runs on each tensor argument:
+ * `t` must be on `device_type` (fsc_device_type_t), C-contiguous, of a dtype in `dtype_mask`,
+ * and writable when `writable` is set. On failure returns FSC_ERR_VALUE (FSC_ERR_TYPE for the
+ * dtype) with a message "<op>: <arg> ..." saying what was expected. */
+fsc_status_t fsc_kernels_check(const fsc_tensor_t *t, const char *op, const char *arg, int device_type,
+                               unsigned dtype_mask, int writable);
+
+/* Check the hyper-parameters (lr >= 0, 0 <= beta < 1, eps >= 0, weight_decay >= 0, step >= 1;
+ * FSC_ERR_VALUE naming the field otherwise) and fill *out. Pure; does not block. */
+fsc_status_t fsc_adamw_prepare(const fsc_adamw_hparams_t *hp, fsc_adamw_scalars_t *out);
+
+/* The combining rule of a norm reduction. */
+typedef enum {
+    FSC_NORM_SUMSQ = 0, /* sum of x^2: the square of the 2-norm */
+    FSC_NORM_ABSMAX = 1 /* max |x|: the inf-norm; NaN propagates */
+} fsc_norm_mode_t;
+
+/* Grad-scaler unscale with overflow detection, in place over a contiguous CPU buffer `buf`
+ * (float32, float16 or bfloat16, any shape, numel >= 0): every element x becomes x * inv_scale
+ * (computed in float32, rounded back to buf's dtype; skipped when inv_scale == 1), and if any
+ * element was non-finite *before* scaling, found_inf (a one-element float32 CPU tensor) is set
+ * to 1.0. found_inf is never cleared, so one flag can collect several buffers, like
+ * torch._amp_foreach_non_finite_check_and_unscale_. Blocks the calling thread. */
+fsc_status_t fsc_cpu_unscale_inf_check(fsc_tensor_t *buf, float inv_scale, fsc_tensor_t *found_inf);
+
+/* Norm reduction of a contiguous CPU tensor `x` (float32, float16 or bfloat16, any shape)
+ * into *out: sum of squares or max |x| depending on `mode`. Accumulates in double (this is the
+ * reference the float32-accumulating CUDA kernel is compared with). numel == 0 gives 0.
+ * NaN/inf in x propagate to *out as torch.linalg.vector_norm does. Blocks the calling thread. */
+fsc_status_t fsc_cpu_norm(const fsc_tensor_t *x, fsc_norm_mode_t mode, float *out);
+
+/* One AdamW step over flat float32 CPU shards of equal numel, all contiguous, updated in
+ * place: param, exp_avg, exp_avg_sq written; grad read. Matches torch.optim.AdamW's
+ * single-tensor math (decoupled weight decay, bias correction from hp->step) operation by
+ * operation in float32. Blocks the calling thread. */
+fsc_status_t fsc_cpu_adamw_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
+                                fsc_tensor_t *exp_avg_sq, const fsc_adamw_hparams_t *hp);
+
+#endif /* FSC_KERNELS_CPU_H */
