@@ -2,80 +2,23 @@
 #include "kernels_cpu.h"
 
 #include <math.h>
-#include <string.h>
 
-/* ---- fp16 / bf16 <-> fp32, round to nearest even ------------------------------------- */
+#include "half.h"
 
-static float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t mant = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0) {
-        /* zero or subnormal: mant * 2^-24, exact in float32 */
-        float v = (float)mant * 0x1p-24f;
-        return sign ? -v : v;
-    }
-    if (exp == 31)
-        bits = sign | 0x7f800000u | (mant << 13); /* inf / NaN (payload kept) */
-    else
-        bits = sign | ((exp + 112u) << 23) | (mant << 13); /* rebias 15 -> 127 */
-    float f;
-    memcpy(&f, &bits, sizeof(f));
-    return f;
-}
-
-static uint16_t f32_to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof(x));
-    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    uint32_t ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu)); /* quiet NaN */
-    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 (or inf) rounds to inf */
-    if (ax < 0x38800000u) {
-        /* below 2^-14: the result is a subnormal k * 2^-24. Adding 0.5f puts the value where
-         * one float ulp is 2^-24, so the FPU's own round-to-nearest-even does the rounding. */
-        float a;
-        memcpy(&a, &ax, sizeof(a));
-        float shifted = a + 0.5f;
-        uint32_t sb;
-        memcpy(&sb, &shifted, sizeof(sb));
-        return (uint16_t)(sign | (sb - 0x3f000000u)); /* k may be 1024 = smallest normal */
-    }
-    /* normal: rebias exponent (-112 << 23) and round the 13 dropped bits to nearest even;
-     * a mantissa carry correctly bumps the exponent. */
-    uint32_t odd = (ax >> 13) & 1u;
-    ax += 0xc8000fffu + odd;
-    return (uint16_t)(sign | (ax >> 13));
-}
-
-static float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof(f));
-    return f;
-}
-
-static uint16_t f32_to_bf16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof(x));
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((x >> 16) & 0x8000u) | 0x7fc0u);
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
+/* ---- element access through float32 ------------------------------------------------------ */
 
 static float load_f32(const void *p, fsc_dtype_t dt, int64_t i) {
     switch (dt) {
-        case FSC_FLOAT16: return f16_to_f32(((const uint16_t *)p)[i]);
-        case FSC_BFLOAT16: return bf16_to_f32(((const uint16_t *)p)[i]);
+        case FSC_FLOAT16: return fsc_half_to_float(((const uint16_t *)p)[i]);
+        case FSC_BFLOAT16: return fsc_bf16_to_float(((const uint16_t *)p)[i]);
         default: return ((const float *)p)[i];
     }
 }
 
 static void store_f32(void *p, fsc_dtype_t dt, int64_t i, float v) {
     switch (dt) {
-        case FSC_FLOAT16: ((uint16_t *)p)[i] = f32_to_f16(v); break;
-        case FSC_BFLOAT16: ((uint16_t *)p)[i] = f32_to_bf16(v); break;
+        case FSC_FLOAT16: ((uint16_t *)p)[i] = fsc_float_to_half(v); break;
+        case FSC_BFLOAT16: ((uint16_t *)p)[i] = fsc_float_to_bf16(v); break;
         default: ((float *)p)[i] = v; break;
     }
 }

@@ -1,0 +1,529 @@
+/* gpu.c — run-time loader for the CUDA driver (libcuda.so.1) and runtime (libcudart), and the
+ * kernel launchers. The only file that talks to the CUDA driver; nothing here needs CUDA
+ * headers or libraries at build time. */
+#include "gpu.h"
+
+#include <dlfcn.h>
+#include <stddef.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "log.h"
+
+/* ---- the driver ABI we use (from the documented cuda.h; no header needed) --------------- */
+
+typedef int cu_result_t; /* CUresult */
+typedef int cu_device_t; /* CUdevice */
+typedef void *cu_context_t;
+typedef void *cu_module_t;
+typedef void *cu_function_t;
+typedef void *cu_stream_t;
+typedef void *cu_event_t;
+
+#define CU_SUCCESS 0
+#define CU_ERROR_NOT_READY 600
+#define CU_STREAM_NON_BLOCKING 0x1
+#define CU_EVENT_DISABLE_TIMING 0x2
+
+/* Entry points, by their exported (versioned) symbol names: cuda.h maps e.g. cuStreamDestroy
+ * to cuStreamDestroy_v2. The non-"_ptsz" variants are used, so stream 0 means the legacy
+ * default stream, as it does for torch. */
+typedef struct {
+    cu_result_t (*cuInit)(unsigned int);
+    cu_result_t (*cuDriverGetVersion)(int *);
+    cu_result_t (*cuDeviceGetCount)(int *);
+    cu_result_t (*cuDeviceGet)(cu_device_t *, int);
+    cu_result_t (*cuDevicePrimaryCtxRetain)(cu_context_t *, cu_device_t);
+    cu_result_t (*cuCtxGetCurrent)(cu_context_t *);
+    cu_result_t (*cuCtxSetCurrent)(cu_context_t);
+    cu_result_t (*cuCtxPushCurrent)(cu_context_t);
+    cu_result_t (*cuCtxPopCurrent)(cu_context_t *);
+    cu_result_t (*cuModuleLoadData)(cu_module_t *, const void *);
+    cu_result_t (*cuModuleGetFunction)(cu_function_t *, cu_module_t, const char *);
+    cu_result_t (*cuLaunchKernel)(cu_function_t, unsigned int, unsigned int, unsigned int, unsigned int,
+                                  unsigned int, unsigned int, unsigned int, cu_stream_t, void **, void **);
+    cu_result_t (*cuStreamCreate)(cu_stream_t *, unsigned int);
+    cu_result_t (*cuStreamDestroy)(cu_stream_t);
+    cu_result_t (*cuStreamWaitEvent)(cu_stream_t, cu_event_t, unsigned int);
+    cu_result_t (*cuStreamSynchronize)(cu_stream_t);
+    cu_result_t (*cuStreamQuery)(cu_stream_t);
+    cu_result_t (*cuEventCreate)(cu_event_t *, unsigned int);
+    cu_result_t (*cuEventRecord)(cu_event_t, cu_stream_t);
+    cu_result_t (*cuEventQuery)(cu_event_t);
+    cu_result_t (*cuEventDestroy)(cu_event_t);
+    cu_result_t (*cuGetErrorName)(cu_result_t, const char **);
+    cu_result_t (*cuGetErrorString)(cu_result_t, const char **);
+} cu_api_t;
+
+static const struct {
+    const char *name;
+    size_t offset;
+} cu_symbols[] = {
+#define CU_SYM(field, sym) {sym, offsetof(cu_api_t, field)}
+    CU_SYM(cuInit, "cuInit"),
+    CU_SYM(cuDriverGetVersion, "cuDriverGetVersion"),
+    CU_SYM(cuDeviceGetCount, "cuDeviceGetCount"),
+    CU_SYM(cuDeviceGet, "cuDeviceGet"),
+    CU_SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"),
+    CU_SYM(cuCtxGetCurrent, "cuCtxGetCurrent"),
+    CU_SYM(cuCtxSetCurrent, "cuCtxSetCurrent"),
+    CU_SYM(cuCtxPushCurrent, "cuCtxPushCurrent_v2"),
+    CU_SYM(cuCtxPopCurrent, "cuCtxPopCurrent_v2"),
+    CU_SYM(cuModuleLoadData, "cuModuleLoadData"),
+    CU_SYM(cuModuleGetFunction, "cuModuleGetFunction"),
+    CU_SYM(cuLaunchKernel, "cuLaunchKernel"),
+    CU_SYM(cuStreamCreate, "cuStreamCreate"),
+    CU_SYM(cuStreamDestroy, "cuStreamDestroy_v2"),
+    CU_SYM(cuStreamWaitEvent, "cuStreamWaitEvent"),
+    CU_SYM(cuStreamSynchronize, "cuStreamSynchronize"),
+    CU_SYM(cuStreamQuery, "cuStreamQuery"),
+    CU_SYM(cuEventCreate, "cuEventCreate"),
+    CU_SYM(cuEventRecord, "cuEventRecord"),
+    CU_SYM(cuEventQuery, "cuEventQuery"),
+    CU_SYM(cuEventDestroy, "cuEventDestroy_v2"),
+    CU_SYM(cuGetErrorName, "cuGetErrorName"),
+    CU_SYM(cuGetErrorString, "cuGetErrorString"),
+#undef CU_SYM
+};
+
+/* ---- kernels in the embedded image ---------------------------------------------------------- */
+
+#ifdef FSC_WITH_CUDA_KERNELS
+/* Defined in the file tools/build_cuda.py generates. */
+extern const unsigned char fsc_cuda_fatbin[];
+extern const size_t fsc_cuda_fatbin_len;
+#endif
+
+typedef enum {
+    K_CAST_F32_F16,
+    K_CAST_F32_BF16,
+    K_CAST_F16_F32,
+    K_CAST_BF16_F32,
+    K_UNSCALE_F32,
+    K_UNSCALE_F16,
+    K_UNSCALE_BF16,
+    K_NORM_F32,
+    K_NORM_F16,
+    K_NORM_BF16,
+    K_NORM_FINALIZE,
+    K_ADAMW_F32,
+    K_COUNT
+} kernel_id_t;
+
+/* extern "C" names of the kernels in csrc/cuda, indexed by kernel_id_t. */
+static const char *const kernel_names[K_COUNT] = {
+    "fsc_cast_f32_to_f16",   "fsc_cast_f32_to_bf16",       "fsc_cast_f16_to_f32",
+    "fsc_cast_bf16_to_f32",  "fsc_unscale_inf_check_f32",  "fsc_unscale_inf_check_f16",
+    "fsc_unscale_inf_check_bf16", "fsc_norm_partials_f32", "fsc_norm_partials_f16",
+    "fsc_norm_partials_bf16", "fsc_norm_finalize",         "fsc_adamw_f32",
+};
+
+#define FSC_GPU_BLOCK 256       /* = FSC_CUDA_BLOCK in csrc/cuda/common.cuh */
+#define FSC_GPU_MAX_GRID 4096   /* grid-stride kernels: enough blocks to fill any current GPU */
+#define FSC_GPU_MAX_PARTIALS 1024
+#define FSC_GPU_MAX_DEVICES 64
+
+/* ---- process-wide state ------------------------------------------------------------------- */
+
+static cu_api_t cu;
+static pthread_once_t load_once = PTHREAD_ONCE_INIT;
+static fsc_status_t load_status = FSC_ERR_UNAVAILABLE;
+static char load_message[256];
+static int driver_found, driver_version, device_count;
+
+/* Per device: the retained primary context and, once loaded, the module and its kernels.
+ * Filled under `dev_lock`; contexts and modules live until the process exits (like torch's). */
+typedef struct {
+    cu_context_t ctx;
+    cu_module_t module;
+    cu_function_t fn[K_COUNT];
+} device_state_t;
+static device_state_t devices[FSC_GPU_MAX_DEVICES];
+static pthread_mutex_t dev_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* "CUDA_ERROR_X (description)" for a driver result; valid until the next call on this thread. */
+static const char *cu_describe(cu_result_t r) {
+    static _Thread_local char buf[160];
+    const char *name = NULL, *str = NULL;
+    if (cu.cuGetErrorName) cu.cuGetErrorName(r, &name);
+    if (cu.cuGetErrorString) cu.cuGetErrorString(r, &str);
+    snprintf(buf, sizeof(buf), "%s (%s)", name ? name : "CUDA error", str ? str : "no description");
+    return buf;
+}
+
+static fsc_status_t cu_fail(const char *op, const char *call, cu_result_t r) {
+    return fsc_error(FSC_ERR_INTERNAL, "%s: %s failed: %s (code %d)", op, call, cu_describe(r), r);
+}
+
+static void load_driver(void) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (h == NULL) {
+        const char *e = dlerror();
+        snprintf(load_message, sizeof(load_message), "CUDA driver not found: %s", e ? e : "dlopen failed");
+        return;
+    }
+    for (size_t i = 0; i < sizeof(cu_symbols) / sizeof(cu_symbols[0]); i++) {
+        void *p = dlsym(h, cu_symbols[i].name);
+        if (p == NULL) {
+            snprintf(load_message, sizeof(load_message), "CUDA driver lacks %s (driver too old?)", cu_symbols[i].name);
+            memset(&cu, 0, sizeof(cu));
+            return; /* keep the handle open: unloading a half-used driver is not worth the risk */
+        }
+        memcpy((char *)&cu + cu_symbols[i].offset, &p, sizeof(p));
+    }
+    driver_found = 1;
+    cu.cuDriverGetVersion(&driver_version);
+    cu_result_t r = cu.cuInit(0);
+    if (r != CU_SUCCESS) {
+        snprintf(load_message, sizeof(load_message), "cuInit failed: %s", cu_describe(r));
+        return;
+    }
+    r = cu.cuDeviceGetCount(&device_count);
+    if (r != CU_SUCCESS || device_count <= 0) {
+        device_count = 0;
+        snprintf(load_message, sizeof(load_message), "CUDA driver %d sees no device", driver_version);
+        return;
+    }
+    load_status = FSC_OK;
+    FSC_INFO("gpu", "CUDA driver %d, %d device(s)", driver_version, device_count);
+}
+
+fsc_status_t fsc_gpu_load(void) {
+    pthread_once(&load_once, load_driver);
+    if (load_status != FSC_OK) return fsc_error(load_status, "%s", load_message);
+    return FSC_OK;
+}
+
+/* The CUDA runtime, only to report its version and where it lives. Prefer the copy torch
+ * already loaded (RTLD_NOLOAD matches a loaded library by soname), else any installed one. */
+static void find_runtime(fsc_gpu_info_t *out) {
+    static const char *const names[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"};
+    void *h = NULL;
+    for (int pass = 0; pass < 2 && h == NULL; pass++) {
+        int flags = RTLD_NOW | RTLD_LOCAL | (pass == 0 ? RTLD_NOLOAD : 0);
+        for (size_t i = 0; i < sizeof(names) / sizeof(names[0]) && h == NULL; i++) h = dlopen(names[i], flags);
+    }
+    if (h == NULL) return;
+    void *sym = dlsym(h, "cudaRuntimeGetVersion");
+    int (*get_version)(int *) = NULL;
+    memcpy(&get_version, &sym, sizeof(sym));
+    if (get_version != NULL && get_version(&out->runtime_version) == 0) {
+        Dl_info info;
+        out->runtime_found = 1;
+        if (dladdr(sym, &info) && info.dli_fname)
+            snprintf(out->runtime_path, sizeof(out->runtime_path), "%s", info.dli_fname);
+    }
+    dlclose(h); /* drops only our reference; torch's stays */
+}
+
+void fsc_gpu_info(fsc_gpu_info_t *out) {
+    memset(out, 0, sizeof(*out));
+    fsc_status_t st = fsc_gpu_load();
+    out->driver_found = driver_found;
+    out->driver_version = driver_version;
+    out->device_count = device_count;
+    if (st != FSC_OK) snprintf(out->error, sizeof(out->error), "%s", load_message);
+#ifdef FSC_WITH_CUDA_KERNELS
+    out->kernels_built = 1;
+#endif
+    find_runtime(out);
+}
+
+/* ---- contexts ----------------------------------------------------------------------------- */
+
+static fsc_status_t check_device(int device, const char *op) {
+    FSC_CHECK(fsc_gpu_load());
+    if (device < 0 || device >= device_count || device >= FSC_GPU_MAX_DEVICES)
+        return fsc_error(FSC_ERR_VALUE, "%s: CUDA device %d does not exist (%d visible)", op, device, device_count);
+    return FSC_OK;
+}
+
+/* The primary context of `device`, retained on first use. Caller holds no lock. */
+static fsc_status_t primary_ctx(int device, cu_context_t *out) {
+    fsc_status_t st = FSC_OK;
+    FSC_CHECK(check_device(device, "gpu"));
+    pthread_mutex_lock(&dev_lock);
+    if (devices[device].ctx == NULL) {
+        cu_device_t dev;
+        cu_result_t r = cu.cuDeviceGet(&dev, device);
+        if (r == CU_SUCCESS) r = cu.cuDevicePrimaryCtxRetain(&devices[device].ctx, dev);
+        if (r != CU_SUCCESS) FSC_CHECK_GOTO(cu_fail("gpu", "cuDevicePrimaryCtxRetain", r), st, exit);
+    }
+    *out = devices[device].ctx;
+exit:
+    pthread_mutex_unlock(&dev_lock);
+    return st;
+}
+
+fsc_status_t fsc_gpu_ctx_enter(int device, fsc_gpu_ctx_t *g) {
+    cu_context_t want, cur = NULL;
+    g->pushed = 0;
+    FSC_CHECK(primary_ctx(device, &want));
+    cu_result_t r = cu.cuCtxGetCurrent(&cur);
+    if (r != CU_SUCCESS) return cu_fail("gpu", "cuCtxGetCurrent", r);
+    if (cur == want) return FSC_OK; /* the common case: torch already made it current */
+    r = cu.cuCtxPushCurrent(want);
+    if (r != CU_SUCCESS) return cu_fail("gpu", "cuCtxPushCurrent", r);
+    g->pushed = 1;
+    return FSC_OK;
+}
+
+void fsc_gpu_ctx_exit(fsc_gpu_ctx_t *g) {
+    if (g->pushed) {
+        cu_context_t popped;
+        cu.cuCtxPopCurrent(&popped);
+        g->pushed = 0;
+    }
+}
+
+/* ---- events and streams ------------------------------------------------------------------ */
+
+fsc_status_t fsc_gpu_event_record(int device, fsc_stream_t stream, fsc_gpu_event_t *ev) {
+    fsc_gpu_ctx_t g;
+    fsc_status_t st = FSC_OK;
+    cu_event_t e = NULL;
+    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
+    cu_result_t r = cu.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING);
+    if (r != CU_SUCCESS) FSC_CHECK_GOTO(cu_fail("event_record", "cuEventCreate", r), st, exit);
+    r = cu.cuEventRecord(e, (cu_stream_t)stream);
+    if (r != CU_SUCCESS) {
+        cu.cuEventDestroy(e);
+        FSC_CHECK_GOTO(cu_fail("event_record", "cuEventRecord", r), st, exit);
+    }
+    *ev = e;
+exit:
+    fsc_gpu_ctx_exit(&g);
+    return st;
+}
+
+fsc_status_t fsc_gpu_event_query(int device, fsc_gpu_event_t ev, int *done) {
+    fsc_gpu_ctx_t g;
+    fsc_status_t st = FSC_OK;
+    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
+    cu_result_t r = cu.cuEventQuery(ev);
+    *done = r == CU_SUCCESS;
+    if (r != CU_SUCCESS && r != CU_ERROR_NOT_READY) st = cu_fail("event_query", "cuEventQuery", r);
+    fsc_gpu_ctx_exit(&g);
+    return st;
+}
+
+void fsc_gpu_event_destroy(int device, fsc_gpu_event_t ev) {
+    fsc_gpu_ctx_t g;
+    if (ev == NULL || fsc_gpu_ctx_enter(device, &g) != FSC_OK) return;
+    cu.cuEventDestroy(ev);
+    fsc_gpu_ctx_exit(&g);
+}
+
+fsc_status_t fsc_gpu_stream_create(int device, fsc_stream_t *out) {
+    fsc_gpu_ctx_t g;
+    cu_stream_t s = NULL;
+    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
+    cu_result_t r = cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+    fsc_gpu_ctx_exit(&g);
+    if (r != CU_SUCCESS) return cu_fail("stream_create", "cuStreamCreate", r);
+    *out = (fsc_stream_t)s;
+    return FSC_OK;
+}
+
+fsc_status_t fsc_gpu_stream_destroy(int device, fsc_stream_t stream) {
+    fsc_gpu_ctx_t g;
+    if (stream == 0) return fsc_error(FSC_ERR_VALUE, "stream_destroy: cannot destroy the default stream");
+    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
+    cu_result_t r = cu.cuStreamDestroy((cu_stream_t)stream);
+    fsc_gpu_ctx_exit(&g);
+    return r == CU_SUCCESS ? FSC_OK : cu_fail("stream_destroy", "cuStreamDestroy", r);
+}
+
+fsc_status_t fsc_gpu_stream_wait_event(int device, fsc_stream_t stream, fsc_gpu_event_t ev) {
+    fsc_gpu_ctx_t g;
+    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
+    cu_result_t r = cu.cuStreamWaitEvent((cu_stream_t)stream, ev, 0);
+    fsc_gpu_ctx_exit(&g);
+    return r == CU_SUCCESS ? FSC_OK : cu_fail("stream_wait_event", "cuStreamWaitEvent", r);
+}
+
+fsc_status_t fsc_gpu_stream_synchronize(int device, fsc_stream_t stream) {
+    fsc_gpu_ctx_t g;
+    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
+    cu_result_t r = cu.cuStreamSynchronize((cu_stream_t)stream);
+    fsc_gpu_ctx_exit(&g);
+    return r == CU_SUCCESS ? FSC_OK : cu_fail("stream_synchronize", "cuStreamSynchronize", r);
+}
+
+fsc_status_t fsc_gpu_stream_query(int device, fsc_stream_t stream, int *done) {
+    fsc_gpu_ctx_t g;
+    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
+    cu_result_t r = cu.cuStreamQuery((cu_stream_t)stream);
+    fsc_gpu_ctx_exit(&g);
+    *done = r == CU_SUCCESS;
+    return (r == CU_SUCCESS || r == CU_ERROR_NOT_READY) ? FSC_OK : cu_fail("stream_query", "cuStreamQuery", r);
+}
+
+/* ---- launching ---------------------------------------------------------------------------- */
+
+/* The kernel `k` in `device`'s context (current on this thread), loading the embedded image
+ * into that context on first use. */
+static fsc_status_t get_kernel(int device, kernel_id_t k, const char *op, cu_function_t *out) {
+#ifndef FSC_WITH_CUDA_KERNELS
+    (void)device, (void)k, (void)out;
+    return fsc_error(FSC_ERR_UNAVAILABLE,
+                     "%s: fairscale_c was built without CUDA kernels (nvcc was not found at build time); "
+                     "reinstall with nvcc on PATH or CUDA_HOME set", op);
+#else
+    fsc_status_t st = FSC_OK;
+    device_state_t *d = &devices[device];
+    pthread_mutex_lock(&dev_lock);
+    if (d->module == NULL) {
+        cu_module_t mod = NULL;
+        cu_result_t r = cu.cuModuleLoadData(&mod, fsc_cuda_fatbin);
+        if (r != CU_SUCCESS) {
+            st = fsc_error(FSC_ERR_UNAVAILABLE,
+                           "%s: loading the CUDA kernels on device %d failed: %s; the image holds sm_80/sm_90 "
+                           "code and compute_90 PTX, which needs a driver at least as new as the nvcc that "
+                           "built it", op, device, cu_describe(r));
+            goto exit;
+        }
+        for (int i = 0; i < K_COUNT; i++) {
+            r = cu.cuModuleGetFunction(&d->fn[i], mod, kernel_names[i]);
+            if (r != CU_SUCCESS) {
+                /* leak `mod` rather than unload it: harmless, and only on a broken build */
+                FSC_CHECK_GOTO(cu_fail(op, kernel_names[i], r), st, exit);
+            }
+        }
+        d->module = mod;
+        FSC_INFO("gpu", "loaded %zu-byte kernel image on device %d", (size_t)fsc_cuda_fatbin_len, device);
+    }
+    *out = d->fn[k];
+exit:
+    pthread_mutex_unlock(&dev_lock);
+    return st;
+#endif
+}
+
+static unsigned int grid_for(int64_t n) {
+    int64_t blocks = (n + FSC_GPU_BLOCK - 1) / FSC_GPU_BLOCK;
+    if (blocks < 1) blocks = 1;
+    return (unsigned int)(blocks < FSC_GPU_MAX_GRID ? blocks : FSC_GPU_MAX_GRID);
+}
+
+/* Enqueue kernel `k` on `stream` of `device` with `args` (pointers to each argument, exactly
+ * the kernel's parameter types) and check that the launch was accepted. */
+static fsc_status_t launch(int device, kernel_id_t k, unsigned int grid, fsc_stream_t stream, void **args,
+                           const char *op) {
+    fsc_gpu_ctx_t g;
+    fsc_status_t st = FSC_OK;
+    cu_function_t f = NULL;
+    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
+    FSC_CHECK_GOTO(get_kernel(device, k, op, &f), st, exit);
+    cu_result_t r = cu.cuLaunchKernel(f, grid, 1, 1, FSC_GPU_BLOCK, 1, 1, 0, (cu_stream_t)stream, args, NULL);
+    if (r != CU_SUCCESS) st = cu_fail(op, kernel_names[k], r);
+exit:
+    fsc_gpu_ctx_exit(&g);
+    return st;
+}
+
+/* Common precondition for CUDA tensor arguments; also checks that `t` lives on `device`. */
+static fsc_status_t check_cuda(const fsc_tensor_t *t, const char *op, const char *arg, unsigned dtypes, int writable,
+                               int device) {
+    FSC_CHECK(fsc_kernels_check(t, op, arg, FSC_DEV_CUDA, dtypes, writable));
+    if (t->device_id != device)
+        return fsc_error(FSC_ERR_VALUE, "%s: %s is on cuda:%d, expected cuda:%d like the other arguments", op, arg,
+                         t->device_id, device);
+    return FSC_OK;
+}
+
+static fsc_status_t check_one_float(const fsc_tensor_t *t, const char *op, const char *arg, int device) {
+    FSC_CHECK(check_cuda(t, op, arg, FSC_DTYPE_BIT(FSC_FLOAT32), 1, device));
+    if (t->numel != 1)
+        return fsc_error(FSC_ERR_VALUE, "%s: %s must have exactly 1 element, got %lld", op, arg, (long long)t->numel);
+    return FSC_OK;
+}
+
+fsc_status_t fsc_gpu_cast(fsc_tensor_t *dst, const fsc_tensor_t *src, fsc_stream_t stream) {
+    static const char *op = "cuda_cast";
+    int dev = src->device_id;
+    FSC_CHECK(check_cuda(src, op, "src", FSC_FLOAT_DTYPES, 0, dev));
+    FSC_CHECK(check_cuda(dst, op, "dst", FSC_FLOAT_DTYPES, 1, dev));
+    if (dst->numel != src->numel)
+        return fsc_error(FSC_ERR_VALUE, "%s: dst has %lld elements, src has %lld", op, (long long)dst->numel,
+                         (long long)src->numel);
+    kernel_id_t k;
+    if (src->dtype == FSC_FLOAT32 && dst->dtype == FSC_FLOAT16)
+        k = K_CAST_F32_F16;
+    else if (src->dtype == FSC_FLOAT32 && dst->dtype == FSC_BFLOAT16)
+        k = K_CAST_F32_BF16;
+    else if (src->dtype == FSC_FLOAT16 && dst->dtype == FSC_FLOAT32)
+        k = K_CAST_F16_F32;
+    else if (src->dtype == FSC_BFLOAT16 && dst->dtype == FSC_FLOAT32)
+        k = K_CAST_BF16_F32;
+    else
+        return fsc_error(FSC_ERR_TYPE, "%s: casts go between float32 and float16/bfloat16, got %s -> %s", op,
+                         fsc_dtype_name(src->dtype), fsc_dtype_name(dst->dtype));
+    if (src->numel == 0) return FSC_OK;
+    long long n = (long long)src->numel;
+    void *d = dst->data, *s = src->data;
+    void *args[] = {&d, &s, &n};
+    return launch(dev, k, grid_for(src->numel), stream, args, op);
+}
+
+fsc_status_t fsc_gpu_unscale_inf_check(fsc_tensor_t *buf, float inv_scale, fsc_tensor_t *found_inf,
+                                       fsc_stream_t stream) {
+    static const char *op = "cuda_unscale_inf_check";
+    int dev = buf->device_id;
+    FSC_CHECK(check_cuda(buf, op, "buf", FSC_FLOAT_DTYPES, 1, dev));
+    FSC_CHECK(check_one_float(found_inf, op, "found_inf", dev));
+    if (buf->numel == 0) return FSC_OK;
+    kernel_id_t k = buf->dtype == FSC_FLOAT32 ? K_UNSCALE_F32 : buf->dtype == FSC_FLOAT16 ? K_UNSCALE_F16 : K_UNSCALE_BF16;
+    long long n = (long long)buf->numel;
+    void *b = buf->data, *fi = found_inf->data;
+    void *args[] = {&b, &n, &inv_scale, &fi};
+    return launch(dev, k, grid_for(buf->numel), stream, args, op);
+}
+
+fsc_status_t fsc_gpu_norm(const fsc_tensor_t *x, fsc_norm_mode_t mode, fsc_tensor_t *workspace, fsc_tensor_t *out,
+                          fsc_stream_t stream) {
+    static const char *op = "cuda_norm";
+    int dev = x->device_id;
+    FSC_CHECK(check_cuda(x, op, "x", FSC_FLOAT_DTYPES, 0, dev));
+    FSC_CHECK(check_cuda(workspace, op, "workspace", FSC_DTYPE_BIT(FSC_FLOAT32), 1, dev));
+    FSC_CHECK(check_one_float(out, op, "out", dev));
+    if (workspace->numel < 1) return fsc_error(FSC_ERR_VALUE, "%s: workspace must have at least 1 element", op);
+    if (mode != FSC_NORM_SUMSQ && mode != FSC_NORM_ABSMAX)
+        return fsc_error(FSC_ERR_VALUE, "%s: mode must be FSC_NORM_SUMSQ or FSC_NORM_ABSMAX, got %d", op, (int)mode);
+    int64_t limit = workspace->numel < FSC_GPU_MAX_PARTIALS ? workspace->numel : FSC_GPU_MAX_PARTIALS;
+    unsigned int grid = grid_for(x->numel);
+    if ((int64_t)grid > limit) grid = (unsigned int)limit;
+    kernel_id_t k = x->dtype == FSC_FLOAT32 ? K_NORM_F32 : x->dtype == FSC_FLOAT16 ? K_NORM_F16 : K_NORM_BF16;
+    long long n = (long long)x->numel;
+    int m = (int)mode, np = (int)grid;
+    void *xp = x->data, *wp = workspace->data, *op_ = out->data;
+    void *args1[] = {&xp, &n, &m, &wp};
+    FSC_CHECK(launch(dev, k, grid, stream, args1, op));
+    void *args2[] = {&wp, &np, &m, &op_};
+    return launch(dev, K_NORM_FINALIZE, 1, stream, args2, op);
+}
+
+static fsc_status_t check_shard(const fsc_tensor_t *t, const char *arg, int writable, const fsc_tensor_t *param) {
+    FSC_CHECK(check_cuda(t, "cuda_adamw_step", arg, FSC_DTYPE_BIT(FSC_FLOAT32), writable, param->device_id));
+    if (t->numel != param->numel)
+        return fsc_error(FSC_ERR_VALUE, "cuda_adamw_step: %s has %lld elements, param has %lld", arg,
+                         (long long)t->numel, (long long)param->numel);
+    return FSC_OK;
+}
+
+fsc_status_t fsc_gpu_adamw_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
+                                fsc_tensor_t *exp_avg_sq, const fsc_adamw_hparams_t *hp, fsc_stream_t stream) {
+    fsc_adamw_scalars_t s;
+    FSC_CHECK(check_shard(param, "param", 1, param));
+    FSC_CHECK(check_shard(grad, "grad", 0, param));
+    FSC_CHECK(check_shard(exp_avg, "exp_avg", 1, param));
+    FSC_CHECK(check_shard(exp_avg_sq, "exp_avg_sq", 1, param));
+    FSC_CHECK(fsc_adamw_prepare(hp, &s));
+    if (param->numel == 0) return FSC_OK;
+    long long n = (long long)param->numel;
+    void *p = param->data, *g = grad->data, *m = exp_avg->data, *v = exp_avg_sq->data;
+    void *args[] = {&p, &g, &m, &v, &n, &s.decay, &s.one_minus_b1, &s.beta2, &s.one_minus_b2, &s.bc2_sqrt,
+                    &s.neg_step_size, &s.eps};
+    return launch(param->device_id, K_ADAMW_F32, grid_for(param->numel), stream, args, "cuda_adamw_step");
+}

@@ -1,0 +1,101 @@
+/* gpu.h — the CUDA driver and runtime loaded at run time (dlopen, never linked), device
+ * contexts, streams and events, and launchers for the kernels in csrc/cuda. */
+#ifndef FSC_GPU_H
+#define FSC_GPU_H
+
+#include <stdint.h>
+
+#include "kernels_cpu.h"
+#include "status.h"
+#include "tensor.h"
+
+/* A CUstream / cudaStream_t (the same handle) as an integer, e.g. torch's
+ * `torch.cuda.current_stream().cuda_stream`. 0 is the legacy default stream. */
+typedef uintptr_t fsc_stream_t;
+
+/* A CUevent / cudaEvent_t. */
+typedef void *fsc_gpu_event_t;
+
+/* What fsc_gpu_info found. */
+typedef struct {
+    int driver_found;      /* libcuda.so.1 opened and its symbols resolved */
+    int driver_version;    /* cuDriverGetVersion, e.g. 12080 for 12.8; 0 when not found */
+    int runtime_found;     /* a libcudart was found (the one torch loaded, if any) */
+    int runtime_version;   /* cudaRuntimeGetVersion; 0 when not found */
+    char runtime_path[512];/* file the runtime was loaded from; "" when not found */
+    int kernels_built;     /* the CUDA kernels were compiled into this build */
+    int device_count;      /* devices the driver sees; 0 without a driver or device */
+    char error[256];       /* why the driver is unusable ("" when it is usable) */
+} fsc_gpu_info_t;
+
+/* Open libcuda.so.1, resolve the driver entry points and call cuInit, once per process
+ * (thread-safe; later calls return the first result). FSC_ERR_UNAVAILABLE when there is no
+ * driver or no device. Calling it initialises CUDA in this process, so call it after any
+ * fork. Blocks while the driver initialises (first call only). */
+fsc_status_t fsc_gpu_load(void);
+
+/* Fill *out. Never fails: a missing driver or runtime is reported in the fields. Calls
+ * fsc_gpu_load (so it initialises the driver when there is one). */
+void fsc_gpu_info(fsc_gpu_info_t *out);
+
+/* Make `device`'s primary context (the one torch's runtime uses) current on this thread for
+ * the duration of a driver call, restoring the previous one afterwards. Use as
+ *     fsc_gpu_ctx_t g; FSC_CHECK(fsc_gpu_ctx_enter(dev, &g)); ...; fsc_gpu_ctx_exit(&g);
+ * fsc_gpu_ctx_exit must be called on the same thread iff enter returned FSC_OK. */
+typedef struct {
+    int pushed;
+} fsc_gpu_ctx_t;
+fsc_status_t fsc_gpu_ctx_enter(int device, fsc_gpu_ctx_t *g);
+void fsc_gpu_ctx_exit(fsc_gpu_ctx_t *g);
+
+/* Events: create one on `device` (timing disabled) and record it on `stream`; query whether
+ * the work before it has finished (*done = 1) without blocking; destroy it (safe to call
+ * while it is still pending). */
+fsc_status_t fsc_gpu_event_record(int device, fsc_stream_t stream, fsc_gpu_event_t *ev);
+fsc_status_t fsc_gpu_event_query(int device, fsc_gpu_event_t ev, int *done);
+void fsc_gpu_event_destroy(int device, fsc_gpu_event_t ev);
+
+/* Streams owned by the core: create a non-blocking stream on `device` (does not synchronise
+ * with the legacy default stream) / destroy it (pending work still completes). */
+fsc_status_t fsc_gpu_stream_create(int device, fsc_stream_t *out);
+fsc_status_t fsc_gpu_stream_destroy(int device, fsc_stream_t stream);
+
+/* Make future work on `stream` wait for `ev` (device-side; does not block the host). */
+fsc_status_t fsc_gpu_stream_wait_event(int device, fsc_stream_t stream, fsc_gpu_event_t ev);
+
+/* Block until all work on `stream` has finished / report whether it has (*done = 1). */
+fsc_status_t fsc_gpu_stream_synchronize(int device, fsc_stream_t stream);
+fsc_status_t fsc_gpu_stream_query(int device, fsc_stream_t stream, int *done);
+
+/* ---- kernel launchers ---------------------------------------------------------------------
+ * All tensors are contiguous CUDA views on one device; the kernel is enqueued on `stream`
+ * (which must belong to that device) and the call returns without waiting for it. The first
+ * launch on a device loads the embedded kernel image into its primary context. Without
+ * CUDA kernels in the build each returns FSC_ERR_UNAVAILABLE; bad arguments give
+ * FSC_ERR_VALUE / FSC_ERR_TYPE before anything is enqueued. The caller keeps the memory alive
+ * until the stream has passed the kernel. */
+
+/* dst[i] = src[i] for equal-numel float32 -> float16/bfloat16 or float16/bfloat16 -> float32,
+ * rounding to nearest even (bit-identical to torch's Tensor.to()). dst and src must not
+ * overlap. */
+fsc_status_t fsc_gpu_cast(fsc_tensor_t *dst, const fsc_tensor_t *src, fsc_stream_t stream);
+
+/* CUDA twin of fsc_cpu_unscale_inf_check: buf (float32/float16/bfloat16) *= inv_scale in
+ * place and found_inf (one float32 element) is set to 1.0 if any element was non-finite. */
+fsc_status_t fsc_gpu_unscale_inf_check(fsc_tensor_t *buf, float inv_scale, fsc_tensor_t *found_inf,
+                                       fsc_stream_t stream);
+
+/* CUDA twin of fsc_cpu_norm with float32 accumulation: out (one float32 element) = sum of x^2
+ * or max |x| over x (float32/float16/bfloat16). `workspace` is float32 scratch of at least one
+ * element; its numel bounds the number of blocks of the first pass (at most 1024 are used).
+ * Two kernels, deterministic for a given workspace size. out and workspace must not
+ * overlap x or each other. */
+fsc_status_t fsc_gpu_norm(const fsc_tensor_t *x, fsc_norm_mode_t mode, fsc_tensor_t *workspace, fsc_tensor_t *out,
+                          fsc_stream_t stream);
+
+/* CUDA twin of fsc_cpu_adamw_step (flat float32 shards of equal numel, updated in place);
+ * bit-identical to it. */
+fsc_status_t fsc_gpu_adamw_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
+                                fsc_tensor_t *exp_avg_sq, const fsc_adamw_hparams_t *hp, fsc_stream_t stream);
+
+#endif /* FSC_GPU_H */
