@@ -1,0 +1,306 @@
+/* dlpack.c — importing any DLPack producer (torch, numpy, capsules) as an fsc_tensor_t view. */
+#include <string.h>
+
+#include "../dlpack.h"
+#include "binding.h"
+
+#define OWNER_CAPSULE "fairscale_c.dlpack_owner"
+#define OWNER_CAPSULE_LEGACY "fairscale_c.dlpack_owner_legacy"
+
+/* The consumer side of a capsule we renamed: calls the producer's deleter exactly once. */
+static void owner_destructor(PyObject *capsule) {
+    DLManagedTensorVersioned *v = PyCapsule_GetPointer(capsule, OWNER_CAPSULE);
+    if (v != NULL && v->deleter != NULL) v->deleter(v);
+}
+
+static void owner_destructor_legacy(PyObject *capsule) {
+    DLManagedTensor *m = PyCapsule_GetPointer(capsule, OWNER_CAPSULE_LEGACY);
+    if (m != NULL && m->deleter != NULL) m->deleter(m);
+}
+
+static int dtype_from_dl(DLDataType dt, fsc_dtype_t *out) {
+    if (dt.lanes != 1) return -1;
+    switch (dt.code) {
+        case kDLFloat:
+            if (dt.bits == 16) *out = FSC_FLOAT16;
+            else if (dt.bits == 32) *out = FSC_FLOAT32;
+            else if (dt.bits == 64) *out = FSC_FLOAT64;
+            else return -1;
+            return 0;
+        case kDLBfloat:
+            if (dt.bits != 16) return -1;
+            *out = FSC_BFLOAT16;
+            return 0;
+        case kDLInt:
+            if (dt.bits == 8) *out = FSC_INT8;
+            else if (dt.bits == 16) *out = FSC_INT16;
+            else if (dt.bits == 32) *out = FSC_INT32;
+            else if (dt.bits == 64) *out = FSC_INT64;
+            else return -1;
+            return 0;
+        case kDLUInt:
+            if (dt.bits != 8) return -1;
+            *out = FSC_UINT8;
+            return 0;
+        case kDLBool:
+            if (dt.bits != 8) return -1;
+            *out = FSC_BOOL;
+            return 0;
+        default: return -1;
+    }
+}
+
+/* Fill `out` from a DLTensor; sets an exception naming `argname` and returns -1 on failure. */
+static int view_from_dl(const DLTensor *t, int readonly, const char *argname, int flags, fsc_tensor_t *out) {
+    memset(out, 0, sizeof(*out));
+    if (t->device.device_type == kDLCPU || t->device.device_type == kDLCUDAHost) {
+        out->device_type = FSC_DEV_CPU; /* pinned host memory is host-addressable */
+    } else if (t->device.device_type == kDLCUDA) {
+        out->device_type = FSC_DEV_CUDA;
+    } else {
+        PyErr_Format(PyExc_ValueError,
+                     "argument '%s': unsupported device (DLPack device type %d); expected a CPU or CUDA tensor",
+                     argname, (int)t->device.device_type);
+        return -1;
+    }
+    if ((flags & FSC_IMPORT_CPU_ONLY) && out->device_type != FSC_DEV_CPU) {
+        PyErr_Format(PyExc_ValueError, "argument '%s': expected a CPU tensor, got a CUDA tensor", argname);
+        return -1;
+    }
+    out->device_id = t->device.device_id;
+    if (dtype_from_dl(t->dtype, &out->dtype) < 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "argument '%s': unsupported dtype (DLPack code %u, %u bits, %u lanes); expected one of "
+                     "float16, bfloat16, float32, float64, int8, int16, int32, int64, uint8, bool",
+                     argname, (unsigned)t->dtype.code, (unsigned)t->dtype.bits, (unsigned)t->dtype.lanes);
+        return -1;
+    }
+    if (t->ndim < 0 || t->ndim > FSC_MAX_NDIM) {
+        PyErr_Format(PyExc_BufferError, "argument '%s': ndim %d outside [0, %d]", argname, (int)t->ndim,
+                     FSC_MAX_NDIM);
+        return -1;
+    }
+    out->ndim = t->ndim;
+    int64_t numel = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        int64_t n = t->shape[i];
+        if (n < 0) {
+            PyErr_Format(PyExc_BufferError, "argument '%s': negative extent %lld in dim %d", argname, (long long)n, i);
+            return -1;
+        }
+        out->shape[i] = n;
+        /* NULL strides mean compact row-major; strides count elements. */
+        out->strides[i] = t->strides != NULL ? t->strides[i] : (i == t->ndim - 1 ? 1 : out->strides[i + 1] * out->shape[i + 1]);
+        if (n != 0 && numel > INT64_MAX / n) {
+            PyErr_Format(PyExc_BufferError, "argument '%s': element count overflows int64", argname);
+            return -1;
+        }
+        numel *= n;
+    }
+    out->numel = numel;
+    out->data = t->data == NULL ? NULL : (char *)t->data + t->byte_offset;
+    if (numel > 0 && out->data == NULL) {
+        PyErr_Format(PyExc_BufferError, "argument '%s': NULL data pointer for a tensor of %lld elements", argname,
+                     (long long)numel);
+        return -1;
+    }
+    out->readonly = readonly;
+    if ((flags & FSC_IMPORT_WRITABLE) && readonly) {
+        PyErr_Format(PyExc_ValueError, "argument '%s': the tensor is read-only; expected writable memory", argname);
+        return -1;
+    }
+    if ((flags & FSC_IMPORT_CONTIGUOUS) && !fsc_tensor_is_contiguous(out)) {
+        PyErr_Format(PyExc_ValueError, "argument '%s': expected a contiguous tensor (call .contiguous() first)",
+                     argname);
+        return -1;
+    }
+    return 0;
+}
+
+/* Consume a capsule: check its name and version, rename it, and wrap ownership of the managed
+ * tensor in a new owner capsule. Returns the owner or NULL with an exception set. */
+static PyObject *consume_capsule(PyObject *capsule, const char *argname, int flags, fsc_tensor_t *out) {
+    const char *name = PyCapsule_GetName(capsule);
+    if (name == NULL && PyErr_Occurred()) return NULL;
+    if (name != NULL && strcmp(name, "dltensor_versioned") == 0) {
+        DLManagedTensorVersioned *v = PyCapsule_GetPointer(capsule, name);
+        if (v == NULL) return NULL;
+        if (v->version.major > DLPACK_MAJOR_VERSION) {
+            /* Per the spec the only thing we may do now is leave the deleter to the producer. */
+            PyErr_Format(PyExc_BufferError,
+                         "argument '%s': DLPack version %u.%u is not supported; expected major version <= %d",
+                         argname, v->version.major, v->version.minor, DLPACK_MAJOR_VERSION);
+            return NULL;
+        }
+        int readonly = (v->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+        if (view_from_dl(&v->dl_tensor, readonly, argname, flags, out) < 0) return NULL;
+        PyObject *owner = PyCapsule_New(v, OWNER_CAPSULE, owner_destructor);
+        if (owner == NULL) return NULL;
+        if (PyCapsule_SetName(capsule, "used_dltensor_versioned") < 0) {
+            /* Give ownership back: the producer's capsule still deletes it. */
+            PyCapsule_SetDestructor(owner, NULL);
+            Py_DECREF(owner);
+            return NULL;
+        }
+        return owner;
+    }
+    if (name != NULL && strcmp(name, "dltensor") == 0) {
+        DLManagedTensor *m = PyCapsule_GetPointer(capsule, name);
+        if (m == NULL) return NULL;
+        if (view_from_dl(&m->dl_tensor, 0, argname, flags, out) < 0) return NULL;
+        PyObject *owner = PyCapsule_New(m, OWNER_CAPSULE_LEGACY, owner_destructor_legacy);
+        if (owner == NULL) return NULL;
+        if (PyCapsule_SetName(capsule, "used_dltensor") < 0) {
+            PyCapsule_SetDestructor(owner, NULL);
+            Py_DECREF(owner);
+            return NULL;
+        }
+        return owner;
+    }
+    if (name != NULL && (strcmp(name, "used_dltensor") == 0 || strcmp(name, "used_dltensor_versioned") == 0)) {
+        PyErr_Format(PyExc_BufferError, "argument '%s': this DLPack capsule was already consumed", argname);
+        return NULL;
+    }
+    PyErr_Format(PyExc_BufferError,
+                 "argument '%s': capsule named '%s' is not a DLPack tensor; expected 'dltensor' or "
+                 "'dltensor_versioned'",
+                 argname, name ? name : "(null)");
+    return NULL;
+}
+
+/* obj.__dlpack__(max_version=(1, minor)[, stream=s]); falls back to no max_version on TypeError. */
+static PyObject *call_dlpack(PyObject *obj, int is_cuda, intptr_t cuda_stream) {
+    PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
+    if (meth == NULL) return NULL;
+    PyObject *kwargs = PyDict_New();
+    PyObject *capsule = NULL;
+    if (kwargs == NULL) goto exit;
+    if (is_cuda) {
+        /* 0 is disallowed by the protocol; 1 means the legacy default stream. */
+        PyObject *s = PyLong_FromSsize_t(cuda_stream == 0 ? 1 : (Py_ssize_t)cuda_stream);
+        if (s == NULL || PyDict_SetItemString(kwargs, "stream", s) < 0) {
+            Py_XDECREF(s);
+            goto exit;
+        }
+        Py_DECREF(s);
+    }
+    PyObject *version = Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
+    if (version == NULL || PyDict_SetItemString(kwargs, "max_version", version) < 0) {
+        Py_XDECREF(version);
+        goto exit;
+    }
+    Py_DECREF(version);
+    PyObject *empty = PyTuple_New(0);
+    if (empty == NULL) goto exit;
+    capsule = PyObject_Call(meth, empty, kwargs);
+    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        /* A producer that predates DLPack 1.0 does not know max_version. */
+        PyErr_Clear();
+        if (PyDict_DelItemString(kwargs, "max_version") == 0) capsule = PyObject_Call(meth, empty, kwargs);
+    }
+    Py_DECREF(empty);
+exit:
+    Py_XDECREF(kwargs);
+    Py_DECREF(meth);
+    return capsule;
+}
+
+/* torch refuses to export tensors that require grad; say so in our words, naming the argument. */
+static int check_requires_grad(PyObject *obj, const char *argname) {
+    PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
+    if (rg == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int truth = PyObject_IsTrue(rg);
+    Py_DECREF(rg);
+    if (truth < 0) return -1;
+    if (truth) {
+        PyErr_Format(PyExc_ValueError,
+                     "argument '%s': the tensor requires grad; expected a tensor without autograd history "
+                     "(pass %s.detach())",
+                     argname, argname);
+        return -1;
+    }
+    return 0;
+}
+
+static int device_is_cuda(PyObject *obj, const char *argname, int *is_cuda) {
+    *is_cuda = 0;
+    PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    if (dev == NULL) {
+        /* __dlpack_device__ is optional for CPU-only producers. */
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    int type = 0, id = 0;
+    if (!PyArg_ParseTuple(dev, "ii", &type, &id)) {
+        Py_DECREF(dev);
+        PyErr_Format(PyExc_BufferError, "argument '%s': __dlpack_device__() must return (device_type, device_id)",
+                     argname);
+        return -1;
+    }
+    Py_DECREF(dev);
+    *is_cuda = type == kDLCUDA;
+    return 0;
+}
+
+int fsc_py_import(PyObject *module, PyObject *obj, const char *argname, int flags, intptr_t cuda_stream,
+                  fsc_tensor_t *out, PyObject **owner) {
+    (void)module;
+    *owner = NULL;
+    if (PyCapsule_CheckExact(obj)) {
+        *owner = consume_capsule(obj, argname, flags, out);
+        return *owner == NULL ? -1 : 0;
+    }
+    if (!PyObject_HasAttrString(obj, "__dlpack__")) {
+        PyErr_Format(PyExc_TypeError,
+                     "argument '%s': expected an object supporting the DLPack protocol (__dlpack__), e.g. a "
+                     "torch.Tensor or numpy.ndarray; got '%.200s'",
+                     argname, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (check_requires_grad(obj, argname) < 0) return -1;
+    int is_cuda;
+    if (device_is_cuda(obj, argname, &is_cuda) < 0) return -1;
+    if (is_cuda && (flags & FSC_IMPORT_CPU_ONLY)) {
+        PyErr_Format(PyExc_ValueError, "argument '%s': expected a CPU tensor, got a CUDA tensor", argname);
+        return -1;
+    }
+    PyObject *capsule = call_dlpack(obj, is_cuda, cuda_stream);
+    if (capsule == NULL) {
+        /* Re-raise the producer's complaint as a BufferError that names the argument. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (PyErr_GivenExceptionMatches(type, PyExc_BufferError) ||
+            PyErr_GivenExceptionMatches(type, PyExc_RuntimeError) ||
+            PyErr_GivenExceptionMatches(type, PyExc_TypeError)) {
+            PyErr_Format(PyExc_BufferError, "argument '%s': cannot export through DLPack: %S", argname, value);
+            PyObject *t2, *v2, *tb2;
+            PyErr_Fetch(&t2, &v2, &tb2);
+            PyErr_NormalizeException(&t2, &v2, &tb2);
+            PyException_SetCause(v2, value); /* steals value */
+            Py_DECREF(type);
+            Py_XDECREF(tb);
+            PyErr_Restore(t2, v2, tb2);
+        } else {
+            PyErr_Restore(type, value, tb);
+        }
+        return -1;
+    }
+    if (!PyCapsule_CheckExact(capsule)) {
+        PyErr_Format(PyExc_BufferError, "argument '%s': __dlpack__() returned '%.200s', expected a capsule", argname,
+                     Py_TYPE(capsule)->tp_name);
+        Py_DECREF(capsule);
+        return -1;
+    }
+    *owner = consume_capsule(capsule, argname, flags, out);
+    Py_DECREF(capsule);
+    return *owner == NULL ? -1 : 0;
+}
+
+int fsc_py_dlpack_exec(PyObject *module) { return fsc_py_buffer_exec(module); }

@@ -1,0 +1,29 @@
+"""fairscale_c: FairScale's large-scale training primitives with a C core.
+
+Existing FairScale code moves over by changing ``fairscale`` to ``fairscale_c`` in imports.
+"""
+
+from typing import Any, Dict
+
+from . import _C
+from ._C import DistributedError
+
+__version__ = "0.1.0"
+__version_tuple__ = (0, 1, 0)
+
+__all__ = ["DistributedError", "build_info"]
+
+
+def build_info() -> Dict[str, Any]:
+    """What this build contains and what it found at run time.
+
+    Keys: ``version``, ``compiler``, ``c_standard``, ``dlpack_version``, ``cuda_kernels_built``
+    (compiled in when nvcc was present at build time), and, discovered at run time by dlopen,
+    ``cuda_driver`` / ``cuda_runtime`` / ``nccl`` (each ``None`` when not found, else a dict
+    with its version and where it was loaded from) and ``cuda_device_count``.
+    """
+    info = dict(_C._build_info())
+    gpu_info = getattr(_C, "gpu_info", None)
+    if gpu_info is not None:
+        info.update(gpu_info())
+    return info

@@ -1,0 +1,71 @@
+"""Build fairscale_c._C: one C11 extension; CUDA kernels embedded as a fatbin when nvcc is found."""
+
+import glob
+import os
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VERSION = "0.1.0"
+
+
+def cuda_wanted():
+    """FAIRSCALE_C_CUDA=0|1 forces the choice; otherwise build kernels when nvcc is found."""
+    forced = os.environ.get("FAIRSCALE_C_CUDA")
+    if forced == "0":
+        return None, None
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import build_cuda  # noqa: E402  (tools/ is not a package on purpose)
+
+    nvcc = build_cuda.find_nvcc()
+    if forced == "1" and nvcc is None:
+        raise RuntimeError("FAIRSCALE_C_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+    return nvcc, build_cuda
+
+
+class BuildExt(build_ext):
+    """Adds the embedded-fatbin source when nvcc is available, and sanitizer flags on request."""
+
+    def build_extensions(self):
+        nvcc, build_cuda = cuda_wanted()
+        for ext in self.extensions:
+            if nvcc is not None:
+                out_c = os.path.join(self.build_temp, "fsc_cuda_fatbin.c")
+                os.makedirs(self.build_temp, exist_ok=True)
+                build_cuda.build_fatbin(nvcc, sorted(glob.glob("csrc/cuda/*.cu")), out_c, self.build_temp)
+                ext.sources.append(out_c)
+                ext.define_macros.append(("FSC_WITH_CUDA_KERNELS", "1"))
+            if os.environ.get("FAIRSCALE_C_SANITIZE"):
+                flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g"]
+                ext.extra_compile_args += flags
+                ext.extra_link_args += ["-fsanitize=address,undefined"]
+        super().build_extensions()
+
+
+def subsystem_macros():
+    # Binding-layer subsystems register themselves from module.c when their file is present.
+    macros = [("FSC_VERSION", '"%s"' % VERSION)]
+    for name in ("comm", "gpu"):
+        if os.path.exists(os.path.join(ROOT, "csrc", "py", name + ".c")):
+            macros.append(("FSC_HAVE_" + name.upper(), "1"))
+    return macros
+
+
+ext = Extension(
+    "fairscale_c._C",
+    sources=sorted(glob.glob("csrc/*.c")) + sorted(glob.glob("csrc/py/*.c")),
+    include_dirs=["csrc"],
+    define_macros=subsystem_macros(),
+    extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-D_GNU_SOURCE", "-fvisibility=hidden",
+                        "-fno-strict-aliasing"],
+    libraries=["pthread", "dl", "rt"],
+)
+
+setup(
+    packages=find_packages(include=["fairscale_c", "fairscale_c.*"]),
+    package_data={"fairscale_c": ["py.typed", "_C.pyi"]},
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExt},
+)

@@ -1,0 +1,385 @@
+"""The DLPack bridge: torch/numpy -> C -> torch/numpy, every dtype, views, capsules, bad input."""
+
+import ctypes
+import gc
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from fairscale_c import _C
+
+TORCH_DTYPES = [
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.bool,
+]
+NUMPY_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_]
+
+
+def sample(dtype, shape=(5, 7)):
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 100).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_torch_round_trip_every_dtype(dtype):
+    t = sample(dtype)
+    out = torch.from_dlpack(_C.clone(t))
+    assert out.dtype == dtype and out.shape == t.shape
+    assert torch.equal(out, t)
+    assert out.data_ptr() != t.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_numpy_round_trip_every_dtype(dtype):
+    a = np.arange(-17, 18).astype(dtype).reshape(5, 7)
+    out = np.from_dlpack(_C.clone(a))
+    assert out.dtype == a.dtype and out.shape == a.shape
+    np.testing.assert_array_equal(out, a)
+
+
+def test_describe_reports_the_view_c_sees():
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    view = base[1:, 2::3]
+    d = _C.describe(view)
+    assert d["shape"] == (5, 3) and d["strides"] == (10, 3)
+    assert d["data_ptr"] == view.data_ptr()  # byte_offset honoured
+    assert d["contiguous"] is False and d["dtype"] == "float32" and d["device"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda b: b[1:, 2::3],
+        lambda b: b.t(),
+        lambda b: b[:, 3],
+        lambda b: b[2:4].unsqueeze(1).expand(2, 4, 10),  # stride 0
+        lambda b: b.reshape(3, 2, 10).permute(2, 0, 1)[1:, :, 1:],
+    ],
+    ids=["slice", "transpose", "column", "expand", "permute"],
+)
+def test_strided_and_offset_views_copy_correctly(make):
+    base = torch.arange(60, dtype=torch.float64).reshape(6, 10)
+    view = make(base)
+    out = torch.from_dlpack(_C.clone(view))
+    assert out.is_contiguous()
+    assert torch.equal(out, view.contiguous())
+
+
+def test_numpy_negative_strides():
+    a = np.arange(24, dtype=np.int32).reshape(4, 6)[::-1, ::-2]
+    np.testing.assert_array_equal(np.from_dlpack(_C.clone(a)), a)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (4, 0, 2)])
+def test_zero_size(shape):
+    t = torch.empty(shape)
+    out = torch.from_dlpack(_C.clone(t))
+    assert out.shape == t.shape and out.numel() == 0
+    assert _C.describe(t)["numel"] == 0
+
+
+def test_scalar_zero_dim():
+    t = torch.tensor(3.5)
+    assert torch.from_dlpack(_C.clone(t)).item() == 3.5
+
+
+def test_versioned_and_legacy_capsules_from_torch():
+    t = torch.arange(6, dtype=torch.int32)
+    legacy = t.__dlpack__()
+    versioned = t.__dlpack__(max_version=(1, 0))
+    assert "dltensor" in repr(legacy) and "dltensor_versioned" in repr(versioned)
+    assert _C.describe(legacy)["data_ptr"] == t.data_ptr()
+    assert _C.describe(versioned)["data_ptr"] == t.data_ptr()
+    # Consumed capsules are renamed and refused the second time.
+    assert "used_dltensor" in repr(legacy) and "used_dltensor_versioned" in repr(versioned)
+    with pytest.raises(BufferError, match="already consumed"):
+        _C.describe(legacy)
+    with pytest.raises(BufferError, match="already consumed"):
+        _C.describe(versioned)
+
+
+# --- capsules built by hand, to test both layouts and the deleter contract -------------------
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32), ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class DLManagedTensor(ctypes.Structure):
+    pass
+
+
+LegacyDeleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
+DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", LegacyDeleter)]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    pass
+
+
+VersionedDeleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensorVersioned))
+DLManagedTensorVersioned._fields_ = [
+    ("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p), ("deleter", VersionedDeleter),
+    ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor),
+]
+
+PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+PyCapsule_New.restype = ctypes.py_object
+PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class HandMade:
+    """Keeps a hand-built managed tensor (and the array it points into) alive; counts deleter calls."""
+
+    def __init__(self, array, versioned, major=1, readonly=False, byte_offset=0, strides=None):
+        self.array = array
+        self.deleted = 0
+        self.shape = (ctypes.c_int64 * array.ndim)(*array.shape)
+        self.strides = None if strides is None else (ctypes.c_int64 * array.ndim)(*strides)
+        t = DLTensor(
+            data=array.ctypes.data, device=DLDevice(1, 0), ndim=array.ndim, dtype=DLDataType(2, 32, 1),
+            shape=self.shape, strides=self.strides, byte_offset=byte_offset,
+        )
+        if versioned:
+            self.deleter = VersionedDeleter(self._on_delete)
+            self.managed = DLManagedTensorVersioned(
+                version=DLPackVersion(major, 0), manager_ctx=None, deleter=self.deleter,
+                flags=1 if readonly else 0, dl_tensor=t,
+            )
+            self.name = b"dltensor_versioned"
+        else:
+            self.deleter = LegacyDeleter(self._on_delete)
+            self.managed = DLManagedTensor(dl_tensor=t, manager_ctx=None, deleter=self.deleter)
+            self.name = b"dltensor"
+
+    def _on_delete(self, _ptr):
+        self.deleted += 1
+
+    def capsule(self):
+        return PyCapsule_New(ctypes.addressof(self.managed), self.name, None)
+
+
+@pytest.mark.parametrize("versioned", [False, True], ids=["legacy", "versioned"])
+def test_hand_built_capsule_consumed_and_deleted_once(versioned):
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    h = HandMade(a, versioned)
+    cap = h.capsule()
+    out = np.from_dlpack(_C.clone(cap))
+    np.testing.assert_array_equal(out, a)
+    gc.collect()
+    assert h.deleted == 1
+    with pytest.raises(BufferError, match="already consumed"):
+        _C.clone(cap)
+    assert h.deleted == 1
+
+
+def test_hand_built_capsule_byte_offset_and_null_strides():
+    a = np.arange(12, dtype=np.float32)
+    # View rows 1..2 of a 3x4 matrix through byte_offset with NULL strides (compact row-major).
+    h = HandMade(a[:8].reshape(2, 4), versioned=False, byte_offset=16)
+    out = np.from_dlpack(_C.clone(h.capsule()))
+    np.testing.assert_array_equal(out, a[4:12].reshape(2, 4))
+
+
+def test_major_version_above_one_is_refused_and_left_to_producer():
+    a = np.ones(4, dtype=np.float32)
+    h = HandMade(a, versioned=True, major=2)
+    cap = h.capsule()
+    with pytest.raises(BufferError, match=r"argument 'src'.*version 2\.0.*major version <= 1"):
+        _C.clone(cap)
+    assert "used" not in repr(cap)  # not consumed: the producer still owns it
+    assert h.deleted == 0
+
+
+def test_read_only_flag_is_honoured():
+    a = np.arange(4, dtype=np.float32)
+    h = HandMade(a, versioned=True, readonly=True)
+    assert _C.describe(h.capsule())["readonly"] is True
+    with pytest.raises(ValueError, match="argument 'obj'.*read-only"):
+        _C.describe(HandMade(a, versioned=True, readonly=True).capsule(), writable=True)
+    frozen = np.arange(4, dtype=np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises((ValueError, BufferError), match="argument 'dst'"):
+        _C.copy_(frozen, np.zeros(4, dtype=np.float32))
+    np.testing.assert_array_equal(frozen, np.arange(4, dtype=np.float32))
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def test_object_without_dlpack():
+    with pytest.raises(TypeError, match=r"argument 'src'.*DLPack protocol.*got 'list'"):
+        _C.clone([1, 2, 3])
+
+
+def test_tensor_that_requires_grad():
+    t = torch.ones(3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"argument 'src'.*requires grad.*detach"):
+        _C.clone(t)
+
+
+def test_non_contiguous_where_required():
+    t = torch.ones(4, 4).t()
+    with pytest.raises(ValueError, match=r"argument 'obj'.*contiguous"):
+        _C.describe(t, contiguous=True)
+    assert _C.describe(t.contiguous(), contiguous=True)["contiguous"] is True
+
+
+def test_unsupported_dtype():
+    with pytest.raises(TypeError, match=r"argument 'src'.*unsupported dtype.*expected one of"):
+        _C.clone(torch.ones(3, dtype=torch.complex64))
+
+
+def test_unsupported_device():
+    h = HandMade(np.ones(2, dtype=np.float32), versioned=False)
+    h.managed.dl_tensor.device = DLDevice(10, 0)  # ROCm
+    with pytest.raises(ValueError, match=r"argument 'src'.*unsupported device.*CPU or CUDA"):
+        _C.clone(h.capsule())
+
+
+def test_capsule_with_wrong_name():
+    a = np.ones(2, dtype=np.float32)
+    cap = PyCapsule_New(a.ctypes.data, b"not_a_tensor", None)
+    with pytest.raises(BufferError, match=r"argument 'src'.*'not_a_tensor'.*expected 'dltensor'"):
+        _C.clone(cap)
+
+
+def test_producer_export_failure_becomes_buffer_error():
+    class Bad:
+        def __dlpack__(self, **kw):
+            raise BufferError("cannot export")
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    with pytest.raises(BufferError, match=r"argument 'src'.*cannot export"):
+        _C.clone(Bad())
+
+
+def test_copy_shape_and_dtype_errors():
+    with pytest.raises(ValueError, match="different shapes"):
+        _C.copy_(torch.zeros(3), torch.zeros(4))
+    with pytest.raises(TypeError, match="cannot convert int32 to float32"):
+        _C.copy_(torch.zeros(3), torch.zeros(3, dtype=torch.int32))
+
+
+# --- the C copy/cast against torch ----------------------------------------------------------
+
+
+SPECIALS = [0.0, -0.0, 1.0, -2.5, 65504.0, 65520.0, 1e-8, 6e-8, 3e-5, 1e38, 3.4e38, float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_cast_matches_torch_bitwise(dst_dtype):
+    src = torch.cat([torch.randn(10007, generator=torch.Generator().manual_seed(1)) * 1000, torch.tensor(SPECIALS)])
+    dst = torch.empty_like(src, dtype=dst_dtype)
+    _C.copy_(dst, src)
+    assert torch.equal(dst, src.to(dst_dtype))
+    back = torch.empty_like(src)
+    _C.copy_(back, dst)
+    assert torch.equal(back, dst.to(torch.float32))
+
+
+def test_cast_nan_stays_nan():
+    src = torch.tensor([float("nan"), 1.0])
+    for dt in (torch.float16, torch.bfloat16):
+        dst = torch.empty(2, dtype=dt)
+        _C.copy_(dst, src)
+        assert torch.isnan(dst[0]) and dst[1] == 1
+
+
+def test_copy_into_strided_destination():
+    dst = torch.zeros(4, 6)
+    src = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    _C.copy_(dst[:, ::2], src)
+    assert torch.equal(dst[:, ::2], src) and dst[:, 1::2].abs().sum() == 0
+
+
+# --- exports of C-owned memory --------------------------------------------------------------
+
+
+def test_buffer_is_shared_zero_copy_with_torch_and_numpy():
+    buf = _C.Buffer((2, 3), "float32")
+    assert buf.shape == (2, 3) and buf.dtype == "float32" and buf.nbytes == 24
+    t = torch.from_dlpack(buf)
+    a = np.from_dlpack(buf)
+    t += 5
+    np.testing.assert_array_equal(a, np.full((2, 3), 5, dtype=np.float32))
+    assert t.data_ptr() == a.ctypes.data
+
+
+def test_buffer_accepts_torch_dtype_and_exports_both_capsule_kinds():
+    buf = _C.Buffer([4], torch.bfloat16)
+    assert buf.dtype == "bfloat16"
+    assert "dltensor_versioned" in repr(buf.__dlpack__(max_version=(1, 1)))
+    assert '"dltensor"' in repr(buf.__dlpack__())
+    copied = torch.from_dlpack(buf.__dlpack__(max_version=(1, 0), copy=True))
+    assert copied.data_ptr() != torch.from_dlpack(buf).data_ptr()
+    with pytest.raises(BufferError, match="stream"):
+        buf.__dlpack__(stream=5)
+    with pytest.raises(TypeError, match="argument 'dtype'"):
+        _C.Buffer([4], "complex64")
+    with pytest.raises(ValueError, match="argument 'shape'"):
+        _C.Buffer([-1], "float32")
+
+
+def test_unconsumed_export_capsule_is_freed():
+    gc.collect()
+    before = _C._live_host_buffers()
+    buf = _C.Buffer((8,), "float32")
+    for _ in range(10):
+        buf.__dlpack__(max_version=(1, 0))
+        buf.__dlpack__()
+    del buf
+    gc.collect()
+    assert _C._live_host_buffers() == before
+
+
+def test_no_leaks_over_many_round_trips():
+    t = torch.randn(64, 32)
+    a = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
+    gc.collect()
+    live0, ref_t, ref_a = _C._live_host_buffers(), sys.getrefcount(t), sys.getrefcount(a)
+    for _ in range(3000):
+        torch.from_dlpack(_C.clone(t[:, ::2]))
+        np.from_dlpack(_C.clone(a))
+        _C.describe(t)
+        _C.copy_(t, t)
+    gc.collect()
+    assert _C._live_host_buffers() == live0
+    assert sys.getrefcount(t) == ref_t and sys.getrefcount(a) == ref_a
+
+
+def test_export_outlives_interpreter_shutdown():
+    # A torch tensor viewing C-owned memory is alive at exit; its deleter must not touch Python.
+    code = (
+        "import torch; from fairscale_c import _C\n"
+        "KEEP = [torch.from_dlpack(_C.Buffer((1024,), 'float32')) for _ in range(8)]\n"
+        "KEEP.append(_C.Buffer((4,), 'int64').__dlpack__(max_version=(1, 0)))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
