@@ -1,0 +1,73 @@
+/* comm.h — backend-neutral collective vocabulary: op codes, reduce ops, the per-op header, timeouts. */
+#ifndef FSC_COMM_H
+#define FSC_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+#include "tensor.h"
+
+/* What a rank is doing. Values are stable: they travel between processes in op headers. */
+typedef enum {
+    FSC_OP_NONE = 0,
+    FSC_OP_BARRIER,
+    FSC_OP_ALL_GATHER,
+    FSC_OP_REDUCE_SCATTER,
+    FSC_OP_ALL_REDUCE,
+    FSC_OP_BROADCAST,
+    FSC_OP_REDUCE,
+    FSC_OP_SEND,
+    FSC_OP_RECV,
+    FSC_NUM_OPS
+} fsc_comm_op_t;
+
+typedef enum { FSC_RED_SUM = 0, FSC_RED_AVG, FSC_RED_MAX, FSC_RED_MIN, FSC_NUM_REDS } fsc_reduce_op_t;
+
+/* The header every rank publishes before an op, so that ranks which diverge get an error that
+ * names both sides instead of a hang or silent garbage. `count` is the per-rank element count
+ * (all_gather: input numel; reduce_scatter: output numel; others: tensor numel). `root` is the
+ * group rank of the root (broadcast, reduce) or the peer (send, recv), else -1. `seq` counts the
+ * collectives a rank has issued on the group (send/recv count per peer pair instead). */
+typedef struct {
+    uint32_t op;    /* fsc_comm_op_t */
+    uint32_t dtype; /* fsc_dtype_t */
+    uint32_t redop; /* fsc_reduce_op_t, or 0 when the op does not reduce */
+    int32_t root;
+    uint64_t count;
+    uint64_t seq;
+} fsc_comm_header_t;
+
+/* "all_reduce", "send", ... */
+const char *fsc_comm_op_name(fsc_comm_op_t op);
+
+/* "sum", "avg", "max", "min". */
+const char *fsc_reduce_op_name(fsc_reduce_op_t op);
+
+/* Parse "sum" | "avg" | "max" | "min" into *out; FSC_ERR_VALUE naming the accepted values
+ * otherwise. */
+fsc_status_t fsc_reduce_op_parse(const char *name, fsc_reduce_op_t *out);
+
+/* FAIRSCALE_C_TIMEOUT in seconds (a positive number; default 600), read on every call so tests
+ * can change it. An unparsable value falls back to the default with a warning. */
+double fsc_comm_timeout_s(void);
+
+/* Monotonic clock in seconds. */
+double fsc_comm_now(void);
+
+/* Write a human description of `h` ("all_reduce(count=10, dtype=float32, op=sum, seq=3)") into
+ * buf (always NUL-terminated). */
+void fsc_comm_header_format(const fsc_comm_header_t *h, char *buf, size_t cap);
+
+/* Compare two ranks' headers. FSC_OK when they describe the same op; otherwise records an
+ * FSC_ERR_MISMATCH message naming the group, both ranks and both headers. Headers match when
+ * op, count, dtype, redop, root and seq are equal. */
+fsc_status_t fsc_comm_header_check(const char *group, int rank_a, const fsc_comm_header_t *a, int rank_b,
+                                   const fsc_comm_header_t *b);
+
+/* FSC_OK when `dt` is a dtype the collectives support (float16, bfloat16, float32, float64,
+ * int32, int64, uint8) and `redop` is valid for it (avg needs a floating dtype); FSC_ERR_VALUE
+ * naming `argname` otherwise. Pass redop < 0 for ops that do not reduce. */
+fsc_status_t fsc_comm_check_dtype(fsc_dtype_t dt, int redop, const char *opname, const char *argname);
+
+#endif /* FSC_COMM_H */

@@ -1,0 +1,293 @@
+/* shm.c — shm segment lifecycle (create, attach, join, unlink) and the wait/post primitives:
+ * spin briefly, then futex slices that check the deadline and the peer's liveness. */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "shm_internal.h"
+
+#define FSC_SHM_SPINS 2000       /* pause-loop iterations before yielding */
+#define FSC_SHM_YIELDS 50        /* sched_yield calls before sleeping in futex */
+#define FSC_SHM_SLICE_NS 2000000 /* futex sleep slice: 2 ms */
+#define FSC_SHM_LIVENESS_S 0.05  /* how often a sleeping waiter checks the peer's pid */
+
+static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int reached(_Atomic uint32_t *word, uint32_t target) {
+    return (int32_t)(atomic_load_explicit(word, memory_order_acquire) - target) >= 0;
+}
+
+static size_t chunk_from_env(void) {
+    const char *s = getenv("FAIRSCALE_C_SHM_CHUNK");
+    size_t def = (size_t)1 << 20;
+    if (s == NULL || *s == '\0') return def;
+    char *end = NULL;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s || *end != '\0' || v < 4096 || v > ((size_t)1 << 30)) {
+        FSC_WARN("shm", "FAIRSCALE_C_SHM_CHUNK='%s' must be a byte count in [4096, 2^30]; using %zu", s, def);
+        return def;
+    }
+    return round_up((size_t)v, 4096);
+}
+
+/* 1 when `pid` no longer runs: gone (ESRCH) or a zombie nobody has reaped yet. */
+static int pid_dead(pid_t pid) {
+    if (pid <= 0) return 0;
+    if (kill(pid, 0) == -1 && errno == ESRCH) return 1;
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) return 0;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')');
+    return p != NULL && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
+
+void fsc_shm_post(_Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t value) {
+    atomic_store_explicit(word, value, memory_order_seq_cst);
+    if (atomic_load_explicit(sleepers, memory_order_seq_cst) > 0)
+        syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static fsc_status_t wait_failed(fsc_shm_group_t *g, int peer, int dead) {
+    char peer_op[192];
+    fsc_comm_header_format(&g->ranks[peer].cur, peer_op, sizeof(peer_op));
+    if (dead)
+        return fsc_error(FSC_ERR_COMM, "%s on group '%s' (rank %d of %d): rank %d (pid %d) exited while this rank "
+                         "was waiting for it (it was last in %s)", g->op_desc, g->name, g->rank, g->size, peer,
+                         (int)atomic_load(&g->ranks[peer].pid), peer_op);
+    return fsc_error(FSC_ERR_TIMEOUT, "%s on group '%s' (rank %d of %d): rank %d did not arrive within "
+                     "FAIRSCALE_C_TIMEOUT=%g s (it is in %s)", g->op_desc, g->name, g->rank, g->size, peer,
+                     g->timeout, peer_op);
+}
+
+fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic uint32_t *sleepers,
+                          uint32_t target, int peer) {
+    for (int i = 0; i < FSC_SHM_SPINS; i++) {
+        if (reached(word, target)) return FSC_OK;
+        cpu_relax();
+    }
+    for (int i = 0; i < FSC_SHM_YIELDS; i++) {
+        if (reached(word, target)) return FSC_OK;
+        sched_yield();
+    }
+    double last_check = fsc_comm_now();
+    pid_t pid = (pid_t)atomic_load(&g->ranks[peer].pid);
+    for (;;) {
+        uint32_t v = atomic_load_explicit(word, memory_order_acquire);
+        if ((int32_t)(v - target) >= 0) return FSC_OK;
+        double now = fsc_comm_now();
+        if (now > g->deadline) return wait_failed(g, peer, 0);
+        if (now - last_check > FSC_SHM_LIVENESS_S) {
+            last_check = now;
+            if (pid_dead(pid) && !reached(word, target)) return wait_failed(g, peer, 1);
+        }
+        struct timespec slice = {0, FSC_SHM_SLICE_NS};
+        atomic_fetch_add(sleepers, 1);
+        syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, v, &slice, NULL, 0);
+        atomic_fetch_sub(sleepers, 1);
+    }
+}
+
+fsc_status_t fsc_shm_arrive(fsc_shm_group_t *g, int wait) {
+    fsc_shm_rank_ctrl_t *me = &g->ranks[g->rank];
+    uint32_t e = ++g->epoch;
+    fsc_shm_post(&me->arrive, &me->sleepers, e);
+    if (!wait) return FSC_OK;
+    for (int p = 0; p < g->size; p++) {
+        if (p == g->rank) continue;
+        FSC_CHECK(fsc_shm_wait(g, &g->ranks[p].arrive, &g->ranks[p].sleepers, e, p));
+    }
+    return FSC_OK;
+}
+
+/* Offsets of every region for `size` ranks; returns the total byte count. */
+static size_t layout(fsc_shm_seg_t *s, int size, size_t chunk, size_t p2p_chunk) {
+    size_t n = (size_t)size, off = round_up(sizeof(fsc_shm_seg_t), 4096);
+    s->off_ranks = off;
+    off = round_up(off + n * sizeof(fsc_shm_rank_ctrl_t), 4096);
+    s->off_chans = off;
+    off = round_up(off + n * n * sizeof(fsc_shm_chan_t), 4096);
+    s->off_slots = off;
+    off += n * 2 * chunk;
+    s->off_result = off;
+    off += 2 * chunk;
+    s->off_p2p = off;
+    off += n * n * 2 * p2p_chunk;
+    s->chunk = chunk;
+    s->p2p_chunk = p2p_chunk;
+    s->size = size;
+    s->total = off;
+    return off;
+}
+
+static fsc_status_t map_segment(fsc_shm_group_t *g, int create) {
+    int fd = -1;
+    fsc_status_t st = FSC_OK;
+    if (create) {
+        uint32_t rnd = 0;
+        if (getrandom(&rnd, sizeof(rnd), GRND_NONBLOCK) != (ssize_t)sizeof(rnd))
+            rnd = (uint32_t)time(NULL) ^ (uint32_t)(uintptr_t)g;
+        snprintf(g->seg_name, sizeof(g->seg_name), "/fsc-%d-%08x", (int)getpid(), rnd);
+        fsc_shm_seg_t tmp;
+        memset(&tmp, 0, sizeof(tmp));
+        g->chunk = chunk_from_env();
+        g->p2p_chunk = g->chunk / 4 < 65536 ? 65536 : g->chunk / 4;
+        g->bytes = layout(&tmp, g->size, g->chunk, g->p2p_chunk);
+        fd = shm_open(g->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd < 0) return fsc_error(FSC_ERR_SYSTEM, "shm_open(%s): %s", g->seg_name, strerror(errno));
+        if (ftruncate(fd, (off_t)g->bytes) != 0) {
+            st = fsc_error(FSC_ERR_SYSTEM, "ftruncate(%s, %zu): %s (is /dev/shm large enough?)", g->seg_name,
+                           g->bytes, strerror(errno));
+            shm_unlink(g->seg_name);
+            goto exit;
+        }
+    } else {
+        fd = shm_open(g->seg_name, O_RDWR, 0600);
+        if (fd < 0)
+            return fsc_error(FSC_ERR_COMM, "group '%s': cannot attach shared memory %s: %s (did rank 0 exit?)",
+                             g->name, g->seg_name, strerror(errno));
+        struct stat sb;
+        if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < sizeof(fsc_shm_seg_t)) {
+            st = fsc_error(FSC_ERR_COMM, "group '%s': shared memory %s is not a fairscale_c segment", g->name,
+                           g->seg_name);
+            goto exit;
+        }
+        g->bytes = (size_t)sb.st_size;
+    }
+    void *p = mmap(NULL, g->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        st = fsc_error(FSC_ERR_SYSTEM, "mmap(%s, %zu): %s", g->seg_name, g->bytes, strerror(errno));
+        if (create) shm_unlink(g->seg_name);
+        goto exit;
+    }
+    g->base = (uint8_t *)p;
+    g->seg = (fsc_shm_seg_t *)p;
+exit:
+    if (fd >= 0) close(fd);
+    return st;
+}
+
+static fsc_status_t init_or_check(fsc_shm_group_t *g, int create) {
+    fsc_shm_seg_t *s = g->seg;
+    if (create) {
+        layout(s, g->size, g->chunk, g->p2p_chunk);
+        s->version = FSC_SHM_VERSION;
+        atomic_store(&s->nattached, 0);
+        atomic_store_explicit(&s->magic, FSC_SHM_MAGIC, memory_order_release);
+    } else if (atomic_load_explicit(&s->magic, memory_order_acquire) != FSC_SHM_MAGIC ||
+               s->version != FSC_SHM_VERSION || s->size != g->size || s->total > g->bytes) {
+        return fsc_error(FSC_ERR_COMM, "group '%s': shared memory %s does not match (expected %d ranks, "
+                         "segment has %d; version %u vs %u)", g->name, g->seg_name, g->size, (int)s->size,
+                         (unsigned)s->version, FSC_SHM_VERSION);
+    }
+    g->chunk = s->chunk;
+    g->p2p_chunk = s->p2p_chunk;
+    g->ranks = (fsc_shm_rank_ctrl_t *)(g->base + s->off_ranks);
+    g->chans = (fsc_shm_chan_t *)(g->base + s->off_chans);
+    return FSC_OK;
+}
+
+fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, int rank, int size,
+                                fsc_shm_group_t **out) {
+    *out = NULL;
+    if (size < 1 || size > FSC_SHM_MAX_RANKS || rank < 0 || rank >= size)
+        return fsc_error(FSC_ERR_VALUE, "shm group: rank %d / size %d out of range (size 1..%d)", rank, size,
+                         FSC_SHM_MAX_RANKS);
+    fsc_status_t st = FSC_OK;
+    int create = seg_name == NULL;
+    fsc_shm_group_t *g = calloc(1, sizeof(*g));
+    if (g == NULL) return fsc_error(FSC_ERR_NOMEM, "shm group: out of memory");
+    snprintf(g->name, sizeof(g->name), "%s", group_name ? group_name : "?");
+    if (seg_name != NULL) snprintf(g->seg_name, sizeof(g->seg_name), "%s", seg_name);
+    g->rank = rank;
+    g->size = size;
+    g->timeout = fsc_comm_timeout_s();
+    g->unlinked = 0;
+    g->send_seq = calloc((size_t)size, sizeof(uint64_t));
+    g->recv_seq = calloc((size_t)size, sizeof(uint64_t));
+    if (g->send_seq == NULL || g->recv_seq == NULL) {
+        st = fsc_error(FSC_ERR_NOMEM, "shm group: out of memory");
+        goto fail;
+    }
+    FSC_CHECK_GOTO(map_segment(g, create), st, fail);
+    FSC_CHECK_GOTO(init_or_check(g, create), st, fail);
+    fsc_shm_rank_ctrl_t *me = &g->ranks[rank];
+    atomic_store(&me->pid, (int32_t)getpid());
+    atomic_store(&me->attached, 1);
+    g->epoch = atomic_load(&me->arrive);
+    if (atomic_fetch_add(&g->seg->nattached, 1) + 1 == (uint32_t)size) fsc_shm_group_unlink(g);
+    FSC_INFO("shm", "group '%s' rank %d/%d %s %s (%zu bytes)", g->name, rank, size, create ? "created" : "attached",
+             g->seg_name, g->bytes);
+    *out = g;
+    return FSC_OK;
+fail:
+    if (create && g->base != NULL) shm_unlink(g->seg_name);
+    fsc_shm_group_close(g);
+    return st;
+}
+
+const char *fsc_shm_group_segment_name(const fsc_shm_group_t *g) { return g->seg_name; }
+int fsc_shm_group_rank(const fsc_shm_group_t *g) { return g->rank; }
+int fsc_shm_group_size(const fsc_shm_group_t *g) { return g->size; }
+const char *fsc_shm_group_name(const fsc_shm_group_t *g) { return g->name; }
+
+void fsc_shm_group_unlink(fsc_shm_group_t *g) {
+    if (g == NULL || g->unlinked || g->seg_name[0] == '\0') return;
+    g->unlinked = 1;
+    if (shm_unlink(g->seg_name) != 0 && errno != ENOENT)
+        FSC_WARN("shm", "shm_unlink(%s): %s", g->seg_name, strerror(errno));
+}
+
+fsc_status_t fsc_shm_group_join(fsc_shm_group_t *g) {
+    double deadline = fsc_comm_now() + g->timeout;
+    while (atomic_load(&g->seg->nattached) < (uint32_t)g->size) {
+        if (fsc_comm_now() > deadline) {
+            fsc_shm_group_unlink(g);
+            char missing[512] = "";
+            size_t n = 0;
+            for (int r = 0; r < g->size && n < sizeof(missing) - 16; r++)
+                if (!atomic_load(&g->ranks[r].attached))
+                    n += (size_t)snprintf(missing + n, sizeof(missing) - n, "%s%d", n ? ", " : "", r);
+            g->broken = FSC_ERR_TIMEOUT;
+            return fsc_error(FSC_ERR_TIMEOUT, "rendezvous of group '%s' (rank %d of %d): rank(s) %s did not join "
+                             "within FAIRSCALE_C_TIMEOUT=%g s", g->name, g->rank, g->size, missing, g->timeout);
+        }
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    fsc_shm_group_unlink(g);
+    return FSC_OK;
+}
+
+void fsc_shm_group_close(fsc_shm_group_t *g) {
+    if (g == NULL) return;
+    fsc_shm_engine_stop(g);
+    if (g->base != NULL) munmap(g->base, g->bytes);
+    free(g->send_seq);
+    free(g->recv_seq);
+    free(g);
+}

@@ -1,0 +1,95 @@
+/* shm.h — the shared-memory collective engine for CPU tensors of ranks on one host: group
+ * rendezvous over a POSIX shm segment, blocking collectives, and an in-order progress thread. */
+#ifndef FSC_SHM_H
+#define FSC_SHM_H
+
+#include <stddef.h>
+
+#include "comm.h"
+#include "status.h"
+#include "tensor.h"
+
+/* One rank's handle on a group's segment. Opaque; not thread-safe except where noted (the
+ * progress thread is the only user once fsc_shm_engine_start has been called). */
+typedef struct fsc_shm_group fsc_shm_group_t;
+
+/* One queued op. Owned jointly by the submitter and the progress thread (reference counted). */
+typedef struct fsc_shm_work fsc_shm_work_t;
+
+/* Description of one op. Buffers are contiguous CPU memory of `dtype`; element counts:
+ *   BARRIER         in/out unused, count 0
+ *   ALL_GATHER      in: count, out: size * count (rank r's input lands at out[r * count])
+ *   REDUCE_SCATTER  in: size * count, out: count (rank r gets block r reduced over ranks)
+ *   ALL_REDUCE      in, out: count (may be the same buffer)
+ *   BROADCAST       root's in is copied to every rank's out (in == out is fine)
+ *   REDUCE          in: count; root's out receives the reduction, other ranks' out is unused
+ *   SEND / RECV     in (send) / out (recv): count; `root` is the peer's group rank
+ * The caller keeps the buffers alive and unmodified until the op completes. */
+typedef struct {
+    fsc_comm_op_t op;
+    fsc_reduce_op_t redop;
+    int root;
+    fsc_dtype_t dtype;
+    size_t count;
+    const void *in;
+    void *out;
+} fsc_shm_args_t;
+
+/* Open this rank's handle. With seg_name == NULL a new segment is created (the caller then sends
+ * fsc_shm_group_segment_name() to the other ranks); otherwise the named segment is attached.
+ * `group_name` appears in every error message. Sizes come from FAIRSCALE_C_SHM_CHUNK (bytes per
+ * pipeline chunk, default 1 MiB) read by the creator. The timeout for rendezvous and for every
+ * op is FAIRSCALE_C_TIMEOUT, read here. Does not block. On success *out is owned by the caller
+ * (fsc_shm_group_close). */
+fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, int rank, int size,
+                                fsc_shm_group_t **out);
+
+/* The segment's name ("/fsc-<pid>-<hex>"); valid while the group is open. */
+const char *fsc_shm_group_segment_name(const fsc_shm_group_t *g);
+
+/* Block until every rank has attached, then remove the segment's name so nothing is left in
+ * /dev/shm whatever happens later. On timeout the name is removed too and FSC_ERR_TIMEOUT names
+ * the ranks that never attached. */
+fsc_status_t fsc_shm_group_join(fsc_shm_group_t *g);
+
+/* Remove the segment's name now (idempotent; a missing name is not an error). For error paths
+ * between open and join. */
+void fsc_shm_group_unlink(fsc_shm_group_t *g);
+
+/* Stop the progress thread (after the queued ops finish or fail), unmap and free. NULL is a
+ * no-op. Blocks at most about one timeout. */
+void fsc_shm_group_close(fsc_shm_group_t *g);
+
+/* Run one op on the calling thread and block until it completes. Every rank must issue the
+ * same collectives in the same order (send/recv pair up per peer); a divergence is reported as
+ * FSC_ERR_MISMATCH naming both sides, a peer that dies or stalls as FSC_ERR_COMM /
+ * FSC_ERR_TIMEOUT naming the op, the group and the rank. After any such error the group is
+ * unusable: later ops fail with the same message. Arguments are not validated here (the
+ * binding layer does that before anything is sent). */
+fsc_status_t fsc_shm_run(fsc_shm_group_t *g, const fsc_shm_args_t *a);
+
+/* Start the group's progress thread. Afterwards ops go through fsc_shm_submit only. */
+fsc_status_t fsc_shm_engine_start(fsc_shm_group_t *g);
+
+/* Queue an op for the progress thread; ops run one at a time in submission order. Does not
+ * block. On success *out holds a reference owned by the caller (fsc_shm_work_release). Safe to
+ * call from one thread at a time (the binding layer holds the GIL). */
+fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, fsc_shm_work_t **out);
+
+/* 1 when the op has finished (successfully or not), else 0. Never blocks. */
+int fsc_shm_work_done(fsc_shm_work_t *w);
+
+/* Block until the op finishes or `timeout_s` passes (< 0: no limit). Returns the op's status
+ * and records its message on the calling thread; FSC_ERR_TIMEOUT if it has not finished in
+ * time (the op keeps running). Thread-safe. */
+fsc_status_t fsc_shm_work_wait(fsc_shm_work_t *w, double timeout_s);
+
+/* Drop the caller's reference. The op itself is not cancelled. NULL is a no-op. */
+void fsc_shm_work_release(fsc_shm_work_t *w);
+
+/* Rank / size / name of an open group. */
+int fsc_shm_group_rank(const fsc_shm_group_t *g);
+int fsc_shm_group_size(const fsc_shm_group_t *g);
+const char *fsc_shm_group_name(const fsc_shm_group_t *g);
+
+#endif /* FSC_SHM_H */

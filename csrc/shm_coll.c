@@ -1,0 +1,231 @@
+/* shm_coll.c — the collective algorithms over a group's segment. Data moves in chunks through
+ * per-rank double-buffered slots: a rank fills slot buffer (step & 1), everyone passes a barrier,
+ * everyone reads. Buffer (step & 1) is written again only at step + 2, after a barrier every rank
+ * enters once it has finished reading step's data, so one barrier per step suffices. Reductions
+ * are split so each rank reduces 1/size of every chunk in parallel. */
+#include <stdio.h>
+#include <string.h>
+
+#include "log.h"
+#include "shm_internal.h"
+#include "shm_reduce.h"
+
+#define FSC_P2P_ERR_JUMP 0x40000000u /* acked jump that releases a sender after a mismatch */
+
+static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+
+static void copy(void *dst, const void *src, size_t n) {
+    if (n != 0 && dst != src) memcpy(dst, src, n);
+}
+
+/* Record what this rank is doing (error messages, peers' diagnostics) and start the op clock. */
+static void begin_op(fsc_shm_group_t *g, const fsc_shm_args_t *a, uint64_t seq, fsc_comm_header_t *h) {
+    memset(h, 0, sizeof(*h));
+    h->op = (uint32_t)a->op;
+    h->dtype = a->op == FSC_OP_BARRIER ? 0 : (uint32_t)a->dtype;
+    h->redop = (a->op == FSC_OP_ALL_REDUCE || a->op == FSC_OP_REDUCE || a->op == FSC_OP_REDUCE_SCATTER)
+                   ? (uint32_t)a->redop : 0;
+    int rooted = a->op == FSC_OP_BROADCAST || a->op == FSC_OP_REDUCE || a->op == FSC_OP_SEND || a->op == FSC_OP_RECV;
+    h->root = rooted ? a->root : -1;
+    h->count = a->op == FSC_OP_BARRIER ? 0 : (uint64_t)a->count;
+    h->seq = seq;
+    g->ranks[g->rank].cur = *h;
+    fsc_comm_header_format(h, g->op_desc, sizeof(g->op_desc));
+    g->deadline = fsc_comm_now() + g->timeout;
+}
+
+/* First barrier of a collective: publish the header, wait for everyone, compare. */
+static fsc_status_t open_collective(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    fsc_comm_header_t h;
+    uint64_t seq = g->coll_seq++;
+    begin_op(g, a, seq, &h);
+    g->ranks[g->rank].hdr[seq & 1] = h;
+    FSC_CHECK(fsc_shm_arrive(g, 1));
+    for (int p = 0; p < g->size; p++) {
+        if (p == g->rank) continue;
+        FSC_CHECK(fsc_comm_header_check(g->name, g->rank, &h, p, &g->ranks[p].hdr[seq & 1]));
+    }
+    return FSC_OK;
+}
+
+static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    size_t esz = fsc_dtype_size(a->dtype), per = g->chunk / esz;
+    const uint8_t *in = a->in;
+    uint8_t *out = a->out;
+    size_t count = a->count, row = count * esz;
+    for (size_t off = 0, first = 1; first || off < count; off += per, first = 0) {
+        size_t n = min_sz(per, count - off), nb = n * esz;
+        copy(fsc_shm_slot(g, g->rank, g->step), in + off * esz, nb);
+        if (first) FSC_CHECK(open_collective(g, a));
+        else FSC_CHECK(fsc_shm_arrive(g, 1));
+        for (int p = 0; p < g->size; p++) {
+            const uint8_t *src = p == g->rank ? in + off * esz : fsc_shm_slot(g, p, g->step);
+            copy(out + (size_t)p * row + off * esz, src, nb);
+        }
+        g->step++;
+    }
+    return FSC_OK;
+}
+
+static fsc_status_t run_reduce_scatter(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    size_t esz = fsc_dtype_size(a->dtype), align = 64 / esz;
+    size_t per = g->chunk / esz / (size_t)g->size / align * align; /* elements per block per step */
+    if (per == 0) per = 1;
+    const uint8_t *in = a->in;
+    uint8_t *out = a->out;
+    size_t count = a->count, row = count * esz;
+    const void *srcs[FSC_SHM_MAX_RANKS];
+    for (size_t off = 0, first = 1; first || off < count; off += per, first = 0) {
+        size_t n = min_sz(per, count - off), nb = n * esz;
+        uint8_t *slot = fsc_shm_slot(g, g->rank, g->step);
+        for (int p = 0; p < g->size; p++)
+            if (p != g->rank) copy(slot + (size_t)p * per * esz, in + (size_t)p * row + off * esz, nb);
+        if (first) FSC_CHECK(open_collective(g, a));
+        else FSC_CHECK(fsc_shm_arrive(g, 1));
+        /* own block first: `out` may alias it (in-place reduce-scatter) */
+        srcs[0] = in + (size_t)g->rank * row + off * esz;
+        for (int p = 0, k = 1; p < g->size; p++)
+            if (p != g->rank) srcs[k++] = fsc_shm_slot(g, p, g->step) + (size_t)g->rank * per * esz;
+        FSC_CHECK(fsc_shm_reduce(out + off * esz, srcs, g->size, n, a->dtype, a->redop, g->size));
+        g->step++;
+    }
+    return FSC_OK;
+}
+
+/* all_reduce and reduce: post the chunk, reduce my 1/size of it into the shared result buffer,
+ * barrier, copy the whole result out (reduce: root only; others just announce they are done). */
+static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    size_t esz = fsc_dtype_size(a->dtype), align = 64 / esz, per = g->chunk / esz;
+    const uint8_t *in = a->in;
+    uint8_t *out = a->out;
+    int to_all = a->op == FSC_OP_ALL_REDUCE, receives = to_all || a->root == g->rank;
+    const void *srcs[FSC_SHM_MAX_RANKS];
+    for (size_t off = 0, first = 1; first || off < a->count; off += per, first = 0) {
+        size_t n = min_sz(per, a->count - off);
+        size_t part = ((n + (size_t)g->size - 1) / (size_t)g->size + align - 1) / align * align;
+        size_t lo = min_sz(n, (size_t)g->rank * part), hi = min_sz(n, lo + part);
+        const uint8_t *src = in + off * esz;
+        uint8_t *slot = fsc_shm_slot(g, g->rank, g->step), *res = fsc_shm_result(g, g->step);
+        copy(slot, src, lo * esz); /* my own part is read straight from `in` */
+        copy(slot + hi * esz, src + hi * esz, (n - hi) * esz);
+        if (first) FSC_CHECK(open_collective(g, a));
+        else FSC_CHECK(fsc_shm_arrive(g, 1));
+        if (hi > lo) {
+            srcs[0] = src + lo * esz;
+            for (int p = 0, k = 1; p < g->size; p++)
+                if (p != g->rank) srcs[k++] = fsc_shm_slot(g, p, g->step) + lo * esz;
+            FSC_CHECK(fsc_shm_reduce(res + lo * esz, srcs, g->size, hi - lo, a->dtype, a->redop, g->size));
+        }
+        FSC_CHECK(fsc_shm_arrive(g, receives));
+        if (receives) copy(out + off * esz, res, n * esz);
+        g->step++;
+    }
+    return FSC_OK;
+}
+
+static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    size_t esz = fsc_dtype_size(a->dtype), per = g->chunk / esz;
+    int is_root = a->root == g->rank;
+    for (size_t off = 0, first = 1; first || off < a->count; off += per, first = 0) {
+        size_t nb = min_sz(per, a->count - off) * esz;
+        uint8_t *slot = fsc_shm_slot(g, a->root, g->step);
+        if (is_root) {
+            copy(slot, (const uint8_t *)a->in + off * esz, nb);
+            copy((uint8_t *)a->out + off * esz, (const uint8_t *)a->in + off * esz, nb);
+        }
+        if (first) FSC_CHECK(open_collective(g, a));
+        else FSC_CHECK(fsc_shm_arrive(g, 1));
+        if (!is_root) copy((uint8_t *)a->out + off * esz, slot, nb);
+        g->step++;
+    }
+    return FSC_OK;
+}
+
+static fsc_status_t p2p_mismatch(fsc_shm_group_t *g, int sender, const fsc_comm_header_t *sh, int receiver,
+                                 const fsc_comm_header_t *rh) {
+    char ds[192], dr[192];
+    fsc_comm_header_format(sh, ds, sizeof(ds));
+    fsc_comm_header_format(rh, dr, sizeof(dr));
+    return fsc_error(FSC_ERR_MISMATCH, "send/recv mismatch in group '%s': rank %d called %s but rank %d called %s",
+                     g->name, sender, ds, receiver, dr);
+}
+
+/* Synchronous send: returns once the receiver has taken every chunk (so a mismatch found by the
+ * receiver is reported here too). At most two chunks are in flight. */
+static fsc_status_t run_send(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    fsc_comm_header_t h;
+    begin_op(g, a, ++g->send_seq[a->root], &h);
+    fsc_shm_chan_t *c = fsc_shm_chan(g, g->rank, a->root);
+    size_t esz = fsc_dtype_size(a->dtype), bytes = a->count * esz, per = g->p2p_chunk;
+    uint32_t base = atomic_load(&c->sent), nchunks = (uint32_t)(bytes == 0 ? 1 : (bytes + per - 1) / per);
+    c->hdr = h;
+    for (uint32_t k = 0; k < nchunks; k++) {
+        if (k >= 2) FSC_CHECK(fsc_shm_wait(g, &c->acked, &c->acked_sleepers, base + k - 1, a->root));
+        if (atomic_load(&c->err)) return p2p_mismatch(g, g->rank, &h, a->root, &c->rhdr);
+        size_t off = (size_t)k * per;
+        copy(fsc_shm_p2p_buf(g, g->rank, a->root, base + k), (const uint8_t *)a->in + off, min_sz(per, bytes - off));
+        fsc_shm_post(&c->sent, &c->sent_sleepers, base + k + 1);
+    }
+    FSC_CHECK(fsc_shm_wait(g, &c->acked, &c->acked_sleepers, base + nchunks, a->root));
+    if (atomic_load(&c->err)) return p2p_mismatch(g, g->rank, &h, a->root, &c->rhdr);
+    return FSC_OK;
+}
+
+static fsc_status_t run_recv(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    fsc_comm_header_t h;
+    begin_op(g, a, ++g->recv_seq[a->root], &h);
+    fsc_shm_chan_t *c = fsc_shm_chan(g, a->root, g->rank);
+    size_t esz = fsc_dtype_size(a->dtype), bytes = a->count * esz, per = g->p2p_chunk;
+    uint32_t base = atomic_load(&c->acked), nchunks = (uint32_t)(bytes == 0 ? 1 : (bytes + per - 1) / per);
+    FSC_CHECK(fsc_shm_wait(g, &c->sent, &c->sent_sleepers, base + 1, a->root));
+    const fsc_comm_header_t *sh = &c->hdr;
+    if (sh->op != FSC_OP_SEND || sh->count != h.count || sh->dtype != h.dtype || sh->seq != h.seq ||
+        sh->root != g->rank) {
+        c->rhdr = h;
+        atomic_store(&c->err, 1);
+        fsc_shm_post(&c->acked, &c->acked_sleepers, base + FSC_P2P_ERR_JUMP);
+        return p2p_mismatch(g, a->root, sh, g->rank, &h);
+    }
+    for (uint32_t k = 0; k < nchunks; k++) {
+        if (k > 0) FSC_CHECK(fsc_shm_wait(g, &c->sent, &c->sent_sleepers, base + k + 1, a->root));
+        size_t off = (size_t)k * per;
+        copy((uint8_t *)a->out + off, fsc_shm_p2p_buf(g, a->root, g->rank, base + k), min_sz(per, bytes - off));
+        fsc_shm_post(&c->acked, &c->acked_sleepers, base + k + 1);
+    }
+    return FSC_OK;
+}
+
+static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    switch (a->op) {
+        case FSC_OP_BARRIER: return open_collective(g, a);
+        case FSC_OP_ALL_GATHER: return run_all_gather(g, a);
+        case FSC_OP_REDUCE_SCATTER: return run_reduce_scatter(g, a);
+        case FSC_OP_ALL_REDUCE:
+        case FSC_OP_REDUCE: return run_all_reduce(g, a);
+        case FSC_OP_BROADCAST: return run_broadcast(g, a);
+        case FSC_OP_SEND: return run_send(g, a);
+        case FSC_OP_RECV: return run_recv(g, a);
+        default: break;
+    }
+    return fsc_error(FSC_ERR_INTERNAL, "shm: unknown op %d", (int)a->op);
+}
+
+fsc_status_t fsc_shm_run(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    if (g->broken != FSC_OK) return fsc_error(g->broken, "%s", g->broken_msg);
+    if (a->op != FSC_OP_BARRIER && a->op != FSC_OP_SEND && a->op != FSC_OP_RECV && a->count != 0 &&
+        a->dtype == FSC_NUM_DTYPES)
+        return fsc_error(FSC_ERR_INTERNAL, "shm: bad dtype");
+    if ((a->op == FSC_OP_SEND || a->op == FSC_OP_RECV || a->op == FSC_OP_BROADCAST || a->op == FSC_OP_REDUCE) &&
+        (a->root < 0 || a->root >= g->size || ((a->op == FSC_OP_SEND || a->op == FSC_OP_RECV) && a->root == g->rank)))
+        return fsc_error(FSC_ERR_VALUE, "%s on group '%s': %s %d is not a valid rank (group size %d%s)",
+                         fsc_comm_op_name(a->op), g->name,
+                         (a->op == FSC_OP_SEND || a->op == FSC_OP_RECV) ? "peer" : "root", a->root, g->size,
+                         (a->op == FSC_OP_SEND || a->op == FSC_OP_RECV) ? ", and not this rank" : "");
+    fsc_status_t st = dispatch(g, a);
+    if (st != FSC_OK && st != FSC_ERR_VALUE) {
+        g->broken = st;
+        snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", fsc_last_error());
+        FSC_WARN("shm", "%s", g->broken_msg);
+    }
+    return st;
+}

@@ -1,0 +1,315 @@
+/* test_shm.c — fork()-based tests of the shm collective engine without Python: every op and a
+ * few dtypes/sizes at 2, 3 and 4 ranks, async ordering, mismatches, dead and missing peers,
+ * float16/bfloat16 conversions, and an empty /dev/shm afterwards. Exit status 0 = all passed. */
+#include <dirent.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../../csrc/half.h"
+#include "../../csrc/shm.h"
+#include "../../csrc/shm_reduce.h"
+
+static int failures = 0;
+#define EXPECT(cond, ...)                                                   \
+    do {                                                                    \
+        if (!(cond)) {                                                      \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);            \
+            fprintf(stderr, __VA_ARGS__);                                   \
+            fprintf(stderr, "\n");                                          \
+            failures++;                                                     \
+        }                                                                   \
+    } while (0)
+
+/* ---- element access by dtype ---- */
+static double get(const void *p, fsc_dtype_t dt, size_t i) {
+    switch (dt) {
+        case FSC_FLOAT16: return fsc_half_to_float(((const uint16_t *)p)[i]);
+        case FSC_BFLOAT16: return fsc_bf16_to_float(((const uint16_t *)p)[i]);
+        case FSC_FLOAT32: return ((const float *)p)[i];
+        case FSC_FLOAT64: return ((const double *)p)[i];
+        case FSC_INT32: return ((const int32_t *)p)[i];
+        case FSC_INT64: return (double)((const int64_t *)p)[i];
+        case FSC_UINT8: return ((const uint8_t *)p)[i];
+        default: return NAN;
+    }
+}
+
+static void set(void *p, fsc_dtype_t dt, size_t i, double v) {
+    switch (dt) {
+        case FSC_FLOAT16: ((uint16_t *)p)[i] = fsc_float_to_half((float)v); break;
+        case FSC_BFLOAT16: ((uint16_t *)p)[i] = fsc_float_to_bf16((float)v); break;
+        case FSC_FLOAT32: ((float *)p)[i] = (float)v; break;
+        case FSC_FLOAT64: ((double *)p)[i] = v; break;
+        case FSC_INT32: ((int32_t *)p)[i] = (int32_t)v; break;
+        case FSC_INT64: ((int64_t *)p)[i] = (int64_t)v; break;
+        case FSC_UINT8: ((uint8_t *)p)[i] = (uint8_t)(int)v; break;
+        default: break;
+    }
+}
+
+/* Small integers: exact in every dtype, sums of 4 stay exact in float16/bfloat16/uint8. */
+static double val(int rank, size_t i) { return (double)((i * 7 + (size_t)rank * 13) % 17) + (rank == 1 ? 3 : 0); }
+
+static double red(fsc_reduce_op_t op, int size, size_t i) {
+    double acc = val(0, i);
+    for (int r = 1; r < size; r++) {
+        double v = val(r, i);
+        acc = op == FSC_RED_MAX ? fmax(acc, v) : op == FSC_RED_MIN ? fmin(acc, v) : acc + v;
+    }
+    return op == FSC_RED_AVG ? acc / size : acc;
+}
+
+static int close_to(double got, double want, fsc_dtype_t dt) {
+    double tol = (dt == FSC_FLOAT16 || dt == FSC_BFLOAT16) ? 0.02 * fabs(want) + 1e-3 : 1e-6 * fabs(want) + 1e-9;
+    return fabs(got - want) <= tol;
+}
+
+/* ---- spawning ---- */
+typedef int (*rank_fn)(fsc_shm_group_t *g, void *ctx);
+
+static int child(int rank, int size, int fd_r, int fd_w, rank_fn fn, void *ctx, int join) {
+    fsc_shm_group_t *g = NULL;
+    char name[64] = {0};
+    fsc_status_t st;
+    if (rank == 0) {
+        st = fsc_shm_group_open("ctest", NULL, 0, size, &g);
+        if (st != FSC_OK) { fprintf(stderr, "open: %s\n", fsc_last_error()); return 2; }
+        snprintf(name, sizeof(name), "%s", fsc_shm_group_segment_name(g));
+        for (int r = 1; r < size; r++) if (write(fd_w, name, sizeof(name)) != (ssize_t)sizeof(name)) return 2;
+    } else {
+        if (read(fd_r, name, sizeof(name)) != (ssize_t)sizeof(name)) return 2;
+        st = fsc_shm_group_open("ctest", name, rank, size, &g);
+        if (st != FSC_OK) { fprintf(stderr, "attach: %s\n", fsc_last_error()); return 2; }
+    }
+    if (join && (st = fsc_shm_group_join(g)) != FSC_OK) {
+        int rc = fn ? fn(NULL, ctx) : 3; /* fn(NULL) lets a test inspect the join error */
+        fsc_shm_group_close(g);
+        return rc;
+    }
+    int rc = fn(g, ctx);
+    fsc_shm_group_close(g);
+    return rc;
+}
+
+/* Run fn on `size` forked ranks (only the first `nstart` start); returns the number of ranks
+ * that did not exit 0. */
+static int spawn(int size, int nstart, rank_fn fn, void *ctx) {
+    int fds[2];
+    if (pipe(fds) != 0) return size;
+    pid_t pids[16];
+    for (int r = 0; r < nstart; r++) {
+        pids[r] = fork();
+        if (pids[r] == 0) {
+            int rc = child(r, size, fds[0], fds[1], fn, ctx, 1);
+            fflush(stderr);
+            _exit(rc);
+        }
+    }
+    close(fds[0]);
+    close(fds[1]);
+    int bad = 0;
+    for (int r = 0; r < nstart; r++) {
+        int status = 0;
+        waitpid(pids[r], &status, 0);
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+            fprintf(stderr, "  rank %d of %d exited with status 0x%x\n", r, size, status);
+            bad++;
+        }
+    }
+    return bad;
+}
+
+static int shm_leftovers(void) {
+    DIR *d = opendir("/dev/shm");
+    if (d == NULL) return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (strncmp(e->d_name, "fsc-", 4) == 0) n++;
+    closedir(d);
+    return n;
+}
+
+/* ---- correctness of every op ---- */
+static const fsc_dtype_t DTYPES[] = {FSC_FLOAT32, FSC_FLOAT16, FSC_BFLOAT16, FSC_FLOAT64, FSC_INT32, FSC_INT64, FSC_UINT8};
+static const size_t SIZES[] = {0, 1, 1001, (3u << 20) / 2 + 17};
+
+static int check_op(fsc_shm_group_t *g, fsc_comm_op_t op, fsc_reduce_op_t rop, fsc_dtype_t dt, size_t n, int async) {
+    int rank = fsc_shm_group_rank(g), size = fsc_shm_group_size(g), bad = 0;
+    size_t esz = fsc_dtype_size(dt);
+    size_t nin = op == FSC_OP_REDUCE_SCATTER ? n * size : n, nout = op == FSC_OP_ALL_GATHER ? n * size : n;
+    uint8_t *in = malloc(nin * esz + 1), *out = malloc(nout * esz + 1);
+    for (size_t i = 0; i < nin; i++) set(in, dt, i, val(rank, i));
+    for (size_t i = 0; i < nout; i++) set(out, dt, i, -1);
+    int root = size - 1, peer = rank ^ 1;
+    fsc_shm_args_t a = {op, rop, op == FSC_OP_SEND || op == FSC_OP_RECV ? peer : root, dt, n, in, out};
+    if (op == FSC_OP_SEND && (rank & 1)) a.op = FSC_OP_RECV;
+    fsc_status_t st;
+    if (async) {
+        fsc_shm_work_t *w = NULL;
+        st = fsc_shm_submit(g, &a, &w);
+        if (st == FSC_OK) st = fsc_shm_work_wait(w, -1);
+        fsc_shm_work_release(w);
+    } else {
+        st = fsc_shm_run(g, &a);
+    }
+    if (st != FSC_OK) {
+        fprintf(stderr, "rank %d: %s\n", rank, fsc_last_error());
+        return 1;
+    }
+    for (size_t i = 0; i < nout && bad < 3; i++) {
+        double want, got = get(out, dt, i);
+        switch (op) {
+            case FSC_OP_ALL_GATHER: want = val((int)(i / (n ? n : 1)), i % (n ? n : 1)); break;
+            case FSC_OP_REDUCE_SCATTER: want = red(rop, size, (size_t)rank * n + i); break;
+            case FSC_OP_ALL_REDUCE: want = red(rop, size, i); break;
+            case FSC_OP_REDUCE: want = rank == root ? red(rop, size, i) : -1; break;
+            case FSC_OP_BROADCAST: want = val(root, i); break;
+            default: want = a.op == FSC_OP_RECV ? val(peer, i) : -1; break;
+        }
+        if (dt == FSC_UINT8 && want < 0) want += 256;
+        if (!close_to(got, want, dt)) {
+            fprintf(stderr, "rank %d/%d %s %s dtype=%s n=%zu: out[%zu]=%g want %g\n", rank, size, fsc_comm_op_name(op),
+                    fsc_reduce_op_name(rop), fsc_dtype_name(dt), n, i, got, want);
+            bad++;
+        }
+    }
+    free(in);
+    free(out);
+    return bad;
+}
+
+static int rank_all_ops(fsc_shm_group_t *g, void *ctx) {
+    int async = *(int *)ctx, bad = 0;
+    if (g == NULL) return 5;
+    if (async && fsc_shm_engine_start(g) != FSC_OK) return 4;
+    const fsc_comm_op_t ops[] = {FSC_OP_BARRIER, FSC_OP_ALL_GATHER, FSC_OP_REDUCE_SCATTER, FSC_OP_ALL_REDUCE,
+                                 FSC_OP_BROADCAST, FSC_OP_REDUCE, FSC_OP_SEND};
+    for (size_t d = 0; d < sizeof(DTYPES) / sizeof(DTYPES[0]); d++)
+        for (size_t s = 0; s < sizeof(SIZES) / sizeof(SIZES[0]); s++)
+            for (size_t o = 0; o < sizeof(ops) / sizeof(ops[0]); o++) {
+                if (ops[o] == FSC_OP_SEND && (fsc_shm_group_size(g) & 1)) continue;
+                int reduces = ops[o] == FSC_OP_ALL_REDUCE || ops[o] == FSC_OP_REDUCE || ops[o] == FSC_OP_REDUCE_SCATTER;
+                for (int r = 0; r < (reduces ? FSC_NUM_REDS : 1); r++) {
+                    int isfloat = DTYPES[d] <= FSC_FLOAT64;
+                    if (r == FSC_RED_AVG && !isfloat) continue;
+                    bad += check_op(g, ops[o], (fsc_reduce_op_t)r, DTYPES[d], SIZES[s], async);
+                    if (bad > 5) return 1;
+                }
+            }
+    return bad ? 1 : 0;
+}
+
+/* ---- failures ---- */
+static int rank_mismatch(fsc_shm_group_t *g, void *ctx) {
+    (void)ctx;
+    float buf[16] = {0};
+    int rank = fsc_shm_group_rank(g);
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, rank == 0 ? 10 : 12, buf, buf};
+    fsc_status_t st = fsc_shm_run(g, &a);
+    int ok = st == FSC_ERR_MISMATCH && strstr(fsc_last_error(), "count=10") && strstr(fsc_last_error(), "count=12");
+    if (!ok) fprintf(stderr, "rank %d: mismatch not reported: %d %s\n", rank, st, fsc_last_error());
+    /* the group is now unusable and says so with the same message */
+    fsc_shm_args_t b = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL};
+    fsc_status_t st2 = fsc_shm_run(g, &b);
+    ok = ok && st2 == FSC_ERR_MISMATCH && strstr(fsc_last_error(), "count=12");
+    return ok ? 0 : 1;
+}
+
+static int rank_p2p_mismatch(fsc_shm_group_t *g, void *ctx) {
+    (void)ctx;
+    float buf[16] = {0};
+    int rank = fsc_shm_group_rank(g);
+    fsc_shm_args_t a = {rank == 0 ? FSC_OP_SEND : FSC_OP_RECV, FSC_RED_SUM, 1 - rank, FSC_FLOAT32, rank == 0 ? 10 : 12,
+                        buf, buf};
+    fsc_status_t st = fsc_shm_run(g, &a);
+    int ok = st == FSC_ERR_MISMATCH && strstr(fsc_last_error(), "send(count=10") &&
+             strstr(fsc_last_error(), "recv(count=12");
+    if (!ok) fprintf(stderr, "rank %d: p2p mismatch not reported: %d %s\n", rank, st, fsc_last_error());
+    return ok ? 0 : 1;
+}
+
+static int rank_dead_peer(fsc_shm_group_t *g, void *ctx) {
+    (void)ctx;
+    if (fsc_shm_group_rank(g) == 1) _exit(0); /* dies without taking part */
+    float buf[4] = {0};
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf};
+    double t0 = fsc_comm_now();
+    fsc_status_t st = fsc_shm_run(g, &a);
+    double dt = fsc_comm_now() - t0;
+    int ok = st == FSC_ERR_COMM && strstr(fsc_last_error(), "rank 1") && strstr(fsc_last_error(), "all_reduce") &&
+             strstr(fsc_last_error(), "ctest") && dt < 5.0;
+    if (!ok) fprintf(stderr, "dead peer: st=%d after %.2fs: %s\n", st, dt, fsc_last_error());
+    return ok ? 0 : 1;
+}
+
+static int rank_missing(fsc_shm_group_t *g, void *ctx) {
+    (void)ctx;
+    if (g != NULL) return 1; /* join must have failed */
+    int ok = strstr(fsc_last_error(), "rank(s) 2") != NULL && strstr(fsc_last_error(), "ctest") != NULL;
+    if (!ok) fprintf(stderr, "missing rank: %s\n", fsc_last_error());
+    return ok ? 0 : 1;
+}
+
+static int rank_timeout(fsc_shm_group_t *g, void *ctx) {
+    (void)ctx;
+    if (fsc_shm_group_rank(g) == 1) { sleep(3); return 0; } /* alive but never calls */
+    float buf[4] = {0};
+    fsc_shm_args_t a = {FSC_OP_BROADCAST, FSC_RED_SUM, 0, FSC_FLOAT32, 4, buf, buf};
+    fsc_status_t st = fsc_shm_run(g, &a);
+    int ok = st == FSC_ERR_TIMEOUT && strstr(fsc_last_error(), "rank 1 did not arrive");
+    if (!ok) fprintf(stderr, "timeout: %d %s\n", st, fsc_last_error());
+    return ok ? 0 : 1;
+}
+
+/* ---- conversions ---- */
+static void test_half(void) {
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = fsc_half_to_float((uint16_t)h);
+        uint16_t back = fsc_float_to_half(f);
+        int nan = (h & 0x7c00) == 0x7c00 && (h & 0x3ff);
+        EXPECT(nan ? (back & 0x7c00) == 0x7c00 && (back & 0x3ff) : back == h, "half roundtrip %04x -> %g -> %04x", h, f, back);
+        float b = fsc_bf16_to_float((uint16_t)h);
+        uint16_t bb = fsc_float_to_bf16(b);
+        int bnan = (h & 0x7f80) == 0x7f80 && (h & 0x7f);
+        EXPECT(bnan ? (bb & 0x7f80) == 0x7f80 && (bb & 0x7f) : bb == h, "bf16 roundtrip %04x -> %04x", h, bb);
+    }
+    EXPECT(fsc_float_to_half(65520.0f) == 0x7c00, "65520 rounds to inf");
+    EXPECT(fsc_float_to_half(65519.0f) == 0x7bff, "65519 rounds to max");
+    EXPECT(fsc_float_to_half(1.0f + 0x1p-11f) == 0x3c00, "tie rounds to even (down)");
+    EXPECT(fsc_float_to_half(1.0f + 3 * 0x1p-11f) == 0x3c02, "tie rounds to even (up)");
+    EXPECT(fsc_float_to_half(0x1p-25f) == 0, "half of smallest subnormal rounds to 0");
+    EXPECT(fsc_float_to_half(0x1p-24f * 1.5f) == 2, "1.5 subnormal steps round to even 2");
+    EXPECT(fsc_float_to_bf16(1.0f + 0x1p-8f) == 0x3f80, "bf16 tie to even");
+    /* fp32 accumulation: 2048 + 1 + 1 in float16 is 2050 only if accumulated wider */
+    uint16_t a[1] = {fsc_float_to_half(2048.0f)}, b[1] = {fsc_float_to_half(1.0f)}, d[1];
+    const void *srcs[3] = {a, b, b};
+    fsc_shm_reduce(d, srcs, 3, 1, FSC_FLOAT16, FSC_RED_SUM, 3);
+    EXPECT(fsc_half_to_float(d[0]) == 2050.0f, "fp16 sum accumulates in fp32: got %g", fsc_half_to_float(d[0]));
+}
+
+int main(void) {
+    setenv("FAIRSCALE_C_TIMEOUT", "20", 1);
+    test_half();
+    for (int size = 2; size <= 4; size++)
+        for (int async = 0; async <= 1; async++) {
+            if (size == 3 && async) continue;
+            double t0 = fsc_comm_now();
+            EXPECT(spawn(size, size, rank_all_ops, &async) == 0, "all ops at size %d (async=%d)", size, async);
+            fprintf(stderr, "all ops, %d ranks, async=%d: %.2f s\n", size, async, fsc_comm_now() - t0);
+        }
+    EXPECT(spawn(2, 2, rank_mismatch, NULL) == 0, "collective mismatch reported on both ranks");
+    EXPECT(spawn(2, 2, rank_p2p_mismatch, NULL) == 0, "send/recv mismatch reported on both ranks");
+    EXPECT(spawn(2, 2, rank_dead_peer, NULL) == 0, "dead peer detected");
+    setenv("FAIRSCALE_C_TIMEOUT", "1", 1);
+    EXPECT(spawn(3, 2, rank_missing, NULL) == 0, "rank that never joins reported");
+    EXPECT(spawn(2, 2, rank_timeout, NULL) == 0, "stalled peer times out");
+    EXPECT(shm_leftovers() == 0, "%d fsc-* segments left in /dev/shm", shm_leftovers());
+    fprintf(stderr, "%s (%d failures)\n", failures ? "FAILED" : "OK", failures);
+    return failures ? 1 : 0;
+}
