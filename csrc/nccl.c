@@ -1,0 +1,579 @@
+/* nccl.c — NCCL backend: dlopen'ed libnccl, non-blocking communicators, collectives on caller
+ * streams, and waits that poll ncclCommGetAsyncError so a dead peer becomes an error, not a
+ * hang. The NCCL ABI below is declared from the documented nccl.h; no header is needed. */
+#include "nccl.h"
+
+#include <dlfcn.h>
+#include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "log.h"
+
+/* ---- ABI ------------------------------------------------------------------------------------ */
+
+typedef int nccl_result_t; /* ncclResult_t */
+#define NCCL_OK 0
+#define NCCL_INTERNAL_ERROR 3
+#define NCCL_INVALID_ARGUMENT 4
+#define NCCL_IN_PROGRESS 7
+#define NCCL_TIMEOUT_RESULT 8 /* ncclTimeout, 2.23+ */
+
+typedef void *nccl_comm_h; /* ncclComm_t */
+typedef void *cuda_stream_h;
+
+typedef struct {
+    char internal[FSC_NCCL_UNIQUE_ID_BYTES];
+} nccl_unique_id_t;
+
+/* ncclConfig_t as of NCCL 2.17 (struct ncclConfig_v21700). NCCL reads `size` bytes of it and
+ * resets any field newer than `version`, so this prefix of the current struct is accepted by
+ * every release that has ncclCommInitRankConfig; fields added later keep NCCL's defaults. */
+typedef struct {
+    size_t size;
+    unsigned int magic;   /* NCCL_API_MAGIC */
+    unsigned int version; /* NCCL_VERSION code of this layout */
+    int blocking;
+    int cgaClusterSize;
+    int minCTAs;
+    int maxCTAs;
+    const char *netName;
+} nccl_config_t;
+#define NCCL_API_MAGIC 0xcafebeefu
+#define NCCL_CONFIG_LAYOUT_VERSION 21700
+#define NCCL_CONFIG_UNDEF_INT INT_MIN
+
+/* ncclDataType_t and ncclRedOp_t values. */
+enum { NCCL_INT8 = 0, NCCL_UINT8 = 1, NCCL_INT32 = 2, NCCL_INT64 = 4, NCCL_FLOAT16 = 6, NCCL_FLOAT32 = 7, NCCL_FLOAT64 = 8, NCCL_BFLOAT16 = 9 };
+enum { NCCL_SUM = 0, NCCL_MAX = 2, NCCL_MIN = 3, NCCL_AVG = 4 };
+
+#define NCCL_MIN_VERSION_BF16_AVG 21003 /* ncclBfloat16 (2.10) and ncclAvg (2.10.3) */
+
+typedef struct {
+    nccl_result_t (*GetVersion)(int *);
+    nccl_result_t (*GetUniqueId)(nccl_unique_id_t *);
+    nccl_result_t (*CommInitRank)(nccl_comm_h *, int, nccl_unique_id_t, int);
+    nccl_result_t (*CommDestroy)(nccl_comm_h);
+    nccl_result_t (*CommAbort)(nccl_comm_h);
+    nccl_result_t (*CommGetAsyncError)(nccl_comm_h, nccl_result_t *);
+    const char *(*GetErrorString)(nccl_result_t);
+    nccl_result_t (*AllGather)(const void *, void *, size_t, int, nccl_comm_h, cuda_stream_h);
+    nccl_result_t (*ReduceScatter)(const void *, void *, size_t, int, int, nccl_comm_h, cuda_stream_h);
+    nccl_result_t (*AllReduce)(const void *, void *, size_t, int, int, nccl_comm_h, cuda_stream_h);
+    nccl_result_t (*Broadcast)(const void *, void *, size_t, int, int, nccl_comm_h, cuda_stream_h);
+    nccl_result_t (*Reduce)(const void *, void *, size_t, int, int, int, nccl_comm_h, cuda_stream_h);
+    nccl_result_t (*Send)(const void *, size_t, int, int, nccl_comm_h, cuda_stream_h);
+    nccl_result_t (*Recv)(void *, size_t, int, int, nccl_comm_h, cuda_stream_h);
+    nccl_result_t (*GroupStart)(void);
+    nccl_result_t (*GroupEnd)(void);
+    /* optional: absent from old releases */
+    nccl_result_t (*CommInitRankConfig)(nccl_comm_h *, int, nccl_unique_id_t, int, nccl_config_t *); /* 2.14 */
+    nccl_result_t (*CommFinalize)(nccl_comm_h);                                                      /* 2.14 */
+    const char *(*GetLastError)(nccl_comm_h);                                                        /* 2.13 */
+} nccl_api_t;
+
+static const struct {
+    const char *name;
+    size_t offset;
+    int optional;
+} nccl_symbols[] = {
+#define NCCL_SYM(field, opt) {"nccl" #field, offsetof(nccl_api_t, field), opt}
+    NCCL_SYM(GetVersion, 0),         NCCL_SYM(GetUniqueId, 0),  NCCL_SYM(CommInitRank, 0),
+    NCCL_SYM(CommDestroy, 0),        NCCL_SYM(CommAbort, 0),    NCCL_SYM(CommGetAsyncError, 0),
+    NCCL_SYM(GetErrorString, 0),     NCCL_SYM(AllGather, 0),    NCCL_SYM(ReduceScatter, 0),
+    NCCL_SYM(AllReduce, 0),          NCCL_SYM(Broadcast, 0),    NCCL_SYM(Reduce, 0),
+    NCCL_SYM(Send, 0),               NCCL_SYM(Recv, 0),         NCCL_SYM(GroupStart, 0),
+    NCCL_SYM(GroupEnd, 0),           NCCL_SYM(CommInitRankConfig, 1), NCCL_SYM(CommFinalize, 1),
+    NCCL_SYM(GetLastError, 1),
+#undef NCCL_SYM
+};
+
+/* ---- library loading ------------------------------------------------------------------------- */
+
+static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
+static nccl_api_t nccl;
+static int nccl_loaded; /* written once under load_lock, read after fsc_nccl_load returned OK */
+static int nccl_version_code;
+static char nccl_lib_path[512];
+
+/* Resolve every entry point from `h`; 0 on success, else the name of the first missing one. */
+static const char *resolve(void *h, nccl_api_t *api) {
+    memset(api, 0, sizeof(*api));
+    for (size_t i = 0; i < sizeof(nccl_symbols) / sizeof(nccl_symbols[0]); i++) {
+        void *p = dlsym(h, nccl_symbols[i].name);
+        if (p == NULL && !nccl_symbols[i].optional) return nccl_symbols[i].name;
+        memcpy((char *)api + nccl_symbols[i].offset, &p, sizeof(p));
+    }
+    return NULL;
+}
+
+/* Append "; <what>: <why>" to the list of attempts. */
+static void note_attempt(char *tried, size_t cap, const char *what, const char *why) {
+    size_t len = strlen(tried);
+    if (len < cap) snprintf(tried + len, cap - len, "%s%s: %s", len ? "; " : "", what, why ? why : "not found");
+}
+
+static int try_handle(void *h, const char *what, char *tried, size_t cap) {
+    if (h == NULL) {
+        note_attempt(tried, cap, what, dlerror());
+        return 0;
+    }
+    nccl_api_t api;
+    const char *missing = resolve(h, &api);
+    if (missing != NULL) {
+        note_attempt(tried, cap, what, "lacks a required symbol");
+        FSC_WARN("nccl", "%s lacks %s; not using it", what, missing);
+        dlclose(h);
+        return 0;
+    }
+    int version = 0;
+    if (api.GetVersion(&version) != NCCL_OK) version = 0;
+    nccl = api;
+    nccl_version_code = version;
+    Dl_info info;
+    void *sym;
+    memcpy(&sym, &api.GetVersion, sizeof(sym));
+    snprintf(nccl_lib_path, sizeof(nccl_lib_path), "%s", dladdr(sym, &info) && info.dli_fname ? info.dli_fname : what);
+    nccl_loaded = 1;
+    FSC_INFO("nccl", "loaded NCCL %d from %s", version, nccl_lib_path);
+    return 1; /* the handle stays open for the life of the process */
+}
+
+fsc_status_t fsc_nccl_load(const char *const *paths, size_t npaths) {
+    char tried[768] = "";
+    pthread_mutex_lock(&load_lock);
+    if (!nccl_loaded)
+        try_handle(dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD), "libnccl.so.2 (already loaded)", tried,
+                   sizeof(tried));
+    for (size_t i = 0; i < npaths && !nccl_loaded; i++)
+        if (paths[i] != NULL && paths[i][0] != '\0')
+            try_handle(dlopen(paths[i], RTLD_NOW | RTLD_LOCAL), paths[i], tried, sizeof(tried));
+    if (!nccl_loaded) try_handle(dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL), "libnccl.so.2", tried, sizeof(tried));
+    int ok = nccl_loaded;
+    pthread_mutex_unlock(&load_lock);
+    if (!ok) return fsc_error(FSC_ERR_UNAVAILABLE, "NCCL could not be loaded (tried %s)", tried);
+    return FSC_OK;
+}
+
+int fsc_nccl_version(void) {
+    pthread_mutex_lock(&load_lock);
+    int v = nccl_loaded ? nccl_version_code : 0;
+    pthread_mutex_unlock(&load_lock);
+    return v;
+}
+
+const char *fsc_nccl_path(void) {
+    pthread_mutex_lock(&load_lock);
+    const char *p = nccl_loaded ? nccl_lib_path : "";
+    pthread_mutex_unlock(&load_lock);
+    return p;
+}
+
+static fsc_status_t ensure_loaded(void) {
+    pthread_mutex_lock(&load_lock);
+    int ok = nccl_loaded;
+    pthread_mutex_unlock(&load_lock);
+    return ok ? FSC_OK : fsc_nccl_load(NULL, 0);
+}
+
+fsc_status_t fsc_nccl_get_unique_id(unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]) {
+    nccl_unique_id_t uid;
+    FSC_CHECK(ensure_loaded());
+    nccl_result_t r = nccl.GetUniqueId(&uid);
+    if (r != NCCL_OK)
+        return fsc_error(FSC_ERR_COMM, "nccl unique_id: ncclGetUniqueId failed: %s", nccl.GetErrorString(r));
+    memcpy(id, uid.internal, FSC_NCCL_UNIQUE_ID_BYTES);
+    return FSC_OK;
+}
+
+/* ---- communicators --------------------------------------------------------------------------- */
+
+typedef enum { COMM_ALIVE = 0, COMM_ABORTED, COMM_DESTROYED } comm_state_t;
+
+struct fsc_nccl_comm {
+    pthread_mutex_t lock; /* serialises every NCCL call on `comm` */
+    nccl_comm_h comm;     /* NULL once aborted or destroyed */
+    int rank, nranks, device;
+    comm_state_t state;
+    char why_dead[768];   /* the error that aborted it */
+    fsc_comm_op_t last_op; /* last operation enqueued, for wait's messages */
+    uint64_t nops;         /* operations enqueued so far */
+};
+
+int fsc_nccl_comm_rank(const fsc_nccl_comm_t *c) { return c->rank; }
+int fsc_nccl_comm_size(const fsc_nccl_comm_t *c) { return c->nranks; }
+int fsc_nccl_comm_device(const fsc_nccl_comm_t *c) { return c->device; }
+
+static double deadline_after(double timeout_s) {
+    return fsc_comm_now() + (timeout_s > 0 ? timeout_s : fsc_comm_timeout_s());
+}
+
+/* Poll pacing: yield for the first polls (fast collectives), then sleep 100 us. */
+static void backoff(int *polls) {
+    if ((*polls)++ < 200) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = {0, 100 * 1000};
+    nanosleep(&ts, NULL);
+}
+
+/* Abort under c->lock and remember why. */
+static void abort_locked(fsc_nccl_comm_t *c, const char *why) {
+    if (c->comm != NULL) {
+        fsc_gpu_ctx_t g;
+        int entered = fsc_gpu_ctx_enter(c->device, &g) == FSC_OK;
+        nccl.CommAbort(c->comm);
+        if (entered) fsc_gpu_ctx_exit(&g);
+        c->comm = NULL;
+    }
+    if (c->state == COMM_ALIVE) {
+        c->state = COMM_ABORTED;
+        snprintf(c->why_dead, sizeof(c->why_dead), "%s", why);
+        FSC_WARN("nccl", "rank %d of %d aborted its communicator: %s", c->rank, c->nranks, why);
+    }
+}
+
+/* Record the failure `r` of `what` on `c` (under c->lock). An invalid argument had no effect,
+ * so the communicator stays usable (unless `fatal`); anything else aborts it. */
+static fsc_status_t fail_locked(fsc_nccl_comm_t *c, nccl_result_t r, const char *what, int fatal) {
+    char msg[768];
+    const char *last = (nccl.GetLastError && c->comm) ? nccl.GetLastError(c->comm) : NULL;
+    snprintf(msg, sizeof(msg), "nccl %s on rank %d of %d (cuda:%d) failed: %s%s%s%s", what, c->rank, c->nranks,
+             c->device, nccl.GetErrorString(r), last && *last ? " (" : "", last && *last ? last : "",
+             last && *last ? ")" : "");
+    if (r == NCCL_INVALID_ARGUMENT && !fatal) return fsc_error(FSC_ERR_VALUE, "%s", msg);
+    abort_locked(c, msg);
+    return fsc_error(r == NCCL_TIMEOUT_RESULT ? FSC_ERR_TIMEOUT : FSC_ERR_COMM, "%s; communicator aborted", msg);
+}
+
+/* Turn the result of an NCCL call on `c` into a status (under c->lock). A non-blocking
+ * communicator answers ncclInProgress while it works in the background; poll its async error
+ * state until the call has settled or `deadline` passes. */
+static fsc_status_t settle_locked(fsc_nccl_comm_t *c, nccl_result_t r, const char *what, double deadline, int fatal) {
+    int polls = 0;
+    while (r == NCCL_IN_PROGRESS) {
+        if (fsc_comm_now() > deadline) {
+            char msg[384];
+            snprintf(msg, sizeof(msg), "nccl %s on rank %d of %d (cuda:%d) did not complete in time", what, c->rank,
+                     c->nranks, c->device);
+            abort_locked(c, msg);
+            return fsc_error(FSC_ERR_TIMEOUT, "%s (FAIRSCALE_C_TIMEOUT=%g s); communicator aborted", msg,
+                             fsc_comm_timeout_s());
+        }
+        backoff(&polls);
+        nccl_result_t async = NCCL_OK;
+        nccl_result_t q = nccl.CommGetAsyncError(c->comm, &async);
+        r = q != NCCL_OK ? q : async;
+    }
+    return r == NCCL_OK ? FSC_OK : fail_locked(c, r, what, fatal);
+}
+
+static fsc_status_t dead_error(const fsc_nccl_comm_t *c, const char *what) {
+    if (c->state == COMM_DESTROYED)
+        return fsc_error(FSC_ERR_COMM, "nccl %s: the communicator was destroyed", what);
+    return fsc_error(FSC_ERR_COMM, "nccl %s: the communicator was aborted earlier: %s", what, c->why_dead);
+}
+
+fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES], int rank, int nranks, int device,
+                                double timeout_s, fsc_nccl_comm_t **out) {
+    fsc_status_t st = FSC_OK;
+    fsc_gpu_ctx_t g;
+    nccl_unique_id_t uid;
+    if (nranks < 1) return fsc_error(FSC_ERR_VALUE, "nccl init: size must be >= 1, got %d", nranks);
+    if (rank < 0 || rank >= nranks)
+        return fsc_error(FSC_ERR_VALUE, "nccl init: rank must be in [0, %d), got %d", nranks, rank);
+    FSC_CHECK(ensure_loaded());
+    FSC_CHECK(fsc_gpu_ctx_enter(device, &g)); /* NCCL binds the comm to the current device */
+    fsc_nccl_comm_t *c = calloc(1, sizeof(*c));
+    if (c == NULL) FSC_CHECK_GOTO(fsc_error(FSC_ERR_NOMEM, "nccl init: out of memory"), st, exit);
+    pthread_mutex_init(&c->lock, NULL);
+    c->rank = rank;
+    c->nranks = nranks;
+    c->device = device;
+    memcpy(uid.internal, id, FSC_NCCL_UNIQUE_ID_BYTES);
+
+    double deadline = deadline_after(timeout_s);
+    nccl_result_t r;
+    if (nccl.CommInitRankConfig != NULL) {
+        nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC, NCCL_CONFIG_LAYOUT_VERSION, 0,
+                             NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NULL};
+        r = nccl.CommInitRankConfig(&c->comm, nranks, uid, rank, &cfg);
+    } else {
+        FSC_INFO("nccl", "NCCL %d has no ncclCommInitRankConfig; using blocking ncclCommInitRank", nccl_version_code);
+        r = nccl.CommInitRank(&c->comm, nranks, uid, rank);
+    }
+    if (r == NCCL_IN_PROGRESS && c->comm == NULL) r = NCCL_INTERNAL_ERROR; /* no handle to poll */
+    pthread_mutex_lock(&c->lock);
+    st = settle_locked(c, r, "init", deadline, 1);
+    pthread_mutex_unlock(&c->lock);
+    if (st != FSC_OK) goto fail;
+    FSC_INFO("nccl", "rank %d of %d joined on cuda:%d", rank, nranks, device);
+    *out = c;
+    goto exit;
+fail:
+    fsc_nccl_comm_free(c);
+exit:
+    fsc_gpu_ctx_exit(&g);
+    return st;
+}
+
+/* ---- collectives ------------------------------------------------------------------------------ */
+
+/* The NCCL dtype for a tensor argument, after the engine-wide dtype/redop check. */
+static fsc_status_t check_tensor(const fsc_nccl_comm_t *c, const fsc_tensor_t *t, fsc_comm_op_t op, const char *arg,
+                                 int writable, int redop, int *nccl_dtype) {
+    const char *opname = fsc_comm_op_name(op);
+    FSC_CHECK(fsc_kernels_check(t, opname, arg, FSC_DEV_CUDA, ~0u, writable));
+    if (t->device_id != c->device)
+        return fsc_error(FSC_ERR_VALUE, "%s: %s is on cuda:%d but the communicator is on cuda:%d", opname, arg,
+                         t->device_id, c->device);
+    FSC_CHECK(fsc_comm_check_dtype(t->dtype, redop, opname, arg));
+    if ((t->dtype == FSC_BFLOAT16 || redop == FSC_RED_AVG) && nccl_version_code < NCCL_MIN_VERSION_BF16_AVG)
+        return fsc_error(FSC_ERR_UNAVAILABLE, "%s: %s needs NCCL >= 2.10.3, loaded %d", opname,
+                         redop == FSC_RED_AVG ? "op avg" : "bfloat16", nccl_version_code);
+    switch (t->dtype) {
+        case FSC_FLOAT16: *nccl_dtype = NCCL_FLOAT16; break;
+        case FSC_BFLOAT16: *nccl_dtype = NCCL_BFLOAT16; break;
+        case FSC_FLOAT32: *nccl_dtype = NCCL_FLOAT32; break;
+        case FSC_FLOAT64: *nccl_dtype = NCCL_FLOAT64; break;
+        case FSC_INT8: *nccl_dtype = NCCL_INT8; break;
+        case FSC_INT32: *nccl_dtype = NCCL_INT32; break;
+        case FSC_INT64: *nccl_dtype = NCCL_INT64; break;
+        case FSC_UINT8: case FSC_BOOL: *nccl_dtype = NCCL_UINT8; break;
+        default: return fsc_error(FSC_ERR_TYPE, "%s: %s has dtype %s, which NCCL cannot carry", opname, arg,
+                                  fsc_dtype_name(t->dtype));
+    }
+    return FSC_OK;
+}
+
+static fsc_status_t check_rank_arg(const fsc_nccl_comm_t *c, fsc_comm_op_t op, const char *arg, int r, int not_self) {
+    if (r < 0 || r >= c->nranks || (not_self && r == c->rank))
+        return fsc_error(FSC_ERR_VALUE, "%s: %s must be a rank in [0, %d)%s, got %d", fsc_comm_op_name(op), arg,
+                         c->nranks, not_self ? " other than this rank" : "", r);
+    return FSC_OK;
+}
+
+static int nccl_redop(fsc_reduce_op_t op) {
+    switch (op) {
+        case FSC_RED_AVG: return NCCL_AVG;
+        case FSC_RED_MAX: return NCCL_MAX;
+        case FSC_RED_MIN: return NCCL_MIN;
+        default: return NCCL_SUM;
+    }
+}
+
+/* Lock `c`, refuse a dead communicator, and make its device current. */
+static fsc_status_t op_begin(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_gpu_ctx_t *g) {
+    fsc_status_t st;
+    pthread_mutex_lock(&c->lock);
+    if (c->state != COMM_ALIVE) {
+        st = dead_error(c, fsc_comm_op_name(op));
+        pthread_mutex_unlock(&c->lock);
+        return st;
+    }
+    st = fsc_gpu_ctx_enter(c->device, g);
+    if (st != FSC_OK) pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+/* Settle the enqueue result `r`, count the op, restore the context and unlock. */
+static fsc_status_t op_end(fsc_nccl_comm_t *c, fsc_comm_op_t op, nccl_result_t r, fsc_gpu_ctx_t *g) {
+    fsc_status_t st = settle_locked(c, r, fsc_comm_op_name(op), deadline_after(0), 0);
+    if (st == FSC_OK) {
+        c->last_op = op;
+        c->nops++;
+    }
+    fsc_gpu_ctx_exit(g);
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
+                                 fsc_stream_t stream) {
+    int dt_in = 0, dt_out = 0;
+    fsc_gpu_ctx_t g;
+    FSC_CHECK(check_tensor(c, input, FSC_OP_ALL_GATHER, "input", 0, -1, &dt_in));
+    FSC_CHECK(check_tensor(c, output, FSC_OP_ALL_GATHER, "output", 1, -1, &dt_out));
+    if (input->dtype != output->dtype)
+        return fsc_error(FSC_ERR_VALUE, "all_gather: output dtype %s differs from input dtype %s",
+                         fsc_dtype_name(output->dtype), fsc_dtype_name(input->dtype));
+    if (output->numel != input->numel * c->nranks)
+        return fsc_error(FSC_ERR_VALUE, "all_gather: output must have size * input.numel = %lld elements, got %lld",
+                         (long long)(input->numel * c->nranks), (long long)output->numel);
+    FSC_CHECK(op_begin(c, FSC_OP_ALL_GATHER, &g));
+    nccl_result_t r = nccl.AllGather(input->data, output->data, (size_t)input->numel, dt_in, c->comm,
+                                     (cuda_stream_h)stream);
+    return op_end(c, FSC_OP_ALL_GATHER, r, &g);
+}
+
+fsc_status_t fsc_nccl_reduce_scatter(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
+                                     fsc_reduce_op_t op, fsc_stream_t stream) {
+    int dt_in = 0, dt_out = 0;
+    fsc_gpu_ctx_t g;
+    FSC_CHECK(check_tensor(c, input, FSC_OP_REDUCE_SCATTER, "input", 0, (int)op, &dt_in));
+    FSC_CHECK(check_tensor(c, output, FSC_OP_REDUCE_SCATTER, "output", 1, (int)op, &dt_out));
+    if (input->dtype != output->dtype)
+        return fsc_error(FSC_ERR_VALUE, "reduce_scatter: output dtype %s differs from input dtype %s",
+                         fsc_dtype_name(output->dtype), fsc_dtype_name(input->dtype));
+    if (input->numel != output->numel * c->nranks)
+        return fsc_error(FSC_ERR_VALUE, "reduce_scatter: input must have size * output.numel = %lld elements, got %lld",
+                         (long long)(output->numel * c->nranks), (long long)input->numel);
+    FSC_CHECK(op_begin(c, FSC_OP_REDUCE_SCATTER, &g));
+    nccl_result_t r = nccl.ReduceScatter(input->data, output->data, (size_t)output->numel, dt_in, nccl_redop(op),
+                                         c->comm, (cuda_stream_h)stream);
+    return op_end(c, FSC_OP_REDUCE_SCATTER, r, &g);
+}
+
+fsc_status_t fsc_nccl_all_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, fsc_stream_t stream) {
+    int dt = 0;
+    fsc_gpu_ctx_t g;
+    FSC_CHECK(check_tensor(c, tensor, FSC_OP_ALL_REDUCE, "tensor", 1, (int)op, &dt));
+    FSC_CHECK(op_begin(c, FSC_OP_ALL_REDUCE, &g));
+    nccl_result_t r = nccl.AllReduce(tensor->data, tensor->data, (size_t)tensor->numel, dt, nccl_redop(op), c->comm,
+                                     (cuda_stream_h)stream);
+    return op_end(c, FSC_OP_ALL_REDUCE, r, &g);
+}
+
+fsc_status_t fsc_nccl_broadcast(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int root, fsc_stream_t stream) {
+    int dt = 0;
+    fsc_gpu_ctx_t g;
+    FSC_CHECK(check_rank_arg(c, FSC_OP_BROADCAST, "root", root, 0));
+    FSC_CHECK(check_tensor(c, tensor, FSC_OP_BROADCAST, "tensor", 1, -1, &dt));
+    FSC_CHECK(op_begin(c, FSC_OP_BROADCAST, &g));
+    nccl_result_t r = nccl.Broadcast(tensor->data, tensor->data, (size_t)tensor->numel, dt, root, c->comm,
+                                     (cuda_stream_h)stream);
+    return op_end(c, FSC_OP_BROADCAST, r, &g);
+}
+
+fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, int root,
+                             fsc_stream_t stream) {
+    int dt = 0;
+    fsc_gpu_ctx_t g;
+    FSC_CHECK(check_rank_arg(c, FSC_OP_REDUCE, "root", root, 0));
+    FSC_CHECK(check_tensor(c, tensor, FSC_OP_REDUCE, "tensor", 1, (int)op, &dt));
+    FSC_CHECK(op_begin(c, FSC_OP_REDUCE, &g));
+    nccl_result_t r = nccl.Reduce(tensor->data, tensor->data, (size_t)tensor->numel, dt, nccl_redop(op), root,
+                                  c->comm, (cuda_stream_h)stream);
+    return op_end(c, FSC_OP_REDUCE, r, &g);
+}
+
+/* ncclSend / ncclRecv inside ncclGroupStart/End: required for point-to-point so that NCCL
+ * can schedule the pair without deadlocking, and harmless for a single call. */
+static fsc_status_t p2p(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_tensor_t *t, int peer, fsc_stream_t stream) {
+    int dt = 0;
+    fsc_gpu_ctx_t g;
+    FSC_CHECK(check_rank_arg(c, op, "peer", peer, 1));
+    FSC_CHECK(check_tensor(c, t, op, "tensor", op == FSC_OP_RECV, -1, &dt));
+    FSC_CHECK(op_begin(c, op, &g));
+    nccl_result_t r = nccl.GroupStart();
+    if (r == NCCL_OK) {
+        nccl_result_t r2 = op == FSC_OP_SEND
+                               ? nccl.Send(t->data, (size_t)t->numel, dt, peer, c->comm, (cuda_stream_h)stream)
+                               : nccl.Recv(t->data, (size_t)t->numel, dt, peer, c->comm, (cuda_stream_h)stream);
+        r = nccl.GroupEnd(); /* always close the group, even after a failed call inside it */
+        if (r2 != NCCL_OK && r2 != NCCL_IN_PROGRESS) r = r2;
+    }
+    return op_end(c, op, r, &g);
+}
+
+fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, fsc_stream_t stream) {
+    /* the send only reads `tensor`; p2p takes it non-const for the recv direction */
+    return p2p(c, FSC_OP_SEND, (fsc_tensor_t *)tensor, peer, stream);
+}
+
+fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, fsc_stream_t stream) {
+    return p2p(c, FSC_OP_RECV, tensor, peer, stream);
+}
+
+/* ---- waiting and teardown -------------------------------------------------------------------- */
+
+fsc_status_t fsc_nccl_wait(fsc_nccl_comm_t *c, fsc_stream_t stream, double timeout_s) {
+    fsc_status_t st = FSC_OK;
+    fsc_gpu_event_t ev = NULL;
+    double timeout = timeout_s > 0 ? timeout_s : fsc_comm_timeout_s();
+    double deadline = fsc_comm_now() + timeout;
+    int polls = 0;
+
+    pthread_mutex_lock(&c->lock);
+    st = c->state == COMM_ALIVE ? FSC_OK : dead_error(c, "wait");
+    fsc_comm_op_t last = c->last_op;
+    uint64_t nops = c->nops;
+    pthread_mutex_unlock(&c->lock);
+    FSC_CHECK(st);
+    FSC_CHECK(fsc_gpu_event_record(c->device, stream, &ev));
+    for (;;) {
+        int done = 0;
+        FSC_CHECK_GOTO(fsc_gpu_event_query(c->device, ev, &done), st, exit);
+        if (done) break;
+        /* The lock is taken per poll, never across the sleep, so abort() from another thread
+         * gets through. */
+        pthread_mutex_lock(&c->lock);
+        if (c->state != COMM_ALIVE) {
+            st = dead_error(c, "wait");
+        } else {
+            nccl_result_t async = NCCL_OK;
+            nccl_result_t q = nccl.CommGetAsyncError(c->comm, &async);
+            nccl_result_t r = q != NCCL_OK ? q : async;
+            if (r != NCCL_OK && r != NCCL_IN_PROGRESS) {
+                char what[64];
+                snprintf(what, sizeof(what), "wait for %s #%llu", fsc_comm_op_name(last), (unsigned long long)nops);
+                st = fail_locked(c, r, what, 1);
+            } else if (fsc_comm_now() > deadline) {
+                char msg[256];
+                snprintf(msg, sizeof(msg), "nccl wait on rank %d of %d (cuda:%d): %s #%llu did not complete within %g s",
+                         c->rank, c->nranks, c->device, fsc_comm_op_name(last), (unsigned long long)nops, timeout);
+                abort_locked(c, msg);
+                st = fsc_error(FSC_ERR_TIMEOUT, "%s; communicator aborted", msg);
+            }
+        }
+        pthread_mutex_unlock(&c->lock);
+        if (st != FSC_OK) goto exit;
+        backoff(&polls);
+    }
+exit:
+    fsc_gpu_event_destroy(c->device, ev);
+    return st;
+}
+
+fsc_status_t fsc_nccl_comm_abort(fsc_nccl_comm_t *c) {
+    pthread_mutex_lock(&c->lock);
+    abort_locked(c, "aborted by the user");
+    pthread_mutex_unlock(&c->lock);
+    return FSC_OK;
+}
+
+fsc_status_t fsc_nccl_comm_destroy(fsc_nccl_comm_t *c, double timeout_s) {
+    fsc_status_t st = FSC_OK;
+    fsc_gpu_ctx_t g;
+    pthread_mutex_lock(&c->lock);
+    if (c->state != COMM_ALIVE) goto unlock; /* already gone: idempotent */
+    FSC_CHECK_GOTO(fsc_gpu_ctx_enter(c->device, &g), st, unlock);
+    if (nccl.CommFinalize != NULL)
+        FSC_CHECK_GOTO(settle_locked(c, nccl.CommFinalize(c->comm), "finalize", deadline_after(timeout_s), 1), st,
+                       exit);
+    nccl_result_t r = nccl.CommDestroy(c->comm);
+    c->comm = NULL;
+    c->state = COMM_DESTROYED;
+    if (r != NCCL_OK)
+        st = fsc_error(FSC_ERR_COMM, "nccl destroy on rank %d of %d failed: %s", c->rank, c->nranks,
+                       nccl.GetErrorString(r));
+exit:
+    fsc_gpu_ctx_exit(&g);
+unlock:
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+void fsc_nccl_comm_free(fsc_nccl_comm_t *c) {
+    if (c == NULL) return;
+    pthread_mutex_lock(&c->lock);
+    if (c->comm != NULL) abort_locked(c, "released without destroy()");
+    pthread_mutex_unlock(&c->lock);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}

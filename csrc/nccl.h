@@ -1,0 +1,102 @@
+/* nccl.h — the collective engine's NCCL backend: libnccl loaded at run time, one non-blocking
+ * communicator per group, collectives enqueued on caller streams, error-polling waits. */
+#ifndef FSC_NCCL_H
+#define FSC_NCCL_H
+
+#include <stddef.h>
+
+#include "comm.h"
+#include "gpu.h"
+#include "status.h"
+#include "tensor.h"
+
+#define FSC_NCCL_UNIQUE_ID_BYTES 128
+
+/* One communicator: a rank's membership in one NCCL group, bound to one CUDA device.
+ * Opaque; created by fsc_nccl_comm_init, released by fsc_nccl_comm_free. Calls on one
+ * communicator are serialised by an internal lock, so it may be shared between threads (the
+ * order in which threads issue collectives is then theirs to keep identical on every rank). */
+typedef struct fsc_nccl_comm fsc_nccl_comm_t;
+
+/* Load libnccl once per process (thread-safe; a failed attempt may be retried). Tries, in
+ * order: the libnccl.so.2 already in the process (the one torch loaded), each of the
+ * `npaths` files in `paths` (e.g. the nvidia-nccl wheel's lib/libnccl.so.2; may be NULL when
+ * npaths is 0), then "libnccl.so.2" through the normal library search.
+ * FSC_ERR_UNAVAILABLE listing what was tried when none loads. Does not initialise CUDA. */
+fsc_status_t fsc_nccl_load(const char *const *paths, size_t npaths);
+
+/* NCCL_VERSION_CODE of the loaded library (e.g. 22703 for 2.27.3; 0 when not loaded) and the
+ * file it came from ("" when not loaded). */
+int fsc_nccl_version(void);
+const char *fsc_nccl_path(void);
+
+/* Fill `id` with a fresh ncclUniqueId (128 bytes) for rank 0 to send to the other ranks.
+ * Loads NCCL with no extra paths if it is not loaded yet. */
+fsc_status_t fsc_nccl_get_unique_id(unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]);
+
+/* Join the group identified by `id` as `rank` of `nranks` on CUDA device `device`, and store
+ * the new communicator in *out. Non-blocking communicator (ncclCommInitRankConfig with
+ * blocking=0) where the library has it, else ncclCommInitRank. Blocks until every rank has
+ * joined or `timeout_s` (<= 0: fsc_comm_timeout_s()) has passed; on error or timeout the
+ * half-made communicator is aborted and FSC_ERR_COMM / FSC_ERR_TIMEOUT returned. */
+fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES], int rank, int nranks, int device,
+                                double timeout_s, fsc_nccl_comm_t **out);
+
+int fsc_nccl_comm_rank(const fsc_nccl_comm_t *c);
+int fsc_nccl_comm_size(const fsc_nccl_comm_t *c);
+int fsc_nccl_comm_device(const fsc_nccl_comm_t *c);
+
+/* ---- collectives ----------------------------------------------------------------------------
+ * Tensors are contiguous CUDA views on the communicator's device with a dtype the engine
+ * supports (fsc_comm_check_dtype). Each call checks its arguments (FSC_ERR_VALUE naming the
+ * argument, nothing enqueued), enqueues the operation on `stream` and returns once NCCL has
+ * accepted it; it does not wait for the data (use fsc_nccl_wait or stream ordering). The
+ * memory must stay allocated until the stream has passed the operation. Every rank must issue
+ * the same collectives in the same order. An NCCL failure aborts the communicator
+ * (FSC_ERR_COMM); later calls on it fail with FSC_ERR_COMM. */
+
+/* output (nranks * input.numel elements) = concatenation of every rank's input, rank order.
+ * In place when input is output's own rank-th block. */
+fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
+                                 fsc_stream_t stream);
+
+/* output (input.numel / nranks elements) = this rank's block of the elementwise reduction of
+ * every rank's input. */
+fsc_status_t fsc_nccl_reduce_scatter(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
+                                     fsc_reduce_op_t op, fsc_stream_t stream);
+
+/* tensor = the elementwise reduction of every rank's tensor, in place on all ranks. */
+fsc_status_t fsc_nccl_all_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, fsc_stream_t stream);
+
+/* tensor = root's tensor on every rank. */
+fsc_status_t fsc_nccl_broadcast(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int root, fsc_stream_t stream);
+
+/* root's tensor = the elementwise reduction of every rank's tensor; other ranks' tensors are
+ * left unchanged. */
+fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, int root,
+                             fsc_stream_t stream);
+
+/* Point-to-point, each in its own NCCL group: `peer` must issue the matching recv / send with
+ * the same numel and dtype. */
+fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, fsc_stream_t stream);
+fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, fsc_stream_t stream);
+
+/* Block until the work enqueued on `stream` so far has finished, polling the communicator's
+ * asynchronous error state meanwhile. On an NCCL error, or when `timeout_s` (<= 0:
+ * fsc_comm_timeout_s()) passes first, aborts the communicator and returns FSC_ERR_COMM /
+ * FSC_ERR_TIMEOUT naming the last operation enqueued. Call without holding the GIL. */
+fsc_status_t fsc_nccl_wait(fsc_nccl_comm_t *c, fsc_stream_t stream, double timeout_s);
+
+/* Abort: stop pending operations and free NCCL's resources without waiting for the other
+ * ranks. Idempotent; the communicator then refuses every call. */
+fsc_status_t fsc_nccl_comm_abort(fsc_nccl_comm_t *c);
+
+/* Orderly teardown (ncclCommFinalize, wait up to `timeout_s`, ncclCommDestroy); every rank
+ * should call it. Aborts instead when finalisation fails or times out, and returns that
+ * error. Idempotent. Blocks. */
+fsc_status_t fsc_nccl_comm_destroy(fsc_nccl_comm_t *c, double timeout_s);
+
+/* Release `c` (aborting it first if it was neither destroyed nor aborted). NULL is a no-op. */
+void fsc_nccl_comm_free(fsc_nccl_comm_t *c);
+
+#endif /* FSC_NCCL_H */
