@@ -1,7 +1,6 @@
 /* shm_queue.c — the per-group progress thread: runs submitted ops one at a time in order, so
  * Python (which only enqueues and waits with the GIL released) keeps computing meanwhile. */
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,9 +91,9 @@ fsc_status_t fsc_shm_work_wait(fsc_shm_work_t *w, double timeout_s) {
     struct timespec abs;
     if (timeout_s >= 0) {
         clock_gettime(CLOCK_REALTIME, &abs);
-        double whole = floor(timeout_s);
-        abs.tv_sec += (time_t)whole;
-        abs.tv_nsec += (long)((timeout_s - whole) * 1e9);
+        time_t whole = (time_t)timeout_s;
+        abs.tv_sec += whole;
+        abs.tv_nsec += (long)((timeout_s - (double)whole) * 1e9);
         if (abs.tv_nsec >= 1000000000L) {
             abs.tv_sec++;
             abs.tv_nsec -= 1000000000L;
