@@ -177,8 +177,11 @@ static PyObject *py_cpu_sq_norm(PyObject *module, PyObject *args, PyObject *kwar
 
 /* Shared by the CUDA and CPU AdamW bindings. */
 static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int cuda) {
-    static char *kwlist[] = {"param", "grad",         "exp_avg", "exp_avg_sq", "lr", "beta1", "beta2",
-                             "eps",   "weight_decay", "step",    "stream",     NULL};
+    /* the CPU reference takes everything but the trailing stream */
+    static char *kwlist_cuda[] = {"param", "grad", "exp_avg", "exp_avg_sq", "lr", "beta1", "beta2", "eps",
+                                  "weight_decay", "step", "stream", NULL};
+    static char *kwlist_cpu[] = {"param", "grad", "exp_avg", "exp_avg_sq", "lr", "beta1", "beta2", "eps",
+                                 "weight_decay", "step", NULL};
     PyObject *objs[4];
     fsc_adamw_hparams_t hp;
     long long step;
@@ -188,7 +191,7 @@ static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int c
     fsc_status_t st;
     static const char *names[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, cuda ? "OOOOdddddLO&:cuda_adamw_step" : "OOOOdddddL:cpu_adamw_step",
-                                     kwlist, &objs[0], &objs[1], &objs[2], &objs[3], &hp.lr, &hp.beta1, &hp.beta2,
+                                     cuda ? kwlist_cuda : kwlist_cpu, &objs[0], &objs[1], &objs[2], &objs[3], &hp.lr, &hp.beta1, &hp.beta2,
                                      &hp.eps, &hp.weight_decay, &step, stream_converter, &stream))
         return NULL;
     hp.step = step;
