@@ -1,0 +1,140 @@
+"""fairscale_c.distributed — collectives for FairScale-style training.
+
+CPU tensors of ranks on one host go through a shared-memory engine written in C (a progress
+thread per group runs ops with the GIL released); CUDA tensors go through NCCL. Groups are built
+from an initialised ``torch.distributed`` process group, or from torchrun's environment::
+
+    import fairscale_c.distributed as fdist
+    group = fdist.init_group()            # default / given torch group, or torchrun env
+    fdist.all_reduce(t, op="avg")         # uses the default group
+    work = group.all_gather(out, inp, async_op=True); ...; work.wait()
+    sub = group.new_group([0, 1])         # every rank of `group` calls it; others get None
+    group.destroy()                       # or `with fdist.init_group() as group:`
+
+Errors: ValueError/TypeError for bad arguments (raised before anything is sent);
+``fairscale_c.DistributedError`` for a peer that dies, stalls past FAIRSCALE_C_TIMEOUT seconds
+(default 600), or issues a different op. See docs/collectives.md.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+from .._C import DistributedError
+from ._group import Group
+from ._rendezvous import ProcessGroupExchange, StoreExchange, default_store, env_store, timeout_s
+
+__all__ = [
+    "DistributedError",
+    "Group",
+    "init_group",
+    "new_group",
+    "get_group",
+    "destroy",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "send",
+    "recv",
+    "barrier",
+    "timeout_s",
+]
+
+_default: Optional[Group] = None
+_built: Dict[Tuple[int, ...], int] = defaultdict(int)
+
+
+def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] = None) -> Group:
+    """Build a group on every rank (a collective: all ranks of ``pg`` call it in the same order).
+
+    With torch.distributed initialised, ranks come from ``pg`` (default: the default group) and
+    rendezvous data travel through torch's store (or object collectives on ``pg``). Otherwise
+    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (as set by torchrun) are used with a TCPStore.
+    The first group built becomes the default for the module-level functions."""
+    global _default
+    if dist.is_available() and dist.is_initialized():
+        pg = pg if pg is not None else dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        _built[ranks] += 1
+        gname = name or f"pg{_built[ranks]}[{','.join(map(str, ranks)) if len(ranks) <= 8 else len(ranks)}]"
+        store = default_store()
+        if store is not None:
+            rank = dist.get_rank(pg)
+            exchange: Any = StoreExchange(store, f"fairscale_c/{gname}", rank, len(ranks), gname)
+        else:
+            exchange = ProcessGroupExchange(pg, gname)
+        group = Group(exchange, gname, pg)
+    else:
+        if pg is not None:
+            raise ValueError("init_group: pg was given but torch.distributed is not initialised")
+        import os
+
+        _built[()] += 1
+        gname = name or f"world{_built[()]}"
+        store = env_store()
+        exchange = StoreExchange(store, f"fairscale_c/{gname}", int(os.environ["RANK"]),
+                                 int(os.environ["WORLD_SIZE"]), gname)
+        group = Group(exchange, gname, None)
+        group._store = store  # type: ignore[attr-defined]  # keep the (possibly hosted) store alive
+    if _default is None:
+        _default = group
+    return group
+
+
+def get_group() -> Group:
+    """The default group (the first built by init_group), building it if needed."""
+    return _default if _default is not None else init_group()
+
+
+def new_group(ranks: Sequence[int], group: Optional[Group] = None) -> Optional[Group]:
+    """Subgroup of ``ranks`` (ranks of ``group``, default: the default group); see Group.new_group."""
+    return (group or get_group()).new_group(ranks)
+
+
+def destroy(group: Optional[Group] = None) -> None:
+    """Destroy ``group`` (default: the default group, which is then forgotten)."""
+    global _default
+    target = group or _default
+    if target is None:
+        return
+    target.destroy()
+    if target is _default:
+        _default = None
+
+
+def all_gather(output: Any, input: Any, group: Optional[Group] = None, async_op: bool = False) -> Any:
+    return (group or get_group()).all_gather(output, input, async_op=async_op)
+
+
+def reduce_scatter(output: Any, input: Any, op: str = "sum", group: Optional[Group] = None,
+                   async_op: bool = False) -> Any:
+    return (group or get_group()).reduce_scatter(output, input, op=op, async_op=async_op)
+
+
+def all_reduce(tensor: Any, op: str = "sum", group: Optional[Group] = None, async_op: bool = False) -> Any:
+    return (group or get_group()).all_reduce(tensor, op=op, async_op=async_op)
+
+
+def broadcast(tensor: Any, root: int = 0, group: Optional[Group] = None, async_op: bool = False) -> Any:
+    return (group or get_group()).broadcast(tensor, root=root, async_op=async_op)
+
+
+def reduce(tensor: Any, root: int = 0, op: str = "sum", group: Optional[Group] = None, async_op: bool = False) -> Any:
+    return (group or get_group()).reduce(tensor, root=root, op=op, async_op=async_op)
+
+
+def send(tensor: Any, dst: int, group: Optional[Group] = None, async_op: bool = False) -> Any:
+    return (group or get_group()).send(tensor, dst, async_op=async_op)
+
+
+def recv(tensor: Any, src: int, group: Optional[Group] = None, async_op: bool = False) -> Any:
+    return (group or get_group()).recv(tensor, src, async_op=async_op)
+
+
+def barrier(group: Optional[Group] = None, async_op: bool = False) -> Any:
+    return (group or get_group()).barrier(async_op=async_op)

@@ -1,0 +1,137 @@
+"""Rendezvous: exchanging small byte strings between the ranks of a group, once per group.
+
+Two transports: a torch ``Store`` (TCPStore from torchrun's environment, or the store behind an
+initialised torch.distributed default group) under a key prefix per group, or object collectives
+on a torch.distributed process group when no store is reachable.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import List, Optional, Sequence
+
+import torch.distributed as dist
+
+from .. import _C
+
+
+def timeout_s() -> float:
+    """FAIRSCALE_C_TIMEOUT in seconds (default 600)."""
+    raw = os.environ.get("FAIRSCALE_C_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else 600.0
+    except ValueError:
+        value = 600.0
+    return value if value > 0 else 600.0
+
+
+class Exchange:
+    """Moves bytes between the ``size`` ranks of one group; every rank calls each method in the
+    same order."""
+
+    rank: int
+    size: int
+
+    def all_gather(self, data: bytes) -> List[bytes]:
+        raise NotImplementedError
+
+    def broadcast(self, data: Optional[bytes]) -> bytes:
+        """Group rank 0's ``data`` on every rank (others pass None)."""
+        raise NotImplementedError
+
+    def sub(self, ranks: Sequence[int]) -> "Exchange":
+        """An exchange for the members ``ranks`` (ranks of this group); called by members only."""
+        raise NotImplementedError
+
+
+class StoreExchange(Exchange):
+    def __init__(self, store: "dist.Store", prefix: str, rank: int, size: int, name: str) -> None:
+        self.store, self.prefix, self.rank, self.size, self.name = store, prefix, rank, size, name
+        self._round = 0
+        self._subs = 0
+
+    def _wait(self, keys: List[str], what: str, ranks: List[int]) -> None:
+        t = timeout_s()
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=t))
+        except Exception as exc:  # torch raises DistStoreError / RuntimeError on timeout
+            missing = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
+            raise _C.DistributedError(
+                f"rendezvous ({what}) of group '{self.name}' (rank {self.rank} of {self.size}): "
+                f"rank(s) {', '.join(map(str, missing)) or '?'} did not join within "
+                f"FAIRSCALE_C_TIMEOUT={t:g} s ({exc.__class__.__name__})"
+            ) from None
+
+    def all_gather(self, data: bytes) -> List[bytes]:
+        base = f"{self.prefix}/ag{self._round}"
+        self._round += 1
+        self.store.set(f"{base}/{self.rank}", data)
+        keys = [f"{base}/{r}" for r in range(self.size)]
+        self._wait(keys, "all_gather", list(range(self.size)))
+        return [bytes(self.store.get(k)) for k in keys]
+
+    def broadcast(self, data: Optional[bytes]) -> bytes:
+        key = f"{self.prefix}/bc{self._round}"
+        self._round += 1
+        if self.rank == 0:
+            self.store.set(key, data if data is not None else b"")
+        self._wait([key], "broadcast", [0])
+        return bytes(self.store.get(key))
+
+    def sub(self, ranks: Sequence[int]) -> "Exchange":
+        self._subs += 1
+        tag = "-".join(map(str, ranks))
+        return StoreExchange(self.store, f"{self.prefix}/sub{self._subs}[{tag}]", list(ranks).index(self.rank),
+                             len(ranks), f"{self.name}/sub{self._subs}")
+
+
+class ProcessGroupExchange(Exchange):
+    """Object collectives on a torch.distributed group (its own timeout applies)."""
+
+    def __init__(self, pg: "dist.ProcessGroup", name: str) -> None:
+        self.pg, self.name = pg, name
+        self.rank, self.size = dist.get_rank(pg), dist.get_world_size(pg)
+
+    def all_gather(self, data: bytes) -> List[bytes]:
+        out: List[Optional[bytes]] = [None] * self.size
+        dist.all_gather_object(out, data, group=self.pg)
+        return [bytes(x) for x in out]  # type: ignore[arg-type]
+
+    def broadcast(self, data: Optional[bytes]) -> bytes:
+        obj = [data]
+        dist.broadcast_object_list(obj, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+        return bytes(obj[0])  # type: ignore[arg-type]
+
+    def sub(self, ranks: Sequence[int]) -> "Exchange":
+        raise RuntimeError("internal: subgroups of a process-group exchange are built with torch's new_group")
+
+
+def default_store() -> Optional["dist.Store"]:
+    """The store behind torch.distributed's default group, when torch exposes it."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def env_store() -> "dist.Store":
+    """A TCPStore from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    Under torchrun the agent already hosts the store; otherwise rank 0 hosts it."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "fairscale_c.distributed: torch.distributed is not initialised and the environment lacks "
+            f"{', '.join(missing)}; launch with torchrun or call torch.distributed.init_process_group first"
+        )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=(rank == 0 and not agent),
+        timeout=datetime.timedelta(seconds=timeout_s()),
+    )

@@ -1,0 +1,73 @@
+"""Spawning ranks for multi-process tests: one job runs `fn(rank, world_size, *args)` on every
+rank (fresh interpreters, 'spawn' start method) and returns each rank's result, re-raising a
+rank's exception with its traceback. Ranks get RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_segments() -> set:
+    """Names of fairscale_c segments currently in /dev/shm."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("fsc-")}
+    except FileNotFoundError:
+        return set()
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, env: Dict[str, str], q: Any, args: tuple) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(env)
+    try:
+        q.put((rank, True, fn(rank, world, *args)))
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, env: Optional[Dict[str, str]] = None, timeout: float = 300,
+              may_die: Optional[List[int]] = None) -> List[Any]:
+    """Run `fn` (a module-level function) on `world` ranks; return results indexed by rank.
+    Ranks in `may_die` may exit without reporting (their result is None)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), q, args), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: Dict[int, Any] = {}
+    errors: List[str] = []
+    expected = world - len(may_die or [])
+    try:
+        while len(results) + len(errors) < world:
+            try:
+                rank, ok, value = q.get(timeout=timeout if len(results) + len(errors) < expected else 5)
+            except Exception:
+                break
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    missing = [r for r in range(world) if r not in results and r not in (may_die or [])]
+    if missing:
+        raise AssertionError(f"ranks {missing} did not report within {timeout} s")
+    return [results.get(r) for r in range(world)]

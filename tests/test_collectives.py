@@ -1,0 +1,189 @@
+"""fairscale_c.distributed on CPU (shm engine): every op x dtype x size at 2 and 4 ranks against a
+torch reference, async overlap, subgroups, failures, and a clean /dev/shm after each test."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from dist_utils import run_ranks, shm_segments
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8]
+SIZES = [1, 1001, 300_007]  # one element, odd, several pipeline chunks
+OPS = ["sum", "avg", "max", "min"]
+
+
+@pytest.fixture(autouse=True)
+def clean_dev_shm():
+    before = shm_segments()
+    yield
+    assert shm_segments() - before == set(), "shared-memory segments left in /dev/shm"
+
+
+def _data(rank: int, n: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank * 7919 + n * 31 + salt)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g, dtype=torch.float32).to(dtype)
+    lo, hi = (0, 60) if dtype == torch.uint8 else (-1000, 1000)
+    return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _reference(xs, op: str, dtype: torch.dtype) -> torch.Tensor:
+    acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    stack = torch.stack([x.to(acc_dtype) for x in xs])
+    if op in ("sum", "avg"):
+        out = stack.sum(0, dtype=acc_dtype) if dtype.is_floating_point else stack.sum(0).to(dtype)
+        if op == "avg":
+            out = out / len(xs)
+    else:
+        out = stack.amax(0) if op == "max" else stack.amin(0)
+    return out.to(dtype)
+
+
+def _check(got, want, what, failures):
+    try:
+        torch.testing.assert_close(got, want, rtol=None if got.dtype != torch.float16 else 2e-3, atol=None if got.dtype != torch.float16 else 2e-3)
+    except AssertionError as exc:
+        failures.append(f"{what}: {str(exc).splitlines()[0]}")
+
+
+def _init(how: str):
+    import fairscale_c.distributed as fdist
+
+    if how == "torch":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    return fdist.init_group()
+
+
+def _all_ops_job(rank: int, world: int, how: str):
+    group = _init(how)
+    failures = []
+    for dtype in DTYPES:
+        for n in SIZES:
+            xs = [_data(r, n, dtype, 1) for r in range(world)]
+            ops = OPS if dtype.is_floating_point else ["sum", "max", "min"]
+            for op in ops:
+                t = xs[rank].clone()
+                group.all_reduce(t, op=op)
+                _check(t, _reference(xs, op, dtype), f"all_reduce {op} {dtype} n={n}", failures)
+                full = [_data(r, n * world, dtype, 2) for r in range(world)]
+                out = torch.empty(n, dtype=dtype)
+                group.reduce_scatter(out, full[rank], op=op)
+                _check(out, _reference(full, op, dtype)[rank * n:(rank + 1) * n], f"reduce_scatter {op} {dtype} n={n}",
+                       failures)
+                t = xs[rank].clone()
+                group.reduce(t, root=world - 1, op=op)
+                want = _reference(xs, op, dtype) if rank == world - 1 else xs[rank]
+                _check(t, want, f"reduce {op} {dtype} n={n}", failures)
+            out = torch.empty(n * world, dtype=dtype)
+            group.all_gather(out, xs[rank])
+            _check(out, torch.cat(xs), f"all_gather {dtype} n={n}", failures)
+            for root in (0, world - 1):
+                t = xs[rank].clone()
+                group.broadcast(t, root=root)
+                _check(t, xs[root], f"broadcast root={root} {dtype} n={n}", failures)
+            t = torch.zeros_like(xs[rank])
+            if rank % 2 == 0:
+                group.send(xs[rank], rank + 1)
+                group.recv(t, rank + 1)
+                _check(t, xs[rank + 1], f"recv {dtype} n={n}", failures)
+            else:
+                group.recv(t, rank - 1)
+                group.send(xs[rank], rank - 1)
+                _check(t, xs[rank - 1], f"recv {dtype} n={n}", failures)
+            group.barrier()
+    # one 64 MiB case
+    n = 16 * 1024 * 1024
+    xs = [_data(r, n, torch.float32, 3) for r in range(world)]
+    t = xs[rank].clone()
+    group.all_reduce(t)
+    _check(t, _reference(xs, "sum", torch.float32), "all_reduce 64 MiB", failures)
+    out = torch.empty(n, dtype=torch.float32)
+    group.all_gather(out, xs[rank][: n // world])
+    _check(out, torch.cat([x[: n // world] for x in xs]), "all_gather 64 MiB", failures)
+    group.destroy()
+    return failures
+
+
+@pytest.mark.parametrize("world,how", [(2, "torch"), (4, "env")])
+def test_every_op_dtype_size(world, how):
+    results = run_ranks(_all_ops_job, world, how, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:20])
+
+
+def _overlap_job(rank: int, world: int):
+    group = _init("env")
+    n = 4 * 1024 * 1024
+    xs = [_data(r, n, torch.float32, 4) for r in range(world)]
+    t = xs[rank].clone()
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's op cannot finish before this
+    w1 = group.all_reduce(t, async_op=True)
+    out = torch.empty(n * world)
+    w2 = group.all_gather(out, xs[rank], async_op=True)
+    rs = torch.empty(n // world)
+    w3 = group.reduce_scatter(rs, xs[rank], op="max", async_op=True)
+    iterations, seen_pending = 0, False
+    start = time.perf_counter()
+    while not w1.is_completed():
+        seen_pending = True
+        sum(range(1000))  # Python keeps running while the collective is in flight
+        iterations += 1
+    busy = time.perf_counter() - start
+    assert w3.wait(timeout=60) is True
+    assert w1.is_completed() and w2.is_completed()
+    w2.wait()
+    torch.testing.assert_close(t, _reference(xs, "sum", torch.float32))
+    torch.testing.assert_close(out, torch.cat(xs))
+    torch.testing.assert_close(rs, _reference([x for x in xs], "max", torch.float32)[rank * (n // world):(rank + 1) * (n // world)])
+    group.destroy()
+    return seen_pending, iterations, busy
+
+
+def test_async_overlap():
+    (pending, iterations, busy), _ = run_ranks(_overlap_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    assert pending and busy > 0.5 and iterations > 100, (pending, iterations, busy)
+
+
+def _subgroup_job(rank: int, world: int):
+    import fairscale_c.distributed as fdist
+
+    group = _init("env")
+    pairs = [group.new_group([0, 2]), group.new_group([1, 3])]
+    mine = pairs[rank % 2]
+    assert pairs[1 - rank % 2] is None and mine.size == 2 and mine.rank == rank // 2
+    t = torch.full((5,), float(rank))
+    mine.all_reduce(t)
+    assert t.tolist() == [float(rank % 2 * 2 + 2)] * 5, t
+    trio = group.new_group([3, 1, 2])  # order defines subgroup ranks
+    if rank == 0:
+        assert trio is None
+    else:
+        assert trio.rank == [3, 1, 2].index(rank)
+        t = torch.tensor([float(rank)])
+        trio.broadcast(t, root=0)
+        assert t.item() == 3.0
+        inner = trio.new_group([1, 2])  # ranks of trio: global 1 and 2
+        if inner is not None:
+            t = torch.tensor([rank])
+            inner.all_reduce(t, op="max")
+            assert t.item() == 2
+            inner.destroy()
+        trio.destroy()
+    fdist.all_reduce(torch.ones(3))  # default group still usable
+    for g in pairs:
+        if g is not None:
+            g.destroy()
+    with group:
+        group.barrier()
+    return True
+
+
+def test_subgroups():
+    assert all(run_ranks(_subgroup_job, 4, env={"FAIRSCALE_C_TIMEOUT": "60"}))
