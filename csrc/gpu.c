@@ -474,7 +474,9 @@ fsc_status_t fsc_gpu_unscale_inf_check(fsc_tensor_t *buf, float inv_scale, fsc_t
     FSC_CHECK(check_cuda(buf, op, "buf", FSC_FLOAT_DTYPES, 1, dev));
     FSC_CHECK(check_one_float(found_inf, op, "found_inf", dev));
     if (buf->numel == 0) return FSC_OK;
-    kernel_id_t k = buf->dtype == FSC_FLOAT32 ? K_UNSCALE_F32 : buf->dtype == FSC_FLOAT16 ? K_UNSCALE_F16 : K_UNSCALE_BF16;
+    kernel_id_t k = buf->dtype == FSC_FLOAT32   ? K_UNSCALE_F32
+                    : buf->dtype == FSC_FLOAT16 ? K_UNSCALE_F16
+                                                : K_UNSCALE_BF16;
     long long n = (long long)buf->numel;
     void *b = buf->data, *fi = found_inf->data;
     void *args[] = {&b, &n, &inv_scale, &fi};

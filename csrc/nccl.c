@@ -48,7 +48,15 @@ typedef struct {
 #define NCCL_CONFIG_UNDEF_INT INT_MIN
 
 /* ncclDataType_t and ncclRedOp_t values. */
-enum { NCCL_INT8 = 0, NCCL_UINT8 = 1, NCCL_INT32 = 2, NCCL_INT64 = 4, NCCL_FLOAT16 = 6, NCCL_FLOAT32 = 7, NCCL_FLOAT64 = 8, NCCL_BFLOAT16 = 9 };
+enum {
+    NCCL_UINT8 = 1,
+    NCCL_INT32 = 2,
+    NCCL_INT64 = 4,
+    NCCL_FLOAT16 = 6,
+    NCCL_FLOAT32 = 7,
+    NCCL_FLOAT64 = 8,
+    NCCL_BFLOAT16 = 9
+};
 enum { NCCL_SUM = 0, NCCL_MAX = 2, NCCL_MIN = 3, NCCL_AVG = 4 };
 
 #define NCCL_MIN_VERSION_BF16_AVG 21003 /* ncclBfloat16 (2.10) and ncclAvg (2.10.3) */
@@ -341,12 +349,11 @@ static fsc_status_t check_tensor(const fsc_nccl_comm_t *c, const fsc_tensor_t *t
         case FSC_BFLOAT16: *nccl_dtype = NCCL_BFLOAT16; break;
         case FSC_FLOAT32: *nccl_dtype = NCCL_FLOAT32; break;
         case FSC_FLOAT64: *nccl_dtype = NCCL_FLOAT64; break;
-        case FSC_INT8: *nccl_dtype = NCCL_INT8; break;
         case FSC_INT32: *nccl_dtype = NCCL_INT32; break;
         case FSC_INT64: *nccl_dtype = NCCL_INT64; break;
-        case FSC_UINT8: case FSC_BOOL: *nccl_dtype = NCCL_UINT8; break;
-        default: return fsc_error(FSC_ERR_TYPE, "%s: %s has dtype %s, which NCCL cannot carry", opname, arg,
-                                  fsc_dtype_name(t->dtype));
+        case FSC_UINT8: *nccl_dtype = NCCL_UINT8; break;
+        default: /* fsc_comm_check_dtype admitted a dtype this table lacks */
+            return fsc_error(FSC_ERR_INTERNAL, "%s: no NCCL type for %s", opname, fsc_dtype_name(t->dtype));
     }
     return FSC_OK;
 }
@@ -525,7 +532,8 @@ fsc_status_t fsc_nccl_wait(fsc_nccl_comm_t *c, fsc_stream_t stream, double timeo
                 st = fail_locked(c, r, what, 1);
             } else if (fsc_comm_now() > deadline) {
                 char msg[256];
-                snprintf(msg, sizeof(msg), "nccl wait on rank %d of %d (cuda:%d): %s #%llu did not complete within %g s",
+                snprintf(msg, sizeof(msg),
+                         "nccl wait on rank %d of %d (cuda:%d): %s #%llu did not complete within %g s",
                          c->rank, c->nranks, c->device, fsc_comm_op_name(last), (unsigned long long)nops, timeout);
                 abort_locked(c, msg);
                 st = fsc_error(FSC_ERR_TIMEOUT, "%s; communicator aborted", msg);

@@ -1,6 +1,7 @@
 """Spawning ranks for multi-process tests: one job runs `fn(rank, world_size, *args)` on every
 rank (fresh interpreters, 'spawn' start method) and returns each rank's result, re-raising a
-rank's exception with its traceback. Ranks get RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT."""
+rank's exception with its traceback. Ranks get RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; an `env` value "__per_rank__" becomes
+"host<rank>" (to give each rank a different identity)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def shm_segments() -> set:
 def _entry(fn: Callable, rank: int, world: int, port: int, env: Dict[str, str], q: Any, args: tuple) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    os.environ.update(env)
+    os.environ.update({k: (v if v != "__per_rank__" else f"host{rank}") for k, v in env.items()})
     try:
         q.put((rank, True, fn(rank, world, *args)))
     except BaseException:

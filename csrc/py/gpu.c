@@ -191,7 +191,8 @@ static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int c
     fsc_status_t st;
     static const char *names[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, cuda ? "OOOOdddddLO&:cuda_adamw_step" : "OOOOdddddL:cpu_adamw_step",
-                                     cuda ? kwlist_cuda : kwlist_cpu, &objs[0], &objs[1], &objs[2], &objs[3], &hp.lr, &hp.beta1, &hp.beta2,
+                                     cuda ? kwlist_cuda : kwlist_cpu, &objs[0], &objs[1], &objs[2], &objs[3], &hp.lr,
+                                     &hp.beta1, &hp.beta2,
                                      &hp.eps, &hp.weight_decay, &step, stream_converter, &stream))
         return NULL;
     hp.step = step;
@@ -268,7 +269,8 @@ static PyObject *comm_new(PyTypeObject *tp, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*iii|d:NcclComm", kwlist, &uid, &rank, &size, &device, &timeout))
         return NULL;
     if (uid.len != FSC_NCCL_UNIQUE_ID_BYTES) {
-        PyErr_Format(PyExc_ValueError, "NcclComm: argument 'unique_id' must be %d bytes (from nccl_unique_id()), got %zd",
+        PyErr_Format(PyExc_ValueError,
+                     "NcclComm: argument 'unique_id' must be %d bytes (from nccl_unique_id()), got %zd",
                      FSC_NCCL_UNIQUE_ID_BYTES, uid.len);
         PyBuffer_Release(&uid);
         return NULL;
@@ -372,7 +374,8 @@ static PyObject *reduce_common(PyObject *self, PyObject *args, PyObject *kwargs,
     if (!ok || parse_redop(module, opname, &op) < 0) return NULL;
     if (import_arg(&im, module, obj, "tensor", 1, 0, stream, &t) < 0) return import_failed(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS st = with_root ? fsc_nccl_reduce(c, &t, op, root, stream) : fsc_nccl_all_reduce(c, &t, op, stream);
+    Py_BEGIN_ALLOW_THREADS st =
+        with_root ? fsc_nccl_reduce(c, &t, op, root, stream) : fsc_nccl_all_reduce(c, &t, op, stream);
     Py_END_ALLOW_THREADS return finish(module, &im, st);
 }
 

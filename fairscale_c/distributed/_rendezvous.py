@@ -128,10 +128,14 @@ def env_store() -> "dist.Store":
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=(rank == 0 and not agent),
-        timeout=datetime.timedelta(seconds=timeout_s()),
-    )
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        # wait_for_workers=False: a rank that never comes is reported by the first exchange,
+        # which can name it, rather than by the store's constructor
+        return dist.TCPStore(addr, port, world, is_master=(rank == 0 and not agent),
+                             timeout=datetime.timedelta(seconds=timeout_s()), wait_for_workers=False)
+    except Exception as exc:
+        raise _C.DistributedError(
+            f"rendezvous (rank {rank} of {world}): cannot reach the TCPStore at {addr}:{port} within "
+            f"FAIRSCALE_C_TIMEOUT={timeout_s():g} s ({exc.__class__.__name__}: {exc})"
+        ) from None
