@@ -1,0 +1,10 @@
+"""fairscale_c.nn.data_parallel — mirrors fairscale.nn.data_parallel."""
+
+from .fully_sharded_data_parallel import (
+    FullyShardedDataParallel,
+    ProcessGroupName,
+    TrainingState,
+    get_fsdp_instances,
+)
+
+__all__ = ["FullyShardedDataParallel", "ProcessGroupName", "TrainingState", "get_fsdp_instances"]

@@ -1,0 +1,60 @@
+"""How FSDP reaches the collective engine: one object per process group."""
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from fairscale_c import _C
+
+
+class _Done:
+    """A completed Work, for world size 1 where nothing is sent."""
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        return None
+
+
+class Comm:
+    """Collectives FSDP needs, over fairscale_c's engine for the given torch process group."""
+
+    def __init__(self, process_group: Any = None):
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        self.process_group = process_group
+        if process_group is None:
+            self.rank, self.world_size, self.group = 0, 1, None
+            return
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.group = _engine_group(process_group) if self.world_size > 1 else None
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        if self.group is None:
+            # In C: a torch copy would bump the version counter autograd checks on saved views.
+            _C.copy_(output, input)
+            return _Done() if async_op else None
+        return self.group.all_gather(output, input, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, async_op: bool = False):
+        if self.group is None:
+            _C.copy_(output, input)
+            return _Done() if async_op else None
+        return self.group.reduce_scatter(output, input, op=op, async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        if self.group is not None:
+            self.group.all_reduce(tensor, op=op)
+
+
+_GROUPS = {}
+
+
+def _engine_group(process_group):
+    """One engine group per torch process group, built once (a collective over that group)."""
+    from fairscale_c import distributed as fdist
+
+    key = id(process_group)
+    if key not in _GROUPS:
+        _GROUPS[key] = (process_group, fdist.init_group(process_group))
+    return _GROUPS[key][1]

@@ -1,0 +1,174 @@
+"""State-dict plumbing for FSDP: key renaming hooks, summoning full parameters, FairScale's
+local-metadata format and offline consolidation."""
+
+import contextlib
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+WRAPPED = "_fsdp_wrapped_module"
+_HIDDEN = {WRAPPED, "_fpw_module"}
+
+
+def clean_path(path: str) -> str:
+    """Drop wrapper attribute names from a dotted path (FairScale writes the same clean names)."""
+    return ".".join(p for p in path.split(".") if p and p not in _HIDDEN)
+
+
+def post_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``<prefix>_fsdp_wrapped_module.x`` -> ``<prefix>x``: state dicts carry the original keys."""
+    inner = prefix + WRAPPED + "."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def pre_load_state_dict_hook(fsdp: nn.Module, state_dict: Dict[str, Any], prefix: str, *unused: Any) -> None:
+    """The inverse of post_state_dict_hook, for everything but the instance's own flat params."""
+    own = set(fsdp._parameters.keys())
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix):]
+        if rest.startswith(WRAPPED + ".") or rest in own:
+            continue
+        state_dict[prefix + WRAPPED + "." + rest] = state_dict.pop(key)
+
+
+@contextlib.contextmanager
+def local_mode(instances: List[nn.Module]):
+    """state_dict()/load_state_dict() see the sharded flat parameters while inside."""
+    old = [m._return_full_state_dict for m in instances]
+    for m in instances:
+        m._return_full_state_dict = False
+    try:
+        yield
+    finally:
+        for m, flag in zip(instances, old):
+            m._return_full_state_dict = flag
+
+
+@torch.no_grad()
+def summon(fsdp) -> List[torch.Tensor]:
+    """All-gather each flat parameter in fp32 and register the original parameters as views of it."""
+    fulls = []
+    for i, h in enumerate(fsdp._handles):
+        shard = h.param.detach()
+        full = torch.empty(h.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        fsdp.comm.all_gather(full, shard)
+        fulls.append(full)
+        params = {}
+        for slot in h.layout.slots:
+            p = nn.Parameter(full[slot.offset : slot.offset + slot.numel].view(slot.shape), h.layout.requires_grad)
+            params[id(slot)] = p
+            slot.module.__dict__.pop(slot.attr, None)  # a view left by the last forward
+            slot.module._parameters[slot.attr] = p
+        for shared in h.layout.shared:
+            shared.module.__dict__.pop(shared.attr, None)
+            shared.module._parameters[shared.attr] = params[id(shared.src)]
+        fsdp._parameters.pop(f"flat_param_{i}")
+    return fulls
+
+
+@torch.no_grad()
+def unsummon(fsdp, fulls: List[torch.Tensor], write_back: bool) -> None:
+    """Undo summon(); with write_back, this rank's slice of each full parameter goes to its shard."""
+    from .fully_sharded_data_parallel import _copy
+
+    for i, (h, full) in enumerate(zip(fsdp._handles, fulls)):
+        if write_back:
+            n = h.layout.shard_numel
+            _copy(h.param.detach(), full[h.layout.rank * n : (h.layout.rank + 1) * n])
+        for slot in h.layout.slots:
+            slot.module._parameters.pop(slot.attr, None)
+        for shared in h.layout.shared:
+            shared.module._parameters.pop(shared.attr, None)
+        fsdp._parameters[f"flat_param_{i}"] = h.param
+
+
+def detach_to(sd: Dict[str, Any], device: torch.device, to_fp32: bool) -> Dict[str, Any]:
+    out = type(sd)()
+    for k, v in sd.items():
+        if torch.is_tensor(v):
+            v = v.detach().to(device=device, copy=True)
+            if to_fp32 and v.is_floating_point():
+                v = v.float()
+        out[k] = v
+    if hasattr(sd, "_metadata"):
+        out._metadata = sd._metadata
+    return out
+
+
+def instance_paths(root: nn.Module):
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+    for path, m in root.named_modules():
+        if isinstance(m, FullyShardedDataParallel):
+            yield clean_path(path), m
+
+
+def check_local_shapes(root: nn.Module, instances, state_dict: Dict[str, Any]) -> None:
+    """A local state saved at another world size has other shard sizes: say so before loading."""
+    for path, m in instance_paths(root):
+        for i, h in enumerate(m._handles):
+            key = f"{path}.flat_param_{i}" if path else f"flat_param_{i}"
+            if key in state_dict and state_dict[key].numel() != h.layout.shard_numel:
+                raise ValueError(
+                    f"load_local_state_dict: '{key}' has {state_dict[key].numel()} elements but this rank's shard "
+                    f"has {h.layout.shard_numel} (world size {m.world_size}); a local state dict loads only at the "
+                    f"world size it was saved with — rebuild it with consolidate_shard_weights() and load_state_dict()"
+                )
+
+
+def local_metadata(root: nn.Module) -> Dict[str, Any]:
+    param_metadata = []
+    for path, m in instance_paths(root):
+        param_metadata.append(
+            {
+                "fsdp_path": path,
+                "params": {f"flat_param_{i}": h.layout.metadata() for i, h in enumerate(m._handles)},
+                "no_broadcast_optim_state": m.no_broadcast_optim_state,
+                "shared_param_info": [(clean_path(s), clean_path(d)) for s, d in m._shared_pairs],
+            }
+        )
+    buffer_names = [clean_path(n) for n, _ in root.named_buffers(recurse=True)]
+    return {"param_metadata": param_metadata, "buffer_names": buffer_names}
+
+
+def _unpad(shard: torch.Tensor, pad: int) -> torch.Tensor:
+    return shard[: shard.numel() - pad] if pad > 0 else shard
+
+
+def consolidate(shard_weights, shard_metadata, with_module_buffers: bool, strict: bool) -> Dict[str, torch.Tensor]:
+    if len(shard_weights) != len(shard_metadata) or not shard_weights:
+        raise ValueError("consolidate_shard_weights: need one metadata dict per shard, and at least one shard")
+    out: Dict[str, torch.Tensor] = {}
+    for idx, meta in enumerate(shard_metadata[0]["param_metadata"]):
+        path = meta["fsdp_path"]
+        for backing, info in meta["params"].items():
+            key = f"{path}.{backing}" if path else backing
+            if key not in shard_weights[0] and not strict:
+                continue
+            shards = []
+            for rank, weights in enumerate(shard_weights):
+                if key not in weights:
+                    raise KeyError(f"consolidate_shard_weights: shard {rank} has no '{key}'")
+                pad = shard_metadata[rank]["param_metadata"][idx]["params"][backing]["padding"]
+                shards.append(_unpad(weights[key].reshape(-1), pad))
+                if meta["no_broadcast_optim_state"]:
+                    break
+            full = torch.cat(shards, dim=0)
+            if sum(info["numels"]) != full.numel():
+                raise ValueError(
+                    f"consolidate_shard_weights: '{key}' holds {full.numel()} elements after unpadding, "
+                    f"metadata says {sum(info['numels'])}"
+                )
+            for name, t, shape in zip(info["names"], full.split(info["numels"]), info["shapes"]):
+                out[f"{path}.{name}" if path else name] = t.view(shape)
+        for src, dst in meta["shared_param_info"]:
+            src_key, dst_key = (f"{path}.{src}", f"{path}.{dst}") if path else (src, dst)
+            out[dst_key] = out[src_key]
+    if with_module_buffers:
+        for name in shard_metadata[0]["buffer_names"]:
+            if name not in shard_weights[0] and not strict:
+                continue
+            out[name] = shard_weights[0][name]
+    return out

@@ -1,0 +1,624 @@
+"""FullyShardedDataParallel with FairScale 0.4.13's API; the bytes move through fairscale_c's C core.
+
+Per instance, the parameters it owns (not those of nested instances) are laid out in one flat
+buffer per requires_grad value (one buffer when all agree, as in FairScale), sharded across the
+process group. Forward: cast the fp32 shard to the compute dtype and all-gather it into the full
+buffer (C), point the module's parameters at views of it, run, free the full buffer's storage.
+Backward: re-gather; when the full buffer's gradient is complete, reduce-scatter it
+asynchronously (C engine, overlapping the rest of backward); at the end of backward the root
+waits, casts to fp32 and sets ``flat_param.grad`` to the averaged gradient shard.
+"""
+
+import contextlib
+import functools
+from enum import Enum, auto
+from typing import Any, Dict, Generator, List, Optional
+
+import torch
+from torch import nn
+
+from fairscale_c import _C
+
+from . import _state_dict
+from ._comm import Comm
+from .flat_param import FlatLayout, collect_params
+
+WRAPPED = "_fsdp_wrapped_module"
+
+
+class TrainingState(Enum):
+    """What an FSDP instance is doing (FairScale's states)."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD_PRE = auto()
+    BACKWARD_POST = auto()
+    SUMMON_FULL_PARAMS = auto()
+
+
+class ProcessGroupName(str, Enum):
+    """FairScale's names for the cached process groups."""
+
+    default = "default"
+    reduce_scatter = "reduce_scatter"
+
+
+def _is_managed(p: torch.Tensor) -> bool:
+    return getattr(p, "_fsc_fsdp_managed", False)
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    if t.untyped_storage().size() > 0:
+        t.untyped_storage().resize_(0)
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().size() != nbytes:
+        t.untyped_storage().resize_(nbytes)
+
+
+class _Handle:
+    """Run-time state of one flat parameter."""
+
+    def __init__(self, layout: FlatLayout, param: nn.Parameter, compute_dtype: torch.dtype, device: torch.device):
+        self.layout = layout
+        self.param = param  # fp32 shard: what the optimizer sees
+        # The full (padded) buffer in the compute dtype. A leaf, so autograd accumulates the
+        # gradient of every view into one flat gradient; its storage is released when resharded.
+        self.full = torch.zeros(layout.padded_numel, dtype=compute_dtype, device=device)
+        self.full.requires_grad_(layout.requires_grad)
+        self.has_full = False
+        self.pending = None  # (work, reduced shard, reduce input) while a reduce-scatter runs
+
+
+class FullyShardedDataParallel(nn.Module):
+    """A drop-in for ``fairscale.nn.FullyShardedDataParallel`` (0.4.13): same arguments, same
+    defaults, same state-dict formats. See docs/fsdp.md for what differs."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Optional[Any] = None,
+        process_group_reduce_scatter: Any = ProcessGroupName.reduce_scatter,
+        reshard_after_forward: bool = True,
+        disable_reshard_on_root: bool = True,
+        mixed_precision: bool = False,
+        fp32_reduce_scatter: bool = False,
+        flatten_parameters: bool = True,
+        move_params_to_cpu: bool = False,
+        compute_dtype: Optional[torch.dtype] = None,
+        buffer_dtype: Optional[torch.dtype] = None,
+        move_grads_to_cpu: Optional[bool] = None,
+        bucket_cap_mb: int = 25,
+        compute_device: Optional[torch.device] = None,
+        no_broadcast_optim_state: Optional[bool] = False,
+        state_dict_device: Optional[torch.device] = None,
+        clear_autocast_cache: bool = False,
+        force_input_to_fp32: bool = False,
+        verbose: bool = False,
+        cpu_offload: bool = False,
+        state_dict_on_rank_0_only: bool = False,
+        gradient_predivide_factor: Optional[float] = None,
+        allow_reset_parameters: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FullyShardedDataParallel: argument 'module' must be an nn.Module, got {type(module)}")
+        if fp32_reduce_scatter and not mixed_precision:
+            raise ValueError("fp32_reduce_scatter requires mixed_precision=True")
+        if not flatten_parameters:
+            raise ValueError("flatten_parameters=False is not supported yet; pass flatten_parameters=True")
+        if compute_dtype is not None and compute_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"argument 'compute_dtype' must be float32, float16 or bfloat16, got {compute_dtype}")
+        self.comm = Comm(process_group)
+        self.process_group = self.comm.process_group
+        # One engine group serves both roles: its progress thread already overlaps reduce-scatter
+        # with compute, which is what FairScale's separate reduce-scatter group is for.
+        self.process_group_reduce_scatter = self.process_group
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.reshard_after_forward = self._orig_reshard_after_forward = reshard_after_forward
+        self.disable_reshard_on_root = disable_reshard_on_root
+        self.mixed_precision = mixed_precision
+        self.fp32_reduce_scatter = fp32_reduce_scatter
+        self.flatten_parameters = flatten_parameters
+        self.move_params_to_cpu = move_params_to_cpu or cpu_offload
+        self.compute_dtype = compute_dtype or (torch.float16 if mixed_precision else torch.float32)
+        self.buffer_dtype = buffer_dtype or self.compute_dtype
+        self.move_grads_to_cpu = self.move_params_to_cpu if move_grads_to_cpu is None else move_grads_to_cpu
+        self.bucket_cap_mb = bucket_cap_mb
+        self.no_broadcast_optim_state = no_broadcast_optim_state
+        self.clear_autocast_cache = clear_autocast_cache
+        self.force_input_to_fp32 = force_input_to_fp32
+        self.verbose = verbose
+        self.state_dict_on_rank_0_only = state_dict_on_rank_0_only
+        self.allow_reset_parameters = allow_reset_parameters
+        self.gradient_predivide_factor = gradient_predivide_factor or self._get_gradient_predivide_factor(
+            self.world_size
+        )
+        self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
+
+        first = next((p for p in module.parameters() if not _is_managed(p)), None)
+        self.compute_device = torch.device(
+            compute_device if compute_device is not None else (first.device if first is not None else "cpu")
+        )
+        self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
+        shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
+
+        layouts, self._shared_pairs = collect_params(module, _is_managed)
+        self._check_dtypes(layouts)
+        self._fsdp_wrapped_module = module
+        self._handles: List[_Handle] = []
+        for i, layout in enumerate(layouts):
+            layout.world_size, layout.rank = self.world_size, self.rank
+            shard = self._make_shard(layout, shard_device)
+            param = nn.Parameter(shard, requires_grad=layout.requires_grad)
+            param._fsc_fsdp_managed = True
+            param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
+            self.register_parameter(f"flat_param_{i}", param)
+            self._handles.append(_Handle(layout, param, self.compute_dtype, self.compute_device))
+            if layout.requires_grad:
+                self._handles[-1].full.register_post_accumulate_grad_hook(
+                    functools.partial(self._post_backward_hook, self._handles[-1])
+                )
+        self.numel_padded_per_param = [h.layout.padding for h in self._handles]
+        # Leave shaped (storage-less) views under the original names, so the module still reprs and
+        # introspects like the original outside forward.
+        with torch.no_grad():
+            self._use_full_params()
+        for h in self._handles:
+            _free_storage(h.full.detach())
+        self._is_root: Optional[bool] = None
+        self._fsdp_instances: List["FullyShardedDataParallel"] = []
+        self._require_backward_grad_sync = True
+        self._return_full_state_dict = True
+        self._pre_backward_hook_has_run = False
+        self.training_state = TrainingState.IDLE
+        self._register_state_dict_hook(_state_dict.post_state_dict_hook)
+        self._register_load_state_dict_pre_hook(functools.partial(_state_dict.pre_load_state_dict_hook, self))
+
+    # ---------------------------------------------------------------- construction helpers
+
+    def _check_dtypes(self, layouts: List[FlatLayout]) -> None:
+        pure_fp16 = self.compute_dtype is torch.float16 and not self.mixed_precision
+        want = torch.float16 if pure_fp16 else torch.float32
+        for layout in layouts:
+            for slot in layout.slots:
+                if slot.param.dtype is not want:
+                    mode = "pure fp16" if pure_fp16 else ("mixed precision" if self.mixed_precision else "fp32")
+                    raise ValueError(
+                        f"FullyShardedDataParallel: parameter '{slot.name}' is {slot.param.dtype}; "
+                        f"{mode} mode expects every parameter to be {want}"
+                    )
+
+    @torch.no_grad()
+    def _make_shard(self, layout: FlatLayout, device: torch.device) -> torch.Tensor:
+        """Copy this rank's slice of the flattened parameters into a fresh padded shard (in C) and
+        release the original parameters' storage."""
+        dtype = layout.slots[0].param.dtype
+        shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        lo, hi = layout.shard_range(self.rank)
+        for slot in layout.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                src = slot.param.detach().reshape(-1)[a - slot.offset : b - slot.offset]
+                _copy(shard[a - lo : b - lo], src)
+        for slot in layout.slots:
+            delattr(slot.module, slot.attr)
+            slot.param._fsc_fsdp_sharded = True  # a tie reaching it from outside is an error
+            slot.param = None
+        for shared in layout.shared:
+            delattr(shared.module, shared.attr)
+        return shard
+
+    @staticmethod
+    def _get_gradient_predivide_factor(world_size: int) -> float:
+        factor = 1
+        while world_size % factor == 0 and world_size / factor > factor:
+            factor *= 2
+        return float(factor)
+
+    def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
+        """Divide gradients by `pre` before and `post` after the reduction (FairScale's API)."""
+        self.assert_state(TrainingState.IDLE)
+        for m in get_fsdp_instances(self) if recursive else [self]:
+            m.gradient_predivide_factor, m.gradient_postdivide_factor = pre, post
+
+    # ---------------------------------------------------------------- module plumbing
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        return [h.param for h in self._handles]
+
+    @property
+    def params_with_grad(self) -> List[nn.Parameter]:
+        return [p for p in self.parameters() if p.grad is not None]
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.move_params_to_cpu
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self._fsdp_wrapped_module.__getitem__(key)
+
+    def extra_repr(self) -> str:
+        return (
+            f"world_size={self.world_size}, mixed_precision={self.mixed_precision}, "
+            f"compute_dtype={self.compute_dtype}, reshard_after_forward={self.reshard_after_forward}, "
+            f"flat_params={[h.layout.numel for h in self._handles]}"
+        )
+
+    def assert_state(self, state: Any) -> None:
+        states = state if isinstance(state, (list, tuple)) else [state]
+        if self.training_state not in states:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: expected to be in state {[s.name for s in states]}, "
+                f"but it is in state {self.training_state.name}"
+            )
+
+    def reset_parameters(self) -> None:
+        if not self.allow_reset_parameters:
+            raise RuntimeError(
+                "FullyShardedDataParallel.reset_parameters: parameters are sharded; pass "
+                "allow_reset_parameters=True to call the wrapped module's reset_parameters"
+            )
+        self.module.reset_parameters()
+
+    def apply(self, fn):
+        """Module.apply with the full parameters in place (under summon_full_params(recurse=False))."""
+        self.assert_state(TrainingState.IDLE)
+        with self.summon_full_params(recurse=False):
+            return super().apply(fn)
+
+    # ---------------------------------------------------------------- forward
+
+    def _lazy_init(self) -> None:
+        if self._is_root is not None:
+            return
+        self._is_root = True
+        self._fsdp_instances = get_fsdp_instances(self)
+        for m in self._fsdp_instances:
+            if m is not self:
+                if m._is_root:
+                    raise RuntimeError("FullyShardedDataParallel: a nested instance ran forward before its root")
+                m._is_root = False
+        if self.disable_reshard_on_root:
+            self.reshard_after_forward = False
+        if self.buffer_dtype is not torch.float32 or self.mixed_precision:
+            with torch.no_grad():
+                for _, buf_owner, name, buf in _named_buffer_slots(self):
+                    if buf.is_floating_point():
+                        setattr(buf_owner, name, buf.to(self.buffer_dtype))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            raise RuntimeError("FullyShardedDataParallel: forward inside summon_full_params is not supported")
+        self.training_state = TrainingState.FORWARD
+        if self._is_root and self.mixed_precision:
+            args, kwargs = _cast_floats(self.compute_dtype, args, kwargs)
+        elif self.force_input_to_fp32 and not self.mixed_precision:
+            args, kwargs = _cast_floats(torch.float32, args, kwargs, no_grad=False)
+        try:
+            self._rebuild_full_params()
+            self._use_full_params()
+            outputs = self.module(*args, **kwargs)
+            if self.reshard_after_forward:
+                self._free_full_params()
+            outputs = self._register_pre_backward_hooks(outputs)
+        finally:
+            self.training_state = TrainingState.IDLE
+        if self.clear_autocast_cache:
+            torch.clear_autocast_cache()
+        return outputs
+
+    @torch.no_grad()
+    def _rebuild_full_params(self) -> None:
+        """All-gather every flat parameter that is not already full (C: cast + all-gather)."""
+        for h in self._handles:
+            if h.has_full:
+                continue
+            full = h.full.detach()
+            _alloc_storage(full)
+            shard = h.param.detach()
+            if shard.dtype is not full.dtype or shard.device != full.device:
+                src = torch.empty(shard.numel(), dtype=full.dtype, device=full.device)
+                _copy(src, shard)
+                shard = src
+            self.comm.all_gather(full, shard)
+            h.has_full = True
+
+    def _use_full_params(self) -> None:
+        """Point the module's parameter attributes at views of the full buffers."""
+        for h in self._handles:
+            for slot in h.layout.slots:
+                view = h.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                setattr(slot.module, slot.attr, view)
+                for shared in h.layout.shared:
+                    if shared.src is slot:
+                        setattr(shared.module, shared.attr, view)
+
+    def _free_full_params(self) -> None:
+        for h in self._handles:
+            if h.has_full:
+                _free_storage(h.full.detach())
+                h.has_full = False
+
+    # ---------------------------------------------------------------- backward
+
+    def _register_pre_backward_hooks(self, outputs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return outputs
+        self._pre_backward_hook_has_run = False
+
+        def hook(*unused: Any) -> None:
+            if self._pre_backward_hook_has_run:
+                return
+            self._pre_backward_hook_has_run = True
+            if self._is_root:
+                torch.autograd.Variable._execution_engine.queue_callback(self._wait_for_post_backward)
+            self.training_state = TrainingState.BACKWARD_PRE
+            self._rebuild_full_params()
+
+        def register(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                t.register_hook(hook)
+            return t
+
+        return _apply_to_tensors(register, outputs)
+
+    @torch.no_grad()
+    def _post_backward_hook(self, h: _Handle, full: torch.Tensor) -> None:
+        """Runs when the full flat gradient is complete: start its reduce-scatter, free the full params."""
+        grad = full.grad
+        if grad is None:
+            return
+        self.training_state = TrainingState.BACKWARD_POST
+        if self._require_backward_grad_sync:
+            full.grad = None
+            if self.fp32_reduce_scatter and grad.dtype is not torch.float32:
+                g32 = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+                _copy(g32, grad)
+                grad = g32
+            out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+            average = abs(self.gradient_predivide_factor * self.gradient_postdivide_factor - self.world_size) < 1e-6
+            work = self.comm.reduce_scatter(out, grad, op="avg" if average else "sum", async_op=True)
+            h.pending = (work, out, grad, average)
+        if self._require_backward_grad_sync or self.reshard_after_forward:
+            _free_storage(h.full.detach())
+            h.has_full = False
+
+    @torch.no_grad()
+    def _wait_for_post_backward(self) -> None:
+        """Root only, at the end of backward: finish every reduce-scatter and set the grad shards."""
+        for m in self._fsdp_instances:
+            for h in m._handles:
+                if h.pending is not None:
+                    work, out, _, average = h.pending
+                    h.pending = None
+                    work.wait()
+                    if not average:
+                        out.div_(m.gradient_predivide_factor * m.gradient_postdivide_factor)
+                    m._accumulate_grad(h, out)
+            if m._require_backward_grad_sync:
+                m._free_full_params()
+            m._pre_backward_hook_has_run = False
+            m.training_state = TrainingState.IDLE
+
+    def _accumulate_grad(self, h: _Handle, reduced: torch.Tensor) -> None:
+        p = h.param
+        target_device = torch.device("cpu") if self.move_grads_to_cpu else p.device
+        if p.grad is None:
+            if reduced.dtype is p.dtype and reduced.device == target_device:
+                p.grad = reduced
+            else:
+                g = torch.empty(p.shape, dtype=p.dtype, device=target_device)
+                _copy(g, reduced)
+                p.grad = g
+        else:
+            p.grad.add_(reduced.to(device=p.grad.device, dtype=p.grad.dtype))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator:
+        """Accumulate full gradients locally; the first backward after the context reduces them."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("FullyShardedDataParallel.no_sync() may only be called on the root instance")
+        instances = get_fsdp_instances(self)
+        old = [m._require_backward_grad_sync for m in instances]
+        for m in instances:
+            m._require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            for m, flag in zip(instances, old):
+                m._require_backward_grad_sync = flag
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm over all shards (one all-reduce); returns the total norm."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("FullyShardedDataParallel.clip_grad_norm_ may only be called on the root instance")
+        self.assert_state(TrainingState.IDLE)
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        device = grads[0].device if grads else self.compute_device
+        if not grads:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+        elif norm_type == float("inf"):
+            local = torch.stack([g.detach().abs().max().float() for g in grads]).max()
+        else:
+            local = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads])
+            local = (local**norm_type).sum()
+        local = local.reshape(1).to(torch.float32)
+        self.comm.all_reduce(local, op="max" if norm_type == float("inf") else "sum")
+        total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
+        clip_coef = torch.tensor(max_norm, dtype=torch.float32) / (total + 1e-6)
+        if clip_coef < 1:
+            for g in grads:
+                g.detach().mul_(clip_coef.to(g.device, g.dtype))
+        return total
+
+    # ---------------------------------------------------------------- full parameters
+
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Generator:
+        """Gather the full fp32 parameters in place under their original names. Edits persist to the
+        local shard on exit unless `volatile`. Collective: every rank must enter it."""
+        if recurse:
+            with contextlib.ExitStack() as stack:
+                for m in get_fsdp_instances(self):
+                    stack.enter_context(m.summon_full_params(recurse=False, volatile=volatile))
+                yield
+            return
+        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            yield  # already summoned by an outer call
+            return
+        if self.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"FullyShardedDataParallel.summon_full_params: not allowed during forward or backward "
+                f"(state {self.training_state.name})"
+            )
+        self.training_state = TrainingState.SUMMON_FULL_PARAMS
+        fulls = _state_dict.summon(self)
+        try:
+            yield
+        finally:
+            _state_dict.unsummon(self, fulls, write_back=not volatile)
+            self._free_full_params()  # any compute-dtype copy is stale now
+            self.training_state = TrainingState.IDLE
+
+    # ---------------------------------------------------------------- state dicts
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The full fp32 state with the original keys (collective). Returns {} on ranks other than 0
+        when state_dict_on_rank_0_only. Local (sharded) state under local_state_dict()."""
+        if not self._return_full_state_dict or self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            return super().state_dict(*args, **kwargs)
+        with self.summon_full_params(recurse=True, volatile=True):
+            sd = super().state_dict(*args, **kwargs)
+            sd = _state_dict.detach_to(sd, self.state_dict_device, self.mixed_precision)
+        if self.state_dict_on_rank_0_only and self.rank != 0:
+            return type(sd)()
+        return sd
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The sharded state: keys ``<fsdp path>.flat_param_<i>`` plus buffers, FairScale's format."""
+        self.assert_state([TrainingState.IDLE, TrainingState.FORWARD])
+        with _state_dict.local_mode(get_fsdp_instances(self)):
+            return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> Any:
+        """Load a full state dict (as state_dict() returns). Collective."""
+        if not self._return_full_state_dict:
+            return super().load_state_dict(state_dict, strict)
+        with self.summon_full_params(recurse=True, volatile=False):
+            return super().load_state_dict(state_dict, strict)
+
+    def load_local_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> Any:
+        """Load a local (sharded) state dict saved by local_state_dict() at the same world size."""
+        self.assert_state(TrainingState.IDLE)
+        instances = get_fsdp_instances(self)
+        _state_dict.check_local_shapes(self, instances, state_dict)
+        with _state_dict.local_mode(instances):
+            result = super().load_state_dict(state_dict, strict)
+        for m in instances:
+            m._free_full_params()
+        return result
+
+    def local_metadata_dict(self) -> Dict[str, Any]:
+        """What consolidate_shard_weights needs to rebuild full weights offline (FairScale's format)."""
+        return _state_dict.local_metadata(self)
+
+    @staticmethod
+    def consolidate_shard_weights(
+        shard_weights: List[Dict[str, torch.Tensor]],
+        shard_metadata: List[Dict[str, Any]],
+        with_module_buffers: bool = True,
+        strict: bool = True,
+    ) -> Dict[str, torch.Tensor]:
+        """Rebuild a full state dict from every rank's local_state_dict() and local_metadata_dict()."""
+        return _state_dict.consolidate(shard_weights, shard_metadata, with_module_buffers, strict)
+
+    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[Dict[str, Any]]:
+        """Collective: rank 0 gets the optimizer state unsharded and keyed like the unwrapped model's
+        parameters; other ranks get None."""
+        from . import _optim_state
+
+        return _optim_state.gather_full(self, optim)
+
+    def get_shard_from_optim_state_dict(self, full_optim_state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's shard of a state from gather_full_optim_state_dict(), for optim.load_state_dict."""
+        from . import _optim_state
+
+        return _optim_state.shard_from_full(self, full_optim_state_dict)
+
+
+def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:
+    """Every FSDP instance in `mod` (itself included), in module order."""
+    return [
+        m for m in mod.modules() if isinstance(m, FullyShardedDataParallel) and not (skip_empty and not m._handles)
+    ]
+
+
+@torch.no_grad()
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Host copies and casts go through the C core; device ones through torch."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        _C.copy_(dst, src)
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
+def _apply_to_tensors(fn, obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _apply_to_tensors(fn, v)) for k, v in obj.items()) if type(obj) is dict else _map_dict(
+            fn, obj
+        )
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_apply_to_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_apply_to_tensors(fn, v) for v in obj)
+    return obj
+
+
+def _map_dict(fn, obj: Any) -> Any:
+    # Mapping subclasses such as HuggingFace ModelOutput: update in place to keep the type.
+    for k in list(obj.keys()):
+        obj[k] = _apply_to_tensors(fn, obj[k])
+    return obj
+
+
+def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any, no_grad: bool = True):
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.dtype is not dtype:
+            y = x.to(dtype)
+            if x.is_leaf and no_grad:
+                y.requires_grad_(x.requires_grad)
+            return y
+        return x
+
+    ctx = torch.no_grad() if no_grad else contextlib.nullcontext()
+    with ctx:
+        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+
+
+def _named_buffer_slots(root: nn.Module):
+    for mod_name, mod in root.named_modules():
+        for name, buf in list(mod._buffers.items()):
+            if buf is not None:
+                yield mod_name, mod, name, buf

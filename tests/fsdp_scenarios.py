@@ -1,0 +1,316 @@
+"""FSDP scenarios run inside spawned ranks; each compares against single-process PyTorch.
+
+Every rank builds the same seeded model, keeps an unwrapped deep copy as the reference, trains
+the FSDP copy on its slice of each global batch and the reference on the whole global batch,
+and checks losses and final parameters. Tolerances: fp32 atol 1e-5; bf16 (mixed precision or
+autocast) atol/rtol 3e-2, since bf16 keeps 8 bits of mantissa.
+"""
+
+import copy
+import functools
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+BF16_TOL = dict(atol=3e-2, rtol=3e-2)
+LOCAL_BATCH = 4
+STEPS = 3
+
+
+# ------------------------------------------------------------------------------------ models
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=8, hidden=16, d_out=4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.heads = 2
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """A GPT-style model whose output projection is tied to the input embedding."""
+
+    def __init__(self, vocab=32, d=16, n_layers=2, seq=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n_layers)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx):
+        x = self.embed(idx) + self.pos[: idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
+class TwiceModel(nn.Module):
+    """Runs one (separately wrapped) submodule twice in a forward (FairScale issue 617)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.shared = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = F.relu(self.inp(x))
+        h = F.relu(self.shared(h))
+        h = F.relu(self.shared(h))
+        return self.out(h)
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def mlp_batch(step, world, gen):
+    x = torch.randn(world * LOCAL_BATCH, 8, generator=gen)
+    y = torch.randn(world * LOCAL_BATCH, 4, generator=gen)
+    return x, y
+
+
+def lm_batch(step, world, gen):
+    idx = torch.randint(0, 32, (world * LOCAL_BATCH, 8), generator=gen)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def mse(model, x, y):
+    return F.mse_loss(model(x).float(), y)
+
+
+def xent(model, idx, tgt):
+    logits = model(idx).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+# ------------------------------------------------------------------------------------ harness
+
+
+def _local(t, rank):
+    return t[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+
+
+def train_and_compare(
+    rank,
+    world,
+    make_model,
+    wrap,
+    batch_fn=mlp_batch,
+    loss_fn=mse,
+    tol=FP32_TOL,
+    micro_batches=1,
+    autocast=False,
+    steps=STEPS,
+    freeze=None,
+):
+    """Train FSDP(model) and the plain model side by side; assert losses and parameters match."""
+    from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = make_model()
+    if freeze:
+        for name, p in model.named_parameters():
+            if name.startswith(freeze):
+                p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    fsdp = wrap(model)
+    assert isinstance(fsdp, FSDP)
+    # SGD with momentum: Adam divides by sqrt(v), which turns the rounding noise of gradients that
+    # are zero in exact arithmetic (e.g. attention key biases) into full-size steps.
+    opt = torch.optim.SGD([p for p in fsdp.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1234)
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else (lambda: _nullcontext())
+    for step in range(steps):
+        batches = [batch_fn(step, world, gen) for _ in range(micro_batches)]
+        for j, (x, y) in enumerate(batches):
+            sync = j == micro_batches - 1
+            with (_nullcontext() if sync else fsdp.no_sync()), ctx():
+                loss = loss_fn(fsdp, _local(x, rank), _local(y, rank)) / micro_batches
+            loss.backward()
+            with ctx():
+                ref_local = loss_fn(ref, _local(x, rank), _local(y, rank)) / micro_batches
+            torch.testing.assert_close(loss.detach(), ref_local.detach(), **tol, msg=f"loss at step {step}.{j}")
+            with ctx():
+                ref_loss = loss_fn(ref, x, y) / micro_batches
+            ref_loss.backward()
+        fsdp.clip_grad_norm_(1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    sd = fsdp.state_dict()
+    ref_sd = ref.state_dict()
+    assert list(sd.keys()) == list(ref_sd.keys()), (list(sd.keys()), list(ref_sd.keys()))
+    for k, v in ref_sd.items():
+        torch.testing.assert_close(sd[k], v, **tol, msg=f"parameter {k} after {steps} steps")
+    if freeze:
+        frozen = {k: v for k, v in ref_sd.items() if k.startswith(freeze)}
+        assert frozen and all(torch.equal(sd[k], v) for k, v in frozen.items())
+    return fsdp
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# ------------------------------------------------------------------------------------ scenarios
+
+
+def fsdp(**kw):
+    from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    return functools.partial(FSDP, **kw)
+
+
+def nested_auto_wrap(model, **kw):
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+    from fairscale_c.nn.wrap import auto_wrap, default_auto_wrap_policy, enable_wrap
+
+    # Blocks (~3.3k parameters) get their own instance; the tied embedding/head (512) stay in the root.
+    policy = functools.partial(default_auto_wrap_policy, min_num_params=1000)
+    with enable_wrap(wrapper_cls=FSDP, auto_wrap_policy=policy, **kw):
+        return FSDP(auto_wrap(model), **kw)
+
+
+def nested_manual_wrap(model, **kw):
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+    from fairscale_c.nn.wrap import enable_wrap, wrap
+
+    with enable_wrap(wrapper_cls=FSDP, **kw):
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = wrap(blk)
+        return FSDP(model, **kw)
+
+
+def scenario_mlp(rank, world):
+    train_and_compare(rank, world, MLP, fsdp())
+
+
+def scenario_mlp_no_reshard(rank, world):
+    train_and_compare(rank, world, MLP, fsdp(reshard_after_forward=False))
+
+
+def scenario_transformer_tied(rank, world):
+    m = train_and_compare(rank, world, TinyLM, fsdp(), batch_fn=lm_batch, loss_fn=xent)
+    meta = m.local_metadata_dict()["param_metadata"][0]
+    assert ("embed.weight", "head.weight") in meta["shared_param_info"], meta["shared_param_info"]
+
+
+def scenario_transformer_auto_wrap(rank, world):
+    m = train_and_compare(rank, world, TinyLM, nested_auto_wrap, batch_fn=lm_batch, loss_fn=xent)
+    assert len([1 for _ in m.local_metadata_dict()["param_metadata"]]) > 1
+
+
+def scenario_transformer_manual_wrap_reshard(rank, world):
+    for reshard in (True, False):
+        wrap = functools.partial(nested_manual_wrap, reshard_after_forward=reshard)
+        train_and_compare(rank, world, TinyLM, wrap, batch_fn=lm_batch, loss_fn=xent)
+
+
+def scenario_bf16_mixed_precision(rank, world):
+    for fp32_rs in (False, True):
+        wrap = functools.partial(
+            nested_manual_wrap, mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=fp32_rs
+        )
+        train_and_compare(rank, world, TinyLM, wrap, batch_fn=lm_batch, loss_fn=xent, tol=BF16_TOL)
+
+
+def scenario_move_params_to_cpu(rank, world):
+    m = train_and_compare(rank, world, MLP, fsdp(move_params_to_cpu=True))
+    assert m.move_grads_to_cpu and all(p.device.type == "cpu" for p in m.parameters())
+
+
+def scenario_no_sync(rank, world):
+    train_and_compare(rank, world, MLP, fsdp(), micro_batches=3)
+    train_and_compare(rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=xent, micro_batches=2)
+
+
+def scenario_frozen(rank, world):
+    train_and_compare(rank, world, MLP, fsdp(), freeze="fc1.")
+    train_and_compare(rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=xent, freeze="blocks.0.")
+
+
+def scenario_autocast(rank, world):
+    train_and_compare(rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=xent, autocast=True,
+                      tol=BF16_TOL)
+
+
+def scenario_multiple_forwards_before_backward(rank, world):
+    def two_forwards(model, x, y):
+        half = x.shape[0] // 2
+        return (mse(model, x[:half], y[:half]) + mse(model, x[half:], y[half:])) / 2
+
+    train_and_compare(rank, world, MLP, fsdp(), loss_fn=two_forwards, tol=FP32_TOL)
+
+
+def scenario_submodule_twice(rank, world):
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    def wrap(model):
+        model.shared = FSDP(model.shared)
+        return FSDP(model)
+
+    train_and_compare(rank, world, TwiceModel, wrap)
+
+
+SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
+
+
+# ------------------------------------------------------------------------------------ entry
+
+
+def worker(rank, world, init_file, names, result_dir):
+    from fairscale_c import DistributedError
+
+    os.environ.setdefault("FAIRSCALE_C_TIMEOUT", "60")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    failures = []
+    try:
+        for name in names:
+            try:
+                SCENARIOS[name](rank, world)
+            except Exception as e:
+                failures.append(f"[{name}] rank {rank}:\n{traceback.format_exc()}")
+                if isinstance(e, DistributedError):
+                    break  # the group is broken; later scenarios would only time out
+    finally:
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("\n".join(failures))
+        dist.destroy_process_group()
