@@ -18,9 +18,10 @@ def build_info() -> Dict[str, Any]:
     """What this build contains and what it found at run time.
 
     Keys: ``version``, ``compiler``, ``c_standard``, ``dlpack_version``, ``cuda_kernels_built``
-    (compiled in when nvcc was present at build time), and, discovered at run time by dlopen,
-    ``cuda_driver`` / ``cuda_runtime`` / ``nccl`` (each ``None`` when not found, else a dict
-    with its version and where it was loaded from) and ``cuda_device_count``.
+    (compiled in when nvcc was present at build time), and, discovered at run time by dlopen
+    (see ``_C.gpu_info()``): ``driver_found`` / ``driver_version``, ``runtime_found`` /
+    ``runtime_version`` / ``runtime_path``, ``nccl_version`` / ``nccl_path``, ``device_count``,
+    ``kernels_built`` and ``error`` (why a library was not usable, if any).
     """
     info = dict(_C._build_info())
     gpu_info = getattr(_C, "gpu_info", None)

@@ -28,3 +28,31 @@ ALL = sorted(fsdp_scenarios.SCENARIOS)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_fsdp_matches_pytorch(world):
     spawn(world, ALL)
+
+
+def test_checkpoints_across_world_sizes(tmp_path):
+    """Full state saved at world 2 loads at 1 and 4 with identical outputs; local shards consolidate;
+    optimizer state gathers and shards back; a local state refuses another world size."""
+    import torch
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    ckpt = str(tmp_path)
+    spawn(2, ["state_save"], extra=(ckpt,))
+    for world in (1, 4):
+        spawn(world, ["state_load"], extra=(ckpt,))
+    shards = [torch.load(os.path.join(ckpt, f"rank{r}_local.pt")) for r in range(2)]
+    merged = FSDP.consolidate_shard_weights([s["weights"] for s in shards], [s["metadata"] for s in shards])
+    full = torch.load(os.path.join(ckpt, "full.pt"))
+    assert set(merged) == set(full)
+    for k in full:
+        torch.testing.assert_close(merged[k], full[k], atol=0, rtol=0)
+    assert merged["head.weight"] is merged["embed.weight"]  # shared parameter restored
+    osd = torch.load(os.path.join(ckpt, "optim_full.pt"))
+    names = [n for n in merged if n != "head.weight"]
+    assert len(osd["state"]) == len(names) and all("exp_avg" in s for s in osd["state"].values())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_per_rank_is_one_over_world(world):
+    spawn(world, ["memory_per_rank"])

@@ -1,0 +1,123 @@
+"""Optimizer state for FSDP: gather shards into FairScale's unflattened format, and shard it back.
+
+Format (as FairScale 0.4.13): ``{"state": {global_id: {...}}, "param_groups": [...],
+"param_id_map": {global_id: local_id}, "uncollected_local_ids": [...]}``. Global ids number the
+original (unflattened, de-duplicated) parameters in flattening order across the FSDP instances;
+local ids index the optimizer's own (flat, sharded) parameters.
+"""
+
+import copy
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+
+def _flat_entries(root) -> List[Tuple[Any, Any]]:
+    """(instance, handle) for every flat parameter under `root`, in parameters() order."""
+    from .fully_sharded_data_parallel import get_fsdp_instances
+
+    return [(m, h) for m in get_fsdp_instances(root) for h in m._handles]
+
+
+def _local_ids(optim: torch.optim.Optimizer, entries) -> List[Optional[int]]:
+    if len(optim.param_groups) != 1:
+        raise ValueError(
+            f"gather_full_optim_state_dict: the optimizer has {len(optim.param_groups)} parameter groups; "
+            f"FairScale's format (and this implementation) supports exactly one"
+        )
+    index = {id(p): i for i, p in enumerate(optim.param_groups[0]["params"])}
+    return [index.get(id(h.param)) for _, h in entries]
+
+
+def _is_singleton(x: Any) -> bool:
+    return torch.is_tensor(x) and x.dim() == 0
+
+
+@torch.no_grad()
+def gather_full(root, optim: torch.optim.Optimizer) -> Optional[Dict[str, Any]]:
+    root._lazy_init()
+    entries = _flat_entries(root)
+    local_ids = _local_ids(optim, entries)
+    osd = optim.state_dict()
+    state: Dict[int, Dict[str, Any]] = {}
+    param_id_map: Dict[int, Optional[int]] = {}
+    uncollected = []
+    global_id = 0
+    for (m, h), local_id in zip(entries, local_ids):
+        local_state = osd["state"].get(local_id, {}) if local_id is not None else {}
+        if local_id is not None and m.no_broadcast_optim_state:
+            uncollected.append(local_id)
+        full_state = {}
+        for key, value in local_state.items():
+            if torch.is_tensor(value) and not _is_singleton(value) and not m.no_broadcast_optim_state:
+                if value.numel() != h.layout.shard_numel:
+                    raise ValueError(
+                        f"gather_full_optim_state_dict: state '{key}' of flat parameter {local_id} has "
+                        f"{value.numel()} elements, expected the shard's {h.layout.shard_numel}"
+                    )
+                full = torch.empty(h.layout.padded_numel, dtype=value.dtype, device=value.device)
+                m.comm.all_gather(full, value.detach().contiguous())
+                full_state[key] = full
+            elif _is_singleton(value) and key == "step":
+                full_state[key] = value.item()  # FairScale stores the step as an int
+            else:
+                full_state[key] = value
+        for slot in h.layout.slots:
+            param_id_map[global_id] = local_id
+            if root.rank == 0 and local_state:
+                state[global_id] = {
+                    k: (v[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
+                        if torch.is_tensor(v) and v.dim() == 1 and v.numel() == h.layout.padded_numel else v)
+                    for k, v in full_state.items()
+                }
+            global_id += 1
+    if root.rank != 0:
+        return None
+    param_groups = copy.deepcopy(osd["param_groups"])
+    param_groups[0]["params"] = list(range(global_id))
+    return {"state": state, "param_groups": param_groups, "param_id_map": param_id_map,
+            "uncollected_local_ids": uncollected}
+
+
+@torch.no_grad()
+def shard_from_full(root, full_osd: Dict[str, Any]) -> Dict[str, Any]:
+    entries = _flat_entries(root)
+    for key in ("state", "param_groups", "param_id_map"):
+        if key not in full_osd:
+            raise ValueError(f"get_shard_from_optim_state_dict: argument 'full_optim_state_dict' has no '{key}'")
+    n_global = sum(len(h.layout.slots) for _, h in entries)
+    if len(full_osd["param_id_map"]) != n_global:
+        raise ValueError(
+            f"get_shard_from_optim_state_dict: the state describes {len(full_osd['param_id_map'])} parameters, "
+            f"this model has {n_global}"
+        )
+    state: Dict[int, Dict[str, Any]] = {}
+    global_id = 0
+    local_ids = set()
+    for m, h in entries:
+        ids = list(range(global_id, global_id + len(h.layout.slots)))
+        global_id += len(ids)
+        local_id = full_osd["param_id_map"][ids[0]]
+        if local_id is None:
+            continue
+        local_ids.add(local_id)
+        if ids[0] not in full_osd["state"]:
+            continue
+        shard_state = {}
+        for key, value in full_osd["state"][ids[0]].items():
+            if torch.is_tensor(value) and not _is_singleton(value) and local_id not in full_osd.get(
+                "uncollected_local_ids", []
+            ):
+                flat = torch.zeros(h.layout.padded_numel, dtype=value.dtype)
+                for gid, slot in zip(ids, h.layout.slots):
+                    flat[slot.offset : slot.offset + slot.numel] = full_osd["state"][gid][key].reshape(-1)
+                n = h.layout.shard_numel
+                shard_state[key] = flat[h.layout.rank * n : (h.layout.rank + 1) * n].to(h.param.device).clone()
+            elif key == "step" and not torch.is_tensor(value):
+                shard_state[key] = torch.tensor(float(value))  # torch optimizers keep the step as a tensor
+            else:
+                shard_state[key] = value
+        state[local_id] = shard_state
+    param_groups = copy.deepcopy(full_osd["param_groups"])
+    param_groups[0]["params"] = sorted(local_ids)
+    return {"state": state, "param_groups": param_groups}
