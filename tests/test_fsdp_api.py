@@ -1,0 +1,169 @@
+"""FSDP's API surface and bad input, in one process (world size 1, no process group needed)."""
+
+import pytest
+import torch
+from torch import nn
+
+import fairscale_c.nn as fnn
+from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale_c.nn.data_parallel import TrainingState, get_fsdp_instances
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_import_paths_mirror_fairscale():
+    assert fnn.FullyShardedDataParallel is FSDP
+    from fairscale_c.nn.wrap import auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap
+
+    assert all(callable(f) for f in (auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap))
+    assert [s.name for s in TrainingState] == ["IDLE", "FORWARD", "BACKWARD_PRE", "BACKWARD_POST",
+                                               "SUMMON_FULL_PARAMS"]
+
+
+def test_constructor_defaults_follow_fairscale():
+    m = FSDP(mlp())
+    assert m.reshard_after_forward and not m.mixed_precision and m.compute_dtype is torch.float32
+    assert m.buffer_dtype is torch.float32 and m.move_grads_to_cpu is False and m.bucket_cap_mb == 25
+    mp = FSDP(mlp(), mixed_precision=True)
+    assert mp.compute_dtype is torch.float16 and mp.buffer_dtype is torch.float16
+    off = FSDP(mlp(), cpu_offload=True)
+    assert off.move_params_to_cpu and off.move_grads_to_cpu
+    assert FSDP._get_gradient_predivide_factor(8) == 4.0 and FSDP._get_gradient_predivide_factor(1) == 1.0
+
+
+def test_optimizer_sees_only_the_flat_shard():
+    m = FSDP(mlp())
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["flat_param_0"]
+    assert m.flat_param_0.numel() == 4 * 8 + 8 + 8 * 2 + 2
+
+
+def test_summon_full_params_exposes_original_names_and_writes_back():
+    m = FSDP(mlp())
+    with m.summon_full_params():
+        assert [n for n, _ in m.named_parameters()] == [
+            "_fsdp_wrapped_module.0.weight", "_fsdp_wrapped_module.0.bias",
+            "_fsdp_wrapped_module.2.weight", "_fsdp_wrapped_module.2.bias",
+        ]
+        m.module[0].bias.data.fill_(7.0)
+    assert torch.all(m.state_dict()["0.bias"] == 7.0)
+    with m.summon_full_params(volatile=True):
+        m.module[0].bias.data.fill_(1.0)
+    assert torch.all(m.state_dict()["0.bias"] == 7.0)
+
+
+def test_apply_runs_on_full_params():
+    m = FSDP(mlp())
+    m.apply(lambda mod: nn.init.zeros_(mod.weight) if isinstance(mod, nn.Linear) else None)
+    sd = m.state_dict()
+    assert torch.all(sd["0.weight"] == 0) and torch.all(sd["2.weight"] == 0)
+
+
+def test_mixed_dtypes_under_mixed_precision_raise():
+    model = mlp()
+    model[2].half()
+    with pytest.raises(ValueError, match=r"parameter '2.weight' is torch.float16; mixed precision mode expects"):
+        FSDP(model, mixed_precision=True)
+
+
+def test_fp32_reduce_scatter_needs_mixed_precision():
+    with pytest.raises(ValueError, match="fp32_reduce_scatter requires mixed_precision"):
+        FSDP(mlp(), fp32_reduce_scatter=True)
+
+
+def test_bad_module_and_compute_dtype():
+    with pytest.raises(TypeError, match="argument 'module' must be an nn.Module"):
+        FSDP(lambda x: x)
+    with pytest.raises(ValueError, match="argument 'compute_dtype'"):
+        FSDP(mlp(), compute_dtype=torch.int8)
+
+
+def test_summon_full_params_inside_forward_raises():
+    class Peek(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.owner = None
+
+        def forward(self, x):
+            with self.owner.summon_full_params():
+                pass
+            return self.lin(x)
+
+    inner = Peek()
+    m = FSDP(inner)
+    inner.owner = m
+    with pytest.raises(RuntimeError, match="summon_full_params: not allowed during forward"):
+        m(torch.randn(1, 2))
+    assert m.training_state is TrainingState.IDLE
+
+
+def test_module_without_parameters_is_a_passthrough():
+    # FairScale accepts it (e.g. a root that only holds buffers); so do we.
+    m = FSDP(nn.ReLU())
+    assert list(m.parameters()) == [] and m.local_metadata_dict()["param_metadata"][0]["params"] == {}
+    assert torch.equal(m(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
+    assert m.clip_grad_norm_(1.0) == 0
+
+
+def test_tied_weights_split_across_instances_raise():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    model.embed = FSDP(model.embed)
+    with pytest.raises(ValueError, match=r"parameter 'head.weight' is the same tensor .* same instance"):
+        FSDP(model)
+
+
+def test_nested_instances_and_root_only_methods():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0] = FSDP(model[0])
+    root = FSDP(model)
+    assert get_fsdp_instances(root) == [root, root.module[0]]
+    root(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="root instance"):
+        root.module[0].clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="root instance"):
+        with root.module[0].no_sync():
+            pass
+    assert root.flat_param_0.grad is not None and root.module[0].flat_param_0.grad is not None
+
+
+def test_reset_parameters_needs_permission():
+    with pytest.raises(RuntimeError, match="allow_reset_parameters"):
+        FSDP(nn.Linear(2, 2)).reset_parameters()
+
+
+def test_flatten_parameters_false_is_refused_clearly():
+    with pytest.raises(ValueError, match="flatten_parameters=False is not supported"):
+        FSDP(mlp(), flatten_parameters=False)
+
+
+def test_local_state_dict_round_trip_and_consolidate():
+    m = FSDP(mlp())
+    local = m.local_state_dict()
+    assert list(local) == ["flat_param_0"]
+    merged = FSDP.consolidate_shard_weights([local], [m.local_metadata_dict()])
+    full = m.state_dict()
+    assert set(merged) == set(full) and all(torch.equal(merged[k], full[k]) for k in full)
+    other = FSDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    other.load_local_state_dict(local)
+    assert all(torch.equal(other.state_dict()[k], full[k]) for k in full)
+    with pytest.raises(ValueError, match="one metadata dict per shard"):
+        FSDP.consolidate_shard_weights([local], [])
+
+
+def test_state_dict_round_trip_into_plain_model():
+    m = FSDP(mlp())
+    plain = mlp()
+    plain.load_state_dict(m.state_dict())
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(plain(x), m(x))
