@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
+import time
 import socket
 import traceback
 from typing import Any, Callable, Dict, List, Optional
@@ -49,13 +51,17 @@ def run_ranks(fn: Callable, world: int, *args: Any, env: Optional[Dict[str, str]
         p.start()
     results: Dict[int, Any] = {}
     errors: List[str] = []
-    expected = world - len(may_die or [])
+    reported: set = set()
+    deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < world:
-            try:
-                rank, ok, value = q.get(timeout=timeout if len(results) + len(errors) < expected else 5)
-            except Exception:
+        while len(reported) < world and time.monotonic() < deadline:
+            if all(r in reported or (r in (may_die or []) and not procs[r].is_alive()) for r in range(world)):
                 break
+            try:
+                rank, ok, value = q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            reported.add(rank)
             if ok:
                 results[rank] = value
             else:

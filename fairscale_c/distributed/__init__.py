@@ -47,6 +47,7 @@ __all__ = [
 
 _default: Optional[Group] = None
 _built: Dict[Tuple[int, ...], int] = defaultdict(int)
+_env_store: Optional["dist.Store"] = None
 
 
 def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] = None) -> Group:
@@ -76,11 +77,13 @@ def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] 
 
         _built[()] += 1
         gname = name or f"world{_built[()]}"
-        store = env_store()
+        global _env_store
+        if _env_store is None:
+            _env_store = env_store()  # one per process: every env-built group shares it
+        store = _env_store
         exchange = StoreExchange(store, f"fairscale_c/{gname}", int(os.environ["RANK"]),
                                  int(os.environ["WORLD_SIZE"]), gname)
         group = Group(exchange, gname, None)
-        group._store = store  # type: ignore[attr-defined]  # keep the (possibly hosted) store alive
     if _default is None:
         _default = group
     return group

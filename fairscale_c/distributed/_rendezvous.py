@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import List, Optional, Sequence
 
 import torch.distributed as dist
@@ -52,16 +53,29 @@ class StoreExchange(Exchange):
         self._subs = 0
 
     def _wait(self, keys: List[str], what: str, ranks: List[int]) -> None:
+        # Poll rather than store.wait(): at the deadline we then know exactly which ranks are
+        # missing without asking a store whose host may already have gone.
         t = timeout_s()
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=t))
-        except Exception as exc:  # torch raises DistStoreError / RuntimeError on timeout
-            missing = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
-            raise _C.DistributedError(
-                f"rendezvous ({what}) of group '{self.name}' (rank {self.rank} of {self.size}): "
-                f"rank(s) {', '.join(map(str, missing)) or '?'} did not join within "
-                f"FAIRSCALE_C_TIMEOUT={t:g} s ({exc.__class__.__name__})"
-            ) from None
+        deadline, pause = time.monotonic() + t, 0.001
+        pending = dict(zip(ranks, keys))
+        while True:
+            try:
+                pending = {r: k for r, k in pending.items() if not self.store.check([k])}
+            except Exception as exc:
+                raise _C.DistributedError(
+                    f"rendezvous ({what}) of group '{self.name}' (rank {self.rank} of {self.size}): the store "
+                    f"became unreachable while waiting for rank(s) {', '.join(map(str, pending))} "
+                    f"({exc.__class__.__name__})"
+                ) from None
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise _C.DistributedError(
+                    f"rendezvous ({what}) of group '{self.name}' (rank {self.rank} of {self.size}): "
+                    f"rank(s) {', '.join(map(str, pending))} did not join within FAIRSCALE_C_TIMEOUT={t:g} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def all_gather(self, data: bytes) -> List[bytes]:
         base = f"{self.prefix}/ag{self._round}"

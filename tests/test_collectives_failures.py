@@ -1,0 +1,194 @@
+"""Failure behaviour of fairscale_c.distributed on CPU: dead and missing peers, diverging ranks,
+bad arguments, groups spanning hosts — each an error that names what went wrong, never a hang,
+and nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from dist_utils import free_port, run_ranks, shm_segments
+
+FAST = {"FAIRSCALE_C_TIMEOUT": "3"}
+
+
+@pytest.fixture(autouse=True)
+def clean_dev_shm():
+    before = shm_segments()
+    yield
+    assert shm_segments() - before == set(), "shared-memory segments left in /dev/shm"
+
+
+def _expect_error(fn, *needles):
+    import fairscale_c
+
+    start = time.perf_counter()
+    try:
+        fn()
+    except fairscale_c.DistributedError as exc:
+        msg = str(exc)
+        missing = [n for n in needles if n not in msg]
+        assert not missing, f"{missing} not in: {msg}"
+        return msg, time.perf_counter() - start
+    raise AssertionError("no DistributedError raised")
+
+
+def _dead_peer_job(rank, world):
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group(name="dying")
+    if rank == 1:
+        os._exit(1)  # killed peer: no cleanup, no goodbye
+    msg, elapsed = _expect_error(lambda: group.all_reduce(torch.ones(1000)), "all_reduce", "'dying'", "rank 1")
+    # the group is broken now; later ops fail at once with the same message
+    msg2, _ = _expect_error(lambda: group.barrier(), "all_reduce", "rank 1")
+    group.destroy()
+    return elapsed
+
+
+def test_dead_peer_is_reported_quickly():
+    elapsed, _ = run_ranks(_dead_peer_job, 2, env={"FAIRSCALE_C_TIMEOUT": "30"}, may_die=[1])
+    assert elapsed < 10, f"dead peer found after {elapsed:.1f} s; expected well before the 30 s timeout"
+
+
+def _never_joins_job(rank, world):
+    import fairscale_c.distributed as fdist
+
+    if rank == 2:
+        time.sleep(4)
+        return None
+    msg, elapsed = _expect_error(lambda: fdist.init_group(name="lonely"), "'lonely'", "rank(s) 2")
+    return elapsed
+
+
+def test_peer_that_never_joins():
+    results = run_ranks(_never_joins_job, 3, env=FAST)
+    assert all(r is None or r < 15 for r in results), results
+
+
+def _stalled_job(rank, world):
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group(name="stalled")
+    if rank == 1:
+        time.sleep(5)  # alive, but never calls the broadcast
+        group.destroy()
+        return None
+    msg, elapsed = _expect_error(lambda: group.broadcast(torch.ones(3), root=0), "broadcast", "'stalled'",
+                                 "rank 1 did not arrive")
+    group.destroy()
+    return elapsed
+
+
+def test_stalled_peer_times_out():
+    elapsed, _ = run_ranks(_stalled_job, 2, env=FAST)
+    assert 2.5 < elapsed < 10, elapsed
+
+
+def _mismatch_job(rank, world):
+    import fairscale_c.distributed as fdist
+
+    messages = []
+    cases = [
+        ("op", lambda g: g.all_reduce(torch.ones(8)) if rank == 0 else g.all_gather(torch.empty(16), torch.ones(8)),
+         ["all_reduce(count=8", "all_gather(count=8"]),
+        ("count", lambda g: g.all_reduce(torch.ones(8 + rank)), ["count=8", "count=9"]),
+        ("dtype", lambda g: g.all_reduce(torch.ones(8, dtype=torch.float32 if rank == 0 else torch.float64)),
+         ["dtype=float32", "dtype=float64"]),
+        ("send/recv", lambda g: g.send(torch.ones(4), 1) if rank == 0 else g.recv(torch.ones(5), 0),
+         ["send(count=4", "recv(count=5"]),
+    ]
+    for what, call, needles in cases:
+        group = fdist.init_group(name=f"mismatch-{what.replace('/', '-')}")
+        msg, _ = _expect_error(lambda: call(group), f"'mismatch-{what.replace('/', '-')}'", "rank 0", "rank 1", *needles)
+        messages.append(msg)
+        group.destroy()
+    return messages
+
+
+def test_diverging_ranks_are_reported_on_every_rank():
+    results = run_ranks(_mismatch_job, 2, env=FAST)
+    assert all(len(m) == 4 for m in results)
+
+
+def _cross_host_job(rank, world, how):
+    import fairscale_c.distributed as fdist
+
+    if how == "torch":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        group = fdist.init_group()
+        t = torch.full((10,), float(rank + 1))
+        group.all_reduce(t, op="avg")
+        assert t.tolist() == [1.5] * 10
+        out = torch.empty(4)
+        group.reduce_scatter(out, torch.arange(8.0), op="sum")
+        assert out.tolist() == [2.0 * (4 * rank + i) for i in range(4)]
+        assert "torch" in repr(group)
+        group.destroy()
+        return "fallback"
+    msg, _ = _expect_error(fdist.init_group, "spans hosts", "one host")
+    return msg
+
+
+@pytest.mark.parametrize("how", ["torch", "env"])
+def test_group_spanning_hosts(how, monkeypatch):
+    results = run_ranks(_cross_host_job, 2, how, env={**FAST, "FAIRSCALE_C_HOSTNAME": "__per_rank__"})
+    assert results[0] == results[1]
+
+
+# ---------------------------------------------------------------- argument errors (one rank, in process)
+@pytest.fixture
+def solo(monkeypatch):
+    import fairscale_c.distributed as fdist
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    group = fdist.init_group(name="solo")
+    yield group
+    fdist.destroy(group)
+
+
+class _FakeCuda:
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+def test_argument_errors(solo):
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match=r"all_gather: output has 3 elements; expected .* = 4"):
+        solo.all_gather(torch.empty(3), x)
+    with pytest.raises(ValueError, match=r"reduce_scatter: input has 4 elements; expected .* = 2"):
+        solo.reduce_scatter(torch.empty(2), x)
+    with pytest.raises(ValueError, match=r"output has dtype float64 but input has dtype float32"):
+        solo.all_gather(torch.empty(4, dtype=torch.float64), x)
+    with pytest.raises(ValueError, match=r"'tensor'.*contiguous"):
+        solo.all_reduce(torch.ones(4, 4).t())
+    with pytest.raises(ValueError, match=r"input is on cuda but output is on cpu"):
+        solo.all_gather(torch.empty(4), _FakeCuda())
+    with pytest.raises(ValueError, match=r"op='avg' needs a floating dtype"):
+        solo.all_reduce(torch.ones(4, dtype=torch.int32), op="avg")
+    with pytest.raises(ValueError, match=r"dtype int16"):
+        solo.all_reduce(torch.ones(4, dtype=torch.int16))
+    with pytest.raises(ValueError, match=r"'sum', 'avg', 'max', 'min'"):
+        solo.all_reduce(x, op="prod")
+    with pytest.raises(ValueError, match=r"root=1 is not a valid group rank"):
+        solo.broadcast(x, root=1)
+    with pytest.raises(ValueError, match=r"dst=0 is not a valid group rank"):
+        solo.send(x, 0)
+    with pytest.raises(TypeError, match=r"DLPack"):
+        solo.all_reduce([1.0, 2.0])
+    # nothing was sent: the group still works
+    solo.all_reduce(x)
+    assert x.tolist() == [1.0] * 4
+
+
+def test_destroyed_group_and_context_manager(solo):
+    with solo:
+        solo.barrier()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        solo.all_reduce(torch.ones(1))
