@@ -289,7 +289,8 @@ def scenario_submodule_twice(rank, world):
     train_and_compare(rank, world, TwiceModel, wrap)
 
 
-SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
+NUMERICS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
+SCENARIOS = dict(NUMERICS)
 
 
 # ------------------------------------------------------------------------------------ entry
