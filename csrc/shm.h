@@ -38,7 +38,7 @@ typedef struct {
 /* Open this rank's handle. With seg_name == NULL a new segment is created (the caller then sends
  * fsc_shm_group_segment_name() to the other ranks); otherwise the named segment is attached.
  * `group_name` appears in every error message. Sizes come from FAIRSCALE_C_SHM_CHUNK (bytes per
- * pipeline chunk, default 1 MiB) read by the creator. The timeout for rendezvous and for every
+ * pipeline chunk, default 4 MiB) read by the creator. The timeout for rendezvous and for every
  * op is FAIRSCALE_C_TIMEOUT, read here. Does not block. On success *out is owned by the caller
  * (fsc_shm_group_close). */
 fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, int rank, int size,

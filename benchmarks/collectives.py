@@ -1,0 +1,200 @@
+"""CPU collectives: fairscale_c's shared-memory engine vs torch.distributed gloo, same tensors,
+same run, plus single-process memcpy as the roofline.
+
+Reports algorithm and bus bandwidth as nccl-tests defines them (S = bytes of the full buffer:
+all_reduce the tensor, all_gather the output, reduce_scatter the input; algbw = S / t;
+busbw = algbw * 2(n-1)/n for all_reduce and (n-1)/n for the others), prints a table with ratios
+and writes JSON.
+
+    python benchmarks/collectives.py                 # 4 KiB .. 256 MiB, world 2 and 4
+    python benchmarks/collectives.py --quick         # a few sizes, about a minute
+    python benchmarks/collectives.py --plot out.png  # also plot (needs matplotlib)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import warnings
+from typing import Dict, List
+
+import torch
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+OPS = ["all_reduce", "all_gather", "reduce_scatter"]
+KiB, MiB = 1024, 1024 * 1024
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def _bus_factor(op: str, n: int) -> float:
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def _iters(nbytes: int, quick: bool) -> int:
+    budget = (64 if quick else 256) * MiB
+    return max(3, min(200 if not quick else 50, budget // max(nbytes, 1)))
+
+
+def _time_op(fn, barrier, iters: int) -> float:
+    fn()  # warm-up (page faults, first-touch)
+    samples = []
+    for _ in range(iters):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, q) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = fdist.init_group()
+    gloo_barrier = lambda: dist.barrier()  # noqa: E731
+    rows = []
+    for nbytes in sizes:
+        numel = max(world, nbytes // 4) // world * world
+        for op in OPS:
+            if op == "all_reduce":
+                t = torch.randn(numel)
+                ours = lambda: group.all_reduce(t)  # noqa: E731
+                gloo = lambda: dist.all_reduce(t)  # noqa: E731
+            elif op == "all_gather":
+                inp, out = torch.randn(numel // world), torch.empty(numel)
+                ours = lambda: group.all_gather(out, inp)  # noqa: E731
+                gloo = lambda: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+            else:
+                inp, out = torch.randn(numel), torch.empty(numel // world)
+                ours = lambda: group.reduce_scatter(out, inp)  # noqa: E731
+                gloo = lambda: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
+            iters = _iters(numel * 4, quick)
+            t_ours = _time_op(ours, group.barrier, iters)
+            try:
+                t_gloo = _time_op(gloo, gloo_barrier, iters)
+            except Exception:  # gloo lacks some ops in some torch versions
+                t_gloo = float("nan")
+            rows.append({"op": op, "bytes": numel * 4, "world": world, "t_ours": t_ours, "t_gloo": t_gloo})
+    group.destroy()
+    dist.destroy_process_group()
+    if rank == 0:
+        q.put(rows)
+
+
+def _memcpy_bw(nbytes: int, quick: bool) -> float:
+    """Single-thread libc memcpy bandwidth (bytes copied per second)."""
+    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    n = src.numel() * 4
+    fn = lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)  # noqa: E731
+    t = _time_op(fn, lambda: None, _iters(n, quick))
+    return n / t
+
+
+def run(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
+    ctx = mp.get_context("spawn")
+    rows = []
+    for world in worlds:
+        q = ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, quick, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        rows += q.get(timeout=3600)
+        for p in procs:
+            p.join()
+    memcpy = {n: _memcpy_bw(n, quick) for n in sizes}
+    for r in rows:
+        n = r["bytes"]
+        f = _bus_factor(r["op"], r["world"])
+        r["algbw_ours"] = n / r["t_ours"] / 1e9
+        r["busbw_ours"] = r["algbw_ours"] * f
+        r["algbw_gloo"] = n / r["t_gloo"] / 1e9
+        r["busbw_gloo"] = r["algbw_gloo"] * f
+        r["memcpy_gbps"] = memcpy[min(memcpy, key=lambda s: abs(s - n))] / 1e9
+        r["vs_gloo"] = r["busbw_ours"] / r["busbw_gloo"]
+        r["vs_memcpy"] = r["busbw_ours"] / r["memcpy_gbps"]
+    return {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "python": sys.version.split()[0]},
+        "dtype": "float32",
+        "shm_chunk_bytes": int(os.environ.get("FAIRSCALE_C_SHM_CHUNK", 4 * MiB)),
+        "rows": rows,
+    }
+
+
+def print_table(result: Dict) -> None:
+    head = (f"{'op':<15}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{'gloo busbw':>12}"
+            f"{'memcpy':>9}{'x gloo':>8}{'/memcpy':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in result["rows"]:
+        print(f"{r['op']:<15}{r['world']:>6}{_fmt_size(r['bytes']):>10}{r['algbw_ours']:>12.2f}{r['busbw_ours']:>12.2f}"
+              f"{r['busbw_gloo']:>12.2f}{r['memcpy_gbps']:>9.2f}{r['vs_gloo']:>8.2f}{r['vs_memcpy']:>9.2f}")
+    print("bandwidths in GB/s (1e9 bytes/s); busbw per nccl-tests; memcpy = single-thread libc memcpy")
+
+
+def plot(result: Dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r["world"] for r in result["rows"]})
+    fig, axes = plt.subplots(len(worlds), len(OPS), figsize=(5 * len(OPS), 3.6 * len(worlds)), squeeze=False)
+    for i, w in enumerate(worlds):
+        for j, op in enumerate(OPS):
+            rows = [r for r in result["rows"] if r["world"] == w and r["op"] == op]
+            x = [r["bytes"] for r in rows]
+            ax = axes[i][j]
+            ax.plot(x, [r["busbw_ours"] for r in rows], "o-", label="fairscale_c shm")
+            ax.plot(x, [r["busbw_gloo"] for r in rows], "s-", label="torch gloo")
+            ax.plot(x, [r["memcpy_gbps"] for r in rows], "k--", label="memcpy (1 thread)")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{op}, world {w}")
+            ax.set_xlabel("bytes")
+            ax.set_ylabel("bus bandwidth GB/s")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="sizes 4 KiB, 1 MiB, 16 MiB; fewer iterations")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--json", default="benchmarks/results/collectives.json")
+    ap.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
+    args = ap.parse_args()
+    sizes = [4 * KiB, MiB, 16 * MiB] if args.quick else [4 * KiB * 4**i for i in range(9)]  # 4 KiB .. 256 MiB
+    result = run(args.worlds, sizes, args.quick)
+    print_table(result)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
