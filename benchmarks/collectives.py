@@ -74,16 +74,16 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
         for op in OPS:
             if op == "all_reduce":
                 t = torch.randn(numel)
-                ours = lambda: group.all_reduce(t)  # noqa: E731
-                gloo = lambda: dist.all_reduce(t)  # noqa: E731
+                ours = lambda t=t: group.all_reduce(t)  # noqa: E731
+                gloo = lambda t=t: dist.all_reduce(t)  # noqa: E731
             elif op == "all_gather":
                 inp, out = torch.randn(numel // world), torch.empty(numel)
-                ours = lambda: group.all_gather(out, inp)  # noqa: E731
-                gloo = lambda: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+                ours = lambda out=out, inp=inp: group.all_gather(out, inp)  # noqa: E731
+                gloo = lambda out=out, inp=inp: dist.all_gather_into_tensor(out, inp)  # noqa: E731
             else:
                 inp, out = torch.randn(numel), torch.empty(numel // world)
-                ours = lambda: group.reduce_scatter(out, inp)  # noqa: E731
-                gloo = lambda: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
+                ours = lambda out=out, inp=inp: group.reduce_scatter(out, inp)  # noqa: E731
+                gloo = lambda out=out, inp=inp: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
             iters = _iters(numel * 4, quick)
             t_ours = _time_op(ours, group.barrier, iters)
             try:

@@ -3,7 +3,6 @@ torch reference, async overlap, subgroups, failures, and a clean /dev/shm after 
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest

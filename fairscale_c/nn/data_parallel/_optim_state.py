@@ -94,7 +94,7 @@ def shard_from_full(root, full_osd: Dict[str, Any]) -> Dict[str, Any]:
     state: Dict[int, Dict[str, Any]] = {}
     global_id = 0
     local_ids = set()
-    for m, h in entries:
+    for _, h in entries:
         ids = list(range(global_id, global_id + len(h.layout.slots)))
         global_id += len(ids)
         local_id = full_osd["param_id_map"][ids[0]]

@@ -69,6 +69,7 @@ class _Handle:
         self.full = torch.zeros(layout.padded_numel, dtype=compute_dtype, device=device)
         self.full.requires_grad_(layout.requires_grad)
         self.has_full = False
+        self.gathering = None  # (work, source shard) while a prefetch all-gather runs
         self.pending = None  # (work, reduced shard, reduce input) while a reduce-scatter runs
 
 
@@ -288,7 +289,12 @@ class FullyShardedDataParallel(nn.Module):
             return
         self._is_root = True
         self._fsdp_instances = get_fsdp_instances(self)
+        # Forward order of the instances, recorded in the first forward; later forwards prefetch
+        # the next instance's all-gather while the current one computes (and backward the previous).
+        self._exec_order: List["FullyShardedDataParallel"] = []
+        self._order_recorded = False
         for m in self._fsdp_instances:
+            object.__setattr__(m, "_root", self)  # not a submodule: plain attribute
             if m is not self:
                 if m._is_root:
                     raise RuntimeError("FullyShardedDataParallel: a nested instance ran forward before its root")
@@ -312,6 +318,7 @@ class FullyShardedDataParallel(nn.Module):
             args, kwargs = _cast_floats(torch.float32, args, kwargs, no_grad=False)
         try:
             self._rebuild_full_params()
+            self._root._on_forward(self)
             self._use_full_params()
             outputs = self.module(*args, **kwargs)
             if self.reshard_after_forward:
@@ -323,11 +330,32 @@ class FullyShardedDataParallel(nn.Module):
             torch.clear_autocast_cache()
         return outputs
 
+    def _on_forward(self, m: "FullyShardedDataParallel") -> None:
+        """Root: record the forward order once; afterwards prefetch the instance after `m`."""
+        if m is self and self._exec_order:
+            self._order_recorded = True  # a second root forward: the order is complete
+        if not self._order_recorded:
+            if m not in self._exec_order:
+                self._exec_order.append(m)
+            return
+        self._prefetch_neighbour(m, +1)
+
+    def _prefetch_neighbour(self, m: "FullyShardedDataParallel", step: int) -> None:
+        """Start the all-gather of the instance `step` places after `m` in forward order. Backward
+        runs in reverse, and the root's backward hook fires first, so from the root step -1 means
+        the last instance."""
+        order = self._exec_order
+        if not self._order_recorded or m not in order:
+            return
+        i = (order.index(m) + step) % len(order)
+        if i != 0:  # the root needs no prefetch: it gathers first
+            order[i]._start_gather()
+
     @torch.no_grad()
-    def _rebuild_full_params(self) -> None:
-        """All-gather every flat parameter that is not already full (C: cast + all-gather)."""
+    def _start_gather(self) -> None:
+        """Start (asynchronously) the all-gather of every flat parameter that is not full yet."""
         for h in self._handles:
-            if h.has_full:
+            if h.has_full or h.gathering is not None:
                 continue
             full = h.full.detach()
             _alloc_storage(full)
@@ -336,8 +364,17 @@ class FullyShardedDataParallel(nn.Module):
                 src = torch.empty(shard.numel(), dtype=full.dtype, device=full.device)
                 _copy(src, shard)
                 shard = src
-            self.comm.all_gather(full, shard)
-            h.has_full = True
+            h.gathering = (self.comm.all_gather(full, shard, async_op=True), shard)
+
+    @torch.no_grad()
+    def _rebuild_full_params(self) -> None:
+        """All-gather every flat parameter that is not already full (C: cast + all-gather)."""
+        self._start_gather()
+        for h in self._handles:
+            if h.gathering is not None:
+                h.gathering[0].wait()
+                h.gathering = None
+                h.has_full = True
 
     def _use_full_params(self) -> None:
         """Point the module's parameter attributes at views of the full buffers."""
@@ -351,6 +388,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def _free_full_params(self) -> None:
         for h in self._handles:
+            if h.gathering is not None:  # a prefetch nobody used: finish it before freeing
+                h.gathering[0].wait()
+                h.gathering = None
+                h.has_full = True
             if h.has_full:
                 _free_storage(h.full.detach())
                 h.has_full = False
@@ -370,6 +411,7 @@ class FullyShardedDataParallel(nn.Module):
                 torch.autograd.Variable._execution_engine.queue_callback(self._wait_for_post_backward)
             self.training_state = TrainingState.BACKWARD_PRE
             self._rebuild_full_params()
+            self._root._prefetch_neighbour(self, -1)
 
         def register(t: torch.Tensor) -> torch.Tensor:
             if t.requires_grad:
