@@ -68,6 +68,8 @@ class _Handle:
         # gradient of every view into one flat gradient; its storage is released when resharded.
         self.full = torch.zeros(layout.padded_numel, dtype=compute_dtype, device=device)
         self.full.requires_grad_(layout.requires_grad)
+        pad = layout.padded_numel - layout.numel
+        self.split_sizes = [s.numel for s in layout.slots] + ([pad] if pad else [])
         self.has_full = False
         self.gathering = None  # (work, source shard) while a prefetch all-gather runs
         self.pending = None  # (work, reduced shard, reduce input) while a reduce-scatter runs
@@ -379,8 +381,12 @@ class FullyShardedDataParallel(nn.Module):
     def _use_full_params(self) -> None:
         """Point the module's parameter attributes at views of the full buffers."""
         for h in self._handles:
-            for slot in h.layout.slots:
-                view = h.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            # One split, not a slice per parameter: its backward assembles the flat gradient with
+            # a single concatenation, where per-parameter slices would each materialise (and then
+            # sum) a zero-filled gradient of the whole flat buffer.
+            pieces = h.full.split(h.split_sizes)
+            for slot, piece in zip(h.layout.slots, pieces):
+                view = piece.view(slot.shape)
                 setattr(slot.module, slot.attr, view)
                 for shared in h.layout.shared:
                     if shared.src is slot:
