@@ -18,6 +18,7 @@ from torch import nn
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 BF16_TOL = dict(atol=3e-2, rtol=3e-2)
+FP16_TOL = dict(atol=1e-2, rtol=1e-2)
 LOCAL_BATCH = 4
 STEPS = 3
 
@@ -249,6 +250,12 @@ def scenario_bf16_mixed_precision(rank, world):
             nested_manual_wrap, mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=fp32_rs
         )
         train_and_compare(rank, world, TinyLM, wrap, batch_fn=lm_batch, loss_fn=xent, tol=BF16_TOL)
+
+
+def scenario_fp16_mixed_precision(rank, world):
+    # FairScale's default mixed precision: fp16 compute, fp32 master shards.
+    wrap = functools.partial(nested_manual_wrap, mixed_precision=True)
+    train_and_compare(rank, world, TinyLM, wrap, batch_fn=lm_batch, loss_fn=xent, tol=FP16_TOL)
 
 
 def scenario_move_params_to_cpu(rank, world):
