@@ -4,7 +4,7 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-installed
 
-.PHONY: demo test install asan ctest bench clean
+.PHONY: demo test install asan ctest bench lint clean
 
 # torch is pinned: the CPU build of 2.13.0 (an unpinned torch pulls a multi-GB CUDA build).
 $(DEPS):
@@ -37,6 +37,13 @@ asan: $(DEPS)
 		tests/test_collectives.py tests/test_collectives_failures.py tests/test_fsdp_api.py \
 		-k "not test_peer_that_never_joins"
 	$(MAKE) -C tests/c ctest SANITIZE=1
+
+# ruff for Python; clang-format (Debian's clang-format package) for C/CUDA.
+lint: $(DEPS)
+	$(VPY) -m pip install -q ruff
+	$(VENV)/bin/ruff check fairscale_c tests benchmarks examples setup.py tools
+	$(VENV)/bin/ruff format --check fairscale_c tests benchmarks examples setup.py tools
+	clang-format --dry-run -Werror csrc/*.c csrc/*.h csrc/py/*.c csrc/py/*.h csrc/cuda/*.cu csrc/cuda/*.cuh tests/c/*.c
 
 bench: install
 	$(VPY) benchmarks/collectives.py --quick

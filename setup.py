@@ -58,8 +58,15 @@ ext = Extension(
     sources=sorted(glob.glob("csrc/*.c")) + sorted(glob.glob("csrc/py/*.c")),
     include_dirs=["csrc"],
     define_macros=subsystem_macros(),
-    extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-D_GNU_SOURCE", "-fvisibility=hidden",
-                        "-fno-strict-aliasing"],
+    extra_compile_args=[
+        "-std=c11",
+        "-O3",
+        "-Wall",
+        "-Wextra",
+        "-D_GNU_SOURCE",
+        "-fvisibility=hidden",
+        "-fno-strict-aliasing",
+    ],
     libraries=["pthread", "dl", "rt"],
 )
 

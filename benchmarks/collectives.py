@@ -132,8 +132,12 @@ def run(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
         r["vs_gloo"] = r["busbw_ours"] / r["busbw_gloo"]
         r["vs_memcpy"] = r["busbw_ours"] / r["memcpy_gbps"]
     return {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "python": sys.version.split()[0]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+        },
         "dtype": "float32",
         "shm_chunk_bytes": int(os.environ.get("FAIRSCALE_C_SHM_CHUNK", 4 * MiB)),
         "rows": rows,
@@ -141,13 +145,17 @@ def run(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
 
 
 def print_table(result: Dict) -> None:
-    head = (f"{'op':<15}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{'gloo busbw':>12}"
-            f"{'memcpy':>9}{'x gloo':>8}{'/memcpy':>9}")
+    head = (
+        f"{'op':<15}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{'gloo busbw':>12}"
+        f"{'memcpy':>9}{'x gloo':>8}{'/memcpy':>9}"
+    )
     print(head)
     print("-" * len(head))
     for r in result["rows"]:
-        print(f"{r['op']:<15}{r['world']:>6}{_fmt_size(r['bytes']):>10}{r['algbw_ours']:>12.2f}{r['busbw_ours']:>12.2f}"
-              f"{r['busbw_gloo']:>12.2f}{r['memcpy_gbps']:>9.2f}{r['vs_gloo']:>8.2f}{r['vs_memcpy']:>9.2f}")
+        print(
+            f"{r['op']:<15}{r['world']:>6}{_fmt_size(r['bytes']):>10}{r['algbw_ours']:>12.2f}{r['busbw_ours']:>12.2f}"
+            f"{r['busbw_gloo']:>12.2f}{r['memcpy_gbps']:>9.2f}{r['vs_gloo']:>8.2f}{r['vs_memcpy']:>9.2f}"
+        )
     print("bandwidths in GB/s (1e9 bytes/s); busbw per nccl-tests; memcpy = single-thread libc memcpy")
 
 

@@ -42,8 +42,7 @@ fsc_status_t fsc_reduce_op_parse(const char *name, fsc_reduce_op_t *out) {
             return FSC_OK;
         }
     }
-    return fsc_error(FSC_ERR_VALUE, "op: expected one of 'sum', 'avg', 'max', 'min', got '%s'",
-                     name ? name : "(null)");
+    return fsc_error(FSC_ERR_VALUE, "op: expected one of 'sum', 'avg', 'max', 'min', got '%s'", name ? name : "(null)");
 }
 
 double fsc_comm_timeout_s(void) {
@@ -82,8 +81,8 @@ void fsc_comm_header_format(const fsc_comm_header_t *h, char *buf, size_t cap) {
 
 fsc_status_t fsc_comm_header_check(const char *group, int rank_a, const fsc_comm_header_t *a, int rank_b,
                                    const fsc_comm_header_t *b) {
-    if (a->op == b->op && a->count == b->count && a->dtype == b->dtype && a->redop == b->redop &&
-        a->root == b->root && a->seq == b->seq)
+    if (a->op == b->op && a->count == b->count && a->dtype == b->dtype && a->redop == b->redop && a->root == b->root &&
+        a->seq == b->seq)
         return FSC_OK;
     char da[160], db[160];
     fsc_comm_header_format(a, da, sizeof(da));
@@ -97,18 +96,20 @@ fsc_status_t fsc_comm_check_dtype(fsc_dtype_t dt, int redop, const char *opname,
         case FSC_FLOAT16:
         case FSC_BFLOAT16:
         case FSC_FLOAT32:
-        case FSC_FLOAT64:
-            return FSC_OK;
+        case FSC_FLOAT64: return FSC_OK;
         case FSC_INT32:
         case FSC_INT64:
         case FSC_UINT8:
             if (redop == FSC_RED_AVG)
-                return fsc_error(FSC_ERR_VALUE, "%s: %s has dtype %s; op='avg' needs a floating dtype "
-                                 "(float16, bfloat16, float32, float64)", opname, argname, fsc_dtype_name(dt));
+                return fsc_error(FSC_ERR_VALUE,
+                                 "%s: %s has dtype %s; op='avg' needs a floating dtype "
+                                 "(float16, bfloat16, float32, float64)",
+                                 opname, argname, fsc_dtype_name(dt));
             return FSC_OK;
-        default:
-            break;
+        default: break;
     }
-    return fsc_error(FSC_ERR_VALUE, "%s: %s has dtype %s; expected one of float16, bfloat16, float32, float64, "
-                     "int32, int64, uint8", opname, argname, (unsigned)dt < FSC_NUM_DTYPES ? fsc_dtype_name(dt) : "?");
+    return fsc_error(FSC_ERR_VALUE,
+                     "%s: %s has dtype %s; expected one of float16, bfloat16, float32, float64, "
+                     "int32, int64, uint8",
+                     opname, argname, (unsigned)dt < FSC_NUM_DTYPES ? fsc_dtype_name(dt) : "?");
 }

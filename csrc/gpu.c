@@ -4,8 +4,8 @@
 #include "gpu.h"
 
 #include <dlfcn.h>
-#include <stddef.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -41,8 +41,8 @@ typedef struct {
     cu_result_t (*cuCtxPopCurrent)(cu_context_t *);
     cu_result_t (*cuModuleLoadData)(cu_module_t *, const void *);
     cu_result_t (*cuModuleGetFunction)(cu_function_t *, cu_module_t, const char *);
-    cu_result_t (*cuLaunchKernel)(cu_function_t, unsigned int, unsigned int, unsigned int, unsigned int,
-                                  unsigned int, unsigned int, unsigned int, cu_stream_t, void **, void **);
+    cu_result_t (*cuLaunchKernel)(cu_function_t, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
+                                  unsigned int, unsigned int, cu_stream_t, void **, void **);
     cu_result_t (*cuStreamCreate)(cu_stream_t *, unsigned int);
     cu_result_t (*cuStreamDestroy)(cu_stream_t);
     cu_result_t (*cuStreamWaitEvent)(cu_stream_t, cu_event_t, unsigned int);
@@ -60,7 +60,8 @@ static const struct {
     const char *name;
     size_t offset;
 } cu_symbols[] = {
-#define CU_SYM(field, sym) {sym, offsetof(cu_api_t, field)}
+#define CU_SYM(field, sym) \
+    { sym, offsetof(cu_api_t, field) }
     CU_SYM(cuInit, "cuInit"),
     CU_SYM(cuDriverGetVersion, "cuDriverGetVersion"),
     CU_SYM(cuDeviceGetCount, "cuDeviceGetCount"),
@@ -113,14 +114,13 @@ typedef enum {
 
 /* extern "C" names of the kernels in csrc/cuda, indexed by kernel_id_t. */
 static const char *const kernel_names[K_COUNT] = {
-    "fsc_cast_f32_to_f16",   "fsc_cast_f32_to_bf16",       "fsc_cast_f16_to_f32",
-    "fsc_cast_bf16_to_f32",  "fsc_unscale_inf_check_f32",  "fsc_unscale_inf_check_f16",
-    "fsc_unscale_inf_check_bf16", "fsc_norm_partials_f32", "fsc_norm_partials_f16",
-    "fsc_norm_partials_bf16", "fsc_norm_finalize",         "fsc_adamw_f32",
+    "fsc_cast_f32_to_f16",       "fsc_cast_f32_to_bf16",      "fsc_cast_f16_to_f32",        "fsc_cast_bf16_to_f32",
+    "fsc_unscale_inf_check_f32", "fsc_unscale_inf_check_f16", "fsc_unscale_inf_check_bf16", "fsc_norm_partials_f32",
+    "fsc_norm_partials_f16",     "fsc_norm_partials_bf16",    "fsc_norm_finalize",          "fsc_adamw_f32",
 };
 
-#define FSC_GPU_BLOCK 256       /* = FSC_CUDA_BLOCK in csrc/cuda/common.cuh */
-#define FSC_GPU_MAX_GRID 4096   /* grid-stride kernels: enough blocks to fill any current GPU */
+#define FSC_GPU_BLOCK 256     /* = FSC_CUDA_BLOCK in csrc/cuda/common.cuh */
+#define FSC_GPU_MAX_GRID 4096 /* grid-stride kernels: enough blocks to fill any current GPU */
 #define FSC_GPU_MAX_PARTIALS 1024
 #define FSC_GPU_MAX_DEVICES 64
 
@@ -369,7 +369,8 @@ static fsc_status_t get_kernel(int device, kernel_id_t k, const char *op, cu_fun
     (void)device, (void)k, (void)out;
     return fsc_error(FSC_ERR_UNAVAILABLE,
                      "%s: fairscale_c was built without CUDA kernels (nvcc was not found at build time); "
-                     "reinstall with nvcc on PATH or CUDA_HOME set", op);
+                     "reinstall with nvcc on PATH or CUDA_HOME set",
+                     op);
 #else
     fsc_status_t st = FSC_OK;
     device_state_t *d = &devices[device];
@@ -381,7 +382,8 @@ static fsc_status_t get_kernel(int device, kernel_id_t k, const char *op, cu_fun
             st = fsc_error(FSC_ERR_UNAVAILABLE,
                            "%s: loading the CUDA kernels on device %d failed: %s; the image holds sm_80/sm_90 "
                            "code and compute_90 PTX, which needs a driver at least as new as the nvcc that "
-                           "built it", op, device, cu_describe(r));
+                           "built it",
+                           op, device, cu_describe(r));
             goto exit;
         }
         for (int i = 0; i < K_COUNT; i++) {
@@ -525,7 +527,8 @@ fsc_status_t fsc_gpu_adamw_step(fsc_tensor_t *param, const fsc_tensor_t *grad, f
     if (param->numel == 0) return FSC_OK;
     long long n = (long long)param->numel;
     void *p = param->data, *g = grad->data, *m = exp_avg->data, *v = exp_avg_sq->data;
-    void *args[] = {&p, &g, &m, &v, &n, &s.decay, &s.one_minus_b1, &s.beta2, &s.one_minus_b2, &s.bc2_sqrt,
-                    &s.neg_step_size, &s.eps};
+    void *args[] = {
+        &p,    &g, &m, &v, &n, &s.decay, &s.one_minus_b1, &s.beta2, &s.one_minus_b2, &s.bc2_sqrt, &s.neg_step_size,
+        &s.eps};
     return launch(param->device_id, K_ADAMW_F32, grid_for(param->numel), stream, args, "cuda_adamw_step");
 }

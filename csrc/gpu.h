@@ -18,14 +18,14 @@ typedef void *fsc_gpu_event_t;
 
 /* What fsc_gpu_info found. */
 typedef struct {
-    int driver_found;      /* libcuda.so.1 opened and its symbols resolved */
-    int driver_version;    /* cuDriverGetVersion, e.g. 12080 for 12.8; 0 when not found */
-    int runtime_found;     /* a libcudart was found (the one torch loaded, if any) */
-    int runtime_version;   /* cudaRuntimeGetVersion; 0 when not found */
-    char runtime_path[512];/* file the runtime was loaded from; "" when not found */
-    int kernels_built;     /* the CUDA kernels were compiled into this build */
-    int device_count;      /* devices the driver sees; 0 without a driver or device */
-    char error[256];       /* why the driver is unusable ("" when it is usable) */
+    int driver_found;       /* libcuda.so.1 opened and its symbols resolved */
+    int driver_version;     /* cuDriverGetVersion, e.g. 12080 for 12.8; 0 when not found */
+    int runtime_found;      /* a libcudart was found (the one torch loaded, if any) */
+    int runtime_version;    /* cudaRuntimeGetVersion; 0 when not found */
+    char runtime_path[512]; /* file the runtime was loaded from; "" when not found */
+    int kernels_built;      /* the CUDA kernels were compiled into this build */
+    int device_count;       /* devices the driver sees; 0 without a driver or device */
+    char error[256];        /* why the driver is unusable ("" when it is usable) */
 } fsc_gpu_info_t;
 
 /* Open libcuda.so.1, resolve the driver entry points and call cuInit, once per process

@@ -45,7 +45,9 @@ static inline uint16_t fsc_float_to_half(float f) {
 }
 
 /* bfloat16 -> float32 (exact). */
-static inline float fsc_bf16_to_float(uint16_t b) { return fsc_bits_f32((uint32_t)b << 16); }
+static inline float fsc_bf16_to_float(uint16_t b) {
+    return fsc_bits_f32((uint32_t)b << 16);
+}
 
 /* float32 -> bfloat16, round to nearest even; NaN stays a quiet NaN. */
 static inline uint16_t fsc_float_to_bf16(float f) {

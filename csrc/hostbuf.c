@@ -33,11 +33,15 @@ fsc_status_t fsc_hostbuf_alloc(size_t nbytes, fsc_hostbuf_t **out) {
     return FSC_OK;
 }
 
-void fsc_hostbuf_retain(fsc_hostbuf_t *buf) { atomic_fetch_add_explicit(&buf->refs, 1, memory_order_relaxed); }
+void fsc_hostbuf_retain(fsc_hostbuf_t *buf) {
+    atomic_fetch_add_explicit(&buf->refs, 1, memory_order_relaxed);
+}
 
 void fsc_hostbuf_release(fsc_hostbuf_t *buf) {
     if (buf == NULL) return;
     if (atomic_fetch_sub_explicit(&buf->refs, 1, memory_order_acq_rel) == 1) buf->release(buf);
 }
 
-long fsc_hostbuf_live(void) { return atomic_load(&live_buffers); }
+long fsc_hostbuf_live(void) {
+    return atomic_load(&live_buffers);
+}

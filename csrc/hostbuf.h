@@ -11,7 +11,7 @@ typedef struct fsc_hostbuf fsc_hostbuf_t;
 
 struct fsc_hostbuf {
     atomic_long refs;
-    void *data;    /* FSC_HOSTBUF_ALIGN-aligned; NULL when nbytes == 0 */
+    void *data; /* FSC_HOSTBUF_ALIGN-aligned; NULL when nbytes == 0 */
     size_t nbytes;
     void (*release)(fsc_hostbuf_t *self); /* frees data and self; never touches Python */
 };

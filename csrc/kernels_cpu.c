@@ -64,8 +64,7 @@ fsc_status_t fsc_cpu_norm(const fsc_tensor_t *x, fsc_norm_mode_t mode, float *ou
     static const char *op = "norm";
     FSC_CHECK(fsc_kernels_check(x, op, "x", FSC_DEV_CPU, FSC_FLOAT_DTYPES, 0));
     if (mode != FSC_NORM_SUMSQ && mode != FSC_NORM_ABSMAX)
-        return fsc_error(FSC_ERR_VALUE, "%s: mode must be FSC_NORM_SUMSQ or FSC_NORM_ABSMAX, got %d", op,
-                         (int)mode);
+        return fsc_error(FSC_ERR_VALUE, "%s: mode must be FSC_NORM_SUMSQ or FSC_NORM_ABSMAX, got %d", op, (int)mode);
     double acc = 0.0;
     for (int64_t i = 0; i < x->numel; i++) {
         double v = load_f32(x->data, x->dtype, i);
@@ -111,8 +110,8 @@ fsc_status_t fsc_adamw_prepare(const fsc_adamw_hparams_t *hp, fsc_adamw_scalars_
 static fsc_status_t check_shard(const fsc_tensor_t *t, const char *arg, int writable, int64_t numel) {
     FSC_CHECK(fsc_kernels_check(t, "adamw_step", arg, FSC_DEV_CPU, FSC_DTYPE_BIT(FSC_FLOAT32), writable));
     if (t->numel != numel)
-        return fsc_error(FSC_ERR_VALUE, "adamw_step: %s has %lld elements, param has %lld", arg,
-                         (long long)t->numel, (long long)numel);
+        return fsc_error(FSC_ERR_VALUE, "adamw_step: %s has %lld elements, param has %lld", arg, (long long)t->numel,
+                         (long long)numel);
     return FSC_OK;
 }
 

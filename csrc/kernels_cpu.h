@@ -25,8 +25,8 @@ typedef struct {
  * the host and shared by the CPU reference and the CUDA kernel so both use identical
  * constants. */
 typedef struct {
-    float decay;         /* 1 - lr * weight_decay */
-    float one_minus_b1;  /* lerp weight for exp_avg */
+    float decay;        /* 1 - lr * weight_decay */
+    float one_minus_b1; /* lerp weight for exp_avg */
     float beta2;
     float one_minus_b2;
     float bc2_sqrt;      /* sqrt(1 - beta2^step) */

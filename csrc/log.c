@@ -20,7 +20,9 @@ static int parse_level(const char *s) {
     return FSC_LOG_NONE;
 }
 
-void fsc_log_reload(void) { atomic_store(&level_cache, parse_level(getenv("FAIRSCALE_C_DEBUG"))); }
+void fsc_log_reload(void) {
+    atomic_store(&level_cache, parse_level(getenv("FAIRSCALE_C_DEBUG")));
+}
 
 fsc_log_level_t fsc_log_level(void) {
     int lv = atomic_load_explicit(&level_cache, memory_order_relaxed);
@@ -31,7 +33,9 @@ fsc_log_level_t fsc_log_level(void) {
     return (fsc_log_level_t)lv;
 }
 
-void fsc_log_set_rank(int rank) { atomic_store(&log_rank, rank); }
+void fsc_log_set_rank(int rank) {
+    atomic_store(&log_rank, rank);
+}
 
 void fsc_log_write(fsc_log_level_t level, const char *subsys, const char *fmt, ...) {
     static const char *names[] = {"NONE", "WARN", "INFO", "TRACE"};

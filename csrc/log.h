@@ -17,8 +17,8 @@ void fsc_log_set_rank(int rank);
 void fsc_log_write(fsc_log_level_t level, const char *subsys, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-#define FSC_LOG(level, subsys, ...)                                          \
-    do {                                                                     \
+#define FSC_LOG(level, subsys, ...)                                                    \
+    do {                                                                               \
         if (fsc_log_level() >= (level)) fsc_log_write((level), (subsys), __VA_ARGS__); \
     } while (0)
 #define FSC_WARN(subsys, ...) FSC_LOG(FSC_LOG_WARN, subsys, __VA_ARGS__)

@@ -89,13 +89,26 @@ static const struct {
     size_t offset;
     int optional;
 } nccl_symbols[] = {
-#define NCCL_SYM(field, opt) {"nccl" #field, offsetof(nccl_api_t, field), opt}
-    NCCL_SYM(GetVersion, 0),         NCCL_SYM(GetUniqueId, 0),  NCCL_SYM(CommInitRank, 0),
-    NCCL_SYM(CommDestroy, 0),        NCCL_SYM(CommAbort, 0),    NCCL_SYM(CommGetAsyncError, 0),
-    NCCL_SYM(GetErrorString, 0),     NCCL_SYM(AllGather, 0),    NCCL_SYM(ReduceScatter, 0),
-    NCCL_SYM(AllReduce, 0),          NCCL_SYM(Broadcast, 0),    NCCL_SYM(Reduce, 0),
-    NCCL_SYM(Send, 0),               NCCL_SYM(Recv, 0),         NCCL_SYM(GroupStart, 0),
-    NCCL_SYM(GroupEnd, 0),           NCCL_SYM(CommInitRankConfig, 1), NCCL_SYM(CommFinalize, 1),
+#define NCCL_SYM(field, opt) \
+    { "nccl" #field, offsetof(nccl_api_t, field), opt }
+    NCCL_SYM(GetVersion, 0),
+    NCCL_SYM(GetUniqueId, 0),
+    NCCL_SYM(CommInitRank, 0),
+    NCCL_SYM(CommDestroy, 0),
+    NCCL_SYM(CommAbort, 0),
+    NCCL_SYM(CommGetAsyncError, 0),
+    NCCL_SYM(GetErrorString, 0),
+    NCCL_SYM(AllGather, 0),
+    NCCL_SYM(ReduceScatter, 0),
+    NCCL_SYM(AllReduce, 0),
+    NCCL_SYM(Broadcast, 0),
+    NCCL_SYM(Reduce, 0),
+    NCCL_SYM(Send, 0),
+    NCCL_SYM(Recv, 0),
+    NCCL_SYM(GroupStart, 0),
+    NCCL_SYM(GroupEnd, 0),
+    NCCL_SYM(CommInitRankConfig, 1),
+    NCCL_SYM(CommFinalize, 1),
     NCCL_SYM(GetLastError, 1),
 #undef NCCL_SYM
 };
@@ -207,14 +220,20 @@ struct fsc_nccl_comm {
     nccl_comm_h comm;     /* NULL once aborted or destroyed */
     int rank, nranks, device;
     comm_state_t state;
-    char why_dead[768];   /* the error that aborted it */
+    char why_dead[768];    /* the error that aborted it */
     fsc_comm_op_t last_op; /* last operation enqueued, for wait's messages */
     uint64_t nops;         /* operations enqueued so far */
 };
 
-int fsc_nccl_comm_rank(const fsc_nccl_comm_t *c) { return c->rank; }
-int fsc_nccl_comm_size(const fsc_nccl_comm_t *c) { return c->nranks; }
-int fsc_nccl_comm_device(const fsc_nccl_comm_t *c) { return c->device; }
+int fsc_nccl_comm_rank(const fsc_nccl_comm_t *c) {
+    return c->rank;
+}
+int fsc_nccl_comm_size(const fsc_nccl_comm_t *c) {
+    return c->nranks;
+}
+int fsc_nccl_comm_device(const fsc_nccl_comm_t *c) {
+    return c->device;
+}
 
 static double deadline_after(double timeout_s) {
     return fsc_comm_now() + (timeout_s > 0 ? timeout_s : fsc_comm_timeout_s());
@@ -282,8 +301,7 @@ static fsc_status_t settle_locked(fsc_nccl_comm_t *c, nccl_result_t r, const cha
 }
 
 static fsc_status_t dead_error(const fsc_nccl_comm_t *c, const char *what) {
-    if (c->state == COMM_DESTROYED)
-        return fsc_error(FSC_ERR_COMM, "nccl %s: the communicator was destroyed", what);
+    if (c->state == COMM_DESTROYED) return fsc_error(FSC_ERR_COMM, "nccl %s: the communicator was destroyed", what);
     return fsc_error(FSC_ERR_COMM, "nccl %s: the communicator was aborted earlier: %s", what, c->why_dead);
 }
 
@@ -308,8 +326,8 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     double deadline = deadline_after(timeout_s);
     nccl_result_t r;
     if (nccl.CommInitRankConfig != NULL) {
-        nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC, NCCL_CONFIG_LAYOUT_VERSION, 0,
-                             NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NULL};
+        nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC,        NCCL_CONFIG_LAYOUT_VERSION, 0,
+                             NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,      NULL};
         r = nccl.CommInitRankConfig(&c->comm, nranks, uid, rank, &cfg);
     } else {
         FSC_INFO("nccl", "NCCL %d has no ncclCommInitRankConfig; using blocking ncclCommInitRank", nccl_version_code);
@@ -413,8 +431,8 @@ fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const
         return fsc_error(FSC_ERR_VALUE, "all_gather: output must have size * input.numel = %lld elements, got %lld",
                          (long long)(input->numel * c->nranks), (long long)output->numel);
     FSC_CHECK(op_begin(c, FSC_OP_ALL_GATHER, &g));
-    nccl_result_t r = nccl.AllGather(input->data, output->data, (size_t)input->numel, dt_in, c->comm,
-                                     (cuda_stream_h)stream);
+    nccl_result_t r =
+        nccl.AllGather(input->data, output->data, (size_t)input->numel, dt_in, c->comm, (cuda_stream_h)stream);
     return op_end(c, FSC_OP_ALL_GATHER, r, &g);
 }
 
@@ -452,8 +470,8 @@ fsc_status_t fsc_nccl_broadcast(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int ro
     FSC_CHECK(check_rank_arg(c, FSC_OP_BROADCAST, "root", root, 0));
     FSC_CHECK(check_tensor(c, tensor, FSC_OP_BROADCAST, "tensor", 1, -1, &dt));
     FSC_CHECK(op_begin(c, FSC_OP_BROADCAST, &g));
-    nccl_result_t r = nccl.Broadcast(tensor->data, tensor->data, (size_t)tensor->numel, dt, root, c->comm,
-                                     (cuda_stream_h)stream);
+    nccl_result_t r =
+        nccl.Broadcast(tensor->data, tensor->data, (size_t)tensor->numel, dt, root, c->comm, (cuda_stream_h)stream);
     return op_end(c, FSC_OP_BROADCAST, r, &g);
 }
 
@@ -464,8 +482,8 @@ fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduc
     FSC_CHECK(check_rank_arg(c, FSC_OP_REDUCE, "root", root, 0));
     FSC_CHECK(check_tensor(c, tensor, FSC_OP_REDUCE, "tensor", 1, (int)op, &dt));
     FSC_CHECK(op_begin(c, FSC_OP_REDUCE, &g));
-    nccl_result_t r = nccl.Reduce(tensor->data, tensor->data, (size_t)tensor->numel, dt, nccl_redop(op), root,
-                                  c->comm, (cuda_stream_h)stream);
+    nccl_result_t r = nccl.Reduce(tensor->data, tensor->data, (size_t)tensor->numel, dt, nccl_redop(op), root, c->comm,
+                                  (cuda_stream_h)stream);
     return op_end(c, FSC_OP_REDUCE, r, &g);
 }
 
@@ -533,8 +551,8 @@ fsc_status_t fsc_nccl_wait(fsc_nccl_comm_t *c, fsc_stream_t stream, double timeo
             } else if (fsc_comm_now() > deadline) {
                 char msg[256];
                 snprintf(msg, sizeof(msg),
-                         "nccl wait on rank %d of %d (cuda:%d): %s #%llu did not complete within %g s",
-                         c->rank, c->nranks, c->device, fsc_comm_op_name(last), (unsigned long long)nops, timeout);
+                         "nccl wait on rank %d of %d (cuda:%d): %s #%llu did not complete within %g s", c->rank,
+                         c->nranks, c->device, fsc_comm_op_name(last), (unsigned long long)nops, timeout);
                 abort_locked(c, msg);
                 st = fsc_error(FSC_ERR_TIMEOUT, "%s; communicator aborted", msg);
             }

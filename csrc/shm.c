@@ -24,7 +24,9 @@
 #define FSC_SHM_SLICE_NS 2000000 /* futex sleep slice: 2 ms */
 #define FSC_SHM_LIVENESS_S 0.05  /* how often a sleeping waiter checks the peer's pid */
 
-static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+static size_t round_up(size_t x, size_t a) {
+    return (x + a - 1) / a * a;
+}
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -76,16 +78,18 @@ static fsc_status_t wait_failed(fsc_shm_group_t *g, int peer, int dead) {
     char peer_op[192];
     fsc_comm_header_format(&g->ranks[peer].cur, peer_op, sizeof(peer_op));
     if (dead)
-        return fsc_error(FSC_ERR_COMM, "%s on group '%s' (rank %d of %d): rank %d (pid %d) exited while this rank "
-                         "was waiting for it (it was last in %s)", g->op_desc, g->name, g->rank, g->size, peer,
-                         (int)atomic_load(&g->ranks[peer].pid), peer_op);
-    return fsc_error(FSC_ERR_TIMEOUT, "%s on group '%s' (rank %d of %d): rank %d did not arrive within "
-                     "FAIRSCALE_C_TIMEOUT=%g s (it is in %s)", g->op_desc, g->name, g->rank, g->size, peer,
-                     g->timeout, peer_op);
+        return fsc_error(FSC_ERR_COMM,
+                         "%s on group '%s' (rank %d of %d): rank %d (pid %d) exited while this rank "
+                         "was waiting for it (it was last in %s)",
+                         g->op_desc, g->name, g->rank, g->size, peer, (int)atomic_load(&g->ranks[peer].pid), peer_op);
+    return fsc_error(FSC_ERR_TIMEOUT,
+                     "%s on group '%s' (rank %d of %d): rank %d did not arrive within "
+                     "FAIRSCALE_C_TIMEOUT=%g s (it is in %s)",
+                     g->op_desc, g->name, g->rank, g->size, peer, g->timeout, peer_op);
 }
 
-fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic uint32_t *sleepers,
-                          uint32_t target, int peer) {
+fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t target,
+                          int peer) {
     for (int i = 0; i < FSC_SHM_SPINS; i++) {
         if (reached(word, target)) return FSC_OK;
         cpu_relax();
@@ -160,16 +164,16 @@ static fsc_status_t map_segment(fsc_shm_group_t *g, int create) {
         fd = shm_open(g->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd < 0) return fsc_error(FSC_ERR_SYSTEM, "shm_open(%s): %s", g->seg_name, strerror(errno));
         if (ftruncate(fd, (off_t)g->bytes) != 0) {
-            st = fsc_error(FSC_ERR_SYSTEM, "ftruncate(%s, %zu): %s (is /dev/shm large enough?)", g->seg_name,
-                           g->bytes, strerror(errno));
+            st = fsc_error(FSC_ERR_SYSTEM, "ftruncate(%s, %zu): %s (is /dev/shm large enough?)", g->seg_name, g->bytes,
+                           strerror(errno));
             shm_unlink(g->seg_name);
             goto exit;
         }
     } else {
         fd = shm_open(g->seg_name, O_RDWR, 0600);
         if (fd < 0)
-            return fsc_error(FSC_ERR_COMM, "group '%s': cannot attach shared memory %s: %s (did rank 0 exit?)",
-                             g->name, g->seg_name, strerror(errno));
+            return fsc_error(FSC_ERR_COMM, "group '%s': cannot attach shared memory %s: %s (did rank 0 exit?)", g->name,
+                             g->seg_name, strerror(errno));
         struct stat sb;
         if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < sizeof(fsc_shm_seg_t)) {
             st = fsc_error(FSC_ERR_COMM, "group '%s': shared memory %s is not a fairscale_c segment", g->name,
@@ -200,9 +204,10 @@ static fsc_status_t init_or_check(fsc_shm_group_t *g, int create) {
         atomic_store_explicit(&s->magic, FSC_SHM_MAGIC, memory_order_release);
     } else if (atomic_load_explicit(&s->magic, memory_order_acquire) != FSC_SHM_MAGIC ||
                s->version != FSC_SHM_VERSION || s->size != g->size || s->total > g->bytes) {
-        return fsc_error(FSC_ERR_COMM, "group '%s': shared memory %s does not match (expected %d ranks, "
-                         "segment has %d; version %u vs %u)", g->name, g->seg_name, g->size, (int)s->size,
-                         (unsigned)s->version, FSC_SHM_VERSION);
+        return fsc_error(FSC_ERR_COMM,
+                         "group '%s': shared memory %s does not match (expected %d ranks, "
+                         "segment has %d; version %u vs %u)",
+                         g->name, g->seg_name, g->size, (int)s->size, (unsigned)s->version, FSC_SHM_VERSION);
     }
     g->chunk = s->chunk;
     g->p2p_chunk = s->p2p_chunk;
@@ -250,10 +255,18 @@ fail:
     return st;
 }
 
-const char *fsc_shm_group_segment_name(const fsc_shm_group_t *g) { return g->seg_name; }
-int fsc_shm_group_rank(const fsc_shm_group_t *g) { return g->rank; }
-int fsc_shm_group_size(const fsc_shm_group_t *g) { return g->size; }
-const char *fsc_shm_group_name(const fsc_shm_group_t *g) { return g->name; }
+const char *fsc_shm_group_segment_name(const fsc_shm_group_t *g) {
+    return g->seg_name;
+}
+int fsc_shm_group_rank(const fsc_shm_group_t *g) {
+    return g->rank;
+}
+int fsc_shm_group_size(const fsc_shm_group_t *g) {
+    return g->size;
+}
+const char *fsc_shm_group_name(const fsc_shm_group_t *g) {
+    return g->name;
+}
 
 void fsc_shm_group_unlink(fsc_shm_group_t *g) {
     if (g == NULL || g->unlinked || g->seg_name[0] == '\0') return;
@@ -273,8 +286,10 @@ fsc_status_t fsc_shm_group_join(fsc_shm_group_t *g) {
                 if (!atomic_load(&g->ranks[r].attached))
                     n += (size_t)snprintf(missing + n, sizeof(missing) - n, "%s%d", n ? ", " : "", r);
             g->broken = FSC_ERR_TIMEOUT;
-            return fsc_error(FSC_ERR_TIMEOUT, "rendezvous of group '%s' (rank %d of %d): rank(s) %s did not join "
-                             "within FAIRSCALE_C_TIMEOUT=%g s", g->name, g->rank, g->size, missing, g->timeout);
+            return fsc_error(FSC_ERR_TIMEOUT,
+                             "rendezvous of group '%s' (rank %d of %d): rank(s) %s did not join "
+                             "within FAIRSCALE_C_TIMEOUT=%g s",
+                             g->name, g->rank, g->size, missing, g->timeout);
         }
         struct timespec ts = {0, 1000000};
         nanosleep(&ts, NULL);

@@ -12,7 +12,9 @@
 
 #define FSC_P2P_ERR_JUMP 0x40000000u /* acked jump that releases a sender after a mismatch */
 
-static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+static size_t min_sz(size_t a, size_t b) {
+    return a < b ? a : b;
+}
 
 static void copy(void *dst, const void *src, size_t n) {
     if (n != 0 && dst != src) memcpy(dst, src, n);
@@ -24,7 +26,8 @@ static void begin_op(fsc_shm_group_t *g, const fsc_shm_args_t *a, uint64_t seq, 
     h->op = (uint32_t)a->op;
     h->dtype = a->op == FSC_OP_BARRIER ? 0 : (uint32_t)a->dtype;
     h->redop = (a->op == FSC_OP_ALL_REDUCE || a->op == FSC_OP_REDUCE || a->op == FSC_OP_REDUCE_SCATTER)
-                   ? (uint32_t)a->redop : 0;
+                   ? (uint32_t)a->redop
+                   : 0;
     int rooted = a->op == FSC_OP_BROADCAST || a->op == FSC_OP_REDUCE || a->op == FSC_OP_SEND || a->op == FSC_OP_RECV;
     h->root = rooted ? a->root : -1;
     h->count = a->op == FSC_OP_BARRIER ? 0 : (uint64_t)a->count;
@@ -56,8 +59,10 @@ static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
     for (size_t off = 0, first = 1; first || off < count; off += per, first = 0) {
         size_t n = min_sz(per, count - off), nb = n * esz;
         copy(fsc_shm_slot(g, g->rank, g->step), in + off * esz, nb);
-        if (first) FSC_CHECK(open_collective(g, a));
-        else FSC_CHECK(fsc_shm_arrive(g, 1));
+        if (first)
+            FSC_CHECK(open_collective(g, a));
+        else
+            FSC_CHECK(fsc_shm_arrive(g, 1));
         for (int p = 0; p < g->size; p++) {
             const uint8_t *src = p == g->rank ? in + off * esz : fsc_shm_slot(g, p, g->step);
             copy(out + (size_t)p * row + off * esz, src, nb);
@@ -80,8 +85,10 @@ static fsc_status_t run_reduce_scatter(fsc_shm_group_t *g, const fsc_shm_args_t 
         uint8_t *slot = fsc_shm_slot(g, g->rank, g->step);
         for (int p = 0; p < g->size; p++)
             if (p != g->rank) copy(slot + (size_t)p * per * esz, in + (size_t)p * row + off * esz, nb);
-        if (first) FSC_CHECK(open_collective(g, a));
-        else FSC_CHECK(fsc_shm_arrive(g, 1));
+        if (first)
+            FSC_CHECK(open_collective(g, a));
+        else
+            FSC_CHECK(fsc_shm_arrive(g, 1));
         /* own block first: `out` may alias it (in-place reduce-scatter) */
         srcs[0] = in + (size_t)g->rank * row + off * esz;
         for (int p = 0, k = 1; p < g->size; p++)
@@ -108,8 +115,10 @@ static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
         uint8_t *slot = fsc_shm_slot(g, g->rank, g->step), *res = fsc_shm_result(g, g->step);
         copy(slot, src, lo * esz); /* my own part is read straight from `in` */
         copy(slot + hi * esz, src + hi * esz, (n - hi) * esz);
-        if (first) FSC_CHECK(open_collective(g, a));
-        else FSC_CHECK(fsc_shm_arrive(g, 1));
+        if (first)
+            FSC_CHECK(open_collective(g, a));
+        else
+            FSC_CHECK(fsc_shm_arrive(g, 1));
         if (hi > lo) {
             srcs[0] = src + lo * esz;
             for (int p = 0, k = 1; p < g->size; p++)
@@ -133,8 +142,10 @@ static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
             copy(slot, (const uint8_t *)a->in + off * esz, nb);
             copy((uint8_t *)a->out + off * esz, (const uint8_t *)a->in + off * esz, nb);
         }
-        if (first) FSC_CHECK(open_collective(g, a));
-        else FSC_CHECK(fsc_shm_arrive(g, 1));
+        if (first)
+            FSC_CHECK(open_collective(g, a));
+        else
+            FSC_CHECK(fsc_shm_arrive(g, 1));
         if (!is_root) copy((uint8_t *)a->out + off * esz, slot, nb);
         g->step++;
     }

@@ -9,14 +9,14 @@
 
 #include "shm.h"
 
-#define FSC_SHM_LINE 128 /* two x86 lines: adjacent-line prefetch must not cause false sharing */
+#define FSC_SHM_LINE 128                    /* two x86 lines: adjacent-line prefetch must not cause false sharing */
 #define FSC_SHM_MAGIC 0x31306d6873637366ull /* "fscshm01" */
 #define FSC_SHM_VERSION 1u
 #define FSC_SHM_MAX_RANKS 256
 
 /* Per-rank control block, written only by its rank. */
 typedef struct {
-    _Alignas(FSC_SHM_LINE) _Atomic uint32_t arrive; /* barrier epoch; futex word */
+    _Alignas(FSC_SHM_LINE) _Atomic uint32_t arrive;  /* barrier epoch; futex word */
     _Atomic uint32_t sleepers;                       /* ranks sleeping in futex on `arrive` */
     _Alignas(FSC_SHM_LINE) fsc_comm_header_t hdr[2]; /* collective header, indexed by seq & 1 */
     fsc_comm_header_t cur;                           /* what the rank is doing now (diagnostics) */
@@ -31,7 +31,7 @@ typedef struct {
     fsc_comm_header_t hdr;
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t acked;
     _Atomic uint32_t acked_sleepers;
-    _Atomic uint32_t err;  /* receiver saw a mismatching header */
+    _Atomic uint32_t err;   /* receiver saw a mismatching header */
     fsc_comm_header_t rhdr; /* the receiver's header when err is set */
 } fsc_shm_chan_t;
 
@@ -113,8 +113,8 @@ void fsc_shm_post(_Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t v
 /* Block until `word` has reached `target` (wrap-around aware), spinning briefly, then sleeping
  * in futex slices while checking g->deadline and whether rank `peer` is still alive. Errors
  * name g->op_desc, the group and the peer. */
-fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic uint32_t *sleepers,
-                          uint32_t target, int peer);
+fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t target,
+                          int peer);
 
 /* Bump this rank's barrier epoch; with `wait`, block until every other rank has reached it. */
 fsc_status_t fsc_shm_arrive(fsc_shm_group_t *g, int wait);

@@ -76,8 +76,10 @@ fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, fsc_shm
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     pthread_mutex_lock(&g->qmu);
-    if (g->qtail) g->qtail->next = w;
-    else g->qhead = w;
+    if (g->qtail)
+        g->qtail->next = w;
+    else
+        g->qhead = w;
     g->qtail = w;
     pthread_cond_signal(&g->qcv);
     pthread_mutex_unlock(&g->qmu);
@@ -85,7 +87,9 @@ fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, fsc_shm
     return FSC_OK;
 }
 
-int fsc_shm_work_done(fsc_shm_work_t *w) { return atomic_load_explicit(&w->done, memory_order_acquire); }
+int fsc_shm_work_done(fsc_shm_work_t *w) {
+    return atomic_load_explicit(&w->done, memory_order_acquire);
+}
 
 fsc_status_t fsc_shm_work_wait(fsc_shm_work_t *w, double timeout_s) {
     struct timespec abs;

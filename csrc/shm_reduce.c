@@ -22,7 +22,7 @@
 /* Native-dtype kernels: d = s0 (op) s1 (or d (op)= s1 when d is s0), then d (op)= sj. */
 #define FSC_DEFINE_NATIVE(NAME, T, OP)                                                               \
     static inline void NAME##_2(T *restrict d, const T *restrict a, const T *restrict b, size_t n) { \
-        for (size_t i = 0; i < n; i++) d[i] = OP(a[i], b[i]);                                       \
+        for (size_t i = 0; i < n; i++) d[i] = OP(a[i], b[i]);                                        \
     }                                                                                                \
     static inline void NAME##_acc(T *restrict d, const T *restrict s, size_t n) {                    \
         for (size_t i = 0; i < n; i++) d[i] = OP(d[i], s[i]);                                        \
@@ -43,7 +43,7 @@
         }                                                                                            \
     }
 
-#define FSC_DEFINE_NATIVE_ALL(TN, T) \
+#define FSC_DEFINE_NATIVE_ALL(TN, T)            \
     FSC_DEFINE_NATIVE(red_sum_##TN, T, FSC_SUM) \
     FSC_DEFINE_NATIVE(red_max_##TN, T, FSC_MAX) \
     FSC_DEFINE_NATIVE(red_min_##TN, T, FSC_MIN)
@@ -69,24 +69,24 @@ FSC_MULTIVERSION static void div_f64(double *restrict d, size_t n, double div) {
 }
 
 /* 16-bit floating kernels: widen a block into a float32 accumulator, reduce, round once. */
-#define FSC_DEFINE_HALF(NAME, TO_F, FROM_F, OP)                                                           \
-    static inline void NAME##_load(float *restrict acc, const uint16_t *restrict s, size_t n) {           \
-        for (size_t i = 0; i < n; i++) acc[i] = TO_F(s[i]);                                                \
-    }                                                                                                      \
-    static inline void NAME##_acc(float *restrict acc, const uint16_t *restrict s, size_t n) {            \
-        for (size_t i = 0; i < n; i++) acc[i] = OP(acc[i], TO_F(s[i]));                                    \
-    }                                                                                                      \
-    static inline void NAME##_store(uint16_t *restrict d, const float *restrict acc, size_t n, float dv) { \
-        for (size_t i = 0; i < n; i++) d[i] = FROM_F(acc[i] / dv);                                         \
-    }                                                                                                      \
+#define FSC_DEFINE_HALF(NAME, TO_F, FROM_F, OP)                                                                \
+    static inline void NAME##_load(float *restrict acc, const uint16_t *restrict s, size_t n) {                \
+        for (size_t i = 0; i < n; i++) acc[i] = TO_F(s[i]);                                                    \
+    }                                                                                                          \
+    static inline void NAME##_acc(float *restrict acc, const uint16_t *restrict s, size_t n) {                 \
+        for (size_t i = 0; i < n; i++) acc[i] = OP(acc[i], TO_F(s[i]));                                        \
+    }                                                                                                          \
+    static inline void NAME##_store(uint16_t *restrict d, const float *restrict acc, size_t n, float dv) {     \
+        for (size_t i = 0; i < n; i++) d[i] = FROM_F(acc[i] / dv);                                             \
+    }                                                                                                          \
     FSC_MULTIVERSION static void NAME(uint16_t *d, const uint16_t *const *s, int ns, size_t count, float dv) { \
-        float acc[FSC_RED_BLOCK];                                                                          \
-        for (size_t off = 0; off < count; off += FSC_RED_BLOCK) {                                          \
-            size_t n = count - off < FSC_RED_BLOCK ? count - off : FSC_RED_BLOCK;                          \
-            NAME##_load(acc, s[0] + off, n);                                                               \
-            for (int j = 1; j < ns; j++) NAME##_acc(acc, s[j] + off, n);                                   \
-            NAME##_store(d + off, acc, n, dv);                                                             \
-        }                                                                                                  \
+        float acc[FSC_RED_BLOCK];                                                                              \
+        for (size_t off = 0; off < count; off += FSC_RED_BLOCK) {                                              \
+            size_t n = count - off < FSC_RED_BLOCK ? count - off : FSC_RED_BLOCK;                              \
+            NAME##_load(acc, s[0] + off, n);                                                                   \
+            for (int j = 1; j < ns; j++) NAME##_acc(acc, s[j] + off, n);                                       \
+            NAME##_store(d + off, acc, n, dv);                                                                 \
+        }                                                                                                      \
     }
 
 FSC_DEFINE_HALF(red_sum_f16, fsc_half_to_float, fsc_float_to_half, FSC_SUM)
@@ -97,18 +97,24 @@ FSC_DEFINE_HALF(red_max_bf16, fsc_bf16_to_float, fsc_float_to_bf16, FSC_MAX)
 FSC_DEFINE_HALF(red_min_bf16, fsc_bf16_to_float, fsc_float_to_bf16, FSC_MIN)
 
 /* Dispatch helpers: pick the sum/max/min kernel of one dtype. */
-#define FSC_PICK(TN, CT, d, s, ns, n, op)                                                       \
-    do {                                                                                        \
-        if ((op) == FSC_RED_MAX) red_max_##TN((CT *)(d), (const CT *const *)(s), ns, n);        \
-        else if ((op) == FSC_RED_MIN) red_min_##TN((CT *)(d), (const CT *const *)(s), ns, n);   \
-        else red_sum_##TN((CT *)(d), (const CT *const *)(s), ns, n);                            \
+#define FSC_PICK(TN, CT, d, s, ns, n, op)                           \
+    do {                                                            \
+        if ((op) == FSC_RED_MAX)                                    \
+            red_max_##TN((CT *)(d), (const CT *const *)(s), ns, n); \
+        else if ((op) == FSC_RED_MIN)                               \
+            red_min_##TN((CT *)(d), (const CT *const *)(s), ns, n); \
+        else                                                        \
+            red_sum_##TN((CT *)(d), (const CT *const *)(s), ns, n); \
     } while (0)
 
-#define FSC_PICK_HALF(TN, d, s, ns, n, op, dv)                                                     \
-    do {                                                                                            \
-        if ((op) == FSC_RED_MAX) red_max_##TN((uint16_t *)(d), (const uint16_t *const *)(s), ns, n, 1.0f); \
-        else if ((op) == FSC_RED_MIN) red_min_##TN((uint16_t *)(d), (const uint16_t *const *)(s), ns, n, 1.0f); \
-        else red_sum_##TN((uint16_t *)(d), (const uint16_t *const *)(s), ns, n, dv);               \
+#define FSC_PICK_HALF(TN, d, s, ns, n, op, dv)                                        \
+    do {                                                                              \
+        if ((op) == FSC_RED_MAX)                                                      \
+            red_max_##TN((uint16_t *)(d), (const uint16_t *const *)(s), ns, n, 1.0f); \
+        else if ((op) == FSC_RED_MIN)                                                 \
+            red_min_##TN((uint16_t *)(d), (const uint16_t *const *)(s), ns, n, 1.0f); \
+        else                                                                          \
+            red_sum_##TN((uint16_t *)(d), (const uint16_t *const *)(s), ns, n, dv);   \
     } while (0)
 
 fsc_status_t fsc_shm_reduce(void *dst, const void *const *srcs, int nsrc, size_t count, fsc_dtype_t dt,
@@ -132,12 +138,16 @@ fsc_status_t fsc_shm_reduce(void *dst, const void *const *srcs, int nsrc, size_t
     if (avg) return fsc_error(FSC_ERR_VALUE, "op='avg' needs a floating dtype, got %s", fsc_dtype_name(dt));
     switch (dt) {
         case FSC_INT32:
-            if (op == FSC_RED_SUM) red_sum_i32_u(dst, srcs, nsrc, count);
-            else FSC_PICK(i32, int32_t, dst, srcs, nsrc, count, op);
+            if (op == FSC_RED_SUM)
+                red_sum_i32_u(dst, srcs, nsrc, count);
+            else
+                FSC_PICK(i32, int32_t, dst, srcs, nsrc, count, op);
             return FSC_OK;
         case FSC_INT64:
-            if (op == FSC_RED_SUM) red_sum_i64_u(dst, srcs, nsrc, count);
-            else FSC_PICK(i64, int64_t, dst, srcs, nsrc, count, op);
+            if (op == FSC_RED_SUM)
+                red_sum_i64_u(dst, srcs, nsrc, count);
+            else
+                FSC_PICK(i64, int64_t, dst, srcs, nsrc, count, op);
             return FSC_OK;
         case FSC_UINT8: FSC_PICK(u8, uint8_t, dst, srcs, nsrc, count, op); return FSC_OK;
         default: break;

@@ -16,7 +16,9 @@ fsc_status_t fsc_error(fsc_status_t st, const char *fmt, ...) {
     return st;
 }
 
-const char *fsc_last_error(void) { return last_error; }
+const char *fsc_last_error(void) {
+    return last_error;
+}
 
 const char *fsc_status_name(fsc_status_t st) {
     switch (st) {

@@ -32,9 +32,9 @@ const char *fsc_last_error(void);
 const char *fsc_status_name(fsc_status_t st);
 
 /* Propagate a non-OK status to the caller. */
-#define FSC_CHECK(call)                                \
-    do {                                               \
-        fsc_status_t fsc_check_st_ = (call);           \
+#define FSC_CHECK(call)                                    \
+    do {                                                   \
+        fsc_status_t fsc_check_st_ = (call);               \
         if (fsc_check_st_ != FSC_OK) return fsc_check_st_; \
     } while (0)
 

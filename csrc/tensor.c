@@ -56,18 +56,46 @@ static int squeeze(const fsc_tensor_t *t, int64_t *shape, int64_t *strides) {
 
 static double load_float(const char *p, fsc_dtype_t dt) {
     switch (dt) {
-        case FSC_FLOAT16: { uint16_t h; memcpy(&h, p, 2); return fsc_half_to_float(h); }
-        case FSC_BFLOAT16: { uint16_t h; memcpy(&h, p, 2); return fsc_bf16_to_float(h); }
-        case FSC_FLOAT32: { float f; memcpy(&f, p, 4); return f; }
-        default: { double d; memcpy(&d, p, 8); return d; }
+        case FSC_FLOAT16: {
+            uint16_t h;
+            memcpy(&h, p, 2);
+            return fsc_half_to_float(h);
+        }
+        case FSC_BFLOAT16: {
+            uint16_t h;
+            memcpy(&h, p, 2);
+            return fsc_bf16_to_float(h);
+        }
+        case FSC_FLOAT32: {
+            float f;
+            memcpy(&f, p, 4);
+            return f;
+        }
+        default: {
+            double d;
+            memcpy(&d, p, 8);
+            return d;
+        }
     }
 }
 
 static void store_float(char *p, fsc_dtype_t dt, double v) {
     switch (dt) {
-        case FSC_FLOAT16: { uint16_t h = fsc_float_to_half((float)v); memcpy(p, &h, 2); break; }
-        case FSC_BFLOAT16: { uint16_t h = fsc_float_to_bf16((float)v); memcpy(p, &h, 2); break; }
-        case FSC_FLOAT32: { float f = (float)v; memcpy(p, &f, 4); break; }
+        case FSC_FLOAT16: {
+            uint16_t h = fsc_float_to_half((float)v);
+            memcpy(p, &h, 2);
+            break;
+        }
+        case FSC_BFLOAT16: {
+            uint16_t h = fsc_float_to_bf16((float)v);
+            memcpy(p, &h, 2);
+            break;
+        }
+        case FSC_FLOAT32: {
+            float f = (float)v;
+            memcpy(p, &f, 4);
+            break;
+        }
         default: memcpy(p, &v, 8); break;
     }
 }
@@ -92,7 +120,8 @@ static void cast_contiguous(void *dst, fsc_dtype_t ddt, const void *src, fsc_dty
         for (int64_t i = 0; i < n; i++) d[i] = fsc_half_to_float(s[i]);
     } else {
         size_t ds = fsc_dtype_size(ddt), ss = fsc_dtype_size(sdt);
-        for (int64_t i = 0; i < n; i++) store_float((char *)dst + i * ds, ddt, load_float((const char *)src + i * ss, sdt));
+        for (int64_t i = 0; i < n; i++)
+            store_float((char *)dst + i * ds, ddt, load_float((const char *)src + i * ss, sdt));
     }
 }
 

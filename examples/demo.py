@@ -101,8 +101,10 @@ def run(rank, world, steps, device_kind, out_dir, init_file):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     n_params = sum(sum(h.layout.numel for h in m._handles) for m in model.modules() if isinstance(m, FSDP))
     if rank == 0:
-        print(f"GPT with {n_params / 1e6:.2f}M parameters, world {world}, device {device.type}; "
-              f"each rank holds {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
+        print(
+            f"GPT with {n_params / 1e6:.2f}M parameters, world {world}, device {device.type}; "
+            f"each rank holds {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M"
+        )
     t0 = time.perf_counter()
     for step, (x, y) in enumerate(batches(rank, world, steps)):
         logits = model(x.to(device))
@@ -119,8 +121,11 @@ def run(rank, world, steps, device_kind, out_dir, init_file):
     elapsed = time.perf_counter() - t0
     dist.barrier()
     mem = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak_rss_mib()
-    print(f"rank {rank}: {steps} steps in {elapsed:.1f}s, peak {'allocated' if device.type == 'cuda' else 'RSS'} "
-          f"{mem:.0f} MiB", flush=True)
+    print(
+        f"rank {rank}: {steps} steps in {elapsed:.1f}s, peak {'allocated' if device.type == 'cuda' else 'RSS'} "
+        f"{mem:.0f} MiB",
+        flush=True,
+    )
 
     # Checkpoint: sharded weights + metadata per rank, written atomically; then reload and check.
     probe = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(7)).to(device)
@@ -142,8 +147,10 @@ def run(rank, world, steps, device_kind, out_dir, init_file):
         with torch.no_grad():
             torch.testing.assert_close(plain(probe.cpu()), expected, rtol=1e-5, atol=1e-5)
         atomic_save(full, os.path.join(out_dir, "consolidated.pt"))
-        print(f"checkpoint saved to {out_dir}, reloaded on every rank with identical outputs, and "
-              f"consolidated into {len(full)} full tensors (matches an unwrapped model)")
+        print(
+            f"checkpoint saved to {out_dir}, reloaded on every rank with identical outputs, and "
+            f"consolidated into {len(full)} full tensors (matches an unwrapped model)"
+        )
     dist.destroy_process_group()
 
 
@@ -161,8 +168,12 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = args.out or tmp
         os.makedirs(out_dir, exist_ok=True)
-        mp.spawn(run, args=(args.world, args.steps, args.device, out_dir, os.path.join(tmp, "init")),
-                 nprocs=args.world, join=True)
+        mp.spawn(
+            run,
+            args=(args.world, args.steps, args.device, out_dir, os.path.join(tmp, "init")),
+            nprocs=args.world,
+            join=True,
+        )
 
 
 if __name__ == "__main__":

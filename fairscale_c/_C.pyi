@@ -99,12 +99,29 @@ def cuda_cast(dst: Any, src: Any, stream: int) -> None: ...
 def cuda_unscale_inf_check(buf: Any, inv_scale: float, found_inf: Any, stream: int) -> None: ...
 def cuda_sq_norm(out: Any, x: Any, workspace: Any, stream: int, absmax: bool = False) -> None: ...
 def cuda_adamw_step(
-    param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, step: int, stream: int,
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    stream: int,
 ) -> None: ...
 def cpu_unscale_inf_check(buf: Any, inv_scale: float, found_inf: Any) -> None: ...
 def cpu_sq_norm(x: Any, absmax: bool = False) -> float: ...
 def cpu_adamw_step(
-    param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, step: int,
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
 ) -> None: ...

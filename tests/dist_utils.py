@@ -1,7 +1,7 @@
 """Spawning ranks for multi-process tests: one job runs `fn(rank, world_size, *args)` on every
 rank (fresh interpreters, 'spawn' start method) and returns each rank's result, re-raising a
-rank's exception with its traceback. Ranks get RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; an `env` value "__per_rank__" becomes
-"host<rank>" (to give each rank a different identity)."""
+rank's exception with its traceback. Ranks get RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; an
+`env` value "__per_rank__" becomes "host<rank>" (to give each rank a different identity)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,15 @@ def shm_segments() -> set:
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, env: Dict[str, str], q: Any, args: tuple) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     os.environ.update({k: (v if v != "__per_rank__" else f"host{rank}") for k, v in env.items()})
     try:
         q.put((rank, True, fn(rank, world, *args)))
@@ -38,15 +45,23 @@ def _entry(fn: Callable, rank: int, world: int, port: int, env: Dict[str, str], 
         q.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, env: Optional[Dict[str, str]] = None, timeout: float = 300,
-              may_die: Optional[List[int]] = None) -> List[Any]:
+def run_ranks(
+    fn: Callable,
+    world: int,
+    *args: Any,
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = 300,
+    may_die: Optional[List[int]] = None,
+) -> List[Any]:
     """Run `fn` (a module-level function) on `world` ranks; return results indexed by rank.
     Ranks in `may_die` may exit without reporting (their result is None)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), q, args), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), q, args), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: Dict[int, Any] = {}

@@ -156,7 +156,7 @@ def train_and_compare(
         batches = [batch_fn(step, world, gen) for _ in range(micro_batches)]
         for j, (x, y) in enumerate(batches):
             sync = j == micro_batches - 1
-            with (_nullcontext() if sync else fsdp.no_sync()), ctx():
+            with _nullcontext() if sync else fsdp.no_sync(), ctx():
                 loss = loss_fn(fsdp, _local(x, rank), _local(y, rank)) / micro_batches
             loss.backward()
             with ctx():
@@ -274,8 +274,9 @@ def scenario_frozen(rank, world):
 
 
 def scenario_autocast(rank, world):
-    train_and_compare(rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=xent, autocast=True,
-                      tol=BF16_TOL)
+    train_and_compare(
+        rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=xent, autocast=True, tol=BF16_TOL
+    )
 
 
 def scenario_multiple_forwards_before_backward(rank, world):

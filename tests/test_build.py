@@ -34,8 +34,9 @@ def test_import_works_without_gpu_libraries():
     assert '"dlpack_version": "1.1"' in r.stdout
 
 
-@pytest.mark.parametrize("level,shown", [("", []), ("WARN", ["WARN"]), ("INFO", ["WARN", "INFO"]),
-                                         ("TRACE", ["WARN", "INFO", "TRACE"])])
+@pytest.mark.parametrize(
+    "level,shown", [("", []), ("WARN", ["WARN"]), ("INFO", ["WARN", "INFO"]), ("TRACE", ["WARN", "INFO", "TRACE"])]
+)
 def test_debug_logging_levels_and_prefix(level, shown):
     code = (
         "from fairscale_c import _C\n"

@@ -44,7 +44,12 @@ def _reference(xs, op: str, dtype: torch.dtype) -> torch.Tensor:
 
 def _check(got, want, what, failures):
     try:
-        torch.testing.assert_close(got, want, rtol=None if got.dtype != torch.float16 else 2e-3, atol=None if got.dtype != torch.float16 else 2e-3)
+        torch.testing.assert_close(
+            got,
+            want,
+            rtol=None if got.dtype != torch.float16 else 2e-3,
+            atol=None if got.dtype != torch.float16 else 2e-3,
+        )
     except AssertionError as exc:
         failures.append(f"{what}: {str(exc).splitlines()[0]}")
 
@@ -73,8 +78,12 @@ def _all_ops_job(rank: int, world: int, how: str):
                 full = [_data(r, n * world, dtype, 2) for r in range(world)]
                 out = torch.empty(n, dtype=dtype)
                 group.reduce_scatter(out, full[rank], op=op)
-                _check(out, _reference(full, op, dtype)[rank * n:(rank + 1) * n], f"reduce_scatter {op} {dtype} n={n}",
-                       failures)
+                _check(
+                    out,
+                    _reference(full, op, dtype)[rank * n : (rank + 1) * n],
+                    f"reduce_scatter {op} {dtype} n={n}",
+                    failures,
+                )
                 t = xs[rank].clone()
                 group.reduce(t, root=world - 1, op=op)
                 want = _reference(xs, op, dtype) if rank == world - 1 else xs[rank]
@@ -140,7 +149,9 @@ def _overlap_job(rank: int, world: int):
     w2.wait()
     torch.testing.assert_close(t, _reference(xs, "sum", torch.float32))
     torch.testing.assert_close(out, torch.cat(xs))
-    torch.testing.assert_close(rs, _reference([x for x in xs], "max", torch.float32)[rank * (n // world):(rank + 1) * (n // world)])
+    torch.testing.assert_close(
+        rs, _reference([x for x in xs], "max", torch.float32)[rank * (n // world) : (rank + 1) * (n // world)]
+    )
     group.destroy()
     return seen_pending, iterations, busy
 

@@ -77,8 +77,9 @@ def _stalled_job(rank, world):
         time.sleep(5)  # alive, but never calls the broadcast
         group.destroy()
         return None
-    msg, elapsed = _expect_error(lambda: group.broadcast(torch.ones(3), root=0), "broadcast", "'stalled'",
-                                 "rank 1 did not arrive")
+    msg, elapsed = _expect_error(
+        lambda: group.broadcast(torch.ones(3), root=0), "broadcast", "'stalled'", "rank 1 did not arrive"
+    )
     group.destroy()
     return elapsed
 
@@ -93,17 +94,32 @@ def _mismatch_job(rank, world):
 
     messages = []
     cases = [
-        ("op", lambda g: g.all_reduce(torch.ones(8)) if rank == 0 else g.all_gather(torch.empty(16), torch.ones(8)),
-         ["all_reduce(count=8", "all_gather(count=8"]),
+        (
+            "op",
+            lambda g: g.all_reduce(torch.ones(8)) if rank == 0 else g.all_gather(torch.empty(16), torch.ones(8)),
+            ["all_reduce(count=8", "all_gather(count=8"],
+        ),
         ("count", lambda g: g.all_reduce(torch.ones(8 + rank)), ["count=8", "count=9"]),
-        ("dtype", lambda g: g.all_reduce(torch.ones(8, dtype=torch.float32 if rank == 0 else torch.float64)),
-         ["dtype=float32", "dtype=float64"]),
-        ("send/recv", lambda g: g.send(torch.ones(4), 1) if rank == 0 else g.recv(torch.ones(5), 0),
-         ["send(count=4", "recv(count=5"]),
+        (
+            "dtype",
+            lambda g: g.all_reduce(torch.ones(8, dtype=torch.float32 if rank == 0 else torch.float64)),
+            ["dtype=float32", "dtype=float64"],
+        ),
+        (
+            "send/recv",
+            lambda g: g.send(torch.ones(4), 1) if rank == 0 else g.recv(torch.ones(5), 0),
+            ["send(count=4", "recv(count=5"],
+        ),
     ]
     for what, call, needles in cases:
         group = fdist.init_group(name=f"mismatch-{what.replace('/', '-')}")
-        msg, _ = _expect_error(lambda: call(group), f"'mismatch-{what.replace('/', '-')}'", "rank 0", "rank 1", *needles)
+        msg, _ = _expect_error(
+            lambda call=call, group=group: call(group),
+            f"'mismatch-{what.replace('/', '-')}'",
+            "rank 0",
+            "rank 1",
+            *needles,
+        )
         messages.append(msg)
         group.destroy()
     return messages

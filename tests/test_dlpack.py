@@ -12,8 +12,16 @@ import torch
 from fairscale_c import _C
 
 TORCH_DTYPES = [
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.uint8, torch.bool,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
 ]
 NUMPY_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_]
 
@@ -119,8 +127,12 @@ class DLDataType(ctypes.Structure):
 
 class DLTensor(ctypes.Structure):
     _fields_ = [
-        ("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32), ("dtype", DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
         ("byte_offset", ctypes.c_uint64),
     ]
 
@@ -143,8 +155,11 @@ class DLManagedTensorVersioned(ctypes.Structure):
 
 VersionedDeleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensorVersioned))
 DLManagedTensorVersioned._fields_ = [
-    ("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p), ("deleter", VersionedDeleter),
-    ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor),
+    ("version", DLPackVersion),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", VersionedDeleter),
+    ("flags", ctypes.c_uint64),
+    ("dl_tensor", DLTensor),
 ]
 
 PyCapsule_New = ctypes.pythonapi.PyCapsule_New
@@ -161,14 +176,22 @@ class HandMade:
         self.shape = (ctypes.c_int64 * array.ndim)(*array.shape)
         self.strides = None if strides is None else (ctypes.c_int64 * array.ndim)(*strides)
         t = DLTensor(
-            data=array.ctypes.data, device=DLDevice(1, 0), ndim=array.ndim, dtype=DLDataType(2, 32, 1),
-            shape=self.shape, strides=self.strides, byte_offset=byte_offset,
+            data=array.ctypes.data,
+            device=DLDevice(1, 0),
+            ndim=array.ndim,
+            dtype=DLDataType(2, 32, 1),
+            shape=self.shape,
+            strides=self.strides,
+            byte_offset=byte_offset,
         )
         if versioned:
             self.deleter = VersionedDeleter(self._on_delete)
             self.managed = DLManagedTensorVersioned(
-                version=DLPackVersion(major, 0), manager_ctx=None, deleter=self.deleter,
-                flags=1 if readonly else 0, dl_tensor=t,
+                version=DLPackVersion(major, 0),
+                manager_ctx=None,
+                deleter=self.deleter,
+                flags=1 if readonly else 0,
+                dl_tensor=t,
             )
             self.name = b"dltensor_versioned"
         else:

@@ -19,8 +19,7 @@ def test_import_paths_mirror_fairscale():
     from fairscale_c.nn.wrap import auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap
 
     assert all(callable(f) for f in (auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap))
-    assert [s.name for s in TrainingState] == ["IDLE", "FORWARD", "BACKWARD_PRE", "BACKWARD_POST",
-                                               "SUMMON_FULL_PARAMS"]
+    assert [s.name for s in TrainingState] == ["IDLE", "FORWARD", "BACKWARD_PRE", "BACKWARD_POST", "SUMMON_FULL_PARAMS"]
 
 
 def test_constructor_defaults_follow_fairscale():
@@ -45,8 +44,10 @@ def test_summon_full_params_exposes_original_names_and_writes_back():
     m = FSDP(mlp())
     with m.summon_full_params():
         assert [n for n, _ in m.named_parameters()] == [
-            "_fsdp_wrapped_module.0.weight", "_fsdp_wrapped_module.0.bias",
-            "_fsdp_wrapped_module.2.weight", "_fsdp_wrapped_module.2.bias",
+            "_fsdp_wrapped_module.0.weight",
+            "_fsdp_wrapped_module.0.bias",
+            "_fsdp_wrapped_module.2.weight",
+            "_fsdp_wrapped_module.2.bias",
         ]
         m.module[0].bias.data.fill_(7.0)
     assert torch.all(m.state_dict()["0.bias"] == 7.0)

@@ -17,8 +17,27 @@ FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def _specials(dtype):
     """Values that exercise rounding, subnormals, overflow and non-finite handling."""
     fi = torch.finfo(dtype)
-    vals = [0.0, -0.0, 1.0, -1.0, 1 / 3, 65504.0, 65519.0, 65520.0, 1e-8, 6e-8, 3e-5, fi.tiny, fi.max,
-            float("inf"), float("-inf"), 3.3895e38, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-8]
+    vals = [
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        1 / 3,
+        65504.0,
+        65519.0,
+        65520.0,
+        1e-8,
+        6e-8,
+        3e-5,
+        fi.tiny,
+        fi.max,
+        float("inf"),
+        float("-inf"),
+        3.3895e38,
+        1.0 + 2**-11,
+        1.0 + 3 * 2**-11,
+        1.0 + 2**-8,
+    ]
     return torch.tensor(vals, dtype=torch.float32)
 
 
@@ -160,8 +179,7 @@ def test_adamw_matches_torch_optim(hp):
 
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
     for step, grad in enumerate(grads, start=1):
-        _C.cpu_adamw_step(p, grad, m, v, hp["lr"], hp["betas"][0], hp["betas"][1], hp["eps"],
-                          hp["weight_decay"], step)
+        _C.cpu_adamw_step(p, grad, m, v, hp["lr"], hp["betas"][0], hp["betas"][1], hp["eps"], hp["weight_decay"], step)
     # torch's vectorised CPU kernels may fuse multiply-adds, so allow a few ulps
     torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(v, v_ref, rtol=1e-6, atol=1e-9)

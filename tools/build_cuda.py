@@ -86,9 +86,7 @@ def build_fatbin(nvcc: str, sources: Sequence[str], out_c_path: str, build_tmp: 
     cmd = [nvcc, "-fatbin", *GENCODE, *NVCC_FLAGS, "-o", str(fatbin), str(umbrella)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(
-            f"nvcc failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
-        )
+        raise RuntimeError(f"nvcc failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
     if proc.stderr.strip():
         print(proc.stderr, file=sys.stderr)
     out = Path(out_c_path)

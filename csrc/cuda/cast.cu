@@ -8,7 +8,9 @@
  * torch's Tensor.to(). Any grid; FSC_CUDA_BLOCK threads per block. */
 template <typename Dst, typename Src>
 static __device__ __forceinline__ void fsc_cast_body(Dst *dst, const Src *src, long long n) {
-    FSC_GRID_STRIDE_LOOP(i, n) { fsc_from_f32(&dst[i], fsc_to_f32(src[i])); }
+    FSC_GRID_STRIDE_LOOP(i, n) {
+        fsc_from_f32(&dst[i], fsc_to_f32(src[i]));
+    }
 }
 
 extern "C" __global__ void fsc_cast_f32_to_f16(__half *dst, const float *src, long long n) {

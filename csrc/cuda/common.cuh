@@ -18,21 +18,35 @@
 /* Every kernel is a grid-stride loop over a flat int64 index, so the launcher may cap the
  * grid at any size without affecting results (except the norm partials, whose count is the
  * grid size). */
-#define FSC_GRID_STRIDE_LOOP(i, n)                                                         \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
+#define FSC_GRID_STRIDE_LOOP(i, n)                                                \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
          i += (long long)gridDim.x * blockDim.x)
 
-static __device__ __forceinline__ float fsc_to_f32(float x) { return x; }
-static __device__ __forceinline__ float fsc_to_f32(__half x) { return __half2float(x); }
-static __device__ __forceinline__ float fsc_to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+static __device__ __forceinline__ float fsc_to_f32(float x) {
+    return x;
+}
+static __device__ __forceinline__ float fsc_to_f32(__half x) {
+    return __half2float(x);
+}
+static __device__ __forceinline__ float fsc_to_f32(__nv_bfloat16 x) {
+    return __bfloat162float(x);
+}
 
 /* Round-to-nearest-even stores, the same rounding the CPU reference and torch's .to() use. */
-static __device__ __forceinline__ void fsc_from_f32(float *dst, float v) { *dst = v; }
-static __device__ __forceinline__ void fsc_from_f32(__half *dst, float v) { *dst = __float2half_rn(v); }
-static __device__ __forceinline__ void fsc_from_f32(__nv_bfloat16 *dst, float v) { *dst = __float2bfloat16_rn(v); }
+static __device__ __forceinline__ void fsc_from_f32(float *dst, float v) {
+    *dst = v;
+}
+static __device__ __forceinline__ void fsc_from_f32(__half *dst, float v) {
+    *dst = __float2half_rn(v);
+}
+static __device__ __forceinline__ void fsc_from_f32(__nv_bfloat16 *dst, float v) {
+    *dst = __float2bfloat16_rn(v);
+}
 
 /* max that propagates NaN from either side, like torch's max reductions. */
-static __device__ __forceinline__ float fsc_nanmax(float a, float b) { return (a > b || a != a) ? a : b; }
+static __device__ __forceinline__ float fsc_nanmax(float a, float b) {
+    return (a > b || a != a) ? a : b;
+}
 
 static __device__ __forceinline__ float fsc_combine(float a, float b, int mode) {
     return mode == FSC_CUDA_NORM_ABSMAX ? fsc_nanmax(a, b) : a + b;

@@ -7,8 +7,7 @@
 #include "binding.h"
 
 typedef struct {
-    PyObject_HEAD
-    fsc_hostbuf_t *buf;
+    PyObject_HEAD fsc_hostbuf_t *buf;
     fsc_dtype_t dtype;
     int ndim;
     int64_t shape[FSC_MAX_NDIM];
@@ -205,8 +204,8 @@ static PyObject *buffer_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs) 
         int type, id;
         if (!PyArg_ParseTuple(dl_device, "ii", &type, &id)) return NULL;
         if (type != kDLCPU) {
-            PyErr_Format(PyExc_BufferError, "__dlpack__: argument 'dl_device': cannot export a CPU buffer to device type %d",
-                         type);
+            PyErr_Format(PyExc_BufferError,
+                         "__dlpack__: argument 'dl_device': cannot export a CPU buffer to device type %d", type);
             return NULL;
         }
     }
@@ -269,8 +268,9 @@ static PyType_Slot buffer_slots[] = {
     {Py_tp_dealloc, buffer_dealloc},
     {Py_tp_methods, buffer_methods},
     {Py_tp_getset, buffer_getset},
-    {Py_tp_doc, "Buffer(shape, dtype): zeroed, 64-byte aligned host memory owned by the C core, "
-                "shared zero-copy with torch/numpy through DLPack."},
+    {Py_tp_doc,
+     "Buffer(shape, dtype): zeroed, 64-byte aligned host memory owned by the C core, "
+     "shared zero-copy with torch/numpy through DLPack."},
     {0, NULL},
 };
 
@@ -356,10 +356,10 @@ static PyObject *py_describe(PyObject *module, PyObject *args, PyObject *kwargs)
     PyObject *d = NULL;
     if (shape && strides)
         d = Py_BuildValue("{s:O, s:O, s:s, s:s, s:i, s:L, s:K, s:O, s:O}", "shape", shape, "strides", strides, "dtype",
-                          fsc_dtype_name(t.dtype), "device", t.device_type == FSC_DEV_CPU ? "cpu" : "cuda",
-                          "device_id", t.device_id, "numel", (long long)t.numel, "data_ptr",
-                          (unsigned long long)(uintptr_t)t.data, "readonly", t.readonly ? Py_True : Py_False,
-                          "contiguous", fsc_tensor_is_contiguous(&t) ? Py_True : Py_False);
+                          fsc_dtype_name(t.dtype), "device", t.device_type == FSC_DEV_CPU ? "cpu" : "cuda", "device_id",
+                          t.device_id, "numel", (long long)t.numel, "data_ptr", (unsigned long long)(uintptr_t)t.data,
+                          "readonly", t.readonly ? Py_True : Py_False, "contiguous",
+                          fsc_tensor_is_contiguous(&t) ? Py_True : Py_False);
     Py_XDECREF(shape);
     Py_XDECREF(strides);
     Py_DECREF(owner);

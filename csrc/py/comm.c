@@ -9,15 +9,13 @@
 #define FSC_WAIT_SLICE_S 0.2
 
 typedef struct {
-    PyObject_HEAD
-    fsc_shm_work_t *work;
+    PyObject_HEAD fsc_shm_work_t *work;
     PyObject *owners; /* tuple keeping the tensors' memory alive until the op finishes */
     PyObject *module;
 } WorkObject;
 
 typedef struct {
-    PyObject_HEAD
-    fsc_shm_group_t *g;
+    PyObject_HEAD fsc_shm_group_t *g;
     PyObject *pending; /* list of in-flight Work objects, oldest first */
     int joined;
 } GroupObject;
@@ -35,10 +33,8 @@ static int work_block(WorkObject *self, double timeout_s) {
             slice = left < 0 ? 0 : (left < slice ? left : slice);
         }
         fsc_status_t st;
-        Py_BEGIN_ALLOW_THREADS
-        st = fsc_shm_work_wait(self->work, slice);
-        Py_END_ALLOW_THREADS
-        if (fsc_shm_work_done(self->work)) {
+        Py_BEGIN_ALLOW_THREADS st = fsc_shm_work_wait(self->work, slice);
+        Py_END_ALLOW_THREADS if (fsc_shm_work_done(self->work)) {
             if (st != FSC_OK) {
                 fsc_py_raise(self->module, st);
                 return -1;
@@ -76,8 +72,7 @@ static void Work_dealloc(WorkObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     if (self->work != NULL && !fsc_shm_work_done(self->work)) {
         /* the op still reads/writes the tensors: keep them alive until it has finished */
-        Py_BEGIN_ALLOW_THREADS
-        (void)fsc_shm_work_wait(self->work, -1);
+        Py_BEGIN_ALLOW_THREADS(void) fsc_shm_work_wait(self->work, -1);
         Py_END_ALLOW_THREADS
     }
     fsc_shm_work_release(self->work);
@@ -106,7 +101,9 @@ static PyType_Spec Work_spec = {"fairscale_c._C.Work", sizeof(WorkObject), 0, Py
 
 /* ---------------------------------------------------------------- ShmGroup lifecycle */
 
-static PyObject *module_of(PyObject *self) { return PyType_GetModule(Py_TYPE(self)); }
+static PyObject *module_of(PyObject *self) {
+    return PyType_GetModule(Py_TYPE(self));
+}
 
 static int Group_init(GroupObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"name", "rank", "size", "segment", NULL};
@@ -137,11 +134,9 @@ static int check_open(GroupObject *self) {
 static PyObject *Group_join(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     fsc_status_t st;
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_shm_group_join(self->g);
+    Py_BEGIN_ALLOW_THREADS st = fsc_shm_group_join(self->g);
     if (st == FSC_OK) st = fsc_shm_engine_start(self->g);
-    Py_END_ALLOW_THREADS
-    if (st != FSC_OK) return fsc_py_raise(module_of((PyObject *)self), st);
+    Py_END_ALLOW_THREADS if (st != FSC_OK) return fsc_py_raise(module_of((PyObject *)self), st);
     self->joined = 1;
     Py_RETURN_NONE;
 }
@@ -156,8 +151,7 @@ static void group_close(GroupObject *self) {
     fsc_shm_group_t *g = self->g;
     self->g = NULL;
     fsc_shm_group_unlink(g);
-    Py_BEGIN_ALLOW_THREADS
-    fsc_shm_group_close(g); /* drains the queue: every pending Work finishes */
+    Py_BEGIN_ALLOW_THREADS fsc_shm_group_close(g); /* drains the queue: every pending Work finishes */
     Py_END_ALLOW_THREADS
 }
 
@@ -190,7 +184,9 @@ static PyObject *Group_get_size(GroupObject *self, void *Py_UNUSED(c)) {
     return PyLong_FromLong(fsc_shm_group_size(self->g));
 }
 
-static PyObject *Group_get_closed(GroupObject *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->g == NULL); }
+static PyObject *Group_get_closed(GroupObject *self, void *Py_UNUSED(c)) {
+    return PyBool_FromLong(self->g == NULL);
+}
 
 /* ---------------------------------------------------------------- ops */
 
@@ -208,8 +204,7 @@ static void views_clear(op_views *v) {
 
 static int import_arg(GroupObject *self, op_views *v, PyObject *obj, const char *argname, int writable) {
     int flags = FSC_IMPORT_CONTIGUOUS | FSC_IMPORT_CPU_ONLY | (writable ? FSC_IMPORT_WRITABLE : 0);
-    if (fsc_py_import(module_of((PyObject *)self), obj, argname, flags, 0, &v->t[v->n], &v->owner[v->n]) < 0)
-        return -1;
+    if (fsc_py_import(module_of((PyObject *)self), obj, argname, flags, 0, &v->t[v->n], &v->owner[v->n]) < 0) return -1;
     v->n++;
     return 0;
 }
@@ -292,8 +287,10 @@ static int check_rank_arg(GroupObject *self, const char *opname, const char *arg
 
 static int same_dtype(GroupObject *self, const char *opname, const fsc_tensor_t *out, const fsc_tensor_t *in) {
     if (out->dtype == in->dtype) return 0;
-    return value_error(self, fsc_error(FSC_ERR_VALUE, "%s: output has dtype %s but input has dtype %s; expected the "
-                                       "same dtype", opname, fsc_dtype_name(out->dtype), fsc_dtype_name(in->dtype)));
+    return value_error(self, fsc_error(FSC_ERR_VALUE,
+                                       "%s: output has dtype %s but input has dtype %s; expected the "
+                                       "same dtype",
+                                       opname, fsc_dtype_name(out->dtype), fsc_dtype_name(in->dtype)));
 }
 
 static PyObject *Group_all_gather(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -307,11 +304,15 @@ static PyObject *Group_all_gather(GroupObject *self, PyObject *args, PyObject *k
     fsc_tensor_t *o = &v.t[0], *i = &v.t[1];
     int size = fsc_shm_group_size(self->g);
     if (same_dtype(self, "all_gather", o, i) < 0) goto fail;
-    if (fsc_comm_check_dtype(i->dtype, -1, "all_gather", "input") != FSC_OK) { value_error(self, FSC_ERR_VALUE); goto fail; }
+    if (fsc_comm_check_dtype(i->dtype, -1, "all_gather", "input") != FSC_OK) {
+        value_error(self, FSC_ERR_VALUE);
+        goto fail;
+    }
     if (o->numel != (int64_t)size * i->numel) {
-        PyErr_Format(PyExc_ValueError, "all_gather: output has %lld elements; expected group size (%d) x input "
-                     "elements (%lld) = %lld", (long long)o->numel, size, (long long)i->numel,
-                     (long long)size * (long long)i->numel);
+        PyErr_Format(PyExc_ValueError,
+                     "all_gather: output has %lld elements; expected group size (%d) x input "
+                     "elements (%lld) = %lld",
+                     (long long)o->numel, size, (long long)i->numel, (long long)size * (long long)i->numel);
         goto fail;
     }
     fsc_shm_args_t a = {FSC_OP_ALL_GATHER, FSC_RED_SUM, -1, i->dtype, (size_t)i->numel, i->data, o->data};
@@ -335,11 +336,15 @@ static PyObject *Group_reduce_scatter(GroupObject *self, PyObject *args, PyObjec
     fsc_tensor_t *o = &v.t[0], *i = &v.t[1];
     int size = fsc_shm_group_size(self->g);
     if (same_dtype(self, "reduce_scatter", o, i) < 0) goto fail;
-    if (fsc_comm_check_dtype(i->dtype, (int)rop, "reduce_scatter", "input") != FSC_OK) { value_error(self, FSC_ERR_VALUE); goto fail; }
+    if (fsc_comm_check_dtype(i->dtype, (int)rop, "reduce_scatter", "input") != FSC_OK) {
+        value_error(self, FSC_ERR_VALUE);
+        goto fail;
+    }
     if (i->numel != (int64_t)size * o->numel) {
-        PyErr_Format(PyExc_ValueError, "reduce_scatter: input has %lld elements; expected group size (%d) x output "
-                     "elements (%lld) = %lld", (long long)i->numel, size, (long long)o->numel,
-                     (long long)size * (long long)o->numel);
+        PyErr_Format(PyExc_ValueError,
+                     "reduce_scatter: input has %lld elements; expected group size (%d) x output "
+                     "elements (%lld) = %lld",
+                     (long long)i->numel, size, (long long)o->numel, (long long)size * (long long)o->numel);
         goto fail;
     }
     fsc_shm_args_t a = {FSC_OP_REDUCE_SCATTER, rop, -1, i->dtype, (size_t)o->numel, i->data, o->data};
@@ -429,7 +434,8 @@ static PyObject *Group_barrier(GroupObject *self, PyObject *args, PyObject *kwds
     return submit(self, &a, &v, async_op);
 }
 
-#define KW_METHOD(name, doc) {#name, (PyCFunction)(void (*)(void))Group_##name, METH_VARARGS | METH_KEYWORDS, doc}
+#define KW_METHOD(name, doc) \
+    { #name, (PyCFunction)(void (*)(void))Group_##name, METH_VARARGS | METH_KEYWORDS, doc }
 
 static PyMethodDef Group_methods[] = {
     {"join", (PyCFunction)Group_join, METH_NOARGS,
@@ -437,8 +443,9 @@ static PyMethodDef Group_methods[] = {
     {"unlink", (PyCFunction)Group_unlink, METH_NOARGS, "Remove the segment's name now (idempotent)."},
     {"close", (PyCFunction)Group_close, METH_NOARGS, "Finish queued ops, stop the progress thread, unmap."},
     KW_METHOD(all_gather, "all_gather(output, input, async_op=False): output = concat of every rank's input."),
-    KW_METHOD(reduce_scatter, "reduce_scatter(output, input, op='sum', async_op=False): output = block `rank` of "
-                              "the reduction of every rank's input."),
+    KW_METHOD(reduce_scatter,
+              "reduce_scatter(output, input, op='sum', async_op=False): output = block `rank` of "
+              "the reduction of every rank's input."),
     KW_METHOD(all_reduce, "all_reduce(tensor, op='sum', async_op=False): in place."),
     KW_METHOD(broadcast, "broadcast(tensor, root, async_op=False): root's tensor to every rank (in place)."),
     KW_METHOD(reduce, "reduce(tensor, root, op='sum', async_op=False): reduction lands in root's tensor."),
@@ -462,9 +469,10 @@ static PyType_Slot Group_slots[] = {
     {Py_tp_dealloc, Group_dealloc},
     {Py_tp_methods, Group_methods},
     {Py_tp_getset, Group_getset},
-    {Py_tp_doc, "ShmGroup(name, rank, size, segment=None): one rank's handle on a shared-memory group. "
-                "segment=None creates the segment (send .segment to the others), else attaches it. "
-                "Call join() on every rank before the first op. Group ranks are 0..size-1."},
+    {Py_tp_doc,
+     "ShmGroup(name, rank, size, segment=None): one rank's handle on a shared-memory group. "
+     "segment=None creates the segment (send .segment to the others), else attaches it. "
+     "Call join() on every rank before the first op. Group ranks are 0..size-1."},
     {0, NULL},
 };
 

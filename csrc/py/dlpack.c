@@ -22,21 +22,30 @@ static int dtype_from_dl(DLDataType dt, fsc_dtype_t *out) {
     if (dt.lanes != 1) return -1;
     switch (dt.code) {
         case kDLFloat:
-            if (dt.bits == 16) *out = FSC_FLOAT16;
-            else if (dt.bits == 32) *out = FSC_FLOAT32;
-            else if (dt.bits == 64) *out = FSC_FLOAT64;
-            else return -1;
+            if (dt.bits == 16)
+                *out = FSC_FLOAT16;
+            else if (dt.bits == 32)
+                *out = FSC_FLOAT32;
+            else if (dt.bits == 64)
+                *out = FSC_FLOAT64;
+            else
+                return -1;
             return 0;
         case kDLBfloat:
             if (dt.bits != 16) return -1;
             *out = FSC_BFLOAT16;
             return 0;
         case kDLInt:
-            if (dt.bits == 8) *out = FSC_INT8;
-            else if (dt.bits == 16) *out = FSC_INT16;
-            else if (dt.bits == 32) *out = FSC_INT32;
-            else if (dt.bits == 64) *out = FSC_INT64;
-            else return -1;
+            if (dt.bits == 8)
+                *out = FSC_INT8;
+            else if (dt.bits == 16)
+                *out = FSC_INT16;
+            else if (dt.bits == 32)
+                *out = FSC_INT32;
+            else if (dt.bits == 64)
+                *out = FSC_INT64;
+            else
+                return -1;
             return 0;
         case kDLUInt:
             if (dt.bits != 8) return -1;
@@ -76,8 +85,7 @@ static int view_from_dl(const DLTensor *t, int readonly, const char *argname, in
         return -1;
     }
     if (t->ndim < 0 || t->ndim > FSC_MAX_NDIM) {
-        PyErr_Format(PyExc_BufferError, "argument '%s': ndim %d outside [0, %d]", argname, (int)t->ndim,
-                     FSC_MAX_NDIM);
+        PyErr_Format(PyExc_BufferError, "argument '%s': ndim %d outside [0, %d]", argname, (int)t->ndim, FSC_MAX_NDIM);
         return -1;
     }
     out->ndim = t->ndim;
@@ -90,7 +98,8 @@ static int view_from_dl(const DLTensor *t, int readonly, const char *argname, in
         }
         out->shape[i] = n;
         /* NULL strides mean compact row-major; strides count elements. */
-        out->strides[i] = t->strides != NULL ? t->strides[i] : (i == t->ndim - 1 ? 1 : out->strides[i + 1] * out->shape[i + 1]);
+        out->strides[i] =
+            t->strides != NULL ? t->strides[i] : (i == t->ndim - 1 ? 1 : out->strides[i + 1] * out->shape[i + 1]);
         if (n != 0 && numel > INT64_MAX / n) {
             PyErr_Format(PyExc_BufferError, "argument '%s': element count overflows int64", argname);
             return -1;
@@ -128,8 +137,8 @@ static PyObject *consume_capsule(PyObject *capsule, const char *argname, int fla
         if (v->version.major > DLPACK_MAJOR_VERSION) {
             /* Per the spec the only thing we may do now is leave the deleter to the producer. */
             PyErr_Format(PyExc_BufferError,
-                         "argument '%s': DLPack version %u.%u is not supported; expected major version <= %d",
-                         argname, v->version.major, v->version.minor, DLPACK_MAJOR_VERSION);
+                         "argument '%s': DLPack version %u.%u is not supported; expected major version <= %d", argname,
+                         v->version.major, v->version.minor, DLPACK_MAJOR_VERSION);
             return NULL;
         }
         int readonly = (v->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
@@ -303,4 +312,6 @@ int fsc_py_import(PyObject *module, PyObject *obj, const char *argname, int flag
     return *owner == NULL ? -1 : 0;
 }
 
-int fsc_py_dlpack_exec(PyObject *module) { return fsc_py_buffer_exec(module); }
+int fsc_py_dlpack_exec(PyObject *module) {
+    return fsc_py_buffer_exec(module);
+}

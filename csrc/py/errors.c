@@ -33,8 +33,8 @@ int fsc_py_errors_exec(PyObject *module) {
     fsc_module_state *state = fsc_py_state(module);
     state->DistributedError = PyErr_NewExceptionWithDoc(
         "fairscale_c.DistributedError",
-        "A collective failed: a peer died or timed out, or ranks issued mismatched collectives.",
-        PyExc_RuntimeError, NULL);
+        "A collective failed: a peer died or timed out, or ranks issued mismatched collectives.", PyExc_RuntimeError,
+        NULL);
     if (state->DistributedError == NULL) return -1;
     /* PyModule_AddObjectRef keeps our own reference in the state. */
     return PyModule_AddObjectRef(module, "DistributedError", state->DistributedError);

@@ -178,10 +178,10 @@ static PyObject *py_cpu_sq_norm(PyObject *module, PyObject *args, PyObject *kwar
 /* Shared by the CUDA and CPU AdamW bindings. */
 static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int cuda) {
     /* the CPU reference takes everything but the trailing stream */
-    static char *kwlist_cuda[] = {"param", "grad", "exp_avg", "exp_avg_sq", "lr", "beta1", "beta2", "eps",
-                                  "weight_decay", "step", "stream", NULL};
-    static char *kwlist_cpu[] = {"param", "grad", "exp_avg", "exp_avg_sq", "lr", "beta1", "beta2", "eps",
-                                 "weight_decay", "step", NULL};
+    static char *kwlist_cuda[] = {"param", "grad", "exp_avg",      "exp_avg_sq", "lr",     "beta1",
+                                  "beta2", "eps",  "weight_decay", "step",       "stream", NULL};
+    static char *kwlist_cpu[] = {"param", "grad", "exp_avg",      "exp_avg_sq", "lr", "beta1",
+                                 "beta2", "eps",  "weight_decay", "step",       NULL};
     PyObject *objs[4];
     fsc_adamw_hparams_t hp;
     long long step;
@@ -192,13 +192,11 @@ static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int c
     static const char *names[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, cuda ? "OOOOdddddLO&:cuda_adamw_step" : "OOOOdddddL:cpu_adamw_step",
                                      cuda ? kwlist_cuda : kwlist_cpu, &objs[0], &objs[1], &objs[2], &objs[3], &hp.lr,
-                                     &hp.beta1, &hp.beta2,
-                                     &hp.eps, &hp.weight_decay, &step, stream_converter, &stream))
+                                     &hp.beta1, &hp.beta2, &hp.eps, &hp.weight_decay, &step, stream_converter, &stream))
         return NULL;
     hp.step = step;
     for (int i = 0; i < 4; i++)
-        if (import_arg(&im, module, objs[i], names[i], i != 1, !cuda, stream, &t[i]) < 0)
-            return import_failed(&im);
+        if (import_arg(&im, module, objs[i], names[i], i != 1, !cuda, stream, &t[i]) < 0) return import_failed(&im);
     Py_BEGIN_ALLOW_THREADS st = cuda ? fsc_gpu_adamw_step(&t[0], &t[1], &t[2], &t[3], &hp, stream)
                                      : fsc_cpu_adamw_step(&t[0], &t[1], &t[2], &t[3], &hp);
     Py_END_ALLOW_THREADS return finish(module, &im, st);
@@ -254,12 +252,13 @@ static PyObject *py_nccl_unique_id(PyObject *module, PyObject *Py_UNUSED(args)) 
 }
 
 typedef struct {
-    PyObject_HEAD
-    fsc_nccl_comm_t *comm;
+    PyObject_HEAD fsc_nccl_comm_t *comm;
 } NcclCommObject;
 
 /* The module object (borrowed) for an instance's methods. */
-static PyObject *comm_module(PyObject *self) { return PyType_GetModuleByDef(Py_TYPE(self), &fsc_module_def); }
+static PyObject *comm_module(PyObject *self) {
+    return PyType_GetModuleByDef(Py_TYPE(self), &fsc_module_def);
+}
 
 static PyObject *comm_new(PyTypeObject *tp, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"unique_id", "rank", "size", "device", "timeout", NULL};
@@ -310,9 +309,8 @@ static PyObject *comm_all_gather(PyObject *self, PyObject *args, PyObject *kwarg
     imports_t im = {{0}, 0};
     fsc_tensor_t out, in;
     fsc_status_t st;
-    if (module == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:all_gather", kwlist, &out_obj, &in_obj, stream_converter,
-                                     &stream))
+    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:all_gather", kwlist, &out_obj, &in_obj,
+                                                       stream_converter, &stream))
         return NULL;
     if (import_arg(&im, module, out_obj, "output", 1, 0, stream, &out) < 0 ||
         import_arg(&im, module, in_obj, "input", 0, 0, stream, &in) < 0)
@@ -404,8 +402,7 @@ static PyObject *ranked_common(PyObject *self, PyObject *args, PyObject *kwargs,
         !PyArg_ParseTupleAndKeywords(args, kwargs, formats[kind], kind == RANKED_BROADCAST ? kwlist_root : kwlist_peer,
                                      &obj, &who, stream_converter, &stream))
         return NULL;
-    if (import_arg(&im, module, obj, "tensor", kind != RANKED_SEND, 0, stream, &t) < 0)
-        return import_failed(&im);
+    if (import_arg(&im, module, obj, "tensor", kind != RANKED_SEND, 0, stream, &t) < 0) return import_failed(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
     Py_BEGIN_ALLOW_THREADS switch (kind) {
         case RANKED_BROADCAST: st = fsc_nccl_broadcast(c, &t, who, stream); break;
@@ -478,7 +475,8 @@ static PyObject *comm_get_version(PyObject *self, void *Py_UNUSED(c)) {
     return PyLong_FromLong(fsc_nccl_version());
 }
 
-#define KW_METHOD(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_VARARGS | METH_KEYWORDS, doc}
+#define KW_METHOD(name, fn, doc) \
+    { name, (PyCFunction)(void (*)(void))fn, METH_VARARGS | METH_KEYWORDS, doc }
 
 static PyMethodDef comm_methods[] = {
     KW_METHOD("all_gather", comm_all_gather,
@@ -511,9 +509,10 @@ static PyType_Slot comm_slots[] = {
     {Py_tp_dealloc, comm_dealloc},
     {Py_tp_methods, comm_methods},
     {Py_tp_getset, comm_getset},
-    {Py_tp_doc, "NcclComm(unique_id, rank, size, device, timeout=0.0): one rank's NCCL communicator. Blocks "
-                "until all ranks joined. Collectives take DLPack CUDA tensors and an int cudaStream_t and are "
-                "enqueued without waiting."},
+    {Py_tp_doc,
+     "NcclComm(unique_id, rank, size, device, timeout=0.0): one rank's NCCL communicator. Blocks "
+     "until all ranks joined. Collectives take DLPack CUDA tensors and an int cudaStream_t and are "
+     "enqueued without waiting."},
     {0, NULL},
 };
 

@@ -1,13 +1,15 @@
 /* module.c — fairscale_c._C: multi-phase init (PEP 489), module state, build_info. */
-#include "../log.h"
 #include "../dlpack.h"
+#include "../log.h"
 #include "binding.h"
 
 #ifndef FSC_VERSION
 #define FSC_VERSION "0.0.0"
 #endif
 
-fsc_module_state *fsc_py_state(PyObject *module) { return (fsc_module_state *)PyModule_GetState(module); }
+fsc_module_state *fsc_py_state(PyObject *module) {
+    return (fsc_module_state *)PyModule_GetState(module);
+}
 
 fsc_module_state *fsc_py_state_of(PyObject *self) {
     PyObject *module = PyType_GetModuleByDef(Py_TYPE(self), &fsc_module_def);
@@ -33,8 +35,8 @@ static PyObject *py_build_info(PyObject *module, PyObject *Py_UNUSED(args)) {
                          "unknown",
 #endif
                          "cuda_kernels_built", kernels, "dlpack_version",
-                         Py_STRINGIFY(DLPACK_MAJOR_VERSION) "." Py_STRINGIFY(DLPACK_MINOR_VERSION),
-                         "c_standard", (int)(__STDC_VERSION__ / 100 % 100));
+                         Py_STRINGIFY(DLPACK_MAJOR_VERSION) "." Py_STRINGIFY(DLPACK_MINOR_VERSION), "c_standard",
+                         (int)(__STDC_VERSION__ / 100 % 100));
 }
 
 /* _C._set_log_rank(rank): the rank shown in FAIRSCALE_C_DEBUG log lines. */
@@ -101,7 +103,9 @@ static int module_clear(PyObject *module) {
     return 0;
 }
 
-static void module_free(void *module) { module_clear((PyObject *)module); }
+static void module_free(void *module) {
+    module_clear((PyObject *)module);
+}
 
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
@@ -120,4 +124,6 @@ PyModuleDef fsc_module_def = {
     .m_free = module_free,
 };
 
-PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&fsc_module_def); }
+PyMODINIT_FUNC PyInit__C(void) {
+    return PyModuleDef_Init(&fsc_module_def);
+}

@@ -81,8 +81,9 @@ def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] 
         if _env_store is None:
             _env_store = env_store()  # one per process: every env-built group shares it
         store = _env_store
-        exchange = StoreExchange(store, f"fairscale_c/{gname}", int(os.environ["RANK"]),
-                                 int(os.environ["WORLD_SIZE"]), gname)
+        exchange = StoreExchange(
+            store, f"fairscale_c/{gname}", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), gname
+        )
         group = Group(exchange, gname, None)
     if _default is None:
         _default = group
@@ -114,8 +115,9 @@ def all_gather(output: Any, input: Any, group: Optional[Group] = None, async_op:
     return (group or get_group()).all_gather(output, input, async_op=async_op)
 
 
-def reduce_scatter(output: Any, input: Any, op: str = "sum", group: Optional[Group] = None,
-                   async_op: bool = False) -> Any:
+def reduce_scatter(
+    output: Any, input: Any, op: str = "sum", group: Optional[Group] = None, async_op: bool = False
+) -> Any:
     return (group or get_group()).reduce_scatter(output, input, op=op, async_op=async_op)
 
 

@@ -28,8 +28,9 @@ def _device_type(t: Any, argname: str, op: str) -> int:
     try:
         return int(t.__dlpack_device__()[0])
     except AttributeError:
-        raise TypeError(f"{op}: {argname} must be a tensor supporting DLPack (torch.Tensor, numpy array), "
-                        f"got {type(t).__name__}") from None
+        raise TypeError(
+            f"{op}: {argname} must be a tensor supporting DLPack (torch.Tensor, numpy array), got {type(t).__name__}"
+        ) from None
 
 
 class _DoneWork:
@@ -154,8 +155,9 @@ class Group:
         the same ``ranks``, in the same order as its other new_group calls; non-members get None."""
         ranks = [int(r) for r in ranks]
         if sorted(set(ranks)) != sorted(ranks) or not ranks or any(r < 0 or r >= self.size for r in ranks):
-            raise ValueError(f"new_group: ranks must be distinct ranks of group '{self.name}' (0..{self.size - 1}), "
-                             f"got {ranks}")
+            raise ValueError(
+                f"new_group: ranks must be distinct ranks of group '{self.name}' (0..{self.size - 1}), got {ranks}"
+            )
         self._subgroups += 1
         name = f"{self.name}/sub{self._subgroups}"
         if isinstance(self._exchange, ProcessGroupExchange):
@@ -179,8 +181,10 @@ class Group:
             try:
                 from ._nccl import NcclBackend
             except Exception as exc:
-                raise RuntimeError(f"group '{self.name}': CUDA tensors need the NCCL backend, which is unavailable "
-                                   f"({exc.__class__.__name__}: {exc})") from exc
+                raise RuntimeError(
+                    f"group '{self.name}': CUDA tensors need the NCCL backend, which is unavailable "
+                    f"({exc.__class__.__name__}: {exc})"
+                ) from exc
             self._nccl = NcclBackend(self.rank, self.size, self._exchange.broadcast)
         return self._nccl
 
@@ -190,8 +194,10 @@ class Group:
         first_name, first = kinds[0]
         for name, kind in kinds[1:]:
             if (kind in _DLPACK_CUDA) != (first in _DLPACK_CUDA):
-                raise ValueError(f"{op}: {name} is on {'cuda' if kind in _DLPACK_CUDA else 'cpu'} but {first_name} is "
-                                 f"on {'cuda' if first in _DLPACK_CUDA else 'cpu'}; expected the same device")
+                raise ValueError(
+                    f"{op}: {name} is on {'cuda' if kind in _DLPACK_CUDA else 'cpu'} but {first_name} is "
+                    f"on {'cuda' if first in _DLPACK_CUDA else 'cpu'}; expected the same device"
+                )
         return first in _DLPACK_CUDA
 
     def _run(self, op: str, cuda: bool, async_op: bool, args: tuple, kwargs: dict) -> Any:

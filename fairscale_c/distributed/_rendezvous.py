@@ -96,8 +96,13 @@ class StoreExchange(Exchange):
     def sub(self, ranks: Sequence[int]) -> "Exchange":
         self._subs += 1
         tag = "-".join(map(str, ranks))
-        return StoreExchange(self.store, f"{self.prefix}/sub{self._subs}[{tag}]", list(ranks).index(self.rank),
-                             len(ranks), f"{self.name}/sub{self._subs}")
+        return StoreExchange(
+            self.store,
+            f"{self.prefix}/sub{self._subs}[{tag}]",
+            list(ranks).index(self.rank),
+            len(ranks),
+            f"{self.name}/sub{self._subs}",
+        )
 
 
 class ProcessGroupExchange(Exchange):
@@ -146,8 +151,14 @@ def env_store() -> "dist.Store":
     try:
         # wait_for_workers=False: a rank that never comes is reported by the first exchange,
         # which can name it, rather than by the store's constructor
-        return dist.TCPStore(addr, port, world, is_master=(rank == 0 and not agent),
-                             timeout=datetime.timedelta(seconds=timeout_s()), wait_for_workers=False)
+        return dist.TCPStore(
+            addr,
+            port,
+            world,
+            is_master=(rank == 0 and not agent),
+            timeout=datetime.timedelta(seconds=timeout_s()),
+            wait_for_workers=False,
+        )
     except Exception as exc:
         raise _C.DistributedError(
             f"rendezvous (rank {rank} of {world}): cannot reach the TCPStore at {addr}:{port} within "

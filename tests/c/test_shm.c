@@ -15,14 +15,14 @@
 #include "../../csrc/shm_reduce.h"
 
 static int failures = 0;
-#define EXPECT(cond, ...)                                                   \
-    do {                                                                    \
-        if (!(cond)) {                                                      \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);            \
-            fprintf(stderr, __VA_ARGS__);                                   \
-            fprintf(stderr, "\n");                                          \
-            failures++;                                                     \
-        }                                                                   \
+#define EXPECT(cond, ...)                                        \
+    do {                                                         \
+        if (!(cond)) {                                           \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+            fprintf(stderr, __VA_ARGS__);                        \
+            fprintf(stderr, "\n");                               \
+            failures++;                                          \
+        }                                                        \
     } while (0)
 
 /* ---- element access by dtype ---- */
@@ -53,7 +53,9 @@ static void set(void *p, fsc_dtype_t dt, size_t i, double v) {
 }
 
 /* Small integers: exact in every dtype, sums of 4 stay exact in float16/bfloat16/uint8. */
-static double val(int rank, size_t i) { return (double)((i * 7 + (size_t)rank * 13) % 17) + (rank == 1 ? 3 : 0); }
+static double val(int rank, size_t i) {
+    return (double)((i * 7 + (size_t)rank * 13) % 17) + (rank == 1 ? 3 : 0);
+}
 
 static double red(fsc_reduce_op_t op, int size, size_t i) {
     double acc = val(0, i);
@@ -78,13 +80,20 @@ static int child(int rank, int size, int fd_r, int fd_w, rank_fn fn, void *ctx, 
     fsc_status_t st;
     if (rank == 0) {
         st = fsc_shm_group_open("ctest", NULL, 0, size, &g);
-        if (st != FSC_OK) { fprintf(stderr, "open: %s\n", fsc_last_error()); return 2; }
+        if (st != FSC_OK) {
+            fprintf(stderr, "open: %s\n", fsc_last_error());
+            return 2;
+        }
         snprintf(name, sizeof(name), "%s", fsc_shm_group_segment_name(g));
-        for (int r = 1; r < size; r++) if (write(fd_w, name, sizeof(name)) != (ssize_t)sizeof(name)) return 2;
+        for (int r = 1; r < size; r++)
+            if (write(fd_w, name, sizeof(name)) != (ssize_t)sizeof(name)) return 2;
     } else {
         if (read(fd_r, name, sizeof(name)) != (ssize_t)sizeof(name)) return 2;
         st = fsc_shm_group_open("ctest", name, rank, size, &g);
-        if (st != FSC_OK) { fprintf(stderr, "attach: %s\n", fsc_last_error()); return 2; }
+        if (st != FSC_OK) {
+            fprintf(stderr, "attach: %s\n", fsc_last_error());
+            return 2;
+        }
     }
     if (join && (st = fsc_shm_group_join(g)) != FSC_OK) {
         int rc = fn ? fn(NULL, ctx) : 3; /* fn(NULL) lets a test inspect the join error */
@@ -136,7 +145,8 @@ static int shm_leftovers(void) {
 }
 
 /* ---- correctness of every op ---- */
-static const fsc_dtype_t DTYPES[] = {FSC_FLOAT32, FSC_FLOAT16, FSC_BFLOAT16, FSC_FLOAT64, FSC_INT32, FSC_INT64, FSC_UINT8};
+static const fsc_dtype_t DTYPES[] = {FSC_FLOAT32, FSC_FLOAT16, FSC_BFLOAT16, FSC_FLOAT64,
+                                     FSC_INT32,   FSC_INT64,   FSC_UINT8};
 static const size_t SIZES[] = {0, 1, 1001, (3u << 20) / 2 + 17};
 
 static int check_op(fsc_shm_group_t *g, fsc_comm_op_t op, fsc_reduce_op_t rop, fsc_dtype_t dt, size_t n, int async) {
@@ -188,8 +198,9 @@ static int rank_all_ops(fsc_shm_group_t *g, void *ctx) {
     int async = *(int *)ctx, bad = 0;
     if (g == NULL) return 5;
     if (async && fsc_shm_engine_start(g) != FSC_OK) return 4;
-    const fsc_comm_op_t ops[] = {FSC_OP_BARRIER, FSC_OP_ALL_GATHER, FSC_OP_REDUCE_SCATTER, FSC_OP_ALL_REDUCE,
-                                 FSC_OP_BROADCAST, FSC_OP_REDUCE, FSC_OP_SEND};
+    const fsc_comm_op_t ops[] = {FSC_OP_BARRIER,    FSC_OP_ALL_GATHER, FSC_OP_REDUCE_SCATTER,
+                                 FSC_OP_ALL_REDUCE, FSC_OP_BROADCAST,  FSC_OP_REDUCE,
+                                 FSC_OP_SEND};
     for (size_t d = 0; d < sizeof(DTYPES) / sizeof(DTYPES[0]); d++)
         for (size_t s = 0; s < sizeof(SIZES) / sizeof(SIZES[0]); s++)
             for (size_t o = 0; o < sizeof(ops) / sizeof(ops[0]); o++) {
@@ -225,8 +236,8 @@ static int rank_p2p_mismatch(fsc_shm_group_t *g, void *ctx) {
     (void)ctx;
     float buf[16] = {0};
     int rank = fsc_shm_group_rank(g);
-    fsc_shm_args_t a = {rank == 0 ? FSC_OP_SEND : FSC_OP_RECV, FSC_RED_SUM, 1 - rank, FSC_FLOAT32, rank == 0 ? 10 : 12,
-                        buf, buf};
+    fsc_shm_args_t a = {
+        rank == 0 ? FSC_OP_SEND : FSC_OP_RECV, FSC_RED_SUM, 1 - rank, FSC_FLOAT32, rank == 0 ? 10 : 12, buf, buf};
     fsc_status_t st = fsc_shm_run(g, &a);
     int ok = st == FSC_ERR_MISMATCH && strstr(fsc_last_error(), "send(count=10") &&
              strstr(fsc_last_error(), "recv(count=12");
@@ -258,7 +269,10 @@ static int rank_missing(fsc_shm_group_t *g, void *ctx) {
 
 static int rank_timeout(fsc_shm_group_t *g, void *ctx) {
     (void)ctx;
-    if (fsc_shm_group_rank(g) == 1) { sleep(3); return 0; } /* alive but never calls */
+    if (fsc_shm_group_rank(g) == 1) {
+        sleep(3);
+        return 0;
+    } /* alive but never calls */
     float buf[4] = {0};
     fsc_shm_args_t a = {FSC_OP_BROADCAST, FSC_RED_SUM, 0, FSC_FLOAT32, 4, buf, buf};
     fsc_status_t st = fsc_shm_run(g, &a);
@@ -273,7 +287,8 @@ static void test_half(void) {
         float f = fsc_half_to_float((uint16_t)h);
         uint16_t back = fsc_float_to_half(f);
         int nan = (h & 0x7c00) == 0x7c00 && (h & 0x3ff);
-        EXPECT(nan ? (back & 0x7c00) == 0x7c00 && (back & 0x3ff) : back == h, "half roundtrip %04x -> %g -> %04x", h, f, back);
+        EXPECT(nan ? (back & 0x7c00) == 0x7c00 && (back & 0x3ff) : back == h, "half roundtrip %04x -> %g -> %04x", h, f,
+               back);
         float b = fsc_bf16_to_float((uint16_t)h);
         uint16_t bb = fsc_float_to_bf16(b);
         int bnan = (h & 0x7f80) == 0x7f80 && (h & 0x7f);

@@ -66,8 +66,11 @@ def gather_full(root, optim: torch.optim.Optimizer) -> Optional[Dict[str, Any]]:
             param_id_map[global_id] = local_id
             if root.rank == 0 and local_state:
                 state[global_id] = {
-                    k: (v[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
-                        if torch.is_tensor(v) and v.dim() == 1 and v.numel() == h.layout.padded_numel else v)
+                    k: (
+                        v[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
+                        if torch.is_tensor(v) and v.dim() == 1 and v.numel() == h.layout.padded_numel
+                        else v
+                    )
                     for k, v in full_state.items()
                 }
             global_id += 1
@@ -75,8 +78,12 @@ def gather_full(root, optim: torch.optim.Optimizer) -> Optional[Dict[str, Any]]:
         return None
     param_groups = copy.deepcopy(osd["param_groups"])
     param_groups[0]["params"] = list(range(global_id))
-    return {"state": state, "param_groups": param_groups, "param_id_map": param_id_map,
-            "uncollected_local_ids": uncollected}
+    return {
+        "state": state,
+        "param_groups": param_groups,
+        "param_id_map": param_id_map,
+        "uncollected_local_ids": uncollected,
+    }
 
 
 @torch.no_grad()
@@ -105,8 +112,10 @@ def shard_from_full(root, full_osd: Dict[str, Any]) -> Dict[str, Any]:
             continue
         shard_state = {}
         for key, value in full_osd["state"][ids[0]].items():
-            if torch.is_tensor(value) and not _is_singleton(value) and local_id not in full_osd.get(
-                "uncollected_local_ids", []
+            if (
+                torch.is_tensor(value)
+                and not _is_singleton(value)
+                and local_id not in full_osd.get("uncollected_local_ids", [])
             ):
                 flat = torch.zeros(h.layout.padded_numel, dtype=value.dtype)
                 for gid, slot in zip(ids, h.layout.slots):

@@ -20,14 +20,14 @@ def post_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: 
     """``<prefix>_fsdp_wrapped_module.x`` -> ``<prefix>x``: state dicts carry the original keys."""
     inner = prefix + WRAPPED + "."
     for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
 def pre_load_state_dict_hook(fsdp: nn.Module, state_dict: Dict[str, Any], prefix: str, *unused: Any) -> None:
     """The inverse of post_state_dict_hook, for everything but the instance's own flat params."""
     own = set(fsdp._parameters.keys())
     for key in [k for k in state_dict if k.startswith(prefix)]:
-        rest = key[len(prefix):]
+        rest = key[len(prefix) :]
         if rest.startswith(WRAPPED + ".") or rest in own:
             continue
         state_dict[prefix + WRAPPED + "." + rest] = state_dict.pop(key)

@@ -616,9 +616,7 @@ class FullyShardedDataParallel(nn.Module):
 
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:
     """Every FSDP instance in `mod` (itself included), in module order."""
-    return [
-        m for m in mod.modules() if isinstance(m, FullyShardedDataParallel) and not (skip_empty and not m._handles)
-    ]
+    return [m for m in mod.modules() if isinstance(m, FullyShardedDataParallel) and not (skip_empty and not m._handles)]
 
 
 @torch.no_grad()
@@ -634,8 +632,10 @@ def _apply_to_tensors(fn, obj: Any) -> Any:
     if torch.is_tensor(obj):
         return fn(obj)
     if isinstance(obj, dict):
-        return type(obj)((k, _apply_to_tensors(fn, v)) for k, v in obj.items()) if type(obj) is dict else _map_dict(
-            fn, obj
+        return (
+            type(obj)((k, _apply_to_tensors(fn, v)) for k, v in obj.items())
+            if type(obj) is dict
+            else _map_dict(fn, obj)
         )
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_apply_to_tensors(fn, v) for v in obj))
