@@ -15,6 +15,19 @@ class _Done:
         return None
 
 
+def _local_copy(output: torch.Tensor, input: torch.Tensor) -> None:
+    """Copy without bumping `output`'s version counter (autograd checks it on saved views of the
+    full parameters). Host memory goes through the C core; device memory through an alias that
+    shares the storage but has a version counter of its own."""
+    if output.device.type == "cpu" and input.device.type == "cpu":
+        _C.copy_(output, input)
+        return
+    alias = torch.empty(0, dtype=output.dtype, device=output.device)
+    alias.set_(output.untyped_storage(), output.storage_offset(), output.shape, output.stride())
+    with torch.no_grad():
+        alias.copy_(input)
+
+
 class Comm:
     """Collectives FSDP needs, over fairscale_c's engine for the given torch process group."""
 
@@ -31,14 +44,13 @@ class Comm:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         if self.group is None:
-            # In C: a torch copy would bump the version counter autograd checks on saved views.
-            _C.copy_(output, input)
+            _local_copy(output, input)
             return _Done() if async_op else None
         return self.group.all_gather(output, input, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, async_op: bool = False):
         if self.group is None:
-            _C.copy_(output, input)
+            _local_copy(output, input)
             return _Done() if async_op else None
         return self.group.reduce_scatter(output, input, op=op, async_op=async_op)
 
