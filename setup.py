@@ -30,6 +30,10 @@ class BuildExt(build_ext):
 
     def build_extensions(self):
         nvcc, build_cuda = cuda_wanted()
+        # One object folder per configuration: setuptools decides what to rebuild from timestamps
+        # alone, so switching FAIRSCALE_C_CUDA or FAIRSCALE_C_SANITIZE must not reuse old objects.
+        flavour = ("cuda" if nvcc else "cpu") + ("-sanitize" if os.environ.get("FAIRSCALE_C_SANITIZE") else "")
+        self.build_temp = os.path.join(self.build_temp, flavour)
         for ext in self.extensions:
             if nvcc is not None:
                 out_c = os.path.join(self.build_temp, "fsc_cuda_fatbin.c")
