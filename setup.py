@@ -30,9 +30,15 @@ class BuildExt(build_ext):
 
     def build_extensions(self):
         nvcc, build_cuda = cuda_wanted()
-        # One object folder per configuration: setuptools decides what to rebuild from timestamps
-        # alone, so switching FAIRSCALE_C_CUDA or FAIRSCALE_C_SANITIZE must not reuse old objects.
+        # setuptools decides what to rebuild from source timestamps alone, so a switch of
+        # FAIRSCALE_C_CUDA or FAIRSCALE_C_SANITIZE forces a rebuild, in its own object folder.
         flavour = ("cuda" if nvcc else "cpu") + ("-sanitize" if os.environ.get("FAIRSCALE_C_SANITIZE") else "")
+        stamp = os.path.join(self.build_temp, "flavour")
+        if not os.path.exists(stamp) or open(stamp).read() != flavour:
+            self.force = True
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(flavour)
         self.build_temp = os.path.join(self.build_temp, flavour)
         for ext in self.extensions:
             if nvcc is not None:
