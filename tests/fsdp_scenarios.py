@@ -258,6 +258,19 @@ def scenario_fp16_mixed_precision(rank, world):
     train_and_compare(rank, world, TinyLM, wrap, batch_fn=lm_batch, loss_fn=xent, tol=FP16_TOL)
 
 
+def scenario_unflattened(rank, world):
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    m = train_and_compare(rank, world, MLP, fsdp(flatten_parameters=False))
+    assert [n for n, _ in m.named_parameters()][0] == "_fsdp_wrapped_module.fc1.weight"
+
+    def wrap(model):  # an unflattened inner instance inside a flattened root
+        model.shared = FSDP(model.shared, flatten_parameters=False)
+        return FSDP(model)
+
+    train_and_compare(rank, world, TwiceModel, wrap)
+
+
 def scenario_move_params_to_cpu(rank, world):
     m = train_and_compare(rank, world, MLP, fsdp(move_params_to_cpu=True))
     assert m.move_grads_to_cpu and all(p.device.type == "cpu" for p in m.parameters())

@@ -1,5 +1,7 @@
 """FSDP's API surface and bad input, in one process (world size 1, no process group needed)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -143,9 +145,26 @@ def test_reset_parameters_needs_permission():
         FSDP(nn.Linear(2, 2)).reset_parameters()
 
 
-def test_flatten_parameters_false_is_refused_clearly():
-    with pytest.raises(ValueError, match="flatten_parameters=False is not supported"):
-        FSDP(mlp(), flatten_parameters=False)
+def test_unflattened_shards_keep_original_names():
+    m = FSDP(mlp(), flatten_parameters=False)
+    local = m.local_state_dict()
+    assert list(local) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    meta = m.local_metadata_dict()
+    assert list(meta["param_metadata"][0]["params"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    merged = FSDP.consolidate_shard_weights([local], [meta])
+    full = m.state_dict()
+    assert set(merged) == set(full) and all(torch.equal(merged[k], full[k]) for k in full)
+    x = torch.randn(3, 4)
+    plain = mlp()
+    torch.testing.assert_close(m(x), plain(x))
+    assert [n for n, _ in m.named_parameters()] == ["_fsdp_wrapped_module." + k for k in local]
+
+
+def test_unflattened_shared_parameters_raise():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model[1].weight = model[0].weight
+    with pytest.raises(ValueError, match=r"'1.weight' is shared with '0.weight'.*flatten_parameters=True"):
+        FSDP(model, flatten_parameters=False)
 
 
 def test_local_state_dict_round_trip_and_consolidate():
@@ -168,3 +187,24 @@ def test_state_dict_round_trip_into_plain_model():
     plain.load_state_dict(m.state_dict())
     x = torch.randn(3, 4)
     torch.testing.assert_close(plain(x), m(x))
+
+
+def test_auto_wrap_bn_wraps_batchnorm_unflattened_in_fp32():
+    from fairscale_c.nn.data_parallel import auto_wrap_bn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    ref = copy.deepcopy(model)
+    wrapped = FSDP(auto_wrap_bn(model), mixed_precision=False)
+    bn = wrapped.module[1]
+    assert isinstance(bn, FSDP) and not bn.flatten_parameters and not bn.mixed_precision
+    assert not bn.reshard_after_forward
+    x = torch.randn(8, 4)
+    out = wrapped(x)
+    torch.testing.assert_close(out, ref(x))
+    out.sum().backward()
+    assert wrapped.module[1].module.weight.grad is not None
+    with pytest.raises(AssertionError, match="wrapper_config"):
+        m2 = nn.Sequential(nn.BatchNorm1d(3))
+        m2[0].wrapper_config = {}
+        auto_wrap_bn(m2)

@@ -4,7 +4,8 @@ from .fully_sharded_data_parallel import (
     FullyShardedDataParallel,
     ProcessGroupName,
     TrainingState,
+    auto_wrap_bn,
     get_fsdp_instances,
 )
 
-__all__ = ["FullyShardedDataParallel", "ProcessGroupName", "TrainingState", "get_fsdp_instances"]
+__all__ = ["FullyShardedDataParallel", "ProcessGroupName", "TrainingState", "auto_wrap_bn", "get_fsdp_instances"]

@@ -50,7 +50,7 @@ def local_mode(instances: List[nn.Module]):
 def summon(fsdp) -> List[torch.Tensor]:
     """All-gather each flat parameter in fp32 and register the original parameters as views of it."""
     fulls = []
-    for i, h in enumerate(fsdp._handles):
+    for h in fsdp._handles:
         shard = h.param.detach()
         full = torch.empty(h.layout.padded_numel, dtype=shard.dtype, device=shard.device)
         fsdp.comm.all_gather(full, shard)
@@ -64,7 +64,7 @@ def summon(fsdp) -> List[torch.Tensor]:
         for shared in h.layout.shared:
             shared.module.__dict__.pop(shared.attr, None)
             shared.module._parameters[shared.attr] = params[id(shared.src)]
-        fsdp._parameters.pop(f"flat_param_{i}")
+        fsdp._parameters.pop(h.backing_name, None)  # flattened: the shard hides while summoned
     return fulls
 
 
@@ -73,7 +73,7 @@ def unsummon(fsdp, fulls: List[torch.Tensor], write_back: bool) -> None:
     """Undo summon(); with write_back, this rank's slice of each full parameter goes to its shard."""
     from .fully_sharded_data_parallel import _copy
 
-    for i, (h, full) in enumerate(zip(fsdp._handles, fulls)):
+    for h, full in zip(fsdp._handles, fulls):
         if write_back:
             n = h.layout.shard_numel
             _copy(h.param.detach(), full[h.layout.rank * n : (h.layout.rank + 1) * n])
@@ -81,7 +81,10 @@ def unsummon(fsdp, fulls: List[torch.Tensor], write_back: bool) -> None:
             slot.module._parameters.pop(slot.attr, None)
         for shared in h.layout.shared:
             shared.module._parameters.pop(shared.attr, None)
-        fsdp._parameters[f"flat_param_{i}"] = h.param
+        if fsdp.flatten_parameters:
+            fsdp._parameters[h.backing_name] = h.param
+        else:
+            h.layout.slots[0].module._parameters[h.layout.slots[0].attr] = h.param
 
 
 def detach_to(sd: Dict[str, Any], device: torch.device, to_fp32: bool) -> Dict[str, Any]:
@@ -108,8 +111,8 @@ def instance_paths(root: nn.Module):
 def check_local_shapes(root: nn.Module, instances, state_dict: Dict[str, Any]) -> None:
     """A local state saved at another world size has other shard sizes: say so before loading."""
     for path, m in instance_paths(root):
-        for i, h in enumerate(m._handles):
-            key = f"{path}.flat_param_{i}" if path else f"flat_param_{i}"
+        for h in m._handles:
+            key = f"{path}.{h.backing_name}" if path else h.backing_name
             if key in state_dict and state_dict[key].numel() != h.layout.shard_numel:
                 raise ValueError(
                     f"load_local_state_dict: '{key}' has {state_dict[key].numel()} elements but this rank's shard "
@@ -124,7 +127,7 @@ def local_metadata(root: nn.Module) -> Dict[str, Any]:
         param_metadata.append(
             {
                 "fsdp_path": path,
-                "params": {f"flat_param_{i}": h.layout.metadata() for i, h in enumerate(m._handles)},
+                "params": {clean_path(h.backing_name): h.layout.metadata() for h in m._handles},
                 "no_broadcast_optim_state": m.no_broadcast_optim_state,
                 "shared_param_info": [(clean_path(s), clean_path(d)) for s, d in m._shared_pairs],
             }

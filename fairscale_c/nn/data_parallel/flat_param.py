@@ -80,9 +80,12 @@ class FlatLayout:
         }
 
 
-def collect_params(module: nn.Module, is_managed) -> Tuple[List[FlatLayout], List[Tuple[str, str]]]:
+def collect_params(
+    module: nn.Module, is_managed, flatten: bool = True
+) -> Tuple[List[FlatLayout], List[Tuple[str, str]]]:
     """Group `module`'s not-yet-managed parameters into flat layouts (one per requires_grad value,
-    in order of first appearance) and find shared (tied) parameters.
+    in order of first appearance; one per parameter when not `flatten`) and find shared (tied)
+    parameters.
 
     Returns the layouts (world size and rank still unset: 1 and 0) and the list of
     (source name, destination name) pairs for shared parameters.
@@ -108,13 +111,19 @@ def collect_params(module: nn.Module, is_managed) -> Tuple[List[FlatLayout], Lis
                     s.module is mod and s.attr == attr for s in layout.shared
                 ):
                     continue  # the same module reached again through another path
+                if not flatten:
+                    raise ValueError(
+                        f"FullyShardedDataParallel: parameter '{name}' is shared with '{src.name}'; shared "
+                        f"parameters need flatten_parameters=True"
+                    )
                 layout.shared.append(SharedSlot(mod, attr, name, src))
                 shared_pairs.append((src.name, name))
                 continue
-            if p.requires_grad not in groups:
-                groups[p.requires_grad] = FlatLayout([], 1, 0, p.requires_grad)
-                order.append(p.requires_grad)
-            layout = groups[p.requires_grad]
+            key = p.requires_grad if flatten else len(order)
+            if key not in groups:
+                groups[key] = FlatLayout([], 1, 0, p.requires_grad)
+                order.append(key)
+            layout = groups[key]
             slot = ParamSlot(mod, attr, name, p.shape, layout.numel, p.numel(), p)
             layout.slots.append(slot)
             seen[id(p)] = (slot, layout)

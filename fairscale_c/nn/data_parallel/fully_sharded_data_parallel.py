@@ -73,6 +73,7 @@ class _Handle:
         self.has_full = False
         self.gathering = None  # (work, source shard) while a prefetch all-gather runs
         self.pending = None  # (work, reduced shard, reduce input) while a reduce-scatter runs
+        self.backing_name = ""  # "flat_param_<i>", or the parameter's name when not flattened
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -110,8 +111,6 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"FullyShardedDataParallel: argument 'module' must be an nn.Module, got {type(module)}")
         if fp32_reduce_scatter and not mixed_precision:
             raise ValueError("fp32_reduce_scatter requires mixed_precision=True")
-        if not flatten_parameters:
-            raise ValueError("flatten_parameters=False is not supported yet; pass flatten_parameters=True")
         if compute_dtype is not None and compute_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"argument 'compute_dtype' must be float32, float16 or bfloat16, got {compute_dtype}")
         self.comm = Comm(process_group)
@@ -148,7 +147,7 @@ class FullyShardedDataParallel(nn.Module):
         self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
         shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
 
-        layouts, self._shared_pairs = collect_params(module, _is_managed)
+        layouts, self._shared_pairs = collect_params(module, _is_managed, flatten_parameters)
         self._check_dtypes(layouts)
         self._fsdp_wrapped_module = module
         self._handles: List[_Handle] = []
@@ -158,17 +157,25 @@ class FullyShardedDataParallel(nn.Module):
             param = nn.Parameter(shard, requires_grad=layout.requires_grad)
             param._fsc_fsdp_managed = True
             param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
-            self.register_parameter(f"flat_param_{i}", param)
-            self._handles.append(_Handle(layout, param, self.compute_dtype, self.compute_device))
+            handle = _Handle(layout, param, self.compute_dtype, self.compute_device)
+            if flatten_parameters:
+                handle.backing_name = f"flat_param_{i}"
+                self.register_parameter(handle.backing_name, param)
+            else:
+                # As in FairScale: the shard stays registered under the original name.
+                handle.backing_name = layout.slots[0].name
+                layout.slots[0].module.register_parameter(layout.slots[0].attr, param)
+            self._handles.append(handle)
             if layout.requires_grad:
                 self._handles[-1].full.register_post_accumulate_grad_hook(
                     functools.partial(self._post_backward_hook, self._handles[-1])
                 )
         self.numel_padded_per_param = [h.layout.padding for h in self._handles]
         # Leave shaped (storage-less) views under the original names, so the module still reprs and
-        # introspects like the original outside forward.
-        with torch.no_grad():
-            self._use_full_params()
+        # introspects like the original outside forward (unflattened shards are registered there).
+        if flatten_parameters:
+            with torch.no_grad():
+                self._use_full_params()
         for h in self._handles:
             _free_storage(h.full.detach())
         self._is_root: Optional[bool] = None
@@ -327,6 +334,7 @@ class FullyShardedDataParallel(nn.Module):
                 self._free_full_params()
             outputs = self._register_pre_backward_hooks(outputs)
         finally:
+            self._use_shard_params()
             self.training_state = TrainingState.IDLE
         if self.clear_autocast_cache:
             torch.clear_autocast_cache()
@@ -381,6 +389,11 @@ class FullyShardedDataParallel(nn.Module):
     def _use_full_params(self) -> None:
         """Point the module's parameter attributes at views of the full buffers."""
         for h in self._handles:
+            if not self.flatten_parameters:
+                slot = h.layout.slots[0]
+                slot.module._parameters.pop(slot.attr, None)  # the shard; restored after forward
+                slot.module.__dict__[slot.attr] = h.full[: slot.numel].view(slot.shape)
+                continue
             # One split, not a slice per parameter: its backward assembles the flat gradient with
             # a single concatenation, where per-parameter slices would each materialise (and then
             # sum) a zero-filled gradient of the whole flat buffer.
@@ -391,6 +404,15 @@ class FullyShardedDataParallel(nn.Module):
                 for shared in h.layout.shared:
                     if shared.src is slot:
                         setattr(shared.module, shared.attr, view)
+
+    def _use_shard_params(self) -> None:
+        """Unflattened instances: register the shards under the original names again."""
+        if self.flatten_parameters:
+            return
+        for h in self._handles:
+            slot = h.layout.slots[0]
+            slot.module.__dict__.pop(slot.attr, None)
+            slot.module._parameters[slot.attr] = h.param
 
     def _free_full_params(self) -> None:
         for h in self._handles:
@@ -670,3 +692,50 @@ def _named_buffer_slots(root: nn.Module):
         for name, buf in list(mod._buffers.items()):
             if buf is not None:
                 yield mod_name, mod, name, buf
+
+
+def auto_wrap_bn(
+    module: nn.Module,
+    single_rank_pg: bool = False,
+    process_group: Optional[Any] = None,
+    fsdp_config: Optional[Dict[str, Any]] = None,
+    wrap_it: bool = True,
+    assert_on_collision: bool = True,
+) -> nn.Module:
+    """Wrap every BatchNorm in its own fp32, unflattened FSDP instance that keeps its parameters
+    gathered (FairScale's helper, same defaults). Call it on every rank."""
+    from ..wrap import auto_wrap, config_auto_wrap_policy, enable_wrap
+
+    pg = process_group
+    if single_rank_pg:
+        import torch.distributed as dist
+
+        # new_group is collective: every rank creates every single-rank group and keeps its own.
+        mine = dist.get_rank()
+        for r in range(dist.get_world_size()):
+            g = dist.new_group([r])
+            if r == mine:
+                pg = g
+    if fsdp_config is None:
+        fsdp_config = {
+            "process_group": pg,
+            "mixed_precision": False,
+            "flatten_parameters": False,
+            "reshard_after_forward": False,
+            "bucket_cap_mb": 0,
+            "force_input_to_fp32": False,
+        }
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            if assert_on_collision and hasattr(m, "wrapper_config"):
+                raise AssertionError(
+                    "auto_wrap_bn: module already has a wrapper_config; is it tagged already by another policy?"
+                )
+            m.wrapper_config = fsdp_config
+    ctx = (
+        enable_wrap(config_auto_wrap_policy, wrapper_cls=FullyShardedDataParallel)
+        if wrap_it
+        else contextlib.nullcontext()
+    )
+    with ctx:
+        return auto_wrap(module)
