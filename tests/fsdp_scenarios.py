@@ -299,6 +299,12 @@ def scenario_multiple_forwards_before_backward(rank, world):
 
     train_and_compare(rank, world, MLP, fsdp(), loss_fn=two_forwards, tol=FP32_TOL)
 
+    def two_lm_forwards(model, idx, tgt):  # nested instances reshard between the two forwards
+        half = idx.shape[0] // 2
+        return (xent(model, idx[:half], tgt[:half]) + xent(model, idx[half:], tgt[half:])) / 2
+
+    train_and_compare(rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=two_lm_forwards)
+
 
 def scenario_submodule_twice(rank, world):
     from fairscale_c.nn import FullyShardedDataParallel as FSDP
