@@ -457,3 +457,38 @@ def memory_per_rank(rank, world):
 
 
 SCENARIOS.update({"state_save": state_save, "state_load": state_load, "memory_per_rank": memory_per_rank})
+
+
+class LayerDrop(nn.Module):
+    """Ranks that skip different layers issue different collectives (FairScale issue 796)."""
+
+    def __init__(self, skip):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.skip = skip
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        if not self.skip:
+            h = F.relu(self.fc2(h))
+        return self.fc3(h)
+
+
+def divergent_ranks(rank, world):
+    """A rank that skips a wrapped layer gets a DistributedError naming the mismatch, as do the
+    others — instead of the hang FairScale shows."""
+    from fairscale_c import DistributedError
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    model = LayerDrop(skip=rank == 1)
+    model.fc2, model.fc3 = FSDP(model.fc2), FSDP(nn.Linear(16, 4))
+    model = FSDP(model)
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+    except DistributedError as e:
+        assert "mismatch" in str(e) and "all_gather" in str(e), e
+    else:
+        raise AssertionError("diverging ranks were not reported")
+
+
+SCENARIOS["divergent_ranks"] = divergent_ranks

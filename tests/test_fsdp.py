@@ -81,3 +81,7 @@ def test_launched_by_torchrun():
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "rank 0 ok" in r.stdout and "rank 1 ok" in r.stdout
+
+
+def test_diverging_ranks_raise_instead_of_hanging():
+    spawn(2, ["divergent_ranks"])
