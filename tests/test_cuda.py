@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fairscale_c import _C
+from test_kernels_cpu import _specials
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_CUDA = torch.cuda.is_available()
@@ -75,36 +76,12 @@ def test_nccl_comm_rejects_a_malformed_unique_id():
 # ---- kernels (GPU) -----------------------------------------------------------------------------
 
 
-def _specials():
-    vals = [
-        0.0,
-        -0.0,
-        1.0,
-        -1.0,
-        1 / 3,
-        65504.0,
-        65519.0,
-        65520.0,
-        1e-8,
-        6e-8,
-        3e-5,
-        1.17549435e-38,
-        3.4028235e38,
-        float("inf"),
-        float("-inf"),
-        1.0 + 2**-11,
-        1.0 + 3 * 2**-11,
-        1.0 + 2**-8,
-    ]
-    return torch.tensor(vals, dtype=torch.float32)
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_cast_matches_torch(dtype):
     g = torch.Generator().manual_seed(0)
-    src = torch.cat([torch.randn(1 << 20, generator=g) * 1000, torch.randn(4099, generator=g) * 1e-6, _specials()])
+    src = torch.cat([torch.randn(1 << 20, generator=g) * 1000, torch.randn(4099, generator=g) * 1e-6, _specials(dtype)])
     src = src.cuda()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

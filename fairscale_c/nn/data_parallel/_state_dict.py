@@ -34,16 +34,21 @@ def pre_load_state_dict_hook(fsdp: nn.Module, state_dict: Dict[str, Any], prefix
 
 
 @contextlib.contextmanager
-def local_mode(instances: List[nn.Module]):
-    """state_dict()/load_state_dict() see the sharded flat parameters while inside."""
-    old = [m._return_full_state_dict for m in instances]
+def override(instances: List[nn.Module], attr: str, value: Any):
+    """Set `attr` on every instance while inside; restore each one's own value after."""
+    old = [getattr(m, attr) for m in instances]
     for m in instances:
-        m._return_full_state_dict = False
+        setattr(m, attr, value)
     try:
         yield
     finally:
-        for m, flag in zip(instances, old):
-            m._return_full_state_dict = flag
+        for m, v in zip(instances, old):
+            setattr(m, attr, v)
+
+
+def local_mode(instances: List[nn.Module]):
+    """state_dict()/load_state_dict() see the sharded flat parameters while inside."""
+    return override(instances, "_return_full_state_dict", False)
 
 
 @torch.no_grad()

@@ -505,15 +505,8 @@ class FullyShardedDataParallel(nn.Module):
         self._lazy_init()
         if not self._is_root:
             raise RuntimeError("FullyShardedDataParallel.no_sync() may only be called on the root instance")
-        instances = get_fsdp_instances(self)
-        old = [m._require_backward_grad_sync for m in instances]
-        for m in instances:
-            m._require_backward_grad_sync = False
-        try:
+        with _state_dict.override(get_fsdp_instances(self), "_require_backward_grad_sync", False):
             yield
-        finally:
-            for m, flag in zip(instances, old):
-                m._require_backward_grad_sync = flag
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
