@@ -271,6 +271,34 @@ def scenario_unflattened(rank, world):
     train_and_compare(rank, world, TwiceModel, wrap)
 
 
+class Checkpointed(nn.Module):
+    """Recomputes the block's forward in backward (torch.utils.checkpoint, non-reentrant)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def scenario_activation_checkpointing(rank, world):
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    def make_model():  # the reference recomputes too
+        model = TinyLM()
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = Checkpointed(blk)
+        return model
+
+    def wrap(model):  # FSDP(checkpoint(block)) per block, as Tango-style trainers do
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = FSDP(blk)
+        return FSDP(model)
+
+    train_and_compare(rank, world, make_model, wrap, batch_fn=lm_batch, loss_fn=xent)
+
+
 def scenario_move_params_to_cpu(rank, world):
     m = train_and_compare(rank, world, MLP, fsdp(move_params_to_cpu=True))
     assert m.move_grads_to_cpu and all(p.device.type == "cpu" for p in m.parameters())
