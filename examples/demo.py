@@ -5,7 +5,10 @@ all-gathered and gradients reduce-scattered through fairscale_c's C collective e
 memory on CPU). At the end the sharded checkpoint is saved atomically, reloaded into a freshly
 built model, checked to give identical outputs, and consolidated into full weights.
 
-    python examples/demo.py [--world 2] [--steps 20] [--device cpu|cuda] [--out DIR]
+    python examples/demo.py [--world 2] [--steps 20] [--device auto|cpu|cuda] [--out DIR]
+
+--device auto (the default) trains on CUDA with NCCL when torch sees at least --world GPUs,
+else on CPU with the shared-memory engine.
 """
 
 import argparse
@@ -158,9 +161,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--out", default=None, help="checkpoint folder (default: a temporary one)")
     args = ap.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "cpu"
     import fairscale_c
 
     info = fairscale_c.build_info()
