@@ -122,13 +122,13 @@ def run(rank, world, steps, device_kind, out_dir, init_file):
             done = (step + 1) * 30 // steps
             print(f"step {step + 1:3d}/{steps} [{'#' * done:<30}] loss {mean.item() / world:.4f}", flush=True)
     elapsed = time.perf_counter() - t0
-    dist.barrier()
     mem = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak_rss_mib()
-    print(
-        f"rank {rank}: {steps} steps in {elapsed:.1f}s, peak {'allocated' if device.type == 'cuda' else 'RSS'} "
-        f"{mem:.0f} MiB",
-        flush=True,
-    )
+    stats = [None] * world
+    dist.all_gather_object(stats, (elapsed, mem))
+    if rank == 0:
+        kind = "allocated" if device.type == "cuda" else "RSS"
+        for r, (secs, mib) in enumerate(stats):
+            print(f"rank {r}: {steps} steps in {secs:.1f}s, peak {kind} {mib:.0f} MiB", flush=True)
 
     # Checkpoint: sharded weights + metadata per rank, written atomically; then reload and check.
     probe = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(7)).to(device)
