@@ -371,9 +371,11 @@ class FullyShardedDataParallel(nn.Module):
             _alloc_storage(full)
             shard = h.param.detach()
             if shard.dtype is not full.dtype or shard.device != full.device:
-                src = torch.empty(shard.numel(), dtype=full.dtype, device=full.device)
-                _copy(src, shard)
-                shard = src
+                # Cast straight into this rank's block of the full buffer and gather in place.
+                n = h.layout.shard_numel
+                mine = full[self.rank * n : (self.rank + 1) * n]
+                _copy(mine, shard)
+                shard = mine
             h.gathering = (self.comm.all_gather(full, shard, async_op=True), shard)
 
     @torch.no_grad()
