@@ -208,3 +208,20 @@ def test_auto_wrap_bn_wraps_batchnorm_unflattened_in_fp32():
         m2 = nn.Sequential(nn.BatchNorm1d(3))
         m2[0].wrapper_config = {}
         auto_wrap_bn(m2)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
+def test_clip_grad_norm_matches_torch(norm_type):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    model[1] = FSDP(model[1])
+    fsdp = FSDP(model)
+    x = torch.randn(3, 4)
+    fsdp(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    total = fsdp.clip_grad_norm_(0.05, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
+    torch.testing.assert_close(total, expected)
+    flat = torch.cat([fsdp.flat_param_0.grad, fsdp.module[1].flat_param_0.grad])
+    torch.testing.assert_close(flat, torch.cat([p.grad.reshape(-1) for p in ref.parameters()]))

@@ -518,22 +518,20 @@ class FullyShardedDataParallel(nn.Module):
             raise RuntimeError("FullyShardedDataParallel.clip_grad_norm_ may only be called on the root instance")
         self.assert_state(TrainingState.IDLE)
         norm_type = float(norm_type)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        device = grads[0].device if grads else self.compute_device
-        if not grads:
-            local = torch.zeros((), dtype=torch.float32, device=device)
-        elif norm_type == float("inf"):
-            local = torch.stack([g.detach().abs().max().float() for g in grads]).max()
-        else:
-            local = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads])
-            local = (local**norm_type).sum()
-        local = local.reshape(1).to(torch.float32)
-        self.comm.all_reduce(local, op="max" if norm_type == float("inf") else "sum")
-        total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
-        clip_coef = torch.tensor(max_norm, dtype=torch.float32) / (total + 1e-6)
+        grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
+        inf = norm_type == float("inf")
+        local = torch.tensor([_local_norm_term(grads, norm_type)], dtype=torch.float32)
+        if grads and grads[0].device.type != "cpu":
+            local = local.to(grads[0].device)
+        self.comm.all_reduce(local, op="max" if inf else "sum")
+        total = local[0] if inf else local[0] ** (1.0 / norm_type)
+        clip_coef = float(max_norm) / (float(total) + 1e-6)
         if clip_coef < 1:
             for g in grads:
-                g.detach().mul_(clip_coef.to(g.device, g.dtype))
+                if g.device.type == "cpu" and g.is_contiguous():
+                    _C.cpu_unscale_inf_check(g, clip_coef, torch.zeros(1))  # g *= clip_coef, in C
+                else:
+                    g.mul_(clip_coef)
         return total
 
     # ---------------------------------------------------------------- full parameters
@@ -629,6 +627,22 @@ class FullyShardedDataParallel(nn.Module):
         from . import _optim_state
 
         return _optim_state.shard_from_full(self, full_optim_state_dict)
+
+
+def _local_norm_term(grads: List[torch.Tensor], norm_type: float) -> float:
+    """This rank's share of the global norm: sum of |g|^p over its shards (max |g| for inf).
+    Host gradients are reduced in C for p = 2 and inf; other cases use torch."""
+    inf = norm_type == float("inf")
+    term = 0.0
+    for g in grads:
+        if g.device.type == "cpu" and g.is_contiguous() and (inf or norm_type == 2.0):
+            v = _C.cpu_sq_norm(g, absmax=inf)
+        elif inf:
+            v = float(g.abs().max())
+        else:
+            v = float(torch.linalg.vector_norm(g.float(), norm_type)) ** norm_type
+        term = max(term, v) if inf else term + v
+    return term
 
 
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:
