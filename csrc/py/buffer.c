@@ -294,8 +294,10 @@ static PyObject *py_copy(PyObject *module, PyObject *args, PyObject *kwargs) {
         return NULL;
     }
     fsc_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = fsc_tensor_copy(&dst, &src);
-    Py_END_ALLOW_THREADS Py_DECREF(dst_owner);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_tensor_copy(&dst, &src);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(dst_owner);
     Py_DECREF(src_owner);
     if (st != FSC_OK) return fsc_py_raise(module, st);
     Py_RETURN_NONE;
@@ -319,8 +321,10 @@ static PyObject *py_clone(PyObject *module, PyObject *src_obj) {
         dst.strides[i] = s;
         s *= src.shape[i] > 0 ? src.shape[i] : 1;
     }
-    Py_BEGIN_ALLOW_THREADS st = fsc_tensor_copy(&dst, &src);
-    Py_END_ALLOW_THREADS Py_DECREF(owner);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_tensor_copy(&dst, &src);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(owner);
     if (st != FSC_OK) {
         fsc_hostbuf_release(buf);
         return fsc_py_raise(module, st);

@@ -33,8 +33,10 @@ static int work_block(WorkObject *self, double timeout_s) {
             slice = left < 0 ? 0 : (left < slice ? left : slice);
         }
         fsc_status_t st;
-        Py_BEGIN_ALLOW_THREADS st = fsc_shm_work_wait(self->work, slice);
-        Py_END_ALLOW_THREADS if (fsc_shm_work_done(self->work)) {
+        Py_BEGIN_ALLOW_THREADS
+        st = fsc_shm_work_wait(self->work, slice);
+        Py_END_ALLOW_THREADS
+        if (fsc_shm_work_done(self->work)) {
             if (st != FSC_OK) {
                 fsc_py_raise(self->module, st);
                 return -1;
@@ -72,7 +74,8 @@ static void Work_dealloc(WorkObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     if (self->work != NULL && !fsc_shm_work_done(self->work)) {
         /* the op still reads/writes the tensors: keep them alive until it has finished */
-        Py_BEGIN_ALLOW_THREADS(void) fsc_shm_work_wait(self->work, -1);
+        Py_BEGIN_ALLOW_THREADS(void)
+        fsc_shm_work_wait(self->work, -1);
         Py_END_ALLOW_THREADS
     }
     fsc_shm_work_release(self->work);
@@ -134,9 +137,11 @@ static int check_open(GroupObject *self) {
 static PyObject *Group_join(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     fsc_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = fsc_shm_group_join(self->g);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_shm_group_join(self->g);
     if (st == FSC_OK) st = fsc_shm_engine_start(self->g);
-    Py_END_ALLOW_THREADS if (st != FSC_OK) return fsc_py_raise(module_of((PyObject *)self), st);
+    Py_END_ALLOW_THREADS
+    if (st != FSC_OK) return fsc_py_raise(module_of((PyObject *)self), st);
     self->joined = 1;
     Py_RETURN_NONE;
 }
@@ -151,7 +156,8 @@ static void group_close(GroupObject *self) {
     fsc_shm_group_t *g = self->g;
     self->g = NULL;
     fsc_shm_group_unlink(g);
-    Py_BEGIN_ALLOW_THREADS fsc_shm_group_close(g); /* drains the queue: every pending Work finishes */
+    Py_BEGIN_ALLOW_THREADS
+    fsc_shm_group_close(g); /* drains the queue: every pending Work finishes */
     Py_END_ALLOW_THREADS
 }
 

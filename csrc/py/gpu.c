@@ -72,8 +72,10 @@ static PyObject *str_or_none(const char *s) {
 static PyObject *py_gpu_info(PyObject *module, PyObject *Py_UNUSED(args)) {
     (void)module;
     fsc_gpu_info_t info;
-    Py_BEGIN_ALLOW_THREADS fsc_gpu_info(&info);
-    Py_END_ALLOW_THREADS PyObject *runtime_path = str_or_none(info.runtime_path);
+    Py_BEGIN_ALLOW_THREADS
+    fsc_gpu_info(&info);
+    Py_END_ALLOW_THREADS
+    PyObject *runtime_path = str_or_none(info.runtime_path);
     PyObject *error = str_or_none(info.error);
     PyObject *nccl_path = str_or_none(fsc_nccl_path());
     PyObject *d = NULL;
@@ -105,8 +107,10 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args, PyObject *kwargs
     if (import_arg(&im, module, dst_obj, "dst", 1, 0, stream, &dst) < 0 ||
         import_arg(&im, module, src_obj, "src", 0, 0, stream, &src) < 0)
         return import_failed(&im);
-    Py_BEGIN_ALLOW_THREADS st = fsc_gpu_cast(&dst, &src, stream);
-    Py_END_ALLOW_THREADS return finish(module, &im, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_gpu_cast(&dst, &src, stream);
+    Py_END_ALLOW_THREADS
+    return finish(module, &im, st);
 }
 
 /* Shared by the CUDA and CPU unscale bindings. */
@@ -127,9 +131,11 @@ static PyObject *unscale(PyObject *module, PyObject *args, PyObject *kwargs, int
     if (import_arg(&im, module, buf_obj, "buf", 1, !cuda, stream, &buf) < 0 ||
         import_arg(&im, module, fi_obj, "found_inf", 1, !cuda, stream, &fi) < 0)
         return import_failed(&im);
-    Py_BEGIN_ALLOW_THREADS st = cuda ? fsc_gpu_unscale_inf_check(&buf, inv_scale, &fi, stream)
-                                     : fsc_cpu_unscale_inf_check(&buf, inv_scale, &fi);
-    Py_END_ALLOW_THREADS return finish(module, &im, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = cuda ? fsc_gpu_unscale_inf_check(&buf, inv_scale, &fi, stream)
+              : fsc_cpu_unscale_inf_check(&buf, inv_scale, &fi);
+    Py_END_ALLOW_THREADS
+    return finish(module, &im, st);
 }
 
 static PyObject *py_cuda_unscale(PyObject *module, PyObject *args, PyObject *kwargs) {
@@ -155,8 +161,10 @@ static PyObject *py_cuda_sq_norm(PyObject *module, PyObject *args, PyObject *kwa
         import_arg(&im, module, x_obj, "x", 0, 0, stream, &x) < 0 ||
         import_arg(&im, module, ws_obj, "workspace", 1, 0, stream, &ws) < 0)
         return import_failed(&im);
-    Py_BEGIN_ALLOW_THREADS st = fsc_gpu_norm(&x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, &ws, &out, stream);
-    Py_END_ALLOW_THREADS return finish(module, &im, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_gpu_norm(&x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, &ws, &out, stream);
+    Py_END_ALLOW_THREADS
+    return finish(module, &im, st);
 }
 
 static PyObject *py_cpu_sq_norm(PyObject *module, PyObject *args, PyObject *kwargs) {
@@ -169,8 +177,10 @@ static PyObject *py_cpu_sq_norm(PyObject *module, PyObject *args, PyObject *kwar
     float result = 0.0f;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p:cpu_sq_norm", kwlist, &x_obj, &absmax)) return NULL;
     if (import_arg(&im, module, x_obj, "x", 0, 1, 0, &x) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS st = fsc_cpu_norm(&x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, &result);
-    Py_END_ALLOW_THREADS release_imports(&im);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_cpu_norm(&x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, &result);
+    Py_END_ALLOW_THREADS
+    release_imports(&im);
     if (st != FSC_OK) return fsc_py_raise(module, st);
     return PyFloat_FromDouble(result);
 }
@@ -197,9 +207,11 @@ static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int c
     hp.step = step;
     for (int i = 0; i < 4; i++)
         if (import_arg(&im, module, objs[i], names[i], i != 1, !cuda, stream, &t[i]) < 0) return import_failed(&im);
-    Py_BEGIN_ALLOW_THREADS st = cuda ? fsc_gpu_adamw_step(&t[0], &t[1], &t[2], &t[3], &hp, stream)
-                                     : fsc_cpu_adamw_step(&t[0], &t[1], &t[2], &t[3], &hp);
-    Py_END_ALLOW_THREADS return finish(module, &im, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = cuda ? fsc_gpu_adamw_step(&t[0], &t[1], &t[2], &t[3], &hp, stream)
+              : fsc_cpu_adamw_step(&t[0], &t[1], &t[2], &t[3], &hp);
+    Py_END_ALLOW_THREADS
+    return finish(module, &im, st);
 }
 
 static PyObject *py_cuda_adamw(PyObject *module, PyObject *args, PyObject *kwargs) {
@@ -237,8 +249,10 @@ static PyObject *py_nccl_load(PyObject *module, PyObject *args, PyObject *kwargs
         }
     }
     fsc_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = fsc_nccl_load(paths, (size_t)n);
-    Py_END_ALLOW_THREADS Py_XDECREF(seq);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_nccl_load(paths, (size_t)n);
+    Py_END_ALLOW_THREADS
+    Py_XDECREF(seq);
     if (st != FSC_OK) return fsc_py_raise(module, st);
     return PyLong_FromLong(fsc_nccl_version());
 }
@@ -246,8 +260,10 @@ static PyObject *py_nccl_load(PyObject *module, PyObject *args, PyObject *kwargs
 static PyObject *py_nccl_unique_id(PyObject *module, PyObject *Py_UNUSED(args)) {
     unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES];
     fsc_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = fsc_nccl_get_unique_id(id);
-    Py_END_ALLOW_THREADS if (st != FSC_OK) return fsc_py_raise(module, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_nccl_get_unique_id(id);
+    Py_END_ALLOW_THREADS
+    if (st != FSC_OK) return fsc_py_raise(module, st);
     return PyBytes_FromStringAndSize((const char *)id, FSC_NCCL_UNIQUE_ID_BYTES);
 }
 
@@ -282,8 +298,10 @@ static PyObject *comm_new(PyTypeObject *tp, PyObject *args, PyObject *kwargs) {
     fsc_nccl_comm_t *comm = NULL;
     fsc_status_t st;
     /* Blocks until every rank has joined: the other ranks' Python threads must keep running. */
-    Py_BEGIN_ALLOW_THREADS st = fsc_nccl_comm_init(id, rank, size, device, timeout, &comm);
-    Py_END_ALLOW_THREADS if (st != FSC_OK) return fsc_py_raise(module, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_nccl_comm_init(id, rank, size, device, timeout, &comm);
+    Py_END_ALLOW_THREADS
+    if (st != FSC_OK) return fsc_py_raise(module, st);
     NcclCommObject *self = (NcclCommObject *)tp->tp_alloc(tp, 0);
     if (self == NULL) {
         fsc_nccl_comm_free(comm);
@@ -316,8 +334,10 @@ static PyObject *comm_all_gather(PyObject *self, PyObject *args, PyObject *kwarg
         import_arg(&im, module, in_obj, "input", 0, 0, stream, &in) < 0)
         return import_failed(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS st = fsc_nccl_all_gather(c, &out, &in, stream);
-    Py_END_ALLOW_THREADS return finish(module, &im, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_nccl_all_gather(c, &out, &in, stream);
+    Py_END_ALLOW_THREADS
+    return finish(module, &im, st);
 }
 
 static int parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op) {
@@ -348,8 +368,10 @@ static PyObject *comm_reduce_scatter(PyObject *self, PyObject *args, PyObject *k
         import_arg(&im, module, in_obj, "input", 0, 0, stream, &in) < 0)
         return import_failed(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS st = fsc_nccl_reduce_scatter(c, &out, &in, op, stream);
-    Py_END_ALLOW_THREADS return finish(module, &im, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_nccl_reduce_scatter(c, &out, &in, op, stream);
+    Py_END_ALLOW_THREADS
+    return finish(module, &im, st);
 }
 
 /* all_reduce(tensor, op, stream) and reduce(tensor, op, root, stream) */
@@ -372,9 +394,10 @@ static PyObject *reduce_common(PyObject *self, PyObject *args, PyObject *kwargs,
     if (!ok || parse_redop(module, opname, &op) < 0) return NULL;
     if (import_arg(&im, module, obj, "tensor", 1, 0, stream, &t) < 0) return import_failed(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS st =
-        with_root ? fsc_nccl_reduce(c, &t, op, root, stream) : fsc_nccl_all_reduce(c, &t, op, stream);
-    Py_END_ALLOW_THREADS return finish(module, &im, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = with_root ? fsc_nccl_reduce(c, &t, op, root, stream) : fsc_nccl_all_reduce(c, &t, op, stream);
+    Py_END_ALLOW_THREADS
+    return finish(module, &im, st);
 }
 
 static PyObject *comm_all_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -404,12 +427,14 @@ static PyObject *ranked_common(PyObject *self, PyObject *args, PyObject *kwargs,
         return NULL;
     if (import_arg(&im, module, obj, "tensor", kind != RANKED_SEND, 0, stream, &t) < 0) return import_failed(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS switch (kind) {
+    Py_BEGIN_ALLOW_THREADS
+    switch (kind) {
         case RANKED_BROADCAST: st = fsc_nccl_broadcast(c, &t, who, stream); break;
         case RANKED_SEND: st = fsc_nccl_send(c, &t, who, stream); break;
         default: st = fsc_nccl_recv(c, &t, who, stream); break;
     }
-    Py_END_ALLOW_THREADS return finish(module, &im, st);
+    Py_END_ALLOW_THREADS
+    return finish(module, &im, st);
 }
 
 static PyObject *comm_broadcast(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -435,15 +460,19 @@ static PyObject *comm_wait(PyObject *self, PyObject *args, PyObject *kwargs) {
         !PyArg_ParseTupleAndKeywords(args, kwargs, "O&|d:wait", kwlist, stream_converter, &stream, &timeout))
         return NULL;
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS st = fsc_nccl_wait(c, stream, timeout);
-    Py_END_ALLOW_THREADS if (st != FSC_OK) return fsc_py_raise(module, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_nccl_wait(c, stream, timeout);
+    Py_END_ALLOW_THREADS
+    if (st != FSC_OK) return fsc_py_raise(module, st);
     Py_RETURN_NONE;
 }
 
 static PyObject *comm_abort(PyObject *self, PyObject *Py_UNUSED(args)) {
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS fsc_nccl_comm_abort(c);
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS
+    fsc_nccl_comm_abort(c);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 static PyObject *comm_destroy(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -453,8 +482,10 @@ static PyObject *comm_destroy(PyObject *self, PyObject *args, PyObject *kwargs) 
     fsc_status_t st;
     if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "|d:destroy", kwlist, &timeout)) return NULL;
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS st = fsc_nccl_comm_destroy(c, timeout);
-    Py_END_ALLOW_THREADS if (st != FSC_OK) return fsc_py_raise(module, st);
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_nccl_comm_destroy(c, timeout);
+    Py_END_ALLOW_THREADS
+    if (st != FSC_OK) return fsc_py_raise(module, st);
     Py_RETURN_NONE;
 }
 
