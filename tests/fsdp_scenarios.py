@@ -410,6 +410,10 @@ def state_save(rank, world):
     d = CKPT["dir"]
     model, opt = _trained_lm(rank, world)
     full = model.state_dict()
+    model.state_dict_on_rank_0_only = True
+    only0 = model.state_dict()
+    assert (list(only0) == list(full)) if rank == 0 else (only0 == {}), list(only0)
+    model.state_dict_on_rank_0_only = False
     with torch.no_grad():
         out = model(_fixed_input())
     local = model.local_state_dict()
@@ -520,3 +524,29 @@ def divergent_ranks(rank, world):
 
 
 SCENARIOS["divergent_ranks"] = divergent_ranks
+
+
+def dead_peer(rank, world):
+    """A rank that dies mid-training: the survivor's next collective raises DistributedError naming
+    it, within seconds (the engine watches peers' pids), never a hang. Returns (message, seconds)."""
+    import time
+
+    from fairscale_c import DistributedError
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    os.environ["FAIRSCALE_C_TIMEOUT"] = "60"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # from the RANK / WORLD_SIZE / MASTER_* environment
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 4)))
+    x = torch.randn(4, 8)
+    model(x).sum().backward()  # one healthy step on both ranks
+    if rank == 1:
+        os._exit(3)  # dies without any cleanup
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            model(x).sum().backward()
+    except DistributedError as e:
+        return str(e), time.monotonic() - t0
+    raise AssertionError("the dead peer was not reported")

@@ -85,3 +85,14 @@ def test_launched_by_torchrun():
 
 def test_diverging_ranks_raise_instead_of_hanging():
     spawn(2, ["divergent_ranks"])
+
+
+def test_dead_peer_is_reported_not_hung():
+    from dist_utils import run_ranks, shm_segments
+
+    before = shm_segments()
+    results = run_ranks(fsdp_scenarios.dead_peer, 2, may_die=[1], timeout=120)
+    message, seconds = results[0]
+    assert "rank 1" in message and ("died" in message or "dead" in message or "exited" in message), message
+    assert seconds < 10, seconds
+    assert shm_segments() <= before
