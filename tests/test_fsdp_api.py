@@ -225,3 +225,12 @@ def test_clip_grad_norm_matches_torch(norm_type):
     torch.testing.assert_close(total, expected)
     flat = torch.cat([fsdp.flat_param_0.grad, fsdp.module[1].flat_param_0.grad])
     torch.testing.assert_close(flat, torch.cat([p.grad.reshape(-1) for p in ref.parameters()]))
+
+
+def test_module_keeps_its_attributes_after_state_dict_and_summon():
+    m = FSDP(mlp())
+    m.state_dict()
+    with m.summon_full_params():
+        pass
+    assert m.module[0].weight.shape == (8, 4) and "Linear(in_features=4" in repr(m)
+    torch.testing.assert_close(m(torch.ones(1, 4)), mlp()(torch.ones(1, 4)))

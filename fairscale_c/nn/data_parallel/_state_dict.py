@@ -90,6 +90,7 @@ def unsummon(fsdp, fulls: List[torch.Tensor], write_back: bool) -> None:
             fsdp._parameters[h.backing_name] = h.param
         else:
             h.layout.slots[0].module._parameters[h.layout.slots[0].attr] = h.param
+    fsdp._leave_shaped_views()
 
 
 def detach_to(sd: Dict[str, Any], device: torch.device, to_fp32: bool) -> Dict[str, Any]:

@@ -171,13 +171,9 @@ class FullyShardedDataParallel(nn.Module):
                     functools.partial(self._post_backward_hook, self._handles[-1])
                 )
         self.numel_padded_per_param = [h.layout.padding for h in self._handles]
-        # Leave shaped (storage-less) views under the original names, so the module still reprs and
-        # introspects like the original outside forward (unflattened shards are registered there).
-        if flatten_parameters:
-            with torch.no_grad():
-                self._use_full_params()
         for h in self._handles:
             _free_storage(h.full.detach())
+        self._leave_shaped_views()
         self._is_root: Optional[bool] = None
         self._fsdp_instances: List["FullyShardedDataParallel"] = []
         self._require_backward_grad_sync = True
@@ -399,13 +395,29 @@ class FullyShardedDataParallel(nn.Module):
             # One split, not a slice per parameter: its backward assembles the flat gradient with
             # a single concatenation, where per-parameter slices would each materialise (and then
             # sum) a zero-filled gradient of the whole flat buffer.
+            # The attributes are plain (their Parameters were removed), so the instance dict is
+            # set directly: nn.Module.__setattr__'s checks cost more than the view itself.
             pieces = h.full.split(h.split_sizes)
             for slot, piece in zip(h.layout.slots, pieces):
                 view = piece.view(slot.shape)
-                setattr(slot.module, slot.attr, view)
+                slot.module.__dict__[slot.attr] = view
                 for shared in h.layout.shared:
                     if shared.src is slot:
-                        setattr(shared.module, shared.attr, view)
+                        shared.module.__dict__[shared.attr] = view
+
+    @torch.no_grad()
+    def _leave_shaped_views(self) -> None:
+        """Outside forward, keep shaped views under the original names so the module still reprs
+        and introspects like the original (unflattened shards are registered there instead). A
+        view needs storage when it is made, so free buffers get it for that moment."""
+        if not self.flatten_parameters:
+            return
+        freed = [h for h in self._handles if not h.has_full and h.gathering is None]
+        for h in freed:
+            _alloc_storage(h.full.detach())
+        self._use_full_params()
+        for h in freed:
+            _free_storage(h.full.detach())
 
     def _use_shard_params(self) -> None:
         """Unflattened instances: register the shards under the original names again."""
