@@ -66,6 +66,7 @@ class Config:
     world: int = 2
     threads: int = 1  # torch intra-op threads per rank
     bf16: bool = False
+    bucket_cap_mb: float = 25  # fairscale_c's reduce-scatter bucket (FairScale's default)
     lr: float = 1e-3
     seed: int = 0
 
@@ -146,6 +147,7 @@ def wrap_fairscale_c(model: GPT, cfg: Config) -> nn.Module:
     from fairscale_c.nn.wrap import enable_wrap, wrap
 
     kwargs: Dict[str, Any] = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if cfg.bf16 else {}
+    kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
     with enable_wrap(wrapper_cls=FSDP, **kwargs):
         model.blocks = nn.ModuleList(wrap(b) for b in model.blocks)
     return FSDP(model, **kwargs)
@@ -473,6 +475,7 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     p.add_argument("--batch", type=int, default=None, help="sequences per rank per step")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / world)")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision on both frameworks")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="fairscale_c's bucket_cap_mb (default 25)")
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CPU, then CUDA when available"
     )
@@ -484,6 +487,8 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     cfg.world, cfg.bf16 = a.world, a.bf16
+    if a.bucket_cap_mb is not None:
+        cfg.bucket_cap_mb = a.bucket_cap_mb
     cfg.threads = a.threads if a.threads else max(1, (os.cpu_count() or 1) // cfg.world)
     if cfg.d_model % cfg.heads:
         p.error("--d-model must be a multiple of --heads")

@@ -166,3 +166,36 @@ fsc_status_t fsc_tensor_copy(fsc_tensor_t *dst, const fsc_tensor_t *src) {
     }
     return FSC_OK;
 }
+
+fsc_status_t fsc_tensor_pack_blocks(fsc_tensor_t *dst, const fsc_tensor_t *srcs, int n, int world) {
+    if (world < 1) return fsc_error(FSC_ERR_VALUE, "pack_blocks: argument 'world' must be >= 1, got %d", world);
+    if (!fsc_tensor_is_contiguous(dst) || dst->device_type != FSC_DEV_CPU || dst->readonly)
+        return fsc_error(FSC_ERR_VALUE, "pack_blocks: argument 'dst' must be a writable contiguous CPU tensor");
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        const fsc_tensor_t *s = &srcs[i];
+        if (s->dtype != dst->dtype)
+            return fsc_error(FSC_ERR_VALUE, "pack_blocks: srcs[%d] is %s but 'dst' is %s; expected one dtype", i,
+                             fsc_dtype_name(s->dtype), fsc_dtype_name(dst->dtype));
+        if (!fsc_tensor_is_contiguous(s) || s->device_type != FSC_DEV_CPU)
+            return fsc_error(FSC_ERR_VALUE, "pack_blocks: srcs[%d] must be a contiguous CPU tensor", i);
+        if (s->numel % world != 0)
+            return fsc_error(FSC_ERR_VALUE, "pack_blocks: srcs[%d] has %lld elements, not a multiple of world=%d", i,
+                             (long long)s->numel, world);
+        total += s->numel;
+    }
+    if (total != dst->numel)
+        return fsc_error(FSC_ERR_VALUE, "pack_blocks: 'dst' has %lld elements, the sources %lld; expected equal",
+                         (long long)dst->numel, (long long)total);
+    size_t esz = fsc_dtype_size(dst->dtype);
+    char *out = dst->data;
+    for (int r = 0; r < world; r++) {
+        for (int i = 0; i < n; i++) {
+            size_t block = (size_t)(srcs[i].numel / world) * esz;
+            if (block == 0) continue;
+            memcpy(out, (const char *)srcs[i].data + (size_t)r * block, block);
+            out += block;
+        }
+    }
+    return FSC_OK;
+}

@@ -60,4 +60,11 @@ static inline size_t fsc_tensor_nbytes(const fsc_tensor_t *t) {
  * blocks the calling thread. */
 fsc_status_t fsc_tensor_copy(fsc_tensor_t *dst, const fsc_tensor_t *src);
 
+/* Interleave `n` flat sources, each made of `world` equal blocks, into `dst` so that dst holds
+ * block 0 of every source (in order), then block 1 of every source, and so on: the layout one
+ * reduce-scatter of several flat gradients needs (rank r then receives block r of each, packed).
+ * Contiguous CPU tensors of one dtype; dst->numel == sum of the sources' numel, each a multiple
+ * of `world`. Blocks the calling thread. */
+fsc_status_t fsc_tensor_pack_blocks(fsc_tensor_t *dst, const fsc_tensor_t *srcs, int n, int world);
+
 #endif /* FSC_TENSOR_H */

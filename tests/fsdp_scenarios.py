@@ -299,6 +299,15 @@ def scenario_activation_checkpointing(rank, world):
     train_and_compare(rank, world, make_model, wrap, batch_fn=lm_batch, loss_fn=xent)
 
 
+def scenario_bucketing(rank, world):
+    # 0: every gradient reduce-scattered alone; 0.02 MiB (20 KiB): the blocks (13 KiB each) fill a
+    # bucket that is sent in the middle of backward, the root (3 KiB) goes at the end; 25 MiB
+    # packs everything of these models into one op, as every other scenario exercises.
+    for cap in (0, 0.02):
+        wrap = functools.partial(nested_manual_wrap, bucket_cap_mb=cap)
+        train_and_compare(rank, world, TinyLM, wrap, batch_fn=lm_batch, loss_fn=xent)
+
+
 def scenario_move_params_to_cpu(rank, world):
     m = train_and_compare(rank, world, MLP, fsdp(move_params_to_cpu=True))
     assert m.move_grads_to_cpu and all(p.device.type == "cpu" for p in m.parameters())

@@ -375,7 +375,49 @@ static PyObject *py_live_host_buffers(PyObject *module, PyObject *Py_UNUSED(args
     return PyLong_FromLong(fsc_hostbuf_live());
 }
 
+/* pack_blocks(dst, srcs, world): see fsc_tensor_pack_blocks; the GIL is released while copying. */
+static PyObject *py_pack_blocks(PyObject *module, PyObject *args) {
+    PyObject *dst_obj, *srcs_obj, *dst_owner = NULL, *result = NULL;
+    int world;
+    if (!PyArg_ParseTuple(args, "OOi:pack_blocks", &dst_obj, &srcs_obj, &world)) return NULL;
+    PyObject *seq = PySequence_Fast(srcs_obj, "pack_blocks: argument 'srcs' must be a sequence of tensors");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), got = 0;
+    fsc_tensor_t dst, *srcs = PyMem_Calloc(n ? (size_t)n : 1, sizeof(fsc_tensor_t));
+    PyObject **owners = PyMem_Calloc(n ? (size_t)n : 1, sizeof(PyObject *));
+    if (srcs == NULL || owners == NULL) {
+        PyErr_NoMemory();
+        goto exit;
+    }
+    if (fsc_py_import(module, dst_obj, "dst", FSC_IMPORT_WRITABLE | FSC_IMPORT_CPU_ONLY | FSC_IMPORT_CONTIGUOUS, 0,
+                      &dst, &dst_owner) < 0)
+        goto exit;
+    for (; got < n; got++) {
+        if (fsc_py_import(module, PySequence_Fast_GET_ITEM(seq, got), "srcs[i]",
+                          FSC_IMPORT_CPU_ONLY | FSC_IMPORT_CONTIGUOUS, 0, &srcs[got], &owners[got]) < 0)
+            goto exit;
+    }
+    fsc_status_t st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_tensor_pack_blocks(&dst, srcs, (int)n, world);
+    Py_END_ALLOW_THREADS
+    if (st != FSC_OK) {
+        fsc_py_raise(module, st);
+        goto exit;
+    }
+    result = Py_NewRef(Py_None);
+exit:
+    for (Py_ssize_t i = 0; i < got; i++) Py_XDECREF(owners[i]);
+    Py_XDECREF(dst_owner);
+    PyMem_Free(owners);
+    PyMem_Free(srcs);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef buffer_functions[] = {
+    {"pack_blocks", py_pack_blocks, METH_VARARGS,
+     "pack_blocks(dst, srcs, world): dst = block 0 of every src, then block 1 of every src, ... (C copy)."},
     {"copy_", (PyCFunction)(void (*)(void))py_copy, METH_VARARGS | METH_KEYWORDS,
      "copy_(dst, src): copy (and cast between floating dtypes) CPU tensor src into dst, honouring strides."},
     {"clone", py_clone, METH_O, "clone(src) -> Buffer: a contiguous C-owned copy of a CPU tensor."},

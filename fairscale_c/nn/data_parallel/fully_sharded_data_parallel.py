@@ -20,6 +20,7 @@ from torch import nn
 from fairscale_c import _C
 
 from . import _state_dict
+from ._bucket import ReduceScatterBucket
 from ._comm import Comm
 from .flat_param import FlatLayout, collect_params
 
@@ -296,6 +297,7 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_instances = get_fsdp_instances(self)
         # Forward order of the instances, recorded in the first forward; later forwards prefetch
         # the next instance's all-gather while the current one computes (and backward the previous).
+        self._bucket = ReduceScatterBucket(self.bucket_cap_mb)  # serves every nested instance
         self._exec_order: List["FullyShardedDataParallel"] = []
         self._order_recorded = False
         for m in self._fsdp_instances:
@@ -475,10 +477,8 @@ class FullyShardedDataParallel(nn.Module):
                 g32 = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
                 _copy(g32, grad)
                 grad = g32
-            out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
             average = abs(self.gradient_predivide_factor * self.gradient_postdivide_factor - self.world_size) < 1e-6
-            work = self.comm.reduce_scatter(out, grad, op="avg" if average else "sum", async_op=True)
-            h.pending = (work, out, grad, average)
+            self._root._bucket.add(self, h, grad, average)
         if self._require_backward_grad_sync or self.reshard_after_forward:
             _free_storage(h.full.detach())
             h.has_full = False
@@ -486,6 +486,7 @@ class FullyShardedDataParallel(nn.Module):
     @torch.no_grad()
     def _wait_for_post_backward(self) -> None:
         """Root only, at the end of backward: finish every reduce-scatter and set the grad shards."""
+        self._bucket.flush()
         for m in self._fsdp_instances:
             for h in m._handles:
                 if h.pending is not None:

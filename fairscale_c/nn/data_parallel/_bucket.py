@@ -1,0 +1,52 @@
+"""Reduce-scatter bucketing (FairScale's bucket_cap_mb): flat gradients smaller than the cap are
+packed together (in C) and reduced with one collective; larger ones go out on their own at once."""
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from fairscale_c import _C
+
+
+class ReduceScatterBucket:
+    """One per root instance. Gradients of the same process group, dtype and reduction share a
+    bucket; a bucket is sent when it reaches the cap, and whatever is left at the end of backward.
+    Every rank adds the same gradients in the same order, so every rank sends the same ops."""
+
+    def __init__(self, cap_mb: float):
+        self.cap_bytes = int(cap_mb * 2**20)
+        self.buckets: Dict[Tuple, List] = {}
+
+    def add(self, fsdp, h, grad: torch.Tensor, average: bool) -> None:
+        """Start (or queue) the reduce-scatter of `grad`; the result lands in ``h.pending``."""
+        op = "avg" if average else "sum"
+        nbytes = grad.numel() * grad.element_size()
+        if fsdp.comm.group is None or grad.device.type != "cpu" or nbytes >= self.cap_bytes:
+            out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+            h.pending = (fsdp.comm.reduce_scatter(out, grad, op=op, async_op=True), out, grad, average)
+            return
+        key = (id(fsdp.comm.group), grad.dtype, op)
+        bucket = self.buckets.setdefault(key, [])
+        bucket.append((fsdp, h, grad))
+        if sum(g.numel() * g.element_size() for _, _, g in bucket) >= self.cap_bytes:
+            self._send(key)
+
+    def flush(self) -> None:
+        """Send every partly filled bucket (end of backward)."""
+        for key in list(self.buckets):
+            self._send(key)
+
+    def _send(self, key: Tuple) -> None:
+        entries = self.buckets.pop(key)
+        fsdp = entries[0][0]
+        world = fsdp.world_size
+        grads = [g for _, _, g in entries]
+        packed = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)
+        _C.pack_blocks(packed, grads, world)
+        out = torch.empty(packed.numel() // world, dtype=packed.dtype)
+        work = fsdp.comm.reduce_scatter(out, packed, op=key[2], async_op=True)
+        offset = 0
+        for _, h, g in entries:
+            n = g.numel() // world
+            h.pending = (work, out[offset : offset + n], packed, key[2] == "avg")
+            offset += n
