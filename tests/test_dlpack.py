@@ -406,3 +406,18 @@ def test_export_outlives_interpreter_shutdown():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_pack_blocks_interleaves_rank_blocks():
+    a, b = torch.arange(6.0), torch.arange(10.0, 14.0)
+    out = torch.empty(10)
+    _C.pack_blocks(out, [a, b], 2)
+    assert out.tolist() == [0, 1, 2, 10, 11, 3, 4, 5, 12, 13]
+    with pytest.raises(ValueError, match="'dst' has 9 elements"):
+        _C.pack_blocks(torch.empty(9), [a, b], 2)
+    with pytest.raises(ValueError, match=r"srcs\[1\] has 3 elements, not a multiple of world=2"):
+        _C.pack_blocks(torch.empty(9), [a, torch.arange(3.0)], 2)
+    with pytest.raises(ValueError, match=r"srcs\[0\] is float64"):
+        _C.pack_blocks(out, [a.double(), b], 2)
+    with pytest.raises(ValueError, match="argument 'dst'.*contiguous"):
+        _C.pack_blocks(torch.empty(20)[::2], [a, b], 2)
