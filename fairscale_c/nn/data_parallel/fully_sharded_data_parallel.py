@@ -2,11 +2,13 @@
 
 Per instance, the parameters it owns (not those of nested instances) are laid out in one flat
 buffer per requires_grad value (one buffer when all agree, as in FairScale), sharded across the
-process group. Forward: cast the fp32 shard to the compute dtype and all-gather it into the full
-buffer (C), point the module's parameters at views of it, run, free the full buffer's storage.
-Backward: re-gather; when the full buffer's gradient is complete, reduce-scatter it
-asynchronously (C engine, overlapping the rest of backward); at the end of backward the root
-waits, casts to fp32 and sets ``flat_param.grad`` to the averaged gradient shard.
+process group. Forward: cast the fp32 shard to the compute dtype into this rank's block of the
+full buffer and all-gather in place (C), point the module's parameters at views of it, run, free
+the full buffer's storage; from the second iteration the next instance's all-gather is started
+while the current one computes. Backward: re-gather (prefetching the previous instance); when the
+full buffer's gradient is complete, reduce-scatter it asynchronously (C engine, overlapping the
+rest of backward; small gradients are packed into bucket_cap_mb buckets first); at the end of
+backward the root waits, casts to fp32 and sets ``flat_param.grad`` to the averaged shard.
 """
 
 import contextlib
