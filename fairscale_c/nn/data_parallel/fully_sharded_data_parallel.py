@@ -26,8 +26,6 @@ from ._bucket import ReduceScatterBucket
 from ._comm import Comm
 from .flat_param import FlatLayout, collect_params
 
-WRAPPED = "_fsdp_wrapped_module"
-
 
 class TrainingState(Enum):
     """What an FSDP instance is doing (FairScale's states)."""
