@@ -234,3 +234,15 @@ def test_module_keeps_its_attributes_after_state_dict_and_summon():
         pass
     assert m.module[0].weight.shape == (8, 4) and "Linear(in_features=4" in repr(m)
     torch.testing.assert_close(m(torch.ones(1, 4)), mlp()(torch.ones(1, 4)))
+
+
+def test_each_instance_casts_its_own_buffers():
+    from fairscale_c.nn.data_parallel import auto_wrap_bn
+
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    model.register_buffer("scale", torch.ones(2))
+    root = FSDP(auto_wrap_bn(model), mixed_precision=True, compute_dtype=torch.bfloat16)
+    with torch.no_grad():
+        root(torch.randn(3, 4))
+    assert root.module.scale.dtype is torch.bfloat16  # the root's buffer follows the root
+    assert root.module[1].module.running_mean.dtype is torch.float32  # the fp32 BN keeps fp32

@@ -308,11 +308,14 @@ class FullyShardedDataParallel(nn.Module):
                 m._is_root = False
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
-        if self.buffer_dtype is not torch.float32 or self.mixed_precision:
-            with torch.no_grad():
-                for _, buf_owner, name, buf in _named_buffer_slots(self):
-                    if buf.is_floating_point():
-                        setattr(buf_owner, name, buf.to(self.buffer_dtype))
+        # Each instance casts the buffers it owns (not those of nested instances) to its own
+        # buffer_dtype, as FairScale does: an fp32 BatchNorm instance inside a mixed-precision root
+        # keeps fp32 running statistics.
+        with torch.no_grad():
+            for m in self._fsdp_instances:
+                for owner, name, buf in _own_buffers(m):
+                    if buf.is_floating_point() and buf.dtype is not m.buffer_dtype:
+                        owner._buffers[name] = buf.to(m.buffer_dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
@@ -709,11 +712,15 @@ def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any, no_grad: bool = Tru
         return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
 
 
-def _named_buffer_slots(root: nn.Module):
-    for mod_name, mod in root.named_modules():
+def _own_buffers(fsdp: FullyShardedDataParallel):
+    """(module, name, buffer) for the buffers under `fsdp` that no nested instance owns."""
+    stack = [fsdp.module]
+    while stack:
+        mod = stack.pop()
         for name, buf in list(mod._buffers.items()):
             if buf is not None:
-                yield mod_name, mod, name, buf
+                yield mod, name, buf
+        stack.extend(c for c in mod.children() if not isinstance(c, FullyShardedDataParallel))
 
 
 def auto_wrap_bn(
