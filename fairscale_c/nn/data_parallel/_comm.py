@@ -1,18 +1,12 @@
 """How FSDP reaches the collective engine: one object per process group."""
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fairscale_c import _C
-
-
-class _Done:
-    """A completed Work, for world size 1 where nothing is sent."""
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        return None
+from fairscale_c.distributed._group import _DoneWork
 
 
 def _local_copy(output: torch.Tensor, input: torch.Tensor) -> None:
@@ -45,13 +39,13 @@ class Comm:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         if self.group is None:
             _local_copy(output, input)
-            return _Done() if async_op else None
+            return _DoneWork() if async_op else None
         return self.group.all_gather(output, input, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, async_op: bool = False):
         if self.group is None:
             _local_copy(output, input)
-            return _Done() if async_op else None
+            return _DoneWork() if async_op else None
         return self.group.reduce_scatter(output, input, op=op, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> None:

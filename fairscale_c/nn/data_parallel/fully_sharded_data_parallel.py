@@ -120,7 +120,7 @@ class FullyShardedDataParallel(nn.Module):
         # with compute, which is what FairScale's separate reduce-scatter group is for.
         self.process_group_reduce_scatter = self.process_group
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        self.reshard_after_forward = self._orig_reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward
         self.disable_reshard_on_root = disable_reshard_on_root
         self.mixed_precision = mixed_precision
         self.fp32_reduce_scatter = fp32_reduce_scatter
@@ -172,9 +172,11 @@ class FullyShardedDataParallel(nn.Module):
                     functools.partial(self._post_backward_hook, self._handles[-1])
                 )
         self.numel_padded_per_param = [h.layout.padding for h in self._handles]
+        with torch.no_grad():
+            if flatten_parameters:
+                self._use_full_params()  # shaped views while the buffers still have storage
         for h in self._handles:
             _free_storage(h.full.detach())
-        self._leave_shaped_views()
         self._is_root: Optional[bool] = None
         self._fsdp_instances: List["FullyShardedDataParallel"] = []
         self._require_backward_grad_sync = True
