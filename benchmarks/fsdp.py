@@ -415,9 +415,9 @@ def run_cpu(cfg: Config, profile: Optional[str]) -> Dict[str, Any]:
 def cuda_rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any]) -> Dict:
     """One rank of a CUDA (NCCL) run; memory is torch.cuda.max_memory_allocated during training."""
     cfg = Config(**cfg_dict)
-    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank % torch.cuda.device_count())  # ranks share GPUs only by opt-in
+    torch.cuda.set_device(dev)
     dist.init_process_group("nccl", rank=rank, world_size=world)
-    dev = torch.device("cuda", rank)
     batches = make_batches(cfg, rank, dev)
     torch.manual_seed(cfg.seed)
     model = WRAPPERS[framework](GPT(cfg).to(dev), cfg)
@@ -439,9 +439,15 @@ def cuda_rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, An
 
 
 def run_cuda(cfg: Config) -> Optional[Dict[str, Any]]:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < cfg.world:
-        print("[cuda] skipped: needs torch.cuda with at least --world GPUs")
+    if not torch.cuda.is_available():
+        print("[cuda] skipped: torch.cuda.is_available() is False")
         return None
+    shared = torch.cuda.device_count() < cfg.world
+    if shared and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        print("[cuda] skipped: needs --world GPUs, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1")
+        return None
+    if shared:
+        print(f"[cuda] note: {cfg.world} ranks share {torch.cuda.device_count()} GPU(s); step times include that")
     frameworks = ["torch_fsdp2", "fairscale_c"]
     try:
         import fairscale.nn  # noqa: F401
@@ -449,12 +455,21 @@ def run_cuda(cfg: Config) -> Optional[Dict[str, Any]]:
         frameworks.append("fairscale")
     except ImportError:
         print("[cuda] fairscale not importable; comparing fairscale_c with FSDP2 only")
-    rows = [summarize(fw, spawn(cuda_rank_main, cfg.world, fw, asdict(cfg)), cfg) for fw in frameworks]
+    rows, failed = [], {}
+    for fw in frameworks:
+        try:
+            rows.append(summarize(fw, spawn(cuda_rank_main, cfg.world, fw, asdict(cfg)), cfg))
+        except RuntimeError as e:  # FSDP2 must run; another framework's failure is reported, not fatal
+            if fw == "torch_fsdp2":
+                raise
+            failed[fw] = str(e).strip().splitlines()[-1]
     print(f"\nCUDA, NCCL, world {cfg.world}, {'bf16 mixed precision' if cfg.bf16 else 'fp32'}")
     print_table(rows, "max_memory_allocated MiB")
     diffs = {r["framework"]: max_loss_diff(rows[0], r) for r in rows[1:]}
     print("max |loss - loss(torch_fsdp2)|: " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
-    return {"rows": rows, "max_loss_diff": diffs}
+    for fw, err in failed.items():
+        print(f"{fw} failed: {err}")
+    return {"rows": rows, "max_loss_diff": diffs, "failed": failed}
 
 
 # ---------------------------------------------------------------- main

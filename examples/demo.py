@@ -116,7 +116,7 @@ def run(rank, world, steps, device_kind, out_dir, init_file):
         model.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().reshape(1).cpu()
+        mean = loss.detach().reshape(1).clone()  # on the device: nccl reduces CUDA tensors only
         dist.all_reduce(mean)
         if rank == 0:
             done = (step + 1) * 30 // steps

@@ -21,6 +21,9 @@ BF16_TOL = dict(atol=3e-2, rtol=3e-2)
 FP16_TOL = dict(atol=1e-2, rtol=1e-2)
 LOCAL_BATCH = 4
 STEPS = 3
+# The numerics scenarios run on this device: "cpu", or "cuda" (each rank on GPU rank % count),
+# chosen by the spawning test through FAIRSCALE_C_TEST_DEVICE.
+DEVICE = {"device": torch.device("cpu")}
 
 
 # ------------------------------------------------------------------------------------ models
@@ -137,8 +140,9 @@ def train_and_compare(
     """Train FSDP(model) and the plain model side by side; assert losses and parameters match."""
     from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
 
+    device = DEVICE["device"]
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model().to(device)
     if freeze:
         for name, p in model.named_parameters():
             if name.startswith(freeze):
@@ -151,9 +155,9 @@ def train_and_compare(
     opt = torch.optim.SGD([p for p in fsdp.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1234)
-    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else (lambda: _nullcontext())
+    ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else (lambda: _nullcontext())
     for step in range(steps):
-        batches = [batch_fn(step, world, gen) for _ in range(micro_batches)]
+        batches = [tuple(t.to(device) for t in batch_fn(step, world, gen)) for _ in range(micro_batches)]
         for j, (x, y) in enumerate(batches):
             sync = j == micro_batches - 1
             with _nullcontext() if sync else fsdp.no_sync(), ctx():
@@ -366,6 +370,9 @@ def worker(rank, world, init_file, names, result_dir, ckpt_dir=None):
     CKPT["dir"] = ckpt_dir
     os.environ.setdefault("FAIRSCALE_C_TIMEOUT", "60")
     torch.set_num_threads(1)
+    if os.environ.get("FAIRSCALE_C_TEST_DEVICE") == "cuda":
+        DEVICE["device"] = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(DEVICE["device"])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     failures = []
     try:

@@ -9,12 +9,27 @@ from fairscale_c import _C
 from fairscale_c.distributed._group import _DoneWork
 
 
+_HALVES = (torch.float16, torch.bfloat16)
+
+
 def _local_copy(output: torch.Tensor, input: torch.Tensor) -> None:
-    """Copy without bumping `output`'s version counter (autograd checks it on saved views of the
-    full parameters). Host memory goes through the C core; device memory through an alias that
-    shares the storage but has a version counter of its own."""
+    """Copy or cast without bumping `output`'s version counter (autograd checks it on saved views
+    of the full parameters). Host memory goes through the C core, float32 <-> float16/bfloat16
+    casts on one GPU through the C kernels (on the current stream), anything else through an alias
+    that shares the storage but has a version counter of its own."""
     if output.device.type == "cpu" and input.device.type == "cpu":
         _C.copy_(output, input)
+        return
+    if (
+        output.device == input.device
+        and output.device.type == "cuda"
+        and {output.dtype, input.dtype} in ({torch.float32, _HALVES[0]}, {torch.float32, _HALVES[1]})
+        and output.is_contiguous()
+        and input.is_contiguous()
+        and output.numel() == input.numel()
+    ):
+        stream = torch.cuda.current_stream(output.device).cuda_stream
+        _C.cuda_cast(output.detach(), input.detach(), stream)
         return
     alias = torch.empty(0, dtype=output.dtype, device=output.device)
     alias.set_(output.untyped_storage(), output.storage_offset(), output.shape, output.stride())

@@ -24,6 +24,7 @@ from fairscale_c import _C
 from . import _state_dict
 from ._bucket import ReduceScatterBucket
 from ._comm import Comm
+from ._comm import _local_copy as _copy  # copies/casts that keep autograd's version counters
 from .flat_param import FlatLayout, collect_params
 
 
@@ -666,15 +667,6 @@ def _local_norm_term(grads: List[torch.Tensor], norm_type: float) -> float:
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:
     """Every FSDP instance in `mod` (itself included), in module order."""
     return [m for m in mod.modules() if isinstance(m, FullyShardedDataParallel) and not (skip_empty and not m._handles)]
-
-
-@torch.no_grad()
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Host copies and casts go through the C core; device ones through torch."""
-    if dst.device.type == "cpu" and src.device.type == "cpu":
-        _C.copy_(dst, src)
-    else:
-        dst.copy_(src, non_blocking=True)
 
 
 def _apply_to_tensors(fn, obj: Any) -> Any:

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build fairscale_c on a CUDA machine and run what needs a GPU, one log per step.
+#
+#   tools/gpu_check.sh LOGDIR [STEP...]
+#
+# Steps (default: all but bench): env build tests demo sanitizer bench. Each step runs under a
+# time limit and goes on after a failure; the last lines print one status line per step.
+# PYTHON picks the interpreter (default python3); BENCH_ARGS are extra benchmarks/fsdp.py flags
+# (with one GPU, --world 2 needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment).
+set -u
+LOG=${1:?usage: tools/gpu_check.sh LOGDIR [STEP...]}
+shift
+STEPS=${*:-env build tests demo sanitizer}
+PY=${PYTHON:-python3}
+mkdir -p "$LOG"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+SUMMARY=""
+
+run_step() {  # name limit_s command...
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "=== $name: $*"
+    timeout -k 10 "$limit" "$@" >"$LOG/$name.log" 2>&1
+    rc=$?
+    SUMMARY+="$name rc=$rc $(($(date +%s) - start))s"$'\n'
+    tail -n "${TAIL:-12}" "$LOG/$name.log"
+}
+
+for step in $STEPS; do
+    case $step in
+    env)
+        run_step env 60 bash -c "date -u; nvidia-smi; $PY -c 'import sys, torch; print(sys.version); \
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"nccl\", torch.cuda.nccl.version(), \
+torch.cuda.get_device_name(0))'; $PY -m pip list 2>/dev/null | grep -i -E 'nccl|^torch |pytest'; \
+nvcc --version | tail -2; command -v compute-sanitizer"
+        ;;
+    build)
+        run_step build 400 bash -c "$PY setup.py build_ext --inplace && $PY -c 'import fairscale_c, json; \
+print(json.dumps(fairscale_c.build_info(), indent=1, default=str))'"
+        ;;
+    tests)
+        run_step tests 420 "$PY" -m pytest -v -rs -m gpu tests/test_cuda.py tests/test_fsdp_cuda.py
+        ;;
+    demo)
+        run_step demo 240 "$PY" examples/demo.py --device cuda --world "${DEMO_WORLD:-1}" --steps 20
+        ;;
+    sanitizer)
+        run_step memcheck 400 compute-sanitizer --tool memcheck --error-exitcode 3 \
+            "$PY" -m pytest -q -x -m gpu tests/test_cuda.py -k "not nccl"
+        run_step racecheck 400 compute-sanitizer --tool racecheck --error-exitcode 3 \
+            "$PY" -m pytest -q -x -m gpu tests/test_cuda.py -k "(norm or unscale) and not 419"
+        ;;
+    bench)
+        # shellcheck disable=SC2086
+        run_step bench 540 "$PY" benchmarks/fsdp.py --device cuda ${BENCH_ARGS:-} --out "$LOG/fsdp_cuda.json"
+        ;;
+    *)
+        echo "unknown step: $step" >&2
+        exit 2
+        ;;
+    esac
+done
+printf '\n%s' "$SUMMARY"
