@@ -21,7 +21,18 @@ class ReduceScatterBucket:
         """Start (or queue) the reduce-scatter of `grad`; the result lands in ``h.pending``."""
         op = "avg" if average else "sum"
         nbytes = grad.numel() * grad.element_size()
-        if fsdp.comm.group is None or grad.device.type != "cpu" or nbytes >= self.cap_bytes:
+        if grad.is_cuda:  # on the side stream, overlapping the rest of backward
+            from .fully_sharded_data_parallel import _on_side_stream, _StreamWork
+
+            ctx, side = _on_side_stream(fsdp, grad.device)
+            with ctx:
+                out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+                fsdp.comm.reduce_scatter(out, grad, op=op)
+                work = _StreamWork(side)
+            grad.record_stream(side)  # made on the compute stream, read on the side stream
+            h.pending = (work, out, grad, average)
+            return
+        if fsdp.comm.group is None or nbytes >= self.cap_bytes:
             out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
             h.pending = (fsdp.comm.reduce_scatter(out, grad, op=op, async_op=True), out, grad, average)
             return

@@ -60,6 +60,36 @@ def _alloc_storage(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
+class _StreamWork:
+    """Collectives enqueued on FSDP's CUDA side stream: wait() makes the current stream wait for
+    them (the host never blocks)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, stream: "torch.cuda.Stream"):
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+def _on_side_stream(fsdp: "FullyShardedDataParallel", device: torch.device):
+    """Context for enqueueing collectives on the root's side stream for CUDA `device`, ordered after
+    everything already on the current stream; (context, stream), stream None on the CPU. One side
+    stream serves all-gathers and reduce-scatters, so one communicator sees them in issue order on
+    every rank, while the compute stream runs on (as torch's NCCL process groups do)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext(), None
+    root = getattr(fsdp, "_root", None) or fsdp
+    streams = root.__dict__.setdefault("_side_streams", {})
+    side = streams.get(device)
+    if side is None:
+        side = streams[device] = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(side), side
+
+
 class _Handle:
     """Run-time state of one flat parameter."""
 
@@ -372,15 +402,18 @@ class FullyShardedDataParallel(nn.Module):
             if h.has_full or h.gathering is not None:
                 continue
             full = h.full.detach()
-            _alloc_storage(full)
-            shard = h.param.detach()
-            if shard.dtype is not full.dtype or shard.device != full.device:
-                # Cast straight into this rank's block of the full buffer and gather in place.
-                n = h.layout.shard_numel
-                mine = full[self.rank * n : (self.rank + 1) * n]
-                _copy(mine, shard)
-                shard = mine
-            h.gathering = (self.comm.all_gather(full, shard, async_op=True), shard)
+            _alloc_storage(full)  # on the current stream, which the side stream then waits for
+            ctx, side = _on_side_stream(self, full.device)
+            with ctx:
+                shard = h.param.detach()
+                if shard.dtype is not full.dtype or shard.device != full.device:
+                    # Cast straight into this rank's block of the full buffer and gather in place.
+                    n = h.layout.shard_numel
+                    mine = full[self.rank * n : (self.rank + 1) * n]
+                    _copy(mine, shard)
+                    shard = mine
+                work = self.comm.all_gather(full, shard, async_op=True)
+            h.gathering = (work if side is None else _StreamWork(side), shard)
 
     @torch.no_grad()
     def _rebuild_full_params(self) -> None:
@@ -499,6 +532,8 @@ class FullyShardedDataParallel(nn.Module):
                     work, out, _, average = h.pending
                     h.pending = None
                     work.wait()
+                    if out.is_cuda:  # made on the side stream, used and freed on this one
+                        out.record_stream(torch.cuda.current_stream(out.device))
                     if not average:
                         out.div_(m.gradient_predivide_factor * m.gradient_postdivide_factor)
                     m._accumulate_grad(h, out)
