@@ -67,6 +67,7 @@ class Config:
     threads: int = 1  # torch intra-op threads per rank
     bf16: bool = False
     bucket_cap_mb: float = 25  # fairscale_c's reduce-scatter bucket (FairScale's default)
+    shared_rs_group: bool = False  # fairscale_c: reduce-scatter on the all-gather group
     lr: float = 1e-3
     seed: int = 0
 
@@ -148,6 +149,8 @@ def wrap_fairscale_c(model: GPT, cfg: Config) -> nn.Module:
 
     kwargs: Dict[str, Any] = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if cfg.bf16 else {}
     kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
+    if cfg.shared_rs_group:
+        kwargs["process_group_reduce_scatter"] = "default"
     with enable_wrap(wrapper_cls=FSDP, **kwargs):
         model.blocks = nn.ModuleList(wrap(b) for b in model.blocks)
     return FSDP(model, **kwargs)
@@ -492,6 +495,11 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision on both frameworks")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="fairscale_c's bucket_cap_mb (default 25)")
     p.add_argument(
+        "--shared-rs-group",
+        action="store_true",
+        help="fairscale_c: process_group_reduce_scatter='default' (one group for all collectives)",
+    )
+    p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CPU, then CUDA when available"
     )
     p.add_argument("--profile", metavar="FILE", help="cProfile rank 0 of fairscale_c's timed steps into FILE")
@@ -504,6 +512,7 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     cfg.world, cfg.bf16 = a.world, a.bf16
     if a.bucket_cap_mb is not None:
         cfg.bucket_cap_mb = a.bucket_cap_mb
+    cfg.shared_rs_group = a.shared_rs_group
     cfg.threads = a.threads if a.threads else max(1, (os.cpu_count() or 1) // cfg.world)
     if cfg.d_model % cfg.heads:
         p.error("--d-model must be a multiple of --heads")

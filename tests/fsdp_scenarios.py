@@ -357,6 +357,31 @@ def scenario_submodule_twice(rank, world):
     train_and_compare(rank, world, TwiceModel, wrap)
 
 
+def scenario_reduce_scatter_groups(rank, world):
+    # FairScale's rule for process_group_reduce_scatter: a group of its own by default, the main
+    # group for ProcessGroupName.default, a user group with the same ranks, the main group otherwise.
+    from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from fairscale_c.nn.data_parallel import ProcessGroupName, get_fsdp_instances
+
+    m = train_and_compare(rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=xent)
+    assert (m.comm_rs.group is not m.comm.group) == (world > 1)
+    assert all(i.comm_rs.group is m.comm_rs.group for i in get_fsdp_instances(m)), "one cached group"
+    m = train_and_compare(rank, world, MLP, fsdp(process_group_reduce_scatter=ProcessGroupName.default))
+    assert m.comm_rs is m.comm
+    same = dist.new_group(list(range(world)))
+    m = train_and_compare(rank, world, MLP, fsdp(process_group_reduce_scatter=same))
+    assert m.process_group_reduce_scatter is (same if world > 1 else m.process_group)
+    other = dist.new_group([0])  # a collective: every rank creates it
+    m = FSDP(MLP().to(DEVICE["device"]), process_group_reduce_scatter=other)
+    assert m.comm_rs is m.comm or world == 1  # ranks differ: falls back to process_group
+    try:
+        FSDP(MLP(), process_group_reduce_scatter="reduce-scatter")
+    except ValueError as e:
+        assert "process_group_reduce_scatter" in str(e)
+    else:
+        raise AssertionError("a string that is not a ProcessGroupName must be refused")
+
+
 NUMERICS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 SCENARIOS = dict(NUMERICS)
 

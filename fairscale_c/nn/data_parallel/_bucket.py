@@ -24,19 +24,19 @@ class ReduceScatterBucket:
         if grad.is_cuda:  # on the side stream, overlapping the rest of backward
             from .fully_sharded_data_parallel import _on_side_stream, _StreamWork
 
-            ctx, side = _on_side_stream(fsdp, grad.device)
+            ctx, side = _on_side_stream(fsdp, grad.device, fsdp.comm_rs)
             with ctx:
                 out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-                fsdp.comm.reduce_scatter(out, grad, op=op)
+                fsdp.comm_rs.reduce_scatter(out, grad, op=op)
                 work = _StreamWork(side)
             grad.record_stream(side)  # made on the compute stream, read on the side stream
             h.pending = (work, out, grad, average)
             return
-        if fsdp.comm.group is None or nbytes >= self.cap_bytes:
+        if fsdp.comm_rs.group is None or nbytes >= self.cap_bytes:
             out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-            h.pending = (fsdp.comm.reduce_scatter(out, grad, op=op, async_op=True), out, grad, average)
+            h.pending = (fsdp.comm_rs.reduce_scatter(out, grad, op=op, async_op=True), out, grad, average)
             return
-        key = (id(fsdp.comm.group), grad.dtype, op)
+        key = (id(fsdp.comm_rs.group), grad.dtype, op)
         bucket = self.buckets.setdefault(key, [])
         bucket.append((fsdp, h, grad))
         if sum(g.numel() * g.element_size() for _, _, g in bucket) >= self.cap_bytes:
@@ -55,7 +55,7 @@ class ReduceScatterBucket:
         packed = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)
         _C.pack_blocks(packed, grads, world)
         out = torch.empty(packed.numel() // world, dtype=packed.dtype)
-        work = fsdp.comm.reduce_scatter(out, packed, op=key[2], async_op=True)
+        work = fsdp.comm_rs.reduce_scatter(out, packed, op=key[2], async_op=True)
         offset = 0
         for _, h, g in entries:
             n = g.numel() // world

@@ -40,7 +40,7 @@ def _local_copy(output: torch.Tensor, input: torch.Tensor) -> None:
 class Comm:
     """Collectives FSDP needs, over fairscale_c's engine for the given torch process group."""
 
-    def __init__(self, process_group: Any = None):
+    def __init__(self, process_group: Any = None, role: str = "default"):
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         self.process_group = process_group
@@ -49,7 +49,7 @@ class Comm:
             return
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self.group = _engine_group(process_group) if self.world_size > 1 else None
+        self.group = _engine_group(process_group, role) if self.world_size > 1 else None
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         if self.group is None:
@@ -71,11 +71,14 @@ class Comm:
 _GROUPS = {}
 
 
-def _engine_group(process_group):
-    """One engine group per torch process group, built once (a collective over that group)."""
+def _engine_group(process_group, role: str = "default"):
+    """One engine group per (torch process group, role), built once (a collective over that
+    group). Role "reduce_scatter" gives FSDP's gradient reductions a communicator of their own (a
+    second progress thread on CPU, a second NCCL communicator on CUDA), as FairScale's separate
+    reduce-scatter process group does, so they can run beside all-gathers."""
     from fairscale_c import distributed as fdist
 
-    key = id(process_group)
+    key = (id(process_group), role)
     if key not in _GROUPS:
         _GROUPS[key] = (process_group, fdist.init_group(process_group))
     return _GROUPS[key][1]

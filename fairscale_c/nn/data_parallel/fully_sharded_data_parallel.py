@@ -74,18 +74,20 @@ class _StreamWork:
         torch.cuda.current_stream().wait_event(self.event)
 
 
-def _on_side_stream(fsdp: "FullyShardedDataParallel", device: torch.device):
-    """Context for enqueueing collectives on the root's side stream for CUDA `device`, ordered after
-    everything already on the current stream; (context, stream), stream None on the CPU. One side
-    stream serves all-gathers and reduce-scatters, so one communicator sees them in issue order on
-    every rank, while the compute stream runs on (as torch's NCCL process groups do)."""
+def _on_side_stream(fsdp: "FullyShardedDataParallel", device: torch.device, comm: Comm):
+    """Context for enqueueing `comm`'s collectives on the root's side stream for that communicator
+    and CUDA `device`, ordered after everything already on the current stream; (context, stream),
+    stream None on the CPU. One stream per communicator keeps each communicator's operations in
+    issue order on every rank; with a separate reduce-scatter group, gradient reductions and
+    all-gathers run beside each other and beside compute (as with FairScale's streams)."""
     if device.type != "cuda":
         return contextlib.nullcontext(), None
     root = getattr(fsdp, "_root", None) or fsdp
     streams = root.__dict__.setdefault("_side_streams", {})
-    side = streams.get(device)
+    key = (device, id(comm.group))
+    side = streams.get(key)
     if side is None:
-        side = streams[device] = torch.cuda.Stream(device)
+        side = streams[key] = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     return torch.cuda.stream(side), side
 
@@ -147,9 +149,8 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"argument 'compute_dtype' must be float32, float16 or bfloat16, got {compute_dtype}")
         self.comm = Comm(process_group)
         self.process_group = self.comm.process_group
-        # One engine group serves both roles: its progress thread already overlaps reduce-scatter
-        # with compute, which is what FairScale's separate reduce-scatter group is for.
-        self.process_group_reduce_scatter = self.process_group
+        self.comm_rs = self._reduce_scatter_comm(process_group_reduce_scatter)
+        self.process_group_reduce_scatter = self.comm_rs.process_group
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.reshard_after_forward = reshard_after_forward
         self.disable_reshard_on_root = disable_reshard_on_root
@@ -232,6 +233,30 @@ class FullyShardedDataParallel(nn.Module):
                     )
 
     @torch.no_grad()
+    def _reduce_scatter_comm(self, pg: Any) -> Comm:
+        """FairScale's rule: ProcessGroupName.reduce_scatter (the default) gives reduce-scatters a
+        group of their own over the same ranks, ProcessGroupName.default or None reuses
+        process_group, and a group whose ranks differ from process_group's falls back to it."""
+        import torch.distributed as dist
+
+        if isinstance(pg, str) and not isinstance(pg, ProcessGroupName):
+            try:
+                pg = ProcessGroupName(pg)
+            except ValueError:
+                raise ValueError(
+                    "argument 'process_group_reduce_scatter' must be a process group, None or a "
+                    f"ProcessGroupName ('default' or 'reduce_scatter'), got {pg!r}"
+                ) from None
+        if pg is None or pg == ProcessGroupName.default or self.comm.world_size == 1:
+            return self.comm
+        if pg == ProcessGroupName.reduce_scatter:
+            return Comm(self.process_group, role="reduce_scatter")
+        if pg is dist.GroupMember.NON_GROUP_MEMBER or dist.get_process_group_ranks(pg) != dist.get_process_group_ranks(
+            self.process_group
+        ):
+            return self.comm
+        return Comm(pg)
+
     def _make_shard(self, layout: FlatLayout, device: torch.device) -> torch.Tensor:
         """Copy this rank's slice of the flattened parameters into a fresh padded shard (in C) and
         release the original parameters' storage."""
@@ -403,7 +428,7 @@ class FullyShardedDataParallel(nn.Module):
                 continue
             full = h.full.detach()
             _alloc_storage(full)  # on the current stream, which the side stream then waits for
-            ctx, side = _on_side_stream(self, full.device)
+            ctx, side = _on_side_stream(self, full.device, self.comm)
             with ctx:
                 shard = h.param.detach()
                 if shard.dtype is not full.dtype or shard.device != full.device:
