@@ -31,11 +31,22 @@ import torch
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter"]
+# Also measured: all_gather whose input is this rank's block of the output (as FSDP calls it;
+# nccl-tests reports in-place columns the same way).
+MEASURED = OPS + ["all_gather_inplace"]
 KiB, MiB = 1024, 1024 * 1024
 
 
 def _fmt_size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def _parse_size(text: str) -> int:
+    units = {"K": KiB, "M": MiB}
+    try:
+        return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"size {text!r}: expected bytes or a number with K or M") from None
 
 
 def _bus_factor(op: str, n: int) -> float:
@@ -71,13 +82,18 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
     rows = []
     for nbytes in sizes:
         numel = max(world, nbytes // 4) // world * world
-        for op in OPS:
+        for op in MEASURED:
             if op == "all_reduce":
                 t = torch.randn(numel)
                 ours = lambda t=t: group.all_reduce(t)  # noqa: E731
                 gloo = lambda t=t: dist.all_reduce(t)  # noqa: E731
             elif op == "all_gather":
                 inp, out = torch.randn(numel // world), torch.empty(numel)
+                ours = lambda out=out, inp=inp: group.all_gather(out, inp)  # noqa: E731
+                gloo = lambda out=out, inp=inp: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+            elif op == "all_gather_inplace":
+                out = torch.randn(numel)
+                inp = out[rank * (numel // world) : (rank + 1) * (numel // world)]
                 ours = lambda out=out, inp=inp: group.all_gather(out, inp)  # noqa: E731
                 gloo = lambda out=out, inp=inp: dist.all_gather_into_tensor(out, inp)  # noqa: E731
             else:
@@ -146,14 +162,14 @@ def run(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
 
 def print_table(result: Dict) -> None:
     head = (
-        f"{'op':<15}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{'gloo busbw':>12}"
+        f"{'op':<19}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{'gloo busbw':>12}"
         f"{'memcpy':>9}{'x gloo':>8}{'/memcpy':>9}"
     )
     print(head)
     print("-" * len(head))
     for r in result["rows"]:
         print(
-            f"{r['op']:<15}{r['world']:>6}{_fmt_size(r['bytes']):>10}{r['algbw_ours']:>12.2f}{r['busbw_ours']:>12.2f}"
+            f"{r['op']:<19}{r['world']:>6}{_fmt_size(r['bytes']):>10}{r['algbw_ours']:>12.2f}{r['busbw_ours']:>12.2f}"
             f"{r['busbw_gloo']:>12.2f}{r['memcpy_gbps']:>9.2f}{r['vs_gloo']:>8.2f}{r['vs_memcpy']:>9.2f}"
         )
     print("bandwidths in GB/s (1e9 bytes/s); busbw per nccl-tests; memcpy = single-thread libc memcpy")
@@ -173,6 +189,14 @@ def plot(result: Dict, path: str) -> None:
             x = [r["bytes"] for r in rows]
             ax = axes[i][j]
             ax.plot(x, [r["busbw_ours"] for r in rows], "o-", label="fairscale_c shm")
+            if op == "all_gather":
+                inplace = [r for r in result["rows"] if r["world"] == w and r["op"] == "all_gather_inplace"]
+                ax.plot(
+                    [r["bytes"] for r in inplace],
+                    [r["busbw_ours"] for r in inplace],
+                    "^-",
+                    label="fairscale_c in place",
+                )
             ax.plot(x, [r["busbw_gloo"] for r in rows], "s-", label="torch gloo")
             ax.plot(x, [r["memcpy_gbps"] for r in rows], "k--", label="memcpy (1 thread)")
             ax.set_xscale("log", base=2)
@@ -189,10 +213,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="sizes 4 KiB, 1 MiB, 16 MiB; fewer iterations")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--sizes", type=_parse_size, nargs="+", help="buffer sizes (e.g. 16M 64M); overrides --quick's")
     ap.add_argument("--json", default="benchmarks/results/collectives.json")
     ap.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
     args = ap.parse_args()
     sizes = [4 * KiB, MiB, 16 * MiB] if args.quick else [4 * KiB * 4**i for i in range(9)]  # 4 KiB .. 256 MiB
+    if args.sizes:
+        sizes = args.sizes
     result = run(args.worlds, sizes, args.quick)
     print_table(result)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

@@ -58,15 +58,18 @@ static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
     size_t count = a->count, row = count * esz;
     for (size_t off = 0, first = 1; first || off < count; off += per, first = 0) {
         size_t n = min_sz(per, count - off), nb = n * esz;
-        copy(fsc_shm_slot(g, g->rank, g->step), in + off * esz, nb);
+        const uint8_t *mine = in + off * esz;
+        uint8_t *mine_out = out + (size_t)g->rank * row + off * esz;
+        copy(fsc_shm_slot(g, g->rank, g->step), mine, nb);
+        /* Own block before the barrier (it needs no peer); skipped when the input already is that
+         * block of the output (in-place all-gather, as FSDP calls it): one copy less per rank. */
+        if (mine_out != mine) copy(mine_out, mine, nb);
         if (first)
             FSC_CHECK(open_collective(g, a));
         else
             FSC_CHECK(fsc_shm_arrive(g, 1));
-        for (int p = 0; p < g->size; p++) {
-            const uint8_t *src = p == g->rank ? in + off * esz : fsc_shm_slot(g, p, g->step);
-            copy(out + (size_t)p * row + off * esz, src, nb);
-        }
+        for (int p = 0; p < g->size; p++)
+            if (p != g->rank) copy(out + (size_t)p * row + off * esz, fsc_shm_slot(g, p, g->step), nb);
         g->step++;
     }
     return FSC_OK;

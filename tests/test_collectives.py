@@ -91,6 +91,10 @@ def _all_ops_job(rank: int, world: int, how: str):
             out = torch.empty(n * world, dtype=dtype)
             group.all_gather(out, xs[rank])
             _check(out, torch.cat(xs), f"all_gather {dtype} n={n}", failures)
+            out = torch.zeros(n * world, dtype=dtype)
+            out[rank * n : (rank + 1) * n] = xs[rank]
+            group.all_gather(out, out[rank * n : (rank + 1) * n])  # in place, as FSDP calls it
+            _check(out, torch.cat(xs), f"all_gather in place {dtype} n={n}", failures)
             for root in (0, world - 1):
                 t = xs[rank].clone()
                 group.broadcast(t, root=root)
@@ -114,6 +118,17 @@ def _all_ops_job(rank: int, world: int, how: str):
     out = torch.empty(n, dtype=torch.float32)
     group.all_gather(out, xs[rank][: n // world])
     _check(out, torch.cat([x[: n // world] for x in xs]), "all_gather 64 MiB", failures)
+    per = n // world
+    out = torch.zeros(n, dtype=torch.float32)
+    out[rank * per : (rank + 1) * per] = xs[rank][:per]
+    group.all_gather(out, out[rank * per : (rank + 1) * per])
+    _check(out, torch.cat([x[:per] for x in xs]), "all_gather in place 64 MiB", failures)
+    try:  # overlapping the output anywhere but this rank's block: refused before anything is sent
+        group.all_gather(out, out[1 : 1 + per])
+        failures.append("all_gather with a misplaced overlapping input did not raise")
+    except ValueError as e:
+        if "in-place all_gather" not in str(e):
+            failures.append(f"all_gather overlap error does not explain itself: {e}")
     group.destroy()
     return failures
 

@@ -321,6 +321,20 @@ static PyObject *Group_all_gather(GroupObject *self, PyObject *args, PyObject *k
                      (long long)o->numel, size, (long long)i->numel, (long long)size * (long long)i->numel);
         goto fail;
     }
+    {
+        /* In place is allowed only as this rank's block of the output; any other overlap would be
+         * overwritten while it is still being read. */
+        const uint8_t *ib = i->data, *ob = o->data;
+        size_t inb = fsc_tensor_nbytes(i), onb = fsc_tensor_nbytes(o);
+        const uint8_t *own = ob + (size_t)fsc_shm_group_rank(self->g) * inb;
+        if (inb > 0 && ib < ob + onb && ob < ib + inb && ib != own) {
+            PyErr_Format(PyExc_ValueError,
+                         "all_gather: input overlaps output but is not this rank's block of it; for an "
+                         "in-place all_gather pass input = output[rank * n:(rank + 1) * n] (rank %d)",
+                         fsc_shm_group_rank(self->g));
+            goto fail;
+        }
+    }
     fsc_shm_args_t a = {FSC_OP_ALL_GATHER, FSC_RED_SUM, -1, i->dtype, (size_t)i->numel, i->data, o->data};
     return submit(self, &a, &v, async_op);
 fail:
