@@ -61,15 +61,19 @@ static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
         const uint8_t *mine = in + off * esz;
         uint8_t *mine_out = out + (size_t)g->rank * row + off * esz;
         copy(fsc_shm_slot(g, g->rank, g->step), mine, nb);
-        /* Own block before the barrier (it needs no peer); skipped when the input already is that
-         * block of the output (in-place all-gather, as FSDP calls it): one copy less per rank. */
-        if (mine_out != mine) copy(mine_out, mine, nb);
         if (first)
             FSC_CHECK(open_collective(g, a));
         else
             FSC_CHECK(fsc_shm_arrive(g, 1));
-        for (int p = 0; p < g->size; p++)
-            if (p != g->rank) copy(out + (size_t)p * row + off * esz, fsc_shm_slot(g, p, g->step), nb);
+        /* The own block is skipped when the input already is that block of the output (in-place,
+         * as FSDP calls it): one copy less per rank. (Copying it before the barrier instead was
+         * tried; the difference stayed inside this machine's run-to-run noise.) */
+        for (int p = 0; p < g->size; p++) {
+            if (p != g->rank)
+                copy(out + (size_t)p * row + off * esz, fsc_shm_slot(g, p, g->step), nb);
+            else if (mine_out != mine)
+                copy(mine_out, mine, nb);
+        }
         g->step++;
     }
     return FSC_OK;

@@ -64,14 +64,15 @@ class _StreamWork:
     """Collectives enqueued on FSDP's CUDA side stream: wait() makes the current stream wait for
     them (the host never blocks)."""
 
-    __slots__ = ("event",)
+    __slots__ = ("event", "device")
 
     def __init__(self, stream: "torch.cuda.Stream"):
+        self.device = stream.device
         self.event = torch.cuda.Event()
         self.event.record(stream)
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 def _on_side_stream(fsdp: "FullyShardedDataParallel", device: torch.device, comm: Comm):
