@@ -200,6 +200,7 @@ def plot(result: Dict, path: str) -> None:
             ax.plot(x, [r["busbw_gloo"] for r in rows], "s-", label="torch gloo")
             ax.plot(x, [r["memcpy_gbps"] for r in rows], "k--", label="memcpy (1 thread)")
             ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
             ax.set_title(f"{op}, world {w}")
             ax.set_xlabel("bytes")
             ax.set_ylabel("bus bandwidth GB/s")
