@@ -148,14 +148,63 @@ static size_t layout(fsc_shm_seg_t *s, int size, size_t chunk, size_t p2p_chunk)
     return off;
 }
 
-static fsc_status_t map_segment(fsc_shm_group_t *g, int create) {
+/* Attaching side: wait (up to the timeout, 1 ms naps) until the creator has made the segment
+ * and published its layout, i.e. until it is at least header-sized and carries the magic. A
+ * creator that exits first (its pid is known from the rendezvous) ends the wait at once; either
+ * way the half-made name is removed, so a creator that died between creating the segment and
+ * attaching to it leaves nothing in /dev/shm as long as one peer is alive. */
+static fsc_status_t attach_when_ready(fsc_shm_group_t *g, pid_t creator_pid, int *fd_out) {
+    double deadline = fsc_comm_now() + g->timeout;
+    const char *why = "did not create";
+    for (;;) {
+        int fd = shm_open(g->seg_name, O_RDWR, 0600);
+        if (fd >= 0) {
+            struct stat sb;
+            if (fstat(fd, &sb) == 0 && (size_t)sb.st_size >= sizeof(fsc_shm_seg_t)) {
+                fsc_shm_seg_t *hdr = mmap(NULL, sizeof(fsc_shm_seg_t), PROT_READ, MAP_SHARED, fd, 0);
+                int ready = hdr != MAP_FAILED && atomic_load_explicit(&hdr->magic, memory_order_acquire) != 0;
+                if (hdr != MAP_FAILED) munmap(hdr, sizeof(fsc_shm_seg_t));
+                if (ready) {
+                    g->bytes = (size_t)sb.st_size;
+                    *fd_out = fd;
+                    return FSC_OK;
+                }
+            }
+            close(fd);
+            why = "did not finish setting up";
+        } else if (errno != ENOENT) {
+            return fsc_error(FSC_ERR_COMM, "group '%s': cannot attach shared memory %s: %s", g->name, g->seg_name,
+                             strerror(errno));
+        }
+        if (pid_dead(creator_pid)) {
+            shm_unlink(g->seg_name);
+            return fsc_error(FSC_ERR_COMM,
+                             "rendezvous of group '%s' (rank %d of %d): rank 0 (pid %d) exited and %s shared "
+                             "memory %s",
+                             g->name, g->rank, g->size, (int)creator_pid, why, g->seg_name);
+        }
+        if (fsc_comm_now() > deadline) {
+            shm_unlink(g->seg_name);
+            return fsc_error(FSC_ERR_TIMEOUT,
+                             "rendezvous of group '%s' (rank %d of %d): rank 0 %s shared memory %s within %g s "
+                             "(FAIRSCALE_C_TIMEOUT)",
+                             g->name, g->rank, g->size, why, g->seg_name, g->timeout);
+        }
+        struct timespec nap = {0, 1000000};
+        nanosleep(&nap, NULL);
+    }
+}
+
+static fsc_status_t map_segment(fsc_shm_group_t *g, int create, pid_t creator_pid) {
     int fd = -1;
     fsc_status_t st = FSC_OK;
     if (create) {
-        uint32_t rnd = 0;
-        if (getrandom(&rnd, sizeof(rnd), GRND_NONBLOCK) != (ssize_t)sizeof(rnd))
-            rnd = (uint32_t)time(NULL) ^ (uint32_t)(uintptr_t)g;
-        snprintf(g->seg_name, sizeof(g->seg_name), "/fsc-%d-%08x", (int)getpid(), rnd);
+        if (g->seg_name[0] == '\0') {
+            uint32_t rnd = 0;
+            if (getrandom(&rnd, sizeof(rnd), GRND_NONBLOCK) != (ssize_t)sizeof(rnd))
+                rnd = (uint32_t)time(NULL) ^ (uint32_t)(uintptr_t)g;
+            snprintf(g->seg_name, sizeof(g->seg_name), "/fsc-%d-%08x", (int)getpid(), rnd);
+        }
         fsc_shm_seg_t tmp;
         memset(&tmp, 0, sizeof(tmp));
         g->chunk = chunk_from_env();
@@ -170,17 +219,7 @@ static fsc_status_t map_segment(fsc_shm_group_t *g, int create) {
             goto exit;
         }
     } else {
-        fd = shm_open(g->seg_name, O_RDWR, 0600);
-        if (fd < 0)
-            return fsc_error(FSC_ERR_COMM, "group '%s': cannot attach shared memory %s: %s (did rank 0 exit?)", g->name,
-                             g->seg_name, strerror(errno));
-        struct stat sb;
-        if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < sizeof(fsc_shm_seg_t)) {
-            st = fsc_error(FSC_ERR_COMM, "group '%s': shared memory %s is not a fairscale_c segment", g->name,
-                           g->seg_name);
-            goto exit;
-        }
-        g->bytes = (size_t)sb.st_size;
+        FSC_CHECK(attach_when_ready(g, creator_pid, &fd));
     }
     void *p = mmap(NULL, g->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
@@ -216,14 +255,18 @@ static fsc_status_t init_or_check(fsc_shm_group_t *g, int create) {
     return FSC_OK;
 }
 
-fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, int rank, int size,
-                                fsc_shm_group_t **out) {
+fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, int create, int creator_pid, int rank,
+                                int size, fsc_shm_group_t **out) {
     *out = NULL;
+    if (!create && seg_name == NULL)
+        return fsc_error(FSC_ERR_VALUE, "shm group: attaching needs the segment name that rank 0 published");
+    if (seg_name != NULL && (seg_name[0] != '/' || strlen(seg_name) >= 64 || strchr(seg_name + 1, '/') != NULL))
+        return fsc_error(FSC_ERR_VALUE, "shm group: segment name '%s' must be '/name' (no other '/', under 64 chars)",
+                         seg_name);
     if (size < 1 || size > FSC_SHM_MAX_RANKS || rank < 0 || rank >= size)
         return fsc_error(FSC_ERR_VALUE, "shm group: rank %d / size %d out of range (size 1..%d)", rank, size,
                          FSC_SHM_MAX_RANKS);
     fsc_status_t st = FSC_OK;
-    int create = seg_name == NULL;
     fsc_shm_group_t *g = calloc(1, sizeof(*g));
     if (g == NULL) return fsc_error(FSC_ERR_NOMEM, "shm group: out of memory");
     snprintf(g->name, sizeof(g->name), "%s", group_name ? group_name : "?");
@@ -238,7 +281,7 @@ fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, in
         st = fsc_error(FSC_ERR_NOMEM, "shm group: out of memory");
         goto fail;
     }
-    FSC_CHECK_GOTO(map_segment(g, create), st, fail);
+    FSC_CHECK_GOTO(map_segment(g, create, (pid_t)creator_pid), st, fail);
     FSC_CHECK_GOTO(init_or_check(g, create), st, fail);
     fsc_shm_rank_ctrl_t *me = &g->ranks[rank];
     atomic_store(&me->pid, (int32_t)getpid());

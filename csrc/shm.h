@@ -35,14 +35,18 @@ typedef struct {
     void *out;
 } fsc_shm_args_t;
 
-/* Open this rank's handle. With seg_name == NULL a new segment is created (the caller then sends
- * fsc_shm_group_segment_name() to the other ranks); otherwise the named segment is attached.
- * `group_name` appears in every error message. Sizes come from FAIRSCALE_C_SHM_CHUNK (bytes per
- * pipeline chunk, default 4 MiB) read by the creator. The timeout for rendezvous and for every
- * op is FAIRSCALE_C_TIMEOUT, read here. Does not block. On success *out is owned by the caller
- * (fsc_shm_group_close). */
-fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, int rank, int size,
-                                fsc_shm_group_t **out);
+/* Open this rank's handle. With `create` a new segment is made under `seg_name` ("/name"), or
+ * under a fresh "/fsc-<pid>-<hex>" when seg_name is NULL (the caller then sends
+ * fsc_shm_group_segment_name() to the other ranks). Without `create` the named segment is
+ * attached, waiting until the creator has set it up: up to the timeout, or until `creator_pid`
+ * (0: unknown) has exited, after which the half-made name is removed. Publishing the name
+ * before creating the segment therefore leaves nothing behind if the creator dies while any
+ * peer is alive. `group_name` appears in every error message. Sizes come from
+ * FAIRSCALE_C_SHM_CHUNK (bytes per pipeline chunk, default 4 MiB) read by the creator. The
+ * timeout for rendezvous and for every op is FAIRSCALE_C_TIMEOUT, read here. On success *out is
+ * owned by the caller (fsc_shm_group_close). */
+fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, int create, int creator_pid, int rank,
+                                int size, fsc_shm_group_t **out);
 
 /* The segment's name ("/fsc-<pid>-<hex>"); valid while the group is open. */
 const char *fsc_shm_group_segment_name(const fsc_shm_group_t *g);

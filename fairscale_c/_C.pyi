@@ -45,9 +45,20 @@ class Work:
     def is_completed(self) -> bool: ...
 
 class ShmGroup:
-    """One rank's handle on a shared-memory group (segment=None creates the segment)."""
+    """One rank's handle on a shared-memory group. create (default: segment is None) makes the
+    segment, under `segment` when given; otherwise `segment` is attached, waiting until its
+    creator (pid `creator_pid`, 0 if unknown) has set it up or exited."""
 
-    def __init__(self, name: str, rank: int, size: int, segment: Optional[str] = None) -> None: ...
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        size: int,
+        segment: Optional[str] = None,
+        *,
+        create: bool = ...,
+        creator_pid: int = 0,
+    ) -> None: ...
     @property
     def rank(self) -> int: ...
     @property

@@ -69,6 +69,88 @@ def test_peer_that_never_joins():
     assert all(r is None or r < 15 for r in results), results
 
 
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: the pid no longer exists
+    return child.pid
+
+
+def _segment_name() -> str:
+    import secrets
+
+    return f"/fsc-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def test_rank0_dies_before_creating_the_segment():
+    # Rank 0 publishes the name first, then creates the segment; the peer waits for it, learns
+    # that rank 0 is gone, and fails at once rather than at the timeout.
+    from fairscale_c import _C
+
+    pid, name = _dead_pid(), _segment_name()
+    msg, elapsed = _expect_error(
+        lambda: _C.ShmGroup("orphan", 1, 2, name, creator_pid=pid), "'orphan'", f"rank 0 (pid {pid}) exited"
+    )
+    assert elapsed < 2, elapsed
+
+
+def test_rank0_dies_while_setting_up_the_segment():
+    # The name exists but the segment was never set up (rank 0 died between creating and
+    # initialising it): the peer removes the half-made name.
+    from fairscale_c import _C
+
+    pid, name = _dead_pid(), _segment_name()
+    with open("/dev/shm" + name, "wb") as f:
+        f.write(bytes(1 << 16))
+    _expect_error(lambda: _C.ShmGroup("half", 1, 2, name, creator_pid=pid), "did not finish setting up")
+    assert not os.path.exists("/dev/shm" + name)
+
+
+def test_rank0_that_never_creates_times_out(monkeypatch):
+    from fairscale_c import _C
+
+    monkeypatch.setenv("FAIRSCALE_C_TIMEOUT", "1")
+    msg, elapsed = _expect_error(
+        lambda: _C.ShmGroup("late", 1, 2, _segment_name(), creator_pid=os.getpid()), "within 1 s"
+    )
+    assert 0.9 < elapsed < 5, elapsed
+
+
+def _create_and_die(name, conn):
+    from fairscale_c import _C
+
+    group = _C.ShmGroup("abandoned", 0, 2, name, create=True)  # noqa: F841 (kept alive until the exit)
+    conn.send(os.getpid())
+    os._exit(0)  # no cleanup: the segment's name stays until a peer attaches
+
+
+def test_rank0_dies_after_creating_the_segment():
+    # Rank 0 set the segment up and died before any peer attached: the last rank to attach
+    # removes the name, and the first collective names the dead rank.
+    import multiprocessing as mp
+
+    import fairscale_c
+    from fairscale_c import _C
+
+    name = _segment_name()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_create_and_die, args=(name, child))
+    proc.start()
+    pid = parent.recv()
+    proc.join(30)
+    g = _C.ShmGroup("abandoned", 1, 2, name, creator_pid=pid)
+    try:
+        g.join()
+        assert not os.path.exists("/dev/shm" + name)
+        with pytest.raises(fairscale_c.DistributedError, match="rank 0"):
+            g.all_reduce(torch.ones(4))
+    finally:
+        g.close()
+
+
 def _stalled_job(rank, world):
     import fairscale_c.distributed as fdist
 

@@ -109,15 +109,23 @@ static PyObject *module_of(PyObject *self) {
 }
 
 static int Group_init(GroupObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"name", "rank", "size", "segment", NULL};
+    static char *kwlist[] = {"name", "rank", "size", "segment", "create", "creator_pid", NULL};
     const char *name = NULL, *segment = NULL;
-    int rank = 0, size = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sii|z:ShmGroup", kwlist, &name, &rank, &size, &segment)) return -1;
+    int rank = 0, size = 0, create = -1, creator_pid = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sii|z$pi:ShmGroup", kwlist, &name, &rank, &size, &segment, &create,
+                                     &creator_pid))
+        return -1;
     if (self->g != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "ShmGroup is already initialised");
         return -1;
     }
-    fsc_status_t st = fsc_shm_group_open(name, segment, rank, size, &self->g);
+    if (create < 0) create = segment == NULL; /* default: make one without a name, attach with one */
+    fsc_status_t st;
+    fsc_shm_group_t *g = NULL;
+    Py_BEGIN_ALLOW_THREADS /* attaching waits for the creator */
+    st = fsc_shm_group_open(name, segment, create, creator_pid, rank, size, &g);
+    Py_END_ALLOW_THREADS
+    self->g = g;
     if (st != FSC_OK) {
         fsc_py_raise(module_of((PyObject *)self), st);
         return -1;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 from typing import Any, Optional, Sequence
 
@@ -104,15 +105,15 @@ class Group:
 
     # ------------------------------------------------------------------ setup / teardown
     def _rendezvous(self) -> None:
-        shm = _C.ShmGroup(self.name, 0, self.size) if self.rank == 0 else None
+        # Rank 0 publishes the segment's name before creating it: if it dies at any point, the
+        # peers know the name and remove whatever it left (see fsc_shm_group_open).
+        segment = f"/fsc-{os.getpid()}-{secrets.token_hex(4)}" if self.rank == 0 else None
+        shm = None
         try:
-            me = {"host": hostname(), "pid": os.getpid(), "segment": shm.segment if shm is not None else None}
+            me = {"host": hostname(), "pid": os.getpid(), "segment": segment}
             infos = [json.loads(b) for b in self._exchange.all_gather(json.dumps(me).encode())]
             hosts = sorted({i["host"] for i in infos})
             if len(hosts) > 1:
-                if shm is not None:
-                    shm.close()
-                    shm = None
                 if self._pg is None:
                     raise _C.DistributedError(
                         f"group '{self.name}' spans hosts {hosts}: the shared-memory backend needs every rank on "
@@ -121,8 +122,10 @@ class Group:
                     )
                 self._torch_cpu = _TorchCPU(self._pg, self.size)
                 return
-            if shm is None:
-                shm = _C.ShmGroup(self.name, self.rank, self.size, infos[0]["segment"])
+            if self.rank == 0:
+                shm = _C.ShmGroup(self.name, 0, self.size, segment, create=True)
+            else:
+                shm = _C.ShmGroup(self.name, self.rank, self.size, infos[0]["segment"], creator_pid=infos[0]["pid"])
             shm.join()
             self._shm = shm
         except BaseException:

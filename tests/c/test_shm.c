@@ -79,7 +79,7 @@ static int child(int rank, int size, int fd_r, int fd_w, rank_fn fn, void *ctx, 
     char name[64] = {0};
     fsc_status_t st;
     if (rank == 0) {
-        st = fsc_shm_group_open("ctest", NULL, 0, size, &g);
+        st = fsc_shm_group_open("ctest", NULL, 1, 0, 0, size, &g);
         if (st != FSC_OK) {
             fprintf(stderr, "open: %s\n", fsc_last_error());
             return 2;
@@ -89,7 +89,7 @@ static int child(int rank, int size, int fd_r, int fd_w, rank_fn fn, void *ctx, 
             if (write(fd_w, name, sizeof(name)) != (ssize_t)sizeof(name)) return 2;
     } else {
         if (read(fd_r, name, sizeof(name)) != (ssize_t)sizeof(name)) return 2;
-        st = fsc_shm_group_open("ctest", name, rank, size, &g);
+        st = fsc_shm_group_open("ctest", name, 0, 0, rank, size, &g);
         if (st != FSC_OK) {
             fprintf(stderr, "attach: %s\n", fsc_last_error());
             return 2;
