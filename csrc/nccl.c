@@ -418,11 +418,10 @@ static fsc_status_t op_end(fsc_nccl_comm_t *c, fsc_comm_op_t op, nccl_result_t r
     return st;
 }
 
-fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
-                                 fsc_stream_t stream) {
-    int dt_in = 0, dt_out = 0;
-    fsc_gpu_ctx_t g;
-    FSC_CHECK(check_tensor(c, input, FSC_OP_ALL_GATHER, "input", 0, -1, &dt_in));
+static fsc_status_t check_all_gather(const fsc_nccl_comm_t *c, const fsc_tensor_t *output, const fsc_tensor_t *input,
+                                     int *dt_in) {
+    int dt_out = 0;
+    FSC_CHECK(check_tensor(c, input, FSC_OP_ALL_GATHER, "input", 0, -1, dt_in));
     FSC_CHECK(check_tensor(c, output, FSC_OP_ALL_GATHER, "output", 1, -1, &dt_out));
     if (input->dtype != output->dtype)
         return fsc_error(FSC_ERR_VALUE, "all_gather: output dtype %s differs from input dtype %s",
@@ -430,6 +429,28 @@ fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const
     if (output->numel != input->numel * c->nranks)
         return fsc_error(FSC_ERR_VALUE, "all_gather: output must have size * input.numel = %lld elements, got %lld",
                          (long long)(input->numel * c->nranks), (long long)output->numel);
+    return FSC_OK;
+}
+
+static fsc_status_t check_reduce_scatter(const fsc_nccl_comm_t *c, const fsc_tensor_t *output,
+                                         const fsc_tensor_t *input, fsc_reduce_op_t op, int *dt_in) {
+    int dt_out = 0;
+    FSC_CHECK(check_tensor(c, input, FSC_OP_REDUCE_SCATTER, "input", 0, (int)op, dt_in));
+    FSC_CHECK(check_tensor(c, output, FSC_OP_REDUCE_SCATTER, "output", 1, (int)op, &dt_out));
+    if (input->dtype != output->dtype)
+        return fsc_error(FSC_ERR_VALUE, "reduce_scatter: output dtype %s differs from input dtype %s",
+                         fsc_dtype_name(output->dtype), fsc_dtype_name(input->dtype));
+    if (input->numel != output->numel * c->nranks)
+        return fsc_error(FSC_ERR_VALUE, "reduce_scatter: input must have size * output.numel = %lld elements, got %lld",
+                         (long long)(output->numel * c->nranks), (long long)input->numel);
+    return FSC_OK;
+}
+
+fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
+                                 fsc_stream_t stream) {
+    int dt_in = 0;
+    fsc_gpu_ctx_t g;
+    FSC_CHECK(check_all_gather(c, output, input, &dt_in));
     FSC_CHECK(op_begin(c, FSC_OP_ALL_GATHER, &g));
     nccl_result_t r =
         nccl.AllGather(input->data, output->data, (size_t)input->numel, dt_in, c->comm, (cuda_stream_h)stream);
@@ -438,16 +459,9 @@ fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const
 
 fsc_status_t fsc_nccl_reduce_scatter(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
                                      fsc_reduce_op_t op, fsc_stream_t stream) {
-    int dt_in = 0, dt_out = 0;
+    int dt_in = 0;
     fsc_gpu_ctx_t g;
-    FSC_CHECK(check_tensor(c, input, FSC_OP_REDUCE_SCATTER, "input", 0, (int)op, &dt_in));
-    FSC_CHECK(check_tensor(c, output, FSC_OP_REDUCE_SCATTER, "output", 1, (int)op, &dt_out));
-    if (input->dtype != output->dtype)
-        return fsc_error(FSC_ERR_VALUE, "reduce_scatter: output dtype %s differs from input dtype %s",
-                         fsc_dtype_name(output->dtype), fsc_dtype_name(input->dtype));
-    if (input->numel != output->numel * c->nranks)
-        return fsc_error(FSC_ERR_VALUE, "reduce_scatter: input must have size * output.numel = %lld elements, got %lld",
-                         (long long)(output->numel * c->nranks), (long long)input->numel);
+    FSC_CHECK(check_reduce_scatter(c, output, input, op, &dt_in));
     FSC_CHECK(op_begin(c, FSC_OP_REDUCE_SCATTER, &g));
     nccl_result_t r = nccl.ReduceScatter(input->data, output->data, (size_t)output->numel, dt_in, nccl_redop(op),
                                          c->comm, (cuda_stream_h)stream);
@@ -513,6 +527,76 @@ fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int p
 
 fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, fsc_stream_t stream) {
     return p2p(c, FSC_OP_RECV, tensor, peer, stream);
+}
+
+/* ---- batches --------------------------------------------------------------------------------- */
+
+/* Check one batched op as its single-op call would; sets its NCCL dtype. */
+static fsc_status_t check_batched(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, int *dt) {
+    const char *name = fsc_comm_op_name(o->op);
+    if (o->tensor == NULL) return fsc_error(FSC_ERR_VALUE, "batch: %s needs a tensor", name);
+    switch (o->op) {
+        case FSC_OP_ALL_GATHER:
+        case FSC_OP_REDUCE_SCATTER:
+            if (o->input == NULL) return fsc_error(FSC_ERR_VALUE, "batch: %s needs an input", name);
+            return o->op == FSC_OP_ALL_GATHER ? check_all_gather(c, o->tensor, o->input, dt)
+                                              : check_reduce_scatter(c, o->tensor, o->input, o->redop, dt);
+        case FSC_OP_ALL_REDUCE: return check_tensor(c, o->tensor, o->op, "tensor", 1, (int)o->redop, dt);
+        case FSC_OP_BROADCAST:
+        case FSC_OP_REDUCE:
+            FSC_CHECK(check_rank_arg(c, o->op, "root", o->peer, 0));
+            return check_tensor(c, o->tensor, o->op, "tensor", 1, o->op == FSC_OP_REDUCE ? (int)o->redop : -1, dt);
+        case FSC_OP_SEND:
+        case FSC_OP_RECV:
+            FSC_CHECK(check_rank_arg(c, o->op, "peer", o->peer, 1));
+            return check_tensor(c, o->tensor, o->op, "tensor", o->op == FSC_OP_RECV, -1, dt);
+        default: return fsc_error(FSC_ERR_VALUE, "batch: %s cannot be batched", name);
+    }
+}
+
+static nccl_result_t issue_batched(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, int dt, cuda_stream_h s) {
+    fsc_tensor_t *t = o->tensor;
+    switch (o->op) {
+        case FSC_OP_ALL_GATHER: return nccl.AllGather(o->input->data, t->data, (size_t)o->input->numel, dt, c->comm, s);
+        case FSC_OP_REDUCE_SCATTER:
+            return nccl.ReduceScatter(o->input->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), c->comm, s);
+        case FSC_OP_ALL_REDUCE:
+            return nccl.AllReduce(t->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), c->comm, s);
+        case FSC_OP_BROADCAST: return nccl.Broadcast(t->data, t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
+        case FSC_OP_REDUCE:
+            return nccl.Reduce(t->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), o->peer, c->comm, s);
+        case FSC_OP_SEND: return nccl.Send(t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
+        default: return nccl.Recv(t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
+    }
+}
+
+fsc_status_t fsc_nccl_batch(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream) {
+    int dts[FSC_NCCL_MAX_BATCH];
+    fsc_gpu_ctx_t g;
+    if (n > FSC_NCCL_MAX_BATCH)
+        return fsc_error(FSC_ERR_VALUE, "batch: at most %d operations, got %zu", FSC_NCCL_MAX_BATCH, n);
+    for (size_t i = 0; i < n; i++) {
+        fsc_status_t st = check_batched(c, &ops[i], &dts[i]);
+        if (st != FSC_OK) {
+            char why[512]; /* fsc_error formats into the buffer fsc_last_error returns */
+            snprintf(why, sizeof(why), "%s", fsc_last_error());
+            return fsc_error(st, "batch operation %zu: %s", i, why);
+        }
+    }
+    if (n == 0) return FSC_OK;
+    fsc_comm_op_t last = ops[n - 1].op;
+    FSC_CHECK(op_begin(c, last, &g));
+    nccl_result_t r = nccl.GroupStart();
+    if (r == NCCL_OK) {
+        nccl_result_t first = NCCL_OK;
+        for (size_t i = 0; i < n; i++) {
+            nccl_result_t ri = issue_batched(c, &ops[i], dts[i], (cuda_stream_h)stream);
+            if (ri != NCCL_OK && ri != NCCL_IN_PROGRESS && first == NCCL_OK) first = ri;
+        }
+        r = nccl.GroupEnd(); /* always close the group, even after a failed call inside it */
+        if (first != NCCL_OK) r = first;
+    }
+    return op_end(c, last, r, &g);
 }
 
 /* ---- waiting and teardown -------------------------------------------------------------------- */

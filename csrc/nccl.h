@@ -81,6 +81,26 @@ fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduc
 fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, fsc_stream_t stream);
 fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, fsc_stream_t stream);
 
+/* One operation of a batch. `tensor` is the written tensor (all_gather / reduce_scatter output;
+ * the tensor of all_reduce, broadcast, reduce, recv) or, for send, the one read; `input` is the
+ * all_gather / reduce_scatter input (NULL otherwise). `peer` is the broadcast / reduce root or
+ * the send / recv peer. */
+typedef struct {
+    fsc_comm_op_t op;
+    fsc_tensor_t *tensor;
+    const fsc_tensor_t *input;
+    fsc_reduce_op_t redop;
+    int peer;
+} fsc_nccl_op_t;
+
+#define FSC_NCCL_MAX_BATCH 256
+
+/* Enqueue `n` (<= FSC_NCCL_MAX_BATCH) operations as one NCCL group (ncclGroupStart/End): they
+ * launch together and progress concurrently, and sends and receives between the same ranks
+ * cannot deadlock on their order. Every operation is checked first, as the single-op calls
+ * check theirs; nothing is enqueued unless all pass. */
+fsc_status_t fsc_nccl_batch(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream);
+
 /* Block until the work enqueued on `stream` so far has finished, polling the communicator's
  * asynchronous error state meanwhile. On an NCCL error, or when `timeout_s` (<= 0:
  * fsc_comm_timeout_s()) passes first, aborts the communicator and returns FSC_ERR_COMM /

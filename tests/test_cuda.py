@@ -297,6 +297,35 @@ def _check_collectives(be, rank, size, dev):
     be.wait(stream=side)
     be.barrier()
 
+    # one NCCL group: collectives together, and a send/recv exchange in both directions at once
+    # (ungrouped, two blocking sends first would wait on each other)
+    g_out = torch.empty(size * n, device=cuda)
+    rs_out = torch.empty(n, device=cuda)
+    ar = data(rank, torch.float32).to(cuda)
+    bc = data(rank, torch.float32).to(cuda)
+    got = torch.empty(n, device=cuda)
+    peer = 1 - rank
+    be.batch(
+        [
+            ("all_gather", g_out, inp),
+            ("reduce_scatter", rs_out, big[rank].to(cuda), "sum"),
+            ("all_reduce", ar, "max"),
+            ("broadcast", bc, 0),
+            ("send", data(rank, torch.float32).to(cuda), peer),
+            ("recv", got, peer),
+        ]
+    )
+    be.wait()
+    assert torch.equal(g_out.cpu(), full)
+    assert torch.equal(rs_out.cpu(), torch.stack(big).sum(0)[rank * n : (rank + 1) * n])
+    assert torch.equal(ar.cpu(), torch.stack([data(r, torch.float32) for r in range(size)]).max(0).values)
+    assert torch.equal(bc.cpu(), data(0, torch.float32))
+    assert torch.equal(got.cpu(), data(peer, torch.float32))
+    be.batch([])  # nothing to do
+    _expect(lambda: be.batch([("all_reduce", ar, "sum"), ("all_gather", ar, ar)]), ValueError, "batch operation 1")
+    _expect(lambda: be.batch([("gather", ar)]), ValueError, "all_gather, reduce_scatter")
+    _expect(lambda: be.batch([("all_reduce", ar)]), TypeError, "takes 2 values")
+
     # bad arguments raise before anything is enqueued, and the communicator stays usable
     _expect(lambda: be.all_gather(torch.empty(n, device=cuda), inp), ValueError, "output")
     _expect(lambda: be.reduce_scatter(torch.empty(n + 1, device=cuda), big[rank].to(cuda), "sum"), ValueError, "input")

@@ -467,6 +467,126 @@ static PyObject *comm_wait(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_RETURN_NONE;
 }
 
+/* batch(ops, stream): ops is a sequence of tuples, each (name, ...) as the single-op methods take
+ * their arguments: ("all_gather", output, input), ("reduce_scatter", output, input, op),
+ * ("all_reduce", tensor, op), ("broadcast", tensor, root), ("reduce", tensor, op, root),
+ * ("send", tensor, peer), ("recv", tensor, peer). */
+static int parse_batched(PyObject *module, PyObject *item, Py_ssize_t i, fsc_stream_t stream, PyObject **owners,
+                         int *nowners, fsc_tensor_t *tensors, fsc_nccl_op_t *o) {
+    static const struct {
+        const char *name;
+        fsc_comm_op_t op;
+        const char *format; /* after the name: O = tensor, s = reduce op, i = rank */
+    } kinds[] = {
+        {"all_gather", FSC_OP_ALL_GATHER, "OO"},
+        {"reduce_scatter", FSC_OP_REDUCE_SCATTER, "OOs"},
+        {"all_reduce", FSC_OP_ALL_REDUCE, "Os"},
+        {"broadcast", FSC_OP_BROADCAST, "Oi"},
+        {"reduce", FSC_OP_REDUCE, "Osi"},
+        {"send", FSC_OP_SEND, "Oi"},
+        {"recv", FSC_OP_RECV, "Oi"},
+    };
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(item, 0))) {
+        PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd must be a tuple (name, ...), got %s", i,
+                     Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(item, 0));
+    if (name == NULL) return -1;
+    size_t k = 0, nkinds = sizeof(kinds) / sizeof(kinds[0]);
+    while (k < nkinds && strcmp(kinds[k].name, name) != 0) k++;
+    if (k == nkinds) {
+        PyErr_Format(PyExc_ValueError,
+                     "argument 'ops': item %zd names '%s'; expected all_gather, reduce_scatter, all_reduce, broadcast, "
+                     "reduce, send or recv",
+                     i, name);
+        return -1;
+    }
+    const char *fmt = kinds[k].format;
+    if (PyTuple_GET_SIZE(item) != (Py_ssize_t)strlen(fmt) + 1) {
+        PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd (%s) takes %zu values after the name, got %zd", i, name,
+                     strlen(fmt), PyTuple_GET_SIZE(item) - 1);
+        return -1;
+    }
+    memset(o, 0, sizeof(*o));
+    o->op = kinds[k].op;
+    for (size_t a = 0; fmt[a] != '\0'; a++) {
+        PyObject *v = PyTuple_GET_ITEM(item, (Py_ssize_t)a + 1);
+        if (fmt[a] == 'O') {
+            /* first tensor: written (read for send); second: the collective's input */
+            int writable = a == 0 && o->op != FSC_OP_SEND;
+            fsc_tensor_t *t = &tensors[a];
+            PyObject *owner;
+            int flags = FSC_IMPORT_CONTIGUOUS | (writable ? FSC_IMPORT_WRITABLE : 0);
+            if (fsc_py_import(module, v, a == 0 ? "tensor" : "input", flags, (intptr_t)stream, t, &owner) < 0)
+                return -1;
+            owners[(*nowners)++] = owner;
+            if (a == 0)
+                o->tensor = t;
+            else
+                o->input = t;
+        } else if (fmt[a] == 's') {
+            const char *opname = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
+            if (opname == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd (%s): op must be a str", i, name);
+                return -1;
+            }
+            if (parse_redop(module, opname, &o->redop) < 0) return -1;
+        } else {
+            long r = PyLong_AsLong(v);
+            if (r == -1 && PyErr_Occurred()) return -1;
+            o->peer = (int)r;
+        }
+    }
+    return 0;
+}
+
+static PyObject *comm_batch(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"ops", "stream", NULL};
+    PyObject *module = comm_module(self), *ops_obj, *seq = NULL, *result = NULL;
+    PyObject **owners = NULL;
+    fsc_tensor_t *tensors = NULL;
+    fsc_nccl_op_t *ops = NULL;
+    int nowners = 0;
+    fsc_stream_t stream;
+    if (module == NULL ||
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO&:batch", kwlist, &ops_obj, stream_converter, &stream))
+        return NULL;
+    seq = PySequence_Fast(ops_obj, "argument 'ops': expected a sequence of tuples");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > FSC_NCCL_MAX_BATCH) {
+        PyErr_Format(PyExc_ValueError, "argument 'ops': at most %d operations per batch, got %zd", FSC_NCCL_MAX_BATCH,
+                     n);
+        goto exit;
+    }
+    owners = PyMem_Calloc((size_t)(2 * n + 1), sizeof(PyObject *));
+    tensors = PyMem_Calloc((size_t)(2 * n + 1), sizeof(fsc_tensor_t));
+    ops = PyMem_Calloc((size_t)n + 1, sizeof(fsc_nccl_op_t));
+    if (owners == NULL || tensors == NULL || ops == NULL) {
+        PyErr_NoMemory();
+        goto exit;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (parse_batched(module, PySequence_Fast_GET_ITEM(seq, i), i, stream, owners, &nowners, &tensors[2 * i],
+                          &ops[i]) < 0)
+            goto exit;
+    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
+    fsc_status_t st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_nccl_batch(c, ops, (size_t)n, stream);
+    Py_END_ALLOW_THREADS
+    result = st == FSC_OK ? Py_NewRef(Py_None) : fsc_py_raise(module, st);
+exit: /* the views may go now: NCCL has the pointers, and the caller keeps the tensors alive */
+    while (nowners > 0) Py_DECREF(owners[--nowners]);
+    PyMem_Free(ops);
+    PyMem_Free(tensors);
+    PyMem_Free(owners);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyObject *comm_abort(PyObject *self, PyObject *Py_UNUSED(args)) {
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
     Py_BEGIN_ALLOW_THREADS
@@ -519,6 +639,11 @@ static PyMethodDef comm_methods[] = {
     KW_METHOD("reduce", comm_reduce, "reduce(tensor, op, root, stream): root's tensor = the reduction."),
     KW_METHOD("send", comm_send, "send(tensor, peer, stream)."),
     KW_METHOD("recv", comm_recv, "recv(tensor, peer, stream)."),
+    KW_METHOD("batch", comm_batch,
+              "batch(ops, stream): enqueue several operations as one NCCL group; ops are tuples like "
+              "('all_gather', output, input), ('reduce_scatter', output, input, op), ('all_reduce', tensor, op), "
+              "('broadcast', tensor, root), ('reduce', tensor, op, root), ('send', tensor, peer), "
+              "('recv', tensor, peer)."),
     KW_METHOD("wait", comm_wait,
               "wait(stream, timeout=0.0): block until stream's work is done, polling NCCL errors; aborts on "
               "error or timeout (0 = FAIRSCALE_C_TIMEOUT)."),

@@ -14,7 +14,7 @@ for a non-tensor) naming the argument.
 from __future__ import annotations
 
 import os
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -134,6 +134,17 @@ class NcclBackend:
 
     def recv(self, tensor: torch.Tensor, peer: int, stream: StreamLike = None) -> None:
         self._comm.recv(tensor.detach(), peer, self._stream(stream))
+
+    def batch(self, ops: Sequence[tuple], stream: StreamLike = None) -> None:
+        """Enqueue several operations as one NCCL group: they launch together, and sends and
+        receives between the same ranks cannot deadlock on their order. Each op is a tuple
+        ``(name, *args)`` with the arguments of the method of that name (without ``stream``):
+        ``("all_gather", output, input)``, ``("reduce_scatter", output, input, op)``,
+        ``("all_reduce", tensor, op)``, ``("broadcast", tensor, root)``,
+        ``("reduce", tensor, op, root)``, ``("send", tensor, peer)``, ``("recv", tensor, peer)``.
+        Every op is checked before anything is enqueued (ValueError naming the op's index)."""
+        detached = [tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in op) for op in ops]
+        self._comm.batch(detached, self._stream(stream))
 
     def wait(self, stream: StreamLike = None, timeout: Optional[float] = None) -> None:
         """Block until the work on ``stream`` is done; DistributedError (communicator aborted)
