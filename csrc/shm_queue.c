@@ -27,6 +27,7 @@ void fsc_shm_work_release(fsc_shm_work_t *w) {
 
 static void *progress_main(void *arg) {
     fsc_shm_group_t *g = arg;
+    pthread_setname_np(pthread_self(), "fsc_progress"); /* names it in /proc, top -H, gdb */
     fsc_log_set_rank(g->rank);
     pthread_mutex_lock(&g->qmu);
     for (;;) {

@@ -96,3 +96,40 @@ def test_dead_peer_is_reported_not_hung():
     assert "rank 1" in message and ("died" in message or "dead" in message or "exited" in message), message
     assert seconds < 10, seconds
     assert shm_segments() <= before
+
+
+def _reinit_job(rank, world, tmp):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    def held():
+        with open("/proc/self/maps") as f:
+            maps = sum(1 for line in f if "/dev/shm/fsc-" in line)
+        ours = 0  # the engine's progress threads (torch's gloo keeps threads of its own per init)
+        for t in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{t}/comm") as f:
+                ours += f.read().strip() == "fsc_progress"
+        return ours, maps
+
+    counts = []
+    for cycle in range(4):
+        init = f"file://{os.path.join(tmp, f'init{cycle}')}"
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        model = FSDP(nn.Sequential(FSDP(nn.Linear(8, 8)), nn.Linear(8, 2)))
+        model(torch.randn(2, 8)).sum().backward()
+        dist.destroy_process_group()
+        counts.append(held())
+    return counts
+
+
+def test_reinitialised_process_groups_do_not_pile_up(tmp_path):
+    """Four init/train/destroy cycles of torch.distributed in one process: the engine groups of a
+    destroyed process group are released when the next one is built, so threads and shared-memory
+    mappings stay flat."""
+    from dist_utils import run_ranks
+
+    for counts in run_ranks(_reinit_job, 2, str(tmp_path), env={"FAIRSCALE_C_TIMEOUT": "60"}):
+        assert counts[-1] == counts[0] and counts[0][0] > 0 and counts[0][1] > 0, counts

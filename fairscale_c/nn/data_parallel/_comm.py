@@ -80,5 +80,20 @@ def _engine_group(process_group, role: str = "default"):
 
     key = (id(process_group), role)
     if key not in _GROUPS:
+        _release_destroyed_groups()
         _GROUPS[key] = (process_group, fdist.init_group(process_group))
     return _GROUPS[key][1]
+
+
+def _release_destroyed_groups() -> None:
+    """Destroy the engine groups of torch process groups that torch has destroyed, so a process
+    that initialises and destroys torch.distributed repeatedly (sweeps, test suites) does not
+    keep a progress thread and a shared-memory mapping per past process group. Runs where every
+    rank builds its next group, so every rank releases the same ones."""
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    if live is None:  # a torch without this registry: keep everything
+        return
+    for key, (pg, group) in list(_GROUPS.items()):
+        if pg not in live:
+            del _GROUPS[key]
+            group.destroy()
