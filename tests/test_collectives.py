@@ -253,4 +253,5 @@ def test_groups_release_everything_they_hold():
         assert after[0] <= fds, f"file descriptors {fds} -> {after[0]}"
         assert after[1] <= threads, f"threads {threads} -> {after[1]}"
         assert after[2] == maps == 0, f"/dev/shm mappings {maps} -> {after[2]}"
-        assert (after[3] - rss) * os.sysconf("SC_PAGE_SIZE") < 16 * 2**20, f"RSS pages {rss} -> {after[3]}"
+        if "asan" not in os.environ.get("LD_PRELOAD", ""):  # ASan's quarantine keeps freed memory resident
+            assert (after[3] - rss) * os.sysconf("SC_PAGE_SIZE") < 16 * 2**20, f"RSS pages {rss} -> {after[3]}"
