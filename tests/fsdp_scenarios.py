@@ -529,7 +529,114 @@ def memory_per_rank(rank, world):
             assert h.full.untyped_storage().size() == 0 and h.full.grad is None
 
 
-SCENARIOS.update({"state_save": state_save, "state_load": state_load, "memory_per_rank": memory_per_rank})
+class TangoFixture(nn.Module):
+    """The model of Tango's FairScale test fixture: 3 x [Linear(4, 4) + ReLU] blocks, Linear(4, 1),
+    MSE loss, called with keyword arguments and returning {"loss": ...}."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return {"loss": F.mse_loss(self.head(x).float().squeeze(-1), y)}
+
+
+def _tango_build(fsdp_config, seed):
+    """What a Tango-style engine does: build the model, wrap the modules whose names fully match
+    a pattern and re-attach them with add_module, wrap the root, build the optimizer over the
+    root's (flat, sharded) parameters."""
+    import re
+
+    from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(seed)
+    model = TangoFixture()
+    for name, module in list(model.named_modules()):
+        if re.fullmatch(r"blocks\.[0-9]+", name):
+            parent, _, child = name.rpartition(".")
+            model.get_submodule(parent).add_module(child, FSDP(module, **fsdp_config))
+    model = FSDP(model, **fsdp_config)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.005)
+
+
+def _tango_batches(step, rank, world):
+    """Two micro-batches of 2 items per rank per step, from 32 items (seed 317), rank-strided as
+    a DistributedSampler without shuffling gives them."""
+    g = torch.Generator().manual_seed(317)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, generator=g)
+    idx = [(step * 4 * world + 4 * rank + k) % 32 for k in range(4)]
+    return [(x[idx[:2]], y[idx[:2]]), (x[idx[2:]], y[idx[2:]])]
+
+
+def _tango_step(model, opt, step, rank, world, amp):
+    """forward_train per micro-batch (autocast, loss / n), backward, then clip and step."""
+    opt.zero_grad(set_to_none=True)
+    micro = _tango_batches(step, rank, world)
+    for x, y in micro:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = model(x=x, y=y)["loss"] / len(micro)
+        loss.backward()
+    model.clip_grad_norm_(1.0)
+    opt.step()
+
+
+def tango_engine(rank, world):
+    """Train 4 steps straight, and 2 + save per-worker checkpoints + resume into a freshly built
+    engine + 2: identical weights; the worker files consolidate into the plain model."""
+    from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    d = CKPT["dir"]
+    for amp in (False, True):
+        fsdp_config = dict(
+            reshard_after_forward=True, move_params_to_cpu=False, move_grads_to_cpu=None, mixed_precision=amp
+        )
+        straight, opt = _tango_build(fsdp_config, seed=317)
+        for step in range(4):
+            _tango_step(straight, opt, step, rank, world, amp)
+
+        model, opt = _tango_build(fsdp_config, seed=317)
+        for step in range(2):
+            _tango_step(model, opt, step, rank, world, amp)
+        ckpt = os.path.join(d, f"amp{int(amp)}")
+        os.makedirs(ckpt, exist_ok=True)
+        state = {"weights": model.local_state_dict(), "metadata": model.local_metadata_dict()}
+        _atomic_save(state, os.path.join(ckpt, f"worker{rank}_model.pt"))
+        _atomic_save(opt.state_dict(), os.path.join(ckpt, f"worker{rank}_optimizer.pt"))
+        dist.barrier()
+
+        resumed, opt = _tango_build(fsdp_config, seed=1)  # other init: all must come from the files
+        resumed.load_local_state_dict(torch.load(os.path.join(ckpt, f"worker{rank}_model.pt"))["weights"])
+        opt.load_state_dict(torch.load(os.path.join(ckpt, f"worker{rank}_optimizer.pt")))
+        for step in range(2, 4):
+            _tango_step(resumed, opt, step, rank, world, amp)
+        for (k, a), (_, b) in zip(straight.local_state_dict().items(), resumed.local_state_dict().items()):
+            assert torch.equal(a, b), f"amp={amp}: {k} differs after resuming"
+
+        # save_complete_weights_from_checkpoint: every worker's file, in worker order.
+        files = sorted(
+            (f for f in os.listdir(ckpt) if f.endswith("_model.pt")), key=lambda f: int(f[len("worker") : -9])
+        )
+        shards = [torch.load(os.path.join(ckpt, f)) for f in files]
+        full = FSDP.consolidate_shard_weights([s["weights"] for s in shards], [s["metadata"] for s in shards])
+        plain = TangoFixture()
+        missing, unexpected = plain.load_state_dict(full, strict=False)
+        assert not missing and not unexpected, (missing, unexpected)
+        x, y = _tango_batches(0, 0, 1)[0]
+        with torch.no_grad():
+            want = plain(x=x, y=y)["loss"]
+            state_model, _ = _tango_build(fsdp_config, seed=2)
+            state_model.load_local_state_dict(shards[rank]["weights"])
+            got = state_model(x=x, y=y)["loss"]
+        tol = BF16_TOL if amp else FP32_TOL  # mixed precision computes in fp16 from the same weights
+        torch.testing.assert_close(got, want, **tol)
+        dist.barrier()
+
+
+SCENARIOS.update(state_save=state_save, state_load=state_load, memory_per_rank=memory_per_rank)
+SCENARIOS.update(tango_engine=tango_engine)
 
 
 class LayerDrop(nn.Module):

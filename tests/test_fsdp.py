@@ -53,6 +53,13 @@ def test_checkpoints_across_world_sizes(tmp_path):
     assert len(osd["state"]) == len(names) and all("exp_avg" in s for s in osd["state"].values())
 
 
+def test_tango_style_engine_resumes_exactly(tmp_path):
+    """A Tango-style training engine (pattern-wrapped blocks, micro-batches, autocast, clip, AdamW
+    over the flat shards, per-worker local checkpoints written atomically): resuming from the
+    checkpoint gives bit-identical weights, and the worker files consolidate into the plain model."""
+    spawn(2, ["tango_engine"], extra=(str(tmp_path),))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_per_rank_is_one_over_world(world):
     spawn(world, ["memory_per_rank"])
