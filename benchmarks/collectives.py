@@ -9,6 +9,7 @@ and writes JSON.
     python benchmarks/collectives.py                 # 4 KiB .. 256 MiB, world 2 and 4
     python benchmarks/collectives.py --quick         # a few sizes, about a minute
     python benchmarks/collectives.py --plot out.png  # also plot (needs matplotlib)
+    python benchmarks/collectives.py --device cuda   # NCCL backend vs torch's NCCL (not yet run)
 """
 
 from __future__ import annotations
@@ -69,41 +70,55 @@ def _time_op(fn, barrier, iters: int) -> float:
     return statistics.median(samples)
 
 
-def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, q) -> None:
+def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, q, device: str = "cpu") -> None:
+    """One rank: every op and size on fairscale_c's group and on torch.distributed, same tensors.
+    On CUDA the comparison is torch's NCCL process group, and each timed call ends with a device
+    synchronisation (both libraries only enqueue)."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     import fairscale_c.distributed as fdist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=world)
     group = fdist.init_group()
-    gloo_barrier = lambda: dist.barrier()  # noqa: E731
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def timed(call):
+        return lambda: (call(), sync())
+
+    torch_barrier = lambda: dist.barrier()  # noqa: E731
     rows = []
     for nbytes in sizes:
         numel = max(world, nbytes // 4) // world * world
         for op in MEASURED:
             if op == "all_reduce":
-                t = torch.randn(numel)
+                t = torch.randn(numel, device=dev)
                 ours = lambda t=t: group.all_reduce(t)  # noqa: E731
                 gloo = lambda t=t: dist.all_reduce(t)  # noqa: E731
             elif op == "all_gather":
-                inp, out = torch.randn(numel // world), torch.empty(numel)
+                inp, out = torch.randn(numel // world, device=dev), torch.empty(numel, device=dev)
                 ours = lambda out=out, inp=inp: group.all_gather(out, inp)  # noqa: E731
                 gloo = lambda out=out, inp=inp: dist.all_gather_into_tensor(out, inp)  # noqa: E731
             elif op == "all_gather_inplace":
-                out = torch.randn(numel)
+                out = torch.randn(numel, device=dev)
                 inp = out[rank * (numel // world) : (rank + 1) * (numel // world)]
                 ours = lambda out=out, inp=inp: group.all_gather(out, inp)  # noqa: E731
                 gloo = lambda out=out, inp=inp: dist.all_gather_into_tensor(out, inp)  # noqa: E731
             else:
-                inp, out = torch.randn(numel), torch.empty(numel // world)
+                inp, out = torch.randn(numel, device=dev), torch.empty(numel // world, device=dev)
                 ours = lambda out=out, inp=inp: group.reduce_scatter(out, inp)  # noqa: E731
                 gloo = lambda out=out, inp=inp: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
+            if cuda:
+                ours, gloo = timed(ours), timed(gloo)
             iters = _iters(numel * 4, quick)
             t_ours = _time_op(ours, group.barrier, iters)
             try:
-                t_gloo = _time_op(gloo, gloo_barrier, iters)
+                t_gloo = _time_op(gloo, torch_barrier, iters)
             except Exception:  # gloo lacks some ops in some torch versions
                 t_gloo = float("nan")
             rows.append({"op": op, "bytes": numel * 4, "world": world, "t_ours": t_ours, "t_gloo": t_gloo})
@@ -113,8 +128,13 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
         q.put(rows)
 
 
-def _memcpy_bw(nbytes: int, quick: bool) -> float:
-    """Single-thread libc memcpy bandwidth (bytes copied per second)."""
+def _memcpy_bw(nbytes: int, quick: bool, device: str = "cpu") -> float:
+    """Single-thread libc memcpy bandwidth (bytes copied per second); on CUDA a device-to-device
+    copy on one GPU, synchronised."""
+    if device == "cuda":
+        src, dst = torch.randn(nbytes // 4, device="cuda"), torch.empty(nbytes // 4, device="cuda")
+        fn = lambda: (dst.copy_(src), torch.cuda.synchronize())  # noqa: E731
+        return src.numel() * 4 / _time_op(fn, lambda: None, _iters(nbytes, quick))
     src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
     n = src.numel() * 4
     fn = lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)  # noqa: E731
@@ -122,7 +142,7 @@ def _memcpy_bw(nbytes: int, quick: bool) -> float:
     return n / t
 
 
-def run(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
+def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu") -> Dict:
     ctx = mp.get_context("spawn")
     rows = []
     for world in worlds:
@@ -130,13 +150,13 @@ def run(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, quick, q)) for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, quick, q, device)) for r in range(world)]
         for p in procs:
             p.start()
         rows += q.get(timeout=3600)
         for p in procs:
             p.join()
-    memcpy = {n: _memcpy_bw(n, quick) for n in sizes}
+    memcpy = {n: _memcpy_bw(n, quick, device) for n in sizes}
     for r in rows:
         n = r["bytes"]
         f = _bus_factor(r["op"], r["world"])
@@ -155,15 +175,18 @@ def run(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
             "python": sys.version.split()[0],
         },
         "dtype": "float32",
+        "device": device,
+        "baseline": "torch nccl" if device == "cuda" else "torch gloo",
         "shm_chunk_bytes": int(os.environ.get("FAIRSCALE_C_SHM_CHUNK", 4 * MiB)),
         "rows": rows,
     }
 
 
 def print_table(result: Dict) -> None:
+    base = "nccl" if result.get("device") == "cuda" else "gloo"  # the torch backend compared against
     head = (
-        f"{'op':<19}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{'gloo busbw':>12}"
-        f"{'memcpy':>9}{'x gloo':>8}{'/memcpy':>9}"
+        f"{'op':<19}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{base + ' busbw':>12}"
+        f"{'memcpy':>9}{'x ' + base:>8}{'/memcpy':>9}"
     )
     print(head)
     print("-" * len(head))
@@ -172,7 +195,8 @@ def print_table(result: Dict) -> None:
             f"{r['op']:<19}{r['world']:>6}{_fmt_size(r['bytes']):>10}{r['algbw_ours']:>12.2f}{r['busbw_ours']:>12.2f}"
             f"{r['busbw_gloo']:>12.2f}{r['memcpy_gbps']:>9.2f}{r['vs_gloo']:>8.2f}{r['vs_memcpy']:>9.2f}"
         )
-    print("bandwidths in GB/s (1e9 bytes/s); busbw per nccl-tests; memcpy = single-thread libc memcpy")
+    roof = "device-to-device copy" if result.get("device") == "cuda" else "single-thread libc memcpy"
+    print(f"bandwidths in GB/s (1e9 bytes/s); busbw per nccl-tests; {base} = torch.distributed; memcpy = {roof}")
 
 
 def plot(result: Dict, path: str) -> None:
@@ -217,11 +241,21 @@ def main() -> None:
     ap.add_argument("--sizes", type=_parse_size, nargs="+", help="buffer sizes (e.g. 16M 64M); overrides --quick's")
     ap.add_argument("--json", default="benchmarks/results/collectives.json")
     ap.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: fairscale_c's NCCL backend against torch's NCCL process group, device-to-device copy as "
+        "the roofline (ranks share GPUs when there are fewer than the world size: NCCL >= 2.30 and "
+        "NCCL_MULTI_RANK_GPU_ENABLE=1)",
+    )
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False")
     sizes = [4 * KiB, MiB, 16 * MiB] if args.quick else [4 * KiB * 4**i for i in range(9)]  # 4 KiB .. 256 MiB
     if args.sizes:
         sizes = args.sizes
-    result = run(args.worlds, sizes, args.quick)
+    result = run(args.worlds, sizes, args.quick, args.device)
     print_table(result)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
