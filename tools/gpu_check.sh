@@ -3,7 +3,7 @@
 #
 #   tools/gpu_check.sh LOGDIR [STEP...]
 #
-# Steps (default: all but bench): env build tests demo sanitizer bench. Each step runs under a
+# Steps (default: all but bench and coll): env build tests demo sanitizer bench coll. Each step runs under a
 # time limit and goes on after a failure; the last lines print one status line per step.
 # PYTHON picks the interpreter (default python3); BENCH_ARGS are extra benchmarks/fsdp.py flags
 # (with one GPU, --world 2 needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment).
@@ -55,6 +55,11 @@ print(json.dumps(fairscale_c.build_info(), indent=1, default=str))'"
             "tests/test_fsdp_cuda.py::test_group_routes_cuda_tensors_to_nccl[1]"
         run_step racecheck 400 compute-sanitizer --tool racecheck --error-exitcode 3 \
             "$PY" -m pytest -q -x -m gpu tests/test_cuda.py -k "(norm or unscale) and not 419"
+        ;;
+    coll)
+        # 2 ranks: two GPUs, or one with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 set
+        run_step coll 400 "$PY" benchmarks/collectives.py --device cuda --worlds 2 --sizes 1M 16M 256M \
+            --json "$LOG/collectives_cuda.json"
         ;;
     bench)
         # shellcheck disable=SC2086
