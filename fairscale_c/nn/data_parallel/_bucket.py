@@ -7,6 +7,8 @@ import torch
 
 from fairscale_c import _C
 
+from ._comm import _on_side_stream, _StreamWork
+
 
 class ReduceScatterBucket:
     """One per root instance. Gradients of the same process group, dtype and reduction share a
@@ -22,8 +24,6 @@ class ReduceScatterBucket:
         op = "avg" if average else "sum"
         nbytes = grad.numel() * grad.element_size()
         if grad.is_cuda:  # on the side stream, overlapping the rest of backward
-            from .fully_sharded_data_parallel import _on_side_stream, _StreamWork
-
             ctx, side = _on_side_stream(fsdp, grad.device, fsdp.comm_rs)
             with ctx:
                 out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)

@@ -1,5 +1,6 @@
 """How FSDP reaches the collective engine: one object per process group."""
 
+import contextlib
 from typing import Any
 
 import torch
@@ -9,7 +10,7 @@ from fairscale_c import _C
 from fairscale_c.distributed._group import _DoneWork
 
 
-_HALVES = (torch.float16, torch.bfloat16)
+_CUDA_CASTS = ({torch.float32, torch.float16}, {torch.float32, torch.bfloat16})  # what cuda_cast converts
 
 
 def _local_copy(output: torch.Tensor, input: torch.Tensor) -> None:
@@ -23,7 +24,7 @@ def _local_copy(output: torch.Tensor, input: torch.Tensor) -> None:
     if (
         output.device == input.device
         and output.device.type == "cuda"
-        and {output.dtype, input.dtype} in ({torch.float32, _HALVES[0]}, {torch.float32, _HALVES[1]})
+        and {output.dtype, input.dtype} in _CUDA_CASTS
         and output.is_contiguous()
         and input.is_contiguous()
         and output.numel() == input.numel()
@@ -35,6 +36,39 @@ def _local_copy(output: torch.Tensor, input: torch.Tensor) -> None:
     alias.set_(output.untyped_storage(), output.storage_offset(), output.shape, output.stride())
     with torch.no_grad():
         alias.copy_(input)
+
+
+class _StreamWork:
+    """Collectives enqueued on FSDP's CUDA side stream: wait() makes the current stream wait for
+    them (the host never blocks)."""
+
+    __slots__ = ("event", "device")
+
+    def __init__(self, stream: "torch.cuda.Stream"):
+        self.device = stream.device
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+def _on_side_stream(fsdp: Any, device: torch.device, comm: "Comm"):
+    """Context for enqueueing `comm`'s collectives on the root's side stream for that communicator
+    and CUDA `device`, ordered after everything already on the current stream; (context, stream),
+    stream None on the CPU. One stream per communicator keeps each communicator's operations in
+    issue order on every rank; with a separate reduce-scatter group, gradient reductions and
+    all-gathers run beside each other and beside compute (as with FairScale's streams)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext(), None
+    root = getattr(fsdp, "_root", None) or fsdp
+    streams = root.__dict__.setdefault("_side_streams", {})
+    key = (device, id(comm.group))
+    side = streams.get(key)
+    if side is None:
+        side = streams[key] = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(side), side
 
 
 class Comm:

@@ -23,7 +23,7 @@ from fairscale_c import _C
 
 from . import _state_dict
 from ._bucket import ReduceScatterBucket
-from ._comm import Comm
+from ._comm import Comm, _on_side_stream, _StreamWork
 from ._comm import _local_copy as _copy  # copies/casts that keep autograd's version counters
 from .flat_param import FlatLayout, collect_params
 
@@ -58,39 +58,6 @@ def _alloc_storage(t: torch.Tensor) -> None:
     nbytes = t.numel() * t.element_size()
     if t.untyped_storage().size() != nbytes:
         t.untyped_storage().resize_(nbytes)
-
-
-class _StreamWork:
-    """Collectives enqueued on FSDP's CUDA side stream: wait() makes the current stream wait for
-    them (the host never blocks)."""
-
-    __slots__ = ("event", "device")
-
-    def __init__(self, stream: "torch.cuda.Stream"):
-        self.device = stream.device
-        self.event = torch.cuda.Event()
-        self.event.record(stream)
-
-    def wait(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-
-
-def _on_side_stream(fsdp: "FullyShardedDataParallel", device: torch.device, comm: Comm):
-    """Context for enqueueing `comm`'s collectives on the root's side stream for that communicator
-    and CUDA `device`, ordered after everything already on the current stream; (context, stream),
-    stream None on the CPU. One stream per communicator keeps each communicator's operations in
-    issue order on every rank; with a separate reduce-scatter group, gradient reductions and
-    all-gathers run beside each other and beside compute (as with FairScale's streams)."""
-    if device.type != "cuda":
-        return contextlib.nullcontext(), None
-    root = getattr(fsdp, "_root", None) or fsdp
-    streams = root.__dict__.setdefault("_side_streams", {})
-    key = (device, id(comm.group))
-    side = streams.get(key)
-    if side is None:
-        side = streams[key] = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    return torch.cuda.stream(side), side
 
 
 class _Handle:
@@ -233,7 +200,6 @@ class FullyShardedDataParallel(nn.Module):
                         f"{mode} mode expects every parameter to be {want}"
                     )
 
-    @torch.no_grad()
     def _reduce_scatter_comm(self, pg: Any) -> Comm:
         """FairScale's rule: ProcessGroupName.reduce_scatter (the default) gives reduce-scatters a
         group of their own over the same ranks, ProcessGroupName.default or None reuses
@@ -258,6 +224,7 @@ class FullyShardedDataParallel(nn.Module):
             return self.comm
         return Comm(pg)
 
+    @torch.no_grad()
     def _make_shard(self, layout: FlatLayout, device: torch.device) -> torch.Tensor:
         """Copy this rank's slice of the flattened parameters into a fresh padded shard (in C) and
         release the original parameters' storage."""
