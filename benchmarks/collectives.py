@@ -1,5 +1,6 @@
 """CPU collectives: fairscale_c's shared-memory engine vs torch.distributed gloo, same tensors,
-same run, plus single-process memcpy as the roofline.
+same run, plus single-process memcpy as the roofline, and memcpy with every rank copying at
+once (what one rank can copy while its peers copy too).
 
 Reports algorithm and bus bandwidth as nccl-tests defines them (S = bytes of the full buffer:
 all_reduce the tensor, all_gather the output, reduce_scatter the input; algbw = S / t;
@@ -122,6 +123,15 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
             except Exception:  # gloo lacks some ops in some torch versions
                 t_gloo = float("nan")
             rows.append({"op": op, "bytes": numel * 4, "world": world, "t_ours": t_ours, "t_gloo": t_gloo})
+        if not cuda:
+            # Every rank copies S bytes at the same moment: on a shared memory bus this is the
+            # bandwidth a collective's copies actually get.
+            src, dst = torch.randn(numel), torch.empty(numel)
+            fn = lambda src=src, dst=dst, n=numel * 4: ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)  # noqa: E731
+            t_copy = _time_op(fn, group.barrier, _iters(numel * 4, quick))
+            for r in rows:
+                if r["world"] == world and r["bytes"] == numel * 4:
+                    r["memcpy_all_gbps"] = numel * 4 / t_copy / 1e9
     group.destroy()
     dist.destroy_process_group()
     if rank == 0:
@@ -167,6 +177,8 @@ def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu") -
         r["memcpy_gbps"] = memcpy[min(memcpy, key=lambda s: abs(s - n))] / 1e9
         r["vs_gloo"] = r["busbw_ours"] / r["busbw_gloo"]
         r["vs_memcpy"] = r["busbw_ours"] / r["memcpy_gbps"]
+        if "memcpy_all_gbps" in r:
+            r["vs_memcpy_all"] = r["busbw_ours"] / r["memcpy_all_gbps"]
     return {
         "machine": {
             "cpus": os.cpu_count(),
@@ -186,17 +198,20 @@ def print_table(result: Dict) -> None:
     base = "nccl" if result.get("device") == "cuda" else "gloo"  # the torch backend compared against
     head = (
         f"{'op':<19}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{base + ' busbw':>12}"
-        f"{'memcpy':>9}{'x ' + base:>8}{'/memcpy':>9}"
+        f"{'memcpy':>9}{'memcpy/all':>11}{'x ' + base:>8}{'/memcpy':>9}{'/m.all':>8}"
     )
     print(head)
     print("-" * len(head))
     for r in result["rows"]:
         print(
             f"{r['op']:<19}{r['world']:>6}{_fmt_size(r['bytes']):>10}{r['algbw_ours']:>12.2f}{r['busbw_ours']:>12.2f}"
-            f"{r['busbw_gloo']:>12.2f}{r['memcpy_gbps']:>9.2f}{r['vs_gloo']:>8.2f}{r['vs_memcpy']:>9.2f}"
+            f"{r['busbw_gloo']:>12.2f}{r['memcpy_gbps']:>9.2f}{r.get('memcpy_all_gbps', float('nan')):>11.2f}"
+            f"{r['vs_gloo']:>8.2f}{r['vs_memcpy']:>9.2f}{r.get('vs_memcpy_all', float('nan')):>8.2f}"
         )
     roof = "device-to-device copy" if result.get("device") == "cuda" else "single-thread libc memcpy"
     print(f"bandwidths in GB/s (1e9 bytes/s); busbw per nccl-tests; {base} = torch.distributed; memcpy = {roof}")
+    if result.get("device") != "cuda":
+        print("memcpy/all = the same memcpy run by every rank of the world at once (per-rank bandwidth)")
 
 
 def plot(result: Dict, path: str) -> None:
@@ -223,6 +238,8 @@ def plot(result: Dict, path: str) -> None:
                 )
             ax.plot(x, [r["busbw_gloo"] for r in rows], "s-", label="torch gloo")
             ax.plot(x, [r["memcpy_gbps"] for r in rows], "k--", label="memcpy (1 thread)")
+            if all("memcpy_all_gbps" in r for r in rows):
+                ax.plot(x, [r["memcpy_all_gbps"] for r in rows], "k:", label="memcpy (every rank at once)")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{op}, world {w}")

@@ -1,12 +1,14 @@
 /* nccl.c — NCCL backend: dlopen'ed libnccl, non-blocking communicators, collectives on caller
- * streams, and waits that poll ncclCommGetAsyncError so a dead peer becomes an error, not a
- * hang. The NCCL ABI below is declared from the documented nccl.h; no header is needed. */
+ * streams, waits that poll ncclCommGetAsyncError, and a watchdog thread per communicator, so a
+ * dead peer becomes an error, not a hang, even when the host never waits. The NCCL ABI below is
+ * declared from the documented nccl.h; no header is needed. */
 #include "nccl.h"
 
 #include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -215,14 +217,34 @@ fsc_status_t fsc_nccl_get_unique_id(unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]) 
 
 typedef enum { COMM_ALIVE = 0, COMM_ABORTED, COMM_DESTROYED } comm_state_t;
 
+#define WD_MAX_PENDING 1024   /* operations the watchdog tracks at once; later ones go untracked */
+#define WD_POLL_NS 100000000L /* watchdog period: 100 ms */
+
+/* An enqueued operation the watchdog has not yet seen complete: an event recorded on its
+ * stream right after it, and when it was enqueued. */
+typedef struct {
+    fsc_gpu_event_t ev;
+    fsc_comm_op_t op;
+    uint64_t seq;
+    double t;
+} pending_op_t;
+
 struct fsc_nccl_comm {
-    pthread_mutex_t lock; /* serialises every NCCL call on `comm` */
+    pthread_mutex_t lock; /* serialises every NCCL call on `comm`, and guards everything below */
     nccl_comm_h comm;     /* NULL once aborted or destroyed */
     int rank, nranks, device;
     comm_state_t state;
     char why_dead[768];    /* the error that aborted it */
     fsc_comm_op_t last_op; /* last operation enqueued, for wait's messages */
     uint64_t nops;         /* operations enqueued so far */
+    double op_timeout;     /* an operation older than this makes the watchdog abort */
+    /* watchdog (see watchdog_main): a ring of pending operations, oldest at pend_head */
+    pending_op_t *pending;
+    size_t pend_head, pend_count;
+    uint64_t untracked; /* operations enqueued while the ring was full or an event failed */
+    pthread_t wd_thread;
+    pthread_cond_t wd_cv;
+    int wd_started, wd_stop;
 };
 
 int fsc_nccl_comm_rank(const fsc_nccl_comm_t *c) {
@@ -305,6 +327,125 @@ static fsc_status_t dead_error(const fsc_nccl_comm_t *c, const char *what) {
     return fsc_error(FSC_ERR_COMM, "nccl %s: the communicator was aborted earlier: %s", what, c->why_dead);
 }
 
+/* ---- watchdog ----------------------------------------------------------------------------------
+ * FSDP on CUDA never waits on the host, so a peer that dies mid-collective would otherwise leave
+ * this rank's NCCL kernels spinning, and the next loss.item() or synchronize() blocked for good.
+ * Each enqueued operation is followed by an event; a thread per communicator checks every
+ * 100 ms the communicator's asynchronous error state and the age of the oldest operation whose
+ * event has not fired. An error, or an operation older than the timeout, aborts the
+ * communicator: NCCL's kernels then return, the blocked host call comes back, and the next call
+ * on the communicator raises with the reason. Everything below runs under c->lock. */
+
+/* Drop the operations at the head of the ring that have completed. */
+static void reap_locked(fsc_nccl_comm_t *c) {
+    while (c->pend_count > 0) {
+        pending_op_t *p = &c->pending[c->pend_head];
+        int done = 0;
+        if (fsc_gpu_event_query(c->device, p->ev, &done) == FSC_OK && !done) return;
+        fsc_gpu_event_destroy(c->device, p->ev); /* done, or unqueryable: stop tracking it */
+        c->pend_head = (c->pend_head + 1) % WD_MAX_PENDING;
+        c->pend_count--;
+    }
+}
+
+/* Record an event after the operation just enqueued on `stream`. Never fails the operation:
+ * when the ring is full or the event cannot be made, the operation goes untracked (an older
+ * tracked one still exposes a hang). */
+static void track_locked(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_stream_t stream) {
+    fsc_gpu_event_t ev = NULL;
+    reap_locked(c);
+    if (c->pending == NULL || c->pend_count == WD_MAX_PENDING ||
+        fsc_gpu_event_record(c->device, stream, &ev) != FSC_OK) {
+        if (c->untracked++ == 0)
+            FSC_WARN("nccl", "rank %d of %d: watchdog cannot track %s #%llu (%s)", c->rank, c->nranks,
+                     fsc_comm_op_name(op), (unsigned long long)c->nops,
+                     c->pend_count == WD_MAX_PENDING ? "too many pending operations" : fsc_last_error());
+        return;
+    }
+    pending_op_t *p = &c->pending[(c->pend_head + c->pend_count) % WD_MAX_PENDING];
+    p->ev = ev;
+    p->op = op;
+    p->seq = c->nops;
+    p->t = fsc_comm_now();
+    c->pend_count++;
+}
+
+static void watchdog_check_locked(fsc_nccl_comm_t *c) {
+    fsc_gpu_ctx_t g;
+    if (fsc_gpu_ctx_enter(c->device, &g) != FSC_OK) return;
+    nccl_result_t async = NCCL_OK;
+    nccl_result_t q = nccl.CommGetAsyncError(c->comm, &async);
+    nccl_result_t r = q != NCCL_OK ? q : async;
+    if (r != NCCL_OK && r != NCCL_IN_PROGRESS) {
+        char what[96];
+        snprintf(what, sizeof(what), "operation (watchdog, after %s #%llu)", fsc_comm_op_name(c->last_op),
+                 (unsigned long long)c->nops);
+        fail_locked(c, r, what, 1);
+    } else {
+        reap_locked(c);
+        if (c->pend_count > 0) {
+            const pending_op_t *p = &c->pending[c->pend_head];
+            double age = fsc_comm_now() - p->t;
+            if (age > c->op_timeout) {
+                char msg[384];
+                snprintf(msg, sizeof(msg),
+                         "nccl watchdog on rank %d of %d (cuda:%d): %s #%llu has not completed %.1f s after it "
+                         "was enqueued (timeout %g s, FAIRSCALE_C_TIMEOUT); a peer has probably died or stopped "
+                         "issuing collectives",
+                         c->rank, c->nranks, c->device, fsc_comm_op_name(p->op), (unsigned long long)p->seq, age,
+                         c->op_timeout);
+                abort_locked(c, msg);
+            }
+        }
+    }
+    fsc_gpu_ctx_exit(&g);
+}
+
+/* Set at process exit: the driver and NCCL may be tearing down, so watchdogs stop touching them. */
+static _Atomic int wd_exiting;
+static pthread_once_t wd_atexit_once = PTHREAD_ONCE_INIT;
+static void wd_at_exit(void) {
+    atomic_store(&wd_exiting, 1);
+}
+static void wd_register_atexit(void) {
+    atexit(wd_at_exit);
+}
+
+static void *watchdog_main(void *arg) {
+    fsc_nccl_comm_t *c = arg;
+    pthread_setname_np(pthread_self(), "fsc_nccl_wd");
+    fsc_log_set_rank(c->rank);
+    pthread_mutex_lock(&c->lock);
+    while (!c->wd_stop && c->state == COMM_ALIVE) {
+        struct timespec abs;
+        clock_gettime(CLOCK_REALTIME, &abs);
+        abs.tv_nsec += WD_POLL_NS;
+        if (abs.tv_nsec >= 1000000000L) {
+            abs.tv_sec++;
+            abs.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&c->wd_cv, &c->lock, &abs);
+        if (!c->wd_stop && c->state == COMM_ALIVE && !atomic_load(&wd_exiting)) watchdog_check_locked(c);
+    }
+    pthread_mutex_unlock(&c->lock);
+    return NULL;
+}
+
+/* Stop and join the watchdog (idempotent), then release the events it still tracked. */
+static void watchdog_stop(fsc_nccl_comm_t *c) {
+    pthread_mutex_lock(&c->lock);
+    int started = c->wd_started;
+    c->wd_stop = 1;
+    c->wd_started = 0;
+    pthread_cond_broadcast(&c->wd_cv);
+    pthread_mutex_unlock(&c->lock);
+    if (started) pthread_join(c->wd_thread, NULL);
+    for (; c->pend_count > 0; c->pend_count--) {
+        fsc_gpu_event_destroy(c->device, c->pending[c->pend_head].ev);
+        c->pend_head = (c->pend_head + 1) % WD_MAX_PENDING;
+    }
+}
+
 fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES], int rank, int nranks, int device,
                                 double timeout_s, fsc_nccl_comm_t **out) {
     fsc_status_t st = FSC_OK;
@@ -318,9 +459,13 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     fsc_nccl_comm_t *c = calloc(1, sizeof(*c));
     if (c == NULL) FSC_CHECK_GOTO(fsc_error(FSC_ERR_NOMEM, "nccl init: out of memory"), st, exit);
     pthread_mutex_init(&c->lock, NULL);
+    pthread_cond_init(&c->wd_cv, NULL);
     c->rank = rank;
     c->nranks = nranks;
     c->device = device;
+    c->op_timeout = timeout_s > 0 ? timeout_s : fsc_comm_timeout_s();
+    c->pending = calloc(WD_MAX_PENDING, sizeof(pending_op_t));
+    if (c->pending == NULL) FSC_CHECK_GOTO(fsc_error(FSC_ERR_NOMEM, "nccl init: out of memory"), st, fail);
     memcpy(uid.internal, id, FSC_NCCL_UNIQUE_ID_BYTES);
 
     double deadline = deadline_after(timeout_s);
@@ -338,6 +483,13 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     st = settle_locked(c, r, "init", deadline, 1);
     pthread_mutex_unlock(&c->lock);
     if (st != FSC_OK) goto fail;
+    pthread_once(&wd_atexit_once, wd_register_atexit);
+    int rc = pthread_create(&c->wd_thread, NULL, watchdog_main, c);
+    if (rc != 0) {
+        st = fsc_error(FSC_ERR_SYSTEM, "nccl init: cannot start the watchdog thread: %s", strerror(rc));
+        goto fail;
+    }
+    c->wd_started = 1;
     FSC_INFO("nccl", "rank %d of %d joined on cuda:%d", rank, nranks, device);
     *out = c;
     goto exit;
@@ -406,12 +558,15 @@ static fsc_status_t op_begin(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_gpu_ctx_t
     return st;
 }
 
-/* Settle the enqueue result `r`, count the op, restore the context and unlock. */
-static fsc_status_t op_end(fsc_nccl_comm_t *c, fsc_comm_op_t op, nccl_result_t r, fsc_gpu_ctx_t *g) {
+/* Settle the enqueue result `r` of an operation on `stream`, count and track it, restore the
+ * context and unlock. */
+static fsc_status_t op_end(fsc_nccl_comm_t *c, fsc_comm_op_t op, nccl_result_t r, fsc_stream_t stream,
+                           fsc_gpu_ctx_t *g) {
     fsc_status_t st = settle_locked(c, r, fsc_comm_op_name(op), deadline_after(0), 0);
     if (st == FSC_OK) {
         c->last_op = op;
         c->nops++;
+        track_locked(c, op, stream);
     }
     fsc_gpu_ctx_exit(g);
     pthread_mutex_unlock(&c->lock);
@@ -454,7 +609,7 @@ fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const
     FSC_CHECK(op_begin(c, FSC_OP_ALL_GATHER, &g));
     nccl_result_t r =
         nccl.AllGather(input->data, output->data, (size_t)input->numel, dt_in, c->comm, (cuda_stream_h)stream);
-    return op_end(c, FSC_OP_ALL_GATHER, r, &g);
+    return op_end(c, FSC_OP_ALL_GATHER, r, stream, &g);
 }
 
 fsc_status_t fsc_nccl_reduce_scatter(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
@@ -465,7 +620,7 @@ fsc_status_t fsc_nccl_reduce_scatter(fsc_nccl_comm_t *c, fsc_tensor_t *output, c
     FSC_CHECK(op_begin(c, FSC_OP_REDUCE_SCATTER, &g));
     nccl_result_t r = nccl.ReduceScatter(input->data, output->data, (size_t)output->numel, dt_in, nccl_redop(op),
                                          c->comm, (cuda_stream_h)stream);
-    return op_end(c, FSC_OP_REDUCE_SCATTER, r, &g);
+    return op_end(c, FSC_OP_REDUCE_SCATTER, r, stream, &g);
 }
 
 fsc_status_t fsc_nccl_all_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, fsc_stream_t stream) {
@@ -475,7 +630,7 @@ fsc_status_t fsc_nccl_all_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_r
     FSC_CHECK(op_begin(c, FSC_OP_ALL_REDUCE, &g));
     nccl_result_t r = nccl.AllReduce(tensor->data, tensor->data, (size_t)tensor->numel, dt, nccl_redop(op), c->comm,
                                      (cuda_stream_h)stream);
-    return op_end(c, FSC_OP_ALL_REDUCE, r, &g);
+    return op_end(c, FSC_OP_ALL_REDUCE, r, stream, &g);
 }
 
 fsc_status_t fsc_nccl_broadcast(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int root, fsc_stream_t stream) {
@@ -486,7 +641,7 @@ fsc_status_t fsc_nccl_broadcast(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int ro
     FSC_CHECK(op_begin(c, FSC_OP_BROADCAST, &g));
     nccl_result_t r =
         nccl.Broadcast(tensor->data, tensor->data, (size_t)tensor->numel, dt, root, c->comm, (cuda_stream_h)stream);
-    return op_end(c, FSC_OP_BROADCAST, r, &g);
+    return op_end(c, FSC_OP_BROADCAST, r, stream, &g);
 }
 
 fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, int root,
@@ -498,7 +653,7 @@ fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduc
     FSC_CHECK(op_begin(c, FSC_OP_REDUCE, &g));
     nccl_result_t r = nccl.Reduce(tensor->data, tensor->data, (size_t)tensor->numel, dt, nccl_redop(op), root, c->comm,
                                   (cuda_stream_h)stream);
-    return op_end(c, FSC_OP_REDUCE, r, &g);
+    return op_end(c, FSC_OP_REDUCE, r, stream, &g);
 }
 
 /* ncclSend / ncclRecv inside ncclGroupStart/End: required for point-to-point so that NCCL
@@ -517,7 +672,7 @@ static fsc_status_t p2p(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_tensor_t *t, i
         r = nccl.GroupEnd(); /* always close the group, even after a failed call inside it */
         if (r2 != NCCL_OK && r2 != NCCL_IN_PROGRESS) r = r2;
     }
-    return op_end(c, op, r, &g);
+    return op_end(c, op, r, stream, &g);
 }
 
 fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, fsc_stream_t stream) {
@@ -596,7 +751,7 @@ fsc_status_t fsc_nccl_batch(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t
         r = nccl.GroupEnd(); /* always close the group, even after a failed call inside it */
         if (first != NCCL_OK) r = first;
     }
-    return op_end(c, last, r, &g);
+    return op_end(c, last, r, stream, &g);
 }
 
 /* ---- waiting and teardown -------------------------------------------------------------------- */
@@ -681,9 +836,12 @@ unlock:
 
 void fsc_nccl_comm_free(fsc_nccl_comm_t *c) {
     if (c == NULL) return;
+    watchdog_stop(c);
     pthread_mutex_lock(&c->lock);
     if (c->comm != NULL) abort_locked(c, "released without destroy()");
     pthread_mutex_unlock(&c->lock);
+    pthread_cond_destroy(&c->wd_cv);
     pthread_mutex_destroy(&c->lock);
+    free(c->pending);
     free(c);
 }

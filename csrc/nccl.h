@@ -1,5 +1,6 @@
 /* nccl.h — the collective engine's NCCL backend: libnccl loaded at run time, one non-blocking
- * communicator per group, collectives enqueued on caller streams, error-polling waits. */
+ * communicator per group, collectives enqueued on caller streams, error-polling waits, and a
+ * watchdog thread per communicator. */
 #ifndef FSC_NCCL_H
 #define FSC_NCCL_H
 
@@ -38,7 +39,13 @@ fsc_status_t fsc_nccl_get_unique_id(unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]);
  * the new communicator in *out. Non-blocking communicator (ncclCommInitRankConfig with
  * blocking=0) where the library has it, else ncclCommInitRank. Blocks until every rank has
  * joined or `timeout_s` (<= 0: fsc_comm_timeout_s()) has passed; on error or timeout the
- * half-made communicator is aborted and FSC_ERR_COMM / FSC_ERR_TIMEOUT returned. */
+ * half-made communicator is aborted and FSC_ERR_COMM / FSC_ERR_TIMEOUT returned.
+ * The new communicator has a watchdog thread ("fsc_nccl_wd") that every 100 ms polls NCCL's
+ * asynchronous error state and the oldest enqueued operation that has not completed (an event
+ * is recorded after each). An NCCL error, or an operation still pending `timeout_s` after it
+ * was enqueued, aborts the communicator, so device work waiting on a dead peer ends and the
+ * host never blocks for good; the next call on the communicator returns FSC_ERR_COMM with the
+ * reason. */
 fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES], int rank, int nranks, int device,
                                 double timeout_s, fsc_nccl_comm_t **out);
 

@@ -347,12 +347,31 @@ def _nccl_worker(rank, size, devices, env, q, results, scenario):
 
         dev = devices[rank]
         torch.cuda.set_device(dev)
-        be = NcclBackend(rank, size, _make_exchange(rank, size, q), device=dev, timeout=120)
+        timeout = 5 if scenario == "watchdog" else 120
+        be = NcclBackend(rank, size, _make_exchange(rank, size, q), device=dev, timeout=timeout)
         assert be.rank == rank and be.size == size and be.version > 0
         if scenario == "collectives":
             _check_collectives(be, rank, size, dev)
             be.destroy()
             be.destroy()  # idempotent
+        elif scenario == "watchdog":
+            # rank 1 dies mid-training; rank 0 only enqueues (as FSDP does) and then blocks in a
+            # host synchronisation, which must come back once the watchdog aborts the
+            # communicator (an NCCL error, or the 5 s timeout), not hang
+            be.barrier()
+            if rank == 1:
+                results.put((rank, "ok"))
+                results.close()
+                results.join_thread()
+                os._exit(0)
+            t = torch.ones(1 << 20, device=torch.device("cuda", dev))
+            time.sleep(1.0)
+            start = time.monotonic()
+            for _ in range(3):
+                be.all_reduce(t, "sum")
+            torch.cuda.synchronize()
+            assert time.monotonic() - start < 60, f"synchronize came back after {time.monotonic() - start:.0f} s"
+            _expect(lambda: be.all_reduce(t, "sum"), DistributedError, "aborted")
         else:  # "dead_peer": rank 1 never joins the all_reduce; rank 0 must time out, not hang
             be.barrier()
             if rank == 0:
@@ -401,3 +420,9 @@ def test_nccl_two_rank_collectives():
 @needs_cuda
 def test_nccl_dead_peer_times_out_and_aborts():
     _run_ranks("dead_peer")
+
+
+@gpu
+@needs_cuda
+def test_nccl_watchdog_unblocks_a_survivor_that_never_waits():
+    _run_ranks("watchdog")

@@ -45,6 +45,9 @@ class NcclBackend:
     (rank 0 passes the bytes, the others ``None``); it carries the 128-byte NCCL unique id.
     Construction blocks until every rank has joined or ``timeout`` seconds (default
     ``FAIRSCALE_C_TIMEOUT``) have passed. ``device`` defaults to torch's current CUDA device.
+    A watchdog thread aborts the communicator on an NCCL error, or when an enqueued operation is
+    still unfinished ``timeout`` seconds later, so a dead peer cannot leave the device (and a host
+    synchronisation) waiting forever; the next call then raises ``DistributedError``.
     """
 
     def __init__(

@@ -13,17 +13,7 @@
 #include "../../csrc/half.h"
 #include "../../csrc/shm.h"
 #include "../../csrc/shm_reduce.h"
-
-static int failures = 0;
-#define EXPECT(cond, ...)                                        \
-    do {                                                         \
-        if (!(cond)) {                                           \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                        \
-            fprintf(stderr, "\n");                               \
-            failures++;                                          \
-        }                                                        \
-    } while (0)
+#include "expect.h"
 
 /* ---- element access by dtype ---- */
 static double get(const void *p, fsc_dtype_t dt, size_t i) {

@@ -1,0 +1,362 @@
+/* fake_cuda_nccl.c — a stand-in for libcuda.so.1 and libnccl.so.2, so the NCCL backend's error
+ * handling (non-blocking init, async errors, the watchdog, abort) runs on machines without a
+ * GPU. Built as one shared object that the tests reach under both names (symlinks), so the
+ * driver half and the NCCL half share state. "Device memory" is host memory; communicators have
+ * one rank, whose collectives copy input to output on the spot.
+ *
+ * fake_set_mode() picks what the next collectives do:
+ *   FAKE_OK          complete at once;
+ *   FAKE_HANG        never complete: events recorded after them on the same stream stay
+ *                    unfired, and cuStreamSynchronize blocks, until the communicator is aborted
+ *                    (as NCCL's kernels spin until a dead peer's data arrives or ncclCommAbort);
+ *   FAKE_ASYNC_ERROR hang, and 0.2 s later ncclCommGetAsyncError reports ncclRemoteError. */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2 };
+
+/* ncclResult_t / CUresult values used here */
+#define R_OK 0
+#define R_NCCL_INVALID_ARGUMENT 4
+#define R_NCCL_REMOTE_ERROR 6
+#define R_NCCL_IN_PROGRESS 7
+#define R_CU_NOT_READY 600
+#define R_CU_NOT_SUPPORTED 801
+
+#define MAX_COMMS 64
+
+typedef struct {
+    int used, hung, aborted;
+    int init_polls; /* ncclCommGetAsyncError answers ncclInProgress this many more times */
+    double err_at;  /* > 0: report ncclRemoteError from this time on */
+} comm_t;
+
+typedef struct {
+    comm_t *blocked_by; /* a hung collective was enqueued on this stream */
+} stream_t;
+
+typedef struct {
+    comm_t *blocked_by; /* fires once that communicator stops hanging */
+} event_t;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static comm_t comms[MAX_COMMS];
+static stream_t default_stream;
+static int mode, aborts, live_events, ctx_token;
+static _Thread_local void *current_ctx;
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static stream_t *stream_of(void *s) {
+    return s ? (stream_t *)s : &default_stream;
+}
+
+static int blocked(const comm_t *c) {
+    return c != NULL && c->hung;
+}
+
+/* ---- control (called by the tests through dlsym) ---- */
+
+EXPORT void fake_set_mode(int m) {
+    pthread_mutex_lock(&mu);
+    mode = m;
+    pthread_mutex_unlock(&mu);
+}
+
+EXPORT int fake_aborts(void) {
+    pthread_mutex_lock(&mu);
+    int n = aborts;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+EXPORT int fake_live_events(void) {
+    pthread_mutex_lock(&mu);
+    int n = live_events;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* ---- driver ---- */
+
+EXPORT int cuInit(unsigned int flags) {
+    (void)flags;
+    return R_OK;
+}
+EXPORT int cuDriverGetVersion(int *v) {
+    *v = 13000;
+    return R_OK;
+}
+EXPORT int cuDeviceGetCount(int *n) {
+    *n = 1;
+    return R_OK;
+}
+EXPORT int cuDeviceGet(int *dev, int ordinal) {
+    *dev = ordinal;
+    return R_OK;
+}
+EXPORT int cuDevicePrimaryCtxRetain(void **ctx, int dev) {
+    (void)dev;
+    *ctx = &ctx_token;
+    return R_OK;
+}
+EXPORT int cuCtxGetCurrent(void **ctx) {
+    *ctx = current_ctx;
+    return R_OK;
+}
+EXPORT int cuCtxSetCurrent(void *ctx) {
+    current_ctx = ctx;
+    return R_OK;
+}
+EXPORT int cuCtxPushCurrent_v2(void *ctx) {
+    current_ctx = ctx; /* one level is all the backend uses */
+    return R_OK;
+}
+EXPORT int cuCtxPopCurrent_v2(void **ctx) {
+    if (ctx) *ctx = current_ctx;
+    current_ctx = NULL;
+    return R_OK;
+}
+EXPORT int cuModuleLoadData(void **mod, const void *image) {
+    (void)mod, (void)image;
+    return R_CU_NOT_SUPPORTED;
+}
+EXPORT int cuModuleGetFunction(void **fn, void *mod, const char *name) {
+    (void)fn, (void)mod, (void)name;
+    return R_CU_NOT_SUPPORTED;
+}
+EXPORT int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                          unsigned shmem, void *stream, void **params, void **extra) {
+    (void)f, (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)stream, (void)params,
+        (void)extra;
+    return R_CU_NOT_SUPPORTED;
+}
+EXPORT int cuStreamCreate(void **s, unsigned int flags) {
+    (void)flags;
+    static stream_t pool[64];
+    static int next;
+    pthread_mutex_lock(&mu);
+    int i = next++ % 64;
+    pthread_mutex_unlock(&mu);
+    memset(&pool[i], 0, sizeof(pool[i]));
+    *s = &pool[i];
+    return R_OK;
+}
+EXPORT int cuStreamDestroy_v2(void *s) {
+    (void)s;
+    return R_OK;
+}
+EXPORT int cuStreamWaitEvent(void *s, void *ev, unsigned int flags) {
+    (void)flags;
+    pthread_mutex_lock(&mu);
+    event_t *e = ev;
+    if (blocked(e->blocked_by)) stream_of(s)->blocked_by = e->blocked_by;
+    pthread_mutex_unlock(&mu);
+    return R_OK;
+}
+/* Blocks while a hung collective is on the stream (at most 30 s, so a broken watchdog fails
+ * the test instead of hanging it). */
+EXPORT int cuStreamSynchronize(void *s) {
+    double give_up = now() + 30.0;
+    for (;;) {
+        pthread_mutex_lock(&mu);
+        int b = blocked(stream_of(s)->blocked_by);
+        pthread_mutex_unlock(&mu);
+        if (!b || now() > give_up) return b ? R_CU_NOT_READY : R_OK;
+        struct timespec nap = {0, 1000000};
+        nanosleep(&nap, NULL);
+    }
+}
+EXPORT int cuStreamQuery(void *s) {
+    pthread_mutex_lock(&mu);
+    int b = blocked(stream_of(s)->blocked_by);
+    pthread_mutex_unlock(&mu);
+    return b ? R_CU_NOT_READY : R_OK;
+}
+EXPORT int cuEventCreate(void **ev, unsigned int flags) {
+    (void)flags;
+    static event_t pool[4096];
+    static int next;
+    pthread_mutex_lock(&mu);
+    int i = next++ % 4096;
+    live_events++;
+    pthread_mutex_unlock(&mu);
+    memset(&pool[i], 0, sizeof(pool[i]));
+    *ev = &pool[i];
+    return R_OK;
+}
+EXPORT int cuEventRecord(void *ev, void *s) {
+    pthread_mutex_lock(&mu);
+    comm_t *c = stream_of(s)->blocked_by;
+    ((event_t *)ev)->blocked_by = blocked(c) ? c : NULL;
+    pthread_mutex_unlock(&mu);
+    return R_OK;
+}
+EXPORT int cuEventQuery(void *ev) {
+    pthread_mutex_lock(&mu);
+    int b = blocked(((event_t *)ev)->blocked_by);
+    pthread_mutex_unlock(&mu);
+    return b ? R_CU_NOT_READY : R_OK;
+}
+EXPORT int cuEventDestroy_v2(void *ev) {
+    (void)ev;
+    pthread_mutex_lock(&mu);
+    live_events--;
+    pthread_mutex_unlock(&mu);
+    return R_OK;
+}
+EXPORT int cuGetErrorName(int r, const char **s) {
+    *s = r == R_CU_NOT_READY ? "CUDA_ERROR_NOT_READY" : r == 0 ? "CUDA_SUCCESS" : "CUDA_ERROR_NOT_SUPPORTED";
+    return R_OK;
+}
+EXPORT int cuGetErrorString(int r, const char **s) {
+    *s = r == 0 ? "no error" : "fake driver";
+    return R_OK;
+}
+
+/* ---- NCCL ---- */
+
+typedef struct {
+    char internal[128];
+} unique_id_t;
+
+EXPORT int ncclGetVersion(int *v) {
+    *v = 23102;
+    return R_OK;
+}
+EXPORT int ncclGetUniqueId(unique_id_t *id) {
+    memset(id, 0x5a, sizeof(*id));
+    return R_OK;
+}
+static int new_comm(void **out, int nranks, int rank, int polls) {
+    if (nranks != 1 || rank != 0) return R_NCCL_INVALID_ARGUMENT; /* one-rank communicators only */
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_COMMS; i++) {
+        if (!comms[i].used) {
+            memset(&comms[i], 0, sizeof(comms[i]));
+            comms[i].used = 1;
+            comms[i].init_polls = polls;
+            *out = &comms[i];
+            pthread_mutex_unlock(&mu);
+            return polls ? R_NCCL_IN_PROGRESS : R_OK;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return R_NCCL_INVALID_ARGUMENT;
+}
+EXPORT int ncclCommInitRank(void **comm, int nranks, unique_id_t id, int rank) {
+    (void)id;
+    return new_comm(comm, nranks, rank, 0);
+}
+/* Non-blocking, as with config.blocking = 0: the caller polls ncclCommGetAsyncError. */
+EXPORT int ncclCommInitRankConfig(void **comm, int nranks, unique_id_t id, int rank, void *config) {
+    (void)id, (void)config;
+    return new_comm(comm, nranks, rank, 3);
+}
+EXPORT int ncclCommGetAsyncError(void *comm, int *async) {
+    comm_t *c = comm;
+    pthread_mutex_lock(&mu);
+    if (c->init_polls > 0) {
+        c->init_polls--;
+        *async = R_NCCL_IN_PROGRESS;
+    } else {
+        *async = (c->err_at > 0 && now() >= c->err_at) ? R_NCCL_REMOTE_ERROR : R_OK;
+    }
+    pthread_mutex_unlock(&mu);
+    return R_OK;
+}
+EXPORT int ncclCommAbort(void *comm) {
+    comm_t *c = comm;
+    pthread_mutex_lock(&mu);
+    c->hung = 0; /* NCCL's kernels see the abort flag and return */
+    c->aborted = 1;
+    c->used = 0;
+    aborts++;
+    pthread_mutex_unlock(&mu);
+    return R_OK;
+}
+EXPORT int ncclCommFinalize(void *comm) {
+    (void)comm;
+    return R_OK;
+}
+EXPORT int ncclCommDestroy(void *comm) {
+    comm_t *c = comm;
+    pthread_mutex_lock(&mu);
+    c->used = 0;
+    pthread_mutex_unlock(&mu);
+    return R_OK;
+}
+EXPORT const char *ncclGetErrorString(int r) {
+    switch (r) {
+        case R_OK: return "no error";
+        case R_NCCL_INVALID_ARGUMENT: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
+        case R_NCCL_REMOTE_ERROR: return "remote process exited or there was a network error";
+        case R_NCCL_IN_PROGRESS: return "NCCL operation in progress";
+        default: return "unhandled error";
+    }
+}
+EXPORT const char *ncclGetLastError(void *comm) {
+    (void)comm;
+    return "";
+}
+
+/* One rank: the data moves at once; in a hanging mode the stream is left blocked. */
+static int collective(void *comm, void *stream, void *dst, const void *src, size_t bytes) {
+    comm_t *c = comm;
+    if (dst != src && bytes) memmove(dst, src, bytes);
+    pthread_mutex_lock(&mu);
+    if (mode != FAKE_OK) {
+        c->hung = 1;
+        stream_of(stream)->blocked_by = c;
+        if (mode == FAKE_ASYNC_ERROR && c->err_at == 0) c->err_at = now() + 0.2;
+    }
+    pthread_mutex_unlock(&mu);
+    return R_OK;
+}
+
+static size_t esize(int dt) {
+    static const size_t sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
+    return dt >= 0 && dt < 10 ? sizes[dt] : 1;
+}
+
+EXPORT int ncclAllGather(const void *in, void *out, size_t n, int dt, void *comm, void *s) {
+    return collective(comm, s, out, in, n * esize(dt));
+}
+EXPORT int ncclReduceScatter(const void *in, void *out, size_t n, int dt, int op, void *comm, void *s) {
+    (void)op;
+    return collective(comm, s, out, in, n * esize(dt));
+}
+EXPORT int ncclAllReduce(const void *in, void *out, size_t n, int dt, int op, void *comm, void *s) {
+    (void)op;
+    return collective(comm, s, out, in, n * esize(dt));
+}
+EXPORT int ncclBroadcast(const void *in, void *out, size_t n, int dt, int root, void *comm, void *s) {
+    (void)root;
+    return collective(comm, s, out, in, n * esize(dt));
+}
+EXPORT int ncclReduce(const void *in, void *out, size_t n, int dt, int op, int root, void *comm, void *s) {
+    (void)op, (void)root;
+    return collective(comm, s, out, in, n * esize(dt));
+}
+EXPORT int ncclSend(const void *buf, size_t n, int dt, int peer, void *comm, void *s) {
+    (void)buf, (void)n, (void)dt, (void)peer, (void)comm, (void)s;
+    return R_NCCL_INVALID_ARGUMENT; /* no peer in a one-rank communicator */
+}
+EXPORT int ncclRecv(void *buf, size_t n, int dt, int peer, void *comm, void *s) {
+    (void)buf, (void)n, (void)dt, (void)peer, (void)comm, (void)s;
+    return R_NCCL_INVALID_ARGUMENT;
+}
+EXPORT int ncclGroupStart(void) {
+    return R_OK;
+}
+EXPORT int ncclGroupEnd(void) {
+    return R_OK;
+}

@@ -1,0 +1,174 @@
+/* test_nccl_fake.c — the NCCL backend's control paths against fake_cuda_nccl.c (no GPU needed):
+ * non-blocking init, enqueue and wait, and the watchdog: a collective that never completes, or an
+ * asynchronous NCCL error, aborts the communicator without any host wait, unblocks a host
+ * synchronize, and makes the next call fail with the reason. Run with the fake on
+ * LD_LIBRARY_PATH and FAIRSCALE_C_TIMEOUT=1 (the Makefile does). Exit status 0 = all passed. */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../../csrc/gpu.h"
+#include "../../csrc/nccl.h"
+#include "expect.h"
+
+enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2 };
+static void (*fake_set_mode)(int);
+static int (*fake_aborts)(void);
+static int (*fake_live_events)(void);
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void nap(double s) {
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+static fsc_tensor_t cuda_view(float *data, int64_t n) {
+    fsc_tensor_t t;
+    memset(&t, 0, sizeof(t));
+    t.data = data;
+    t.dtype = FSC_FLOAT32;
+    t.device_type = FSC_DEV_CUDA;
+    t.device_id = 0;
+    t.ndim = 1;
+    t.numel = n;
+    t.shape[0] = n;
+    t.strides[0] = 1;
+    return t;
+}
+
+static fsc_nccl_comm_t *new_comm(double timeout_s) {
+    unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES];
+    fsc_nccl_comm_t *c = NULL;
+    fsc_status_t st = fsc_nccl_get_unique_id(id);
+    EXPECT(st == FSC_OK, "unique id: %s", fsc_last_error());
+    st = fsc_nccl_comm_init(id, 0, 1, 0, timeout_s, &c);
+    EXPECT(st == FSC_OK && c != NULL, "init: %s", fsc_last_error());
+    return c;
+}
+
+/* Poll until the fake has seen `n` aborts, up to `limit` seconds; returns the seconds taken. */
+static double wait_for_aborts(int n, double limit) {
+    double t0 = now();
+    while (fake_aborts() < n && now() - t0 < limit) nap(0.01);
+    return now() - t0;
+}
+
+static void test_ops_and_wait(void) {
+    fake_set_mode(FAKE_OK);
+    fsc_nccl_comm_t *c = new_comm(0);
+    if (c == NULL) return;
+    float in[4] = {1, 2, 3, 4}, out[4] = {0};
+    fsc_tensor_t ti = cuda_view(in, 4), to = cuda_view(out, 4);
+    EXPECT(fsc_nccl_all_gather(c, &to, &ti, 0) == FSC_OK, "all_gather: %s", fsc_last_error());
+    EXPECT(out[3] == 4.0f, "all_gather copied %g", out[3]);
+    EXPECT(fsc_nccl_all_reduce(c, &to, FSC_RED_SUM, 0) == FSC_OK, "all_reduce: %s", fsc_last_error());
+    EXPECT(fsc_nccl_wait(c, 0, 1.0) == FSC_OK, "wait: %s", fsc_last_error());
+    fsc_tensor_t short_out = cuda_view(out, 3);
+    EXPECT(fsc_nccl_all_gather(c, &short_out, &ti, 0) == FSC_ERR_VALUE, "bad output size accepted");
+    nap(0.3); /* the watchdog reaps the completed operations */
+    EXPECT(fsc_nccl_comm_destroy(c, 1.0) == FSC_OK, "destroy: %s", fsc_last_error());
+    fsc_nccl_comm_free(c);
+    EXPECT(fake_live_events() == 0, "%d events leaked", fake_live_events());
+}
+
+/* A collective that never completes (a peer died mid-operation), and the host never waits on
+ * the communicator: the watchdog aborts it after the timeout, and a host synchronize that was
+ * blocked behind the collective returns. */
+static void test_watchdog_timeout(void) {
+    fake_set_mode(FAKE_OK);
+    fsc_nccl_comm_t *c = new_comm(1.0);
+    if (c == NULL) return;
+    int aborts0 = fake_aborts();
+    float buf[8] = {0};
+    fsc_tensor_t t = cuda_view(buf, 8);
+    EXPECT(fsc_nccl_all_reduce(c, &t, FSC_RED_SUM, 0) == FSC_OK, "all_reduce: %s", fsc_last_error());
+    fake_set_mode(FAKE_HANG);
+    EXPECT(fsc_nccl_all_gather(c, &t, &(fsc_tensor_t){0}, 0) == FSC_ERR_VALUE, "bad input accepted");
+    fsc_tensor_t half = cuda_view(buf, 8);
+    EXPECT(fsc_nccl_all_reduce(c, &half, FSC_RED_SUM, 0) == FSC_OK, "hung all_reduce enqueue: %s", fsc_last_error());
+    fake_set_mode(FAKE_OK);
+    /* like loss.item() after a step: blocks until the watchdog aborts the communicator */
+    double t0 = now();
+    fsc_status_t st = fsc_gpu_stream_synchronize(0, 0);
+    double took = now() - t0;
+    EXPECT(st == FSC_OK, "synchronize: %s", fsc_last_error());
+    EXPECT(took > 0.8 && took < 5.0, "synchronize returned after %.2f s (timeout 1 s)", took);
+    EXPECT(fake_aborts() == aborts0 + 1, "communicator not aborted (%d aborts)", fake_aborts() - aborts0);
+    st = fsc_nccl_all_reduce(c, &t, FSC_RED_SUM, 0);
+    const char *msg = fsc_last_error();
+    EXPECT(st == FSC_ERR_COMM, "op after watchdog abort returned %d", (int)st);
+    EXPECT(strstr(msg, "watchdog") && strstr(msg, "all_reduce #2") && strstr(msg, "FAIRSCALE_C_TIMEOUT"),
+           "message does not name the watchdog, the op and the timeout: %s", msg);
+    EXPECT(fsc_nccl_wait(c, 0, 1.0) == FSC_ERR_COMM, "wait after abort did not fail");
+    fsc_nccl_comm_free(c);
+    EXPECT(fake_live_events() == 0, "%d events leaked", fake_live_events());
+}
+
+/* NCCL reports an asynchronous error (a peer's process exited): the watchdog aborts at once,
+ * long before the timeout. */
+static void test_watchdog_async_error(void) {
+    fake_set_mode(FAKE_OK);
+    fsc_nccl_comm_t *c = new_comm(30.0);
+    if (c == NULL) return;
+    int aborts0 = fake_aborts();
+    float in[2] = {1, 2}, out[4] = {0};
+    fsc_tensor_t ti = cuda_view(in, 2), to = cuda_view(out, 2);
+    fake_set_mode(FAKE_ASYNC_ERROR);
+    EXPECT(fsc_nccl_reduce_scatter(c, &to, &ti, FSC_RED_SUM, 0) == FSC_OK, "enqueue: %s", fsc_last_error());
+    fake_set_mode(FAKE_OK);
+    double took = wait_for_aborts(aborts0 + 1, 10.0);
+    EXPECT(fake_aborts() == aborts0 + 1 && took < 2.0, "async error not acted on (%.2f s)", took);
+    fsc_status_t st = fsc_nccl_broadcast(c, &to, 0, 0);
+    const char *msg = fsc_last_error();
+    EXPECT(st == FSC_ERR_COMM, "op after async error returned %d", (int)st);
+    EXPECT(strstr(msg, "watchdog") && strstr(msg, "remote process exited") && strstr(msg, "reduce_scatter #1"),
+           "message does not carry the NCCL error and the op: %s", msg);
+    fsc_nccl_comm_free(c);
+}
+
+/* Releasing a communicator with a hung operation and a live watchdog: returns promptly. */
+static void test_free_while_pending(void) {
+    fake_set_mode(FAKE_OK);
+    fsc_nccl_comm_t *c = new_comm(60.0);
+    if (c == NULL) return;
+    float buf[4] = {0};
+    fsc_tensor_t t = cuda_view(buf, 4);
+    fake_set_mode(FAKE_HANG);
+    for (int i = 0; i < 5; i++) EXPECT(fsc_nccl_all_reduce(c, &t, FSC_RED_MAX, 0) == FSC_OK, "enqueue %d", i);
+    fake_set_mode(FAKE_OK);
+    double t0 = now();
+    fsc_nccl_comm_free(c);
+    EXPECT(now() - t0 < 1.0, "free took %.2f s", now() - t0);
+    EXPECT(fake_live_events() == 0, "%d events leaked", fake_live_events());
+}
+
+int main(void) {
+    void *fake = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (fake == NULL || dlsym(fake, "fake_set_mode") == NULL) {
+        fprintf(stderr, "test_nccl_fake: the fake libnccl.so.2 is not on LD_LIBRARY_PATH (%s)\n", dlerror());
+        return 2;
+    }
+    *(void **)&fake_set_mode = dlsym(fake, "fake_set_mode");
+    *(void **)&fake_aborts = dlsym(fake, "fake_aborts");
+    *(void **)&fake_live_events = dlsym(fake, "fake_live_events");
+    EXPECT(fsc_nccl_load(NULL, 0) == FSC_OK, "load: %s", fsc_last_error());
+    EXPECT(fsc_nccl_version() == 23102, "version %d", fsc_nccl_version());
+    EXPECT(fsc_gpu_load() == FSC_OK, "driver: %s", fsc_last_error());
+    test_ops_and_wait();
+    test_watchdog_timeout();
+    test_watchdog_async_error();
+    test_free_while_pending();
+    if (failures) {
+        fprintf(stderr, "test_nccl_fake: %d failure(s)\n", failures);
+        return 1;
+    }
+    printf("test_nccl_fake: all passed\n");
+    return 0;
+}
