@@ -5,6 +5,9 @@
  * are split so each rank reduces 1/size of every chunk in parallel. */
 #include <stdio.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include "log.h"
 #include "shm_internal.h"
@@ -18,6 +21,42 @@ static size_t min_sz(size_t a, size_t b) {
 
 static void copy(void *dst, const void *src, size_t n) {
     if (n != 0 && dst != src) memcpy(dst, src, n);
+}
+
+/* Ops whose output is at least this large write it with streaming stores (below). */
+#define FSC_SHM_STREAM_MIN ((size_t)16 << 20)
+
+/* Copy into an output that is too large to stay in the caches: non-temporal stores skip the
+ * read-for-ownership of every destination line, a third of a normal copy's memory traffic. On
+ * the development VM a 4 MiB-chunked copy from a cached source into a 256 MiB buffer ran 1.4x
+ * as fast (1.6-2x with two processes copying at once); interleaved A/B runs of world-2
+ * collectives of 16-256 MiB gave 0.98-1.21x (median about 1.1x; one 0.80 outlier). The
+ * source (a slot, still in the cache) is read normally. */
+static void copy_out(void *dst, const void *src, size_t n, int streaming) {
+#if defined(__x86_64__)
+    if (streaming && n >= 4096 && dst != src) {
+        uint8_t *d = dst;
+        const uint8_t *s = src;
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+        memcpy(d, s, head);
+        size_t i = head;
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+            _mm_stream_si128((__m128i *)(d + i), a);
+            _mm_stream_si128((__m128i *)(d + i + 16), b);
+            _mm_stream_si128((__m128i *)(d + i + 32), c);
+            _mm_stream_si128((__m128i *)(d + i + 48), e);
+        }
+        _mm_sfence(); /* order the streaming stores before the barrier's release that follows */
+        memcpy(d + i, s + i, n - i);
+        return;
+    }
+#endif
+    (void)streaming;
+    copy(dst, src, n);
 }
 
 /* Record what this rank is doing (error messages, peers' diagnostics) and start the op clock. */
@@ -56,6 +95,7 @@ static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
     const uint8_t *in = a->in;
     uint8_t *out = a->out;
     size_t count = a->count, row = count * esz;
+    int streaming = row * (size_t)g->size >= FSC_SHM_STREAM_MIN;
     for (size_t off = 0, first = 1; first || off < count; off += per, first = 0) {
         size_t n = min_sz(per, count - off), nb = n * esz;
         const uint8_t *mine = in + off * esz;
@@ -70,9 +110,9 @@ static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
          * tried; the difference stayed inside this machine's run-to-run noise.) */
         for (int p = 0; p < g->size; p++) {
             if (p != g->rank)
-                copy(out + (size_t)p * row + off * esz, fsc_shm_slot(g, p, g->step), nb);
+                copy_out(out + (size_t)p * row + off * esz, fsc_shm_slot(g, p, g->step), nb, streaming);
             else if (mine_out != mine)
-                copy(mine_out, mine, nb);
+                copy_out(mine_out, mine, nb, streaming);
         }
         g->step++;
     }
@@ -113,6 +153,7 @@ static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
     const uint8_t *in = a->in;
     uint8_t *out = a->out;
     int to_all = a->op == FSC_OP_ALL_REDUCE, receives = to_all || a->root == g->rank;
+    int streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
     const void *srcs[FSC_SHM_MAX_RANKS];
     for (size_t off = 0, first = 1; first || off < a->count; off += per, first = 0) {
         size_t n = min_sz(per, a->count - off);
@@ -133,7 +174,7 @@ static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
             FSC_CHECK(fsc_shm_reduce(res + lo * esz, srcs, g->size, hi - lo, a->dtype, a->redop, g->size));
         }
         FSC_CHECK(fsc_shm_arrive(g, receives));
-        if (receives) copy(out + off * esz, res, n * esz);
+        if (receives) copy_out(out + off * esz, res, n * esz, streaming);
         g->step++;
     }
     return FSC_OK;
@@ -141,7 +182,7 @@ static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
 
 static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     size_t esz = fsc_dtype_size(a->dtype), per = g->chunk / esz;
-    int is_root = a->root == g->rank;
+    int is_root = a->root == g->rank, streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
     for (size_t off = 0, first = 1; first || off < a->count; off += per, first = 0) {
         size_t nb = min_sz(per, a->count - off) * esz;
         uint8_t *slot = fsc_shm_slot(g, a->root, g->step);
@@ -153,7 +194,7 @@ static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
             FSC_CHECK(open_collective(g, a));
         else
             FSC_CHECK(fsc_shm_arrive(g, 1));
-        if (!is_root) copy((uint8_t *)a->out + off * esz, slot, nb);
+        if (!is_root) copy_out((uint8_t *)a->out + off * esz, slot, nb, streaming);
         g->step++;
     }
     return FSC_OK;

@@ -139,11 +139,14 @@ static const fsc_dtype_t DTYPES[] = {FSC_FLOAT32, FSC_FLOAT16, FSC_BFLOAT16, FSC
                                      FSC_INT32,   FSC_INT64,   FSC_UINT8};
 static const size_t SIZES[] = {0, 1, 1001, (3u << 20) / 2 + 17};
 
+/* Bytes by which check_op misaligns its output buffer (0: as malloc returns it). */
+static size_t out_shift = 0;
+
 static int check_op(fsc_shm_group_t *g, fsc_comm_op_t op, fsc_reduce_op_t rop, fsc_dtype_t dt, size_t n, int async) {
     int rank = fsc_shm_group_rank(g), size = fsc_shm_group_size(g), bad = 0;
     size_t esz = fsc_dtype_size(dt);
     size_t nin = op == FSC_OP_REDUCE_SCATTER ? n * size : n, nout = op == FSC_OP_ALL_GATHER ? n * size : n;
-    uint8_t *in = malloc(nin * esz + 1), *out = malloc(nout * esz + 1);
+    uint8_t *in = malloc(nin * esz + 1), *out_mem = malloc(nout * esz + 1 + out_shift), *out = out_mem + out_shift;
     for (size_t i = 0; i < nin; i++) set(in, dt, i, val(rank, i));
     for (size_t i = 0; i < nout; i++) set(out, dt, i, -1);
     int root = size - 1, peer = rank ^ 1;
@@ -180,7 +183,7 @@ static int check_op(fsc_shm_group_t *g, fsc_comm_op_t op, fsc_reduce_op_t rop, f
         }
     }
     free(in);
-    free(out);
+    free(out_mem);
     return bad;
 }
 
@@ -203,6 +206,21 @@ static int rank_all_ops(fsc_shm_group_t *g, void *ctx) {
                     if (bad > 5) return 1;
                 }
             }
+    return bad ? 1 : 0;
+}
+
+/* Outputs of 16 MiB and more are written with streaming stores: check them, on an output that
+ * is not 16-byte aligned and an element count that leaves a tail. */
+static int rank_large_outputs(fsc_shm_group_t *g, void *ctx) {
+    (void)ctx;
+    if (g == NULL) return 5;
+    const fsc_comm_op_t ops[] = {FSC_OP_ALL_GATHER, FSC_OP_ALL_REDUCE, FSC_OP_BROADCAST};
+    size_t n = ((size_t)17 << 20) / 4 + 3;
+    int bad = 0;
+    for (out_shift = 0; out_shift <= 4; out_shift += 4)
+        for (size_t o = 0; o < sizeof(ops) / sizeof(ops[0]); o++)
+            bad += check_op(g, ops[o], FSC_RED_SUM, FSC_FLOAT32, n, 0);
+    out_shift = 0;
     return bad ? 1 : 0;
 }
 
@@ -308,6 +326,7 @@ int main(void) {
             EXPECT(spawn(size, size, rank_all_ops, &async) == 0, "all ops at size %d (async=%d)", size, async);
             fprintf(stderr, "all ops, %d ranks, async=%d: %.2f s\n", size, async, fsc_comm_now() - t0);
         }
+    EXPECT(spawn(2, 2, rank_large_outputs, NULL) == 0, "outputs of 16 MiB and more (streaming stores)");
     EXPECT(spawn(2, 2, rank_mismatch, NULL) == 0, "collective mismatch reported on both ranks");
     EXPECT(spawn(2, 2, rank_p2p_mismatch, NULL) == 0, "send/recv mismatch reported on both ranks");
     EXPECT(spawn(2, 2, rank_dead_peer, NULL) == 0, "dead peer detected");
