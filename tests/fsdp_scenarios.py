@@ -266,7 +266,7 @@ def scenario_unflattened(rank, world):
     from fairscale_c.nn import FullyShardedDataParallel as FSDP
 
     m = train_and_compare(rank, world, MLP, fsdp(flatten_parameters=False))
-    assert [n for n, _ in m.named_parameters()][0] == "_fsdp_wrapped_module.fc1.weight"
+    assert [n for n, _ in m.named_parameters()][0] == "fc1.weight"  # FairScale's clean names
 
     def wrap(model):  # an unflattened inner instance inside a flattened root
         model.shared = FSDP(model.shared, flatten_parameters=False)

@@ -45,12 +45,10 @@ def test_optimizer_sees_only_the_flat_shard():
 def test_summon_full_params_exposes_original_names_and_writes_back():
     m = FSDP(mlp())
     with m.summon_full_params():
-        assert [n for n, _ in m.named_parameters()] == [
-            "_fsdp_wrapped_module.0.weight",
-            "_fsdp_wrapped_module.0.bias",
-            "_fsdp_wrapped_module.2.weight",
-            "_fsdp_wrapped_module.2.bias",
-        ]
+        # FairScale's named_parameters(): the unwrapped model's names while summoned
+        assert [n for n, _ in m.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert [n for n, _ in m.named_parameters()] == [n for n, _ in mlp().named_parameters()]
+        assert [n for n, _ in m.named_parameters(prefix="model")][0] == "model.0.weight"
         m.module[0].bias.data.fill_(7.0)
     assert torch.all(m.state_dict()["0.bias"] == 7.0)
     with m.summon_full_params(volatile=True):
@@ -157,7 +155,34 @@ def test_unflattened_shards_keep_original_names():
     x = torch.randn(3, 4)
     plain = mlp()
     torch.testing.assert_close(m(x), plain(x))
-    assert [n for n, _ in m.named_parameters()] == ["_fsdp_wrapped_module." + k for k in local]
+    assert [n for n, _ in m.named_parameters()] == list(local)  # clean names, as in FairScale
+    # a parent's named_parameters() does not go through FSDP's and keeps the wrapper names
+    parent = nn.Sequential(m)
+    assert [n for n, _ in parent.named_parameters()] == ["0._fsdp_wrapped_module." + k for k in local]
+
+
+def test_nested_names_under_summon_are_the_plain_models():
+    model = mlp()
+    model[2] = FSDP(model[2])
+    m = FSDP(model)
+    assert [n for n, _ in m.named_parameters()] == ["flat_param_0", "_fsdp_wrapped_module.2.flat_param_0"]
+    with m.summon_full_params():
+        assert [n for n, _ in m.named_parameters()] == [n for n, _ in mlp().named_parameters()]
+
+
+def test_no_pre_load_state_dict_hook_takes_keys_as_given():
+    from fairscale_c.nn.data_parallel import no_pre_load_state_dict_hook
+
+    m = FSDP(mlp())
+    sd = m.state_dict()
+    wrapped = {"_fsdp_wrapped_module." + k: v + 1 for k, v in sd.items()}
+    with no_pre_load_state_dict_hook():
+        with pytest.raises(RuntimeError, match="Missing key"):
+            m.load_state_dict(sd)  # clean keys are not renamed while the hook is off
+        m.load_state_dict(wrapped)
+    assert all(torch.equal(m.state_dict()[k], sd[k] + 1) for k in sd)
+    m.load_state_dict(sd)  # the hook is back on
+    assert all(torch.equal(m.state_dict()[k], sd[k]) for k in sd)
 
 
 def test_unflattened_shared_parameters_raise():

@@ -7,5 +7,13 @@ from .fully_sharded_data_parallel import (
     auto_wrap_bn,
     get_fsdp_instances,
 )
+from ._state_dict import no_pre_load_state_dict_hook
 
-__all__ = ["FullyShardedDataParallel", "ProcessGroupName", "TrainingState", "auto_wrap_bn", "get_fsdp_instances"]
+__all__ = [
+    "FullyShardedDataParallel",
+    "ProcessGroupName",
+    "TrainingState",
+    "auto_wrap_bn",
+    "get_fsdp_instances",
+    "no_pre_load_state_dict_hook",
+]

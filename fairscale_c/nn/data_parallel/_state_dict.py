@@ -23,8 +23,26 @@ def post_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: 
         state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
+_pre_load_enabled = True
+
+
+@contextlib.contextmanager
+def no_pre_load_state_dict_hook():
+    """FairScale's switch: while inside, load_state_dict() takes keys as they are, for state dicts
+    that still carry the wrapper names (not produced by a root instance's state_dict())."""
+    global _pre_load_enabled
+    before = _pre_load_enabled
+    _pre_load_enabled = False
+    try:
+        yield
+    finally:
+        _pre_load_enabled = before
+
+
 def pre_load_state_dict_hook(fsdp: nn.Module, state_dict: Dict[str, Any], prefix: str, *unused: Any) -> None:
     """The inverse of post_state_dict_hook, for everything but the instance's own flat params."""
+    if not _pre_load_enabled:
+        return
     own = set(fsdp._parameters.keys())
     for key in [k for k in state_dict if k.startswith(prefix)]:
         rest = key[len(prefix) :]

@@ -14,7 +14,7 @@ backward the root waits, casts to fp32 and sets ``flat_param.grad`` to the avera
 import contextlib
 import functools
 from enum import Enum, auto
-from typing import Any, Dict, Generator, List, Optional
+from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -275,6 +275,15 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def cpu_offload(self) -> bool:
         return self.move_params_to_cpu
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Parameter]]:
+        """nn.Module's names while the parameters are flat shards; under summon_full_params, or when
+        not flattening, without the wrapper names (``_fsdp_wrapped_module``), so they are the
+        unwrapped model's names, as in FairScale. (A parent module's named_parameters() does not
+        call this and keeps the wrapper names, as in FairScale.)"""
+        clean = not self.flatten_parameters or self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield (_state_dict.clean_path(name) if clean else name), p
 
     def __getattr__(self, name: str) -> Any:
         try:
