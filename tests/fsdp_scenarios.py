@@ -382,6 +382,23 @@ def scenario_reduce_scatter_groups(rank, world):
         raise AssertionError("a string that is not a ProcessGroupName must be refused")
 
 
+def scenario_half_after_wrapping(rank, world):
+    # FairScale's _apply hook: .half() on a wrapped fp32 model switches it to pure fp16 (the
+    # reference is the same model in fp16; SGD runs in fp16 on both sides).
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    def half_lm():
+        return TinyLM().half()
+
+    def wrap(model):
+        model.float()  # fp16 -> fp32 is exact, so the shards equal the reference after .half()
+        model.blocks[0] = FSDP(model.blocks[0])
+        return FSDP(model).half()
+
+    m = train_and_compare(rank, world, half_lm, wrap, batch_fn=lm_batch, loss_fn=xent, tol=FP16_TOL)
+    assert m.compute_dtype is torch.float16 and m.flat_param_0.dtype is torch.float16
+
+
 NUMERICS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 SCENARIOS = dict(NUMERICS)
 

@@ -271,3 +271,34 @@ def test_each_instance_casts_its_own_buffers():
         root(torch.randn(3, 4))
     assert root.module.scale.dtype is torch.bfloat16  # the root's buffer follows the root
     assert root.module[1].module.running_mean.dtype is torch.float32  # the fp32 BN keeps fp32
+
+
+def test_half_and_float_after_wrapping_follow_fairscale():
+    x = torch.randn(3, 4)
+    m = FSDP(mlp()).half()
+    assert m.compute_dtype is torch.float16 and m.flat_param_0.dtype is torch.float16
+    out = m(x.half())
+    torch.testing.assert_close(out, mlp().half()(x.half()))
+    out.float().sum().backward()
+    assert m.flat_param_0.grad.dtype is torch.float16
+    m.zero_grad()
+    m.float()
+    assert m.compute_dtype is torch.float32
+    torch.testing.assert_close(m(x), mlp()(x), atol=1e-3, rtol=1e-3)  # weights went through fp16
+    b = FSDP(mlp()).bfloat16()
+    torch.testing.assert_close(b(x.bfloat16()), mlp().bfloat16()(x.bfloat16()))
+    # mixed precision keeps its compute dtype (FairScale: .half() there "makes little sense")
+    mp = FSDP(mlp(), mixed_precision=True).half().float()
+    assert mp.compute_dtype is torch.float16 and mp.flat_param_0.dtype is torch.float32
+    torch.testing.assert_close(mp(x).float(), mlp()(x), atol=1e-2, rtol=1e-2)
+
+
+def test_conversions_that_cannot_work_are_refused_before_anything_changes():
+    m = FSDP(mlp())
+    with pytest.raises(ValueError, match="float64"):
+        m.double()
+    assert m.flat_param_0.dtype is torch.float32
+    with pytest.raises(RuntimeError, match="move the module before wrapping"):
+        m.to("meta")
+    assert m.flat_param_0.device.type == "cpu"
+    torch.testing.assert_close(m(torch.ones(1, 4)), mlp()(torch.ones(1, 4)))

@@ -66,16 +66,20 @@ class _Handle:
     def __init__(self, layout: FlatLayout, param: nn.Parameter, compute_dtype: torch.dtype, device: torch.device):
         self.layout = layout
         self.param = param  # fp32 shard: what the optimizer sees
-        # The full (padded) buffer in the compute dtype. A leaf, so autograd accumulates the
-        # gradient of every view into one flat gradient; its storage is released when resharded.
-        self.full = torch.zeros(layout.padded_numel, dtype=compute_dtype, device=device)
-        self.full.requires_grad_(layout.requires_grad)
+        self.full = self.new_full(compute_dtype, device)
         pad = layout.padded_numel - layout.numel
         self.split_sizes = [s.numel for s in layout.slots] + ([pad] if pad else [])
         self.has_full = False
         self.gathering = None  # (work, source shard) while a prefetch all-gather runs
         self.pending = None  # (work, reduced shard, reduce input) while a reduce-scatter runs
         self.backing_name = ""  # "flat_param_<i>", or the parameter's name when not flattened
+
+    def new_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The full (padded) buffer in the compute dtype. A leaf, so autograd accumulates the
+        gradient of every view into one flat gradient; its storage is released when resharded."""
+        return torch.zeros(self.layout.padded_numel, dtype=dtype, device=device).requires_grad_(
+            self.layout.requires_grad
+        )
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -167,10 +171,7 @@ class FullyShardedDataParallel(nn.Module):
                 handle.backing_name = layout.slots[0].name
                 layout.slots[0].module.register_parameter(layout.slots[0].attr, param)
             self._handles.append(handle)
-            if layout.requires_grad:
-                self._handles[-1].full.register_post_accumulate_grad_hook(
-                    functools.partial(self._post_backward_hook, self._handles[-1])
-                )
+            self._hook_full(handle)
         self.numel_padded_per_param = [h.layout.padding for h in self._handles]
         with torch.no_grad():
             if flatten_parameters:
@@ -187,6 +188,46 @@ class FullyShardedDataParallel(nn.Module):
         self._register_load_state_dict_pre_hook(functools.partial(_state_dict.pre_load_state_dict_hook, self))
 
     # ---------------------------------------------------------------- construction helpers
+
+    def _hook_full(self, h: _Handle) -> None:
+        """Reduce-scatter the full buffer's gradient once autograd has accumulated all of it."""
+        if h.layout.requires_grad:
+            h.full.register_post_accumulate_grad_hook(functools.partial(self._post_backward_hook, h))
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "FullyShardedDataParallel":
+        """FairScale's hook for ``.half()``, ``.float()``, ``.bfloat16()``, ``.to(dtype)`` after
+        wrapping: the shards (and buffers) are converted by nn.Module, and without mixed precision
+        the compute dtype and the full buffers follow the shards' new dtype (with mixed precision
+        the compute dtype stays, as in FairScale). Moving a wrapped module to another device is
+        refused before anything changes: move the module before wrapping it."""
+        self.assert_state(TrainingState.IDLE)
+        for h in self._handles:
+            probe = fn(h.param.detach()[:0])  # what the conversion does, on an empty view
+            if probe.device != h.param.device:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: cannot move a wrapped module from {h.param.device} to "
+                    f"{probe.device}; move the module before wrapping it (FSDP(module.to(device)))"
+                )
+            if probe.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(
+                    f"FullyShardedDataParallel: cannot convert the parameters to {probe.dtype}; "
+                    "float32, float16 and bfloat16 are supported"
+                )
+        before = self._handles[0].param.dtype if self._handles else None
+        ret = super()._apply(fn, *args, **kwargs)
+        for h in self._handles:  # nn.Module may have swapped the Parameter objects
+            owner = self if self.flatten_parameters else h.layout.slots[0].module
+            name = h.backing_name if self.flatten_parameters else h.layout.slots[0].attr
+            h.param = owner._parameters[name]
+        if self._handles and not self.mixed_precision and self._handles[0].param.dtype is not before:
+            self.compute_dtype = self._handles[0].param.dtype
+            with torch.no_grad():
+                for h in self._handles:
+                    h.full = h.new_full(self.compute_dtype, self.compute_device)
+                    self._hook_full(h)
+                    _free_storage(h.full.detach())
+                self._leave_shaped_views()
+        return ret
 
     def _check_dtypes(self, layouts: List[FlatLayout]) -> None:
         pure_fp16 = self.compute_dtype is torch.float16 and not self.mixed_precision
