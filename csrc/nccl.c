@@ -601,99 +601,15 @@ static fsc_status_t check_reduce_scatter(const fsc_nccl_comm_t *c, const fsc_ten
     return FSC_OK;
 }
 
-fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
-                                 fsc_stream_t stream) {
-    int dt_in = 0;
-    fsc_gpu_ctx_t g;
-    FSC_CHECK(check_all_gather(c, output, input, &dt_in));
-    FSC_CHECK(op_begin(c, FSC_OP_ALL_GATHER, &g));
-    nccl_result_t r =
-        nccl.AllGather(input->data, output->data, (size_t)input->numel, dt_in, c->comm, (cuda_stream_h)stream);
-    return op_end(c, FSC_OP_ALL_GATHER, r, stream, &g);
-}
-
-fsc_status_t fsc_nccl_reduce_scatter(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
-                                     fsc_reduce_op_t op, fsc_stream_t stream) {
-    int dt_in = 0;
-    fsc_gpu_ctx_t g;
-    FSC_CHECK(check_reduce_scatter(c, output, input, op, &dt_in));
-    FSC_CHECK(op_begin(c, FSC_OP_REDUCE_SCATTER, &g));
-    nccl_result_t r = nccl.ReduceScatter(input->data, output->data, (size_t)output->numel, dt_in, nccl_redop(op),
-                                         c->comm, (cuda_stream_h)stream);
-    return op_end(c, FSC_OP_REDUCE_SCATTER, r, stream, &g);
-}
-
-fsc_status_t fsc_nccl_all_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, fsc_stream_t stream) {
-    int dt = 0;
-    fsc_gpu_ctx_t g;
-    FSC_CHECK(check_tensor(c, tensor, FSC_OP_ALL_REDUCE, "tensor", 1, (int)op, &dt));
-    FSC_CHECK(op_begin(c, FSC_OP_ALL_REDUCE, &g));
-    nccl_result_t r = nccl.AllReduce(tensor->data, tensor->data, (size_t)tensor->numel, dt, nccl_redop(op), c->comm,
-                                     (cuda_stream_h)stream);
-    return op_end(c, FSC_OP_ALL_REDUCE, r, stream, &g);
-}
-
-fsc_status_t fsc_nccl_broadcast(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int root, fsc_stream_t stream) {
-    int dt = 0;
-    fsc_gpu_ctx_t g;
-    FSC_CHECK(check_rank_arg(c, FSC_OP_BROADCAST, "root", root, 0));
-    FSC_CHECK(check_tensor(c, tensor, FSC_OP_BROADCAST, "tensor", 1, -1, &dt));
-    FSC_CHECK(op_begin(c, FSC_OP_BROADCAST, &g));
-    nccl_result_t r =
-        nccl.Broadcast(tensor->data, tensor->data, (size_t)tensor->numel, dt, root, c->comm, (cuda_stream_h)stream);
-    return op_end(c, FSC_OP_BROADCAST, r, stream, &g);
-}
-
-fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, int root,
-                             fsc_stream_t stream) {
-    int dt = 0;
-    fsc_gpu_ctx_t g;
-    FSC_CHECK(check_rank_arg(c, FSC_OP_REDUCE, "root", root, 0));
-    FSC_CHECK(check_tensor(c, tensor, FSC_OP_REDUCE, "tensor", 1, (int)op, &dt));
-    FSC_CHECK(op_begin(c, FSC_OP_REDUCE, &g));
-    nccl_result_t r = nccl.Reduce(tensor->data, tensor->data, (size_t)tensor->numel, dt, nccl_redop(op), root, c->comm,
-                                  (cuda_stream_h)stream);
-    return op_end(c, FSC_OP_REDUCE, r, stream, &g);
-}
-
-/* ncclSend / ncclRecv inside ncclGroupStart/End: required for point-to-point so that NCCL
- * can schedule the pair without deadlocking, and harmless for a single call. */
-static fsc_status_t p2p(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_tensor_t *t, int peer, fsc_stream_t stream) {
-    int dt = 0;
-    fsc_gpu_ctx_t g;
-    FSC_CHECK(check_rank_arg(c, op, "peer", peer, 1));
-    FSC_CHECK(check_tensor(c, t, op, "tensor", op == FSC_OP_RECV, -1, &dt));
-    FSC_CHECK(op_begin(c, op, &g));
-    nccl_result_t r = nccl.GroupStart();
-    if (r == NCCL_OK) {
-        nccl_result_t r2 = op == FSC_OP_SEND
-                               ? nccl.Send(t->data, (size_t)t->numel, dt, peer, c->comm, (cuda_stream_h)stream)
-                               : nccl.Recv(t->data, (size_t)t->numel, dt, peer, c->comm, (cuda_stream_h)stream);
-        r = nccl.GroupEnd(); /* always close the group, even after a failed call inside it */
-        if (r2 != NCCL_OK && r2 != NCCL_IN_PROGRESS) r = r2;
-    }
-    return op_end(c, op, r, stream, &g);
-}
-
-fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, fsc_stream_t stream) {
-    /* the send only reads `tensor`; p2p takes it non-const for the recv direction */
-    return p2p(c, FSC_OP_SEND, (fsc_tensor_t *)tensor, peer, stream);
-}
-
-fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, fsc_stream_t stream) {
-    return p2p(c, FSC_OP_RECV, tensor, peer, stream);
-}
-
-/* ---- batches --------------------------------------------------------------------------------- */
-
-/* Check one batched op as its single-op call would; sets its NCCL dtype. */
-static fsc_status_t check_batched(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, int *dt) {
+/* Check one operation as the engine's API promises (FSC_ERR_VALUE naming the argument); sets its
+ * NCCL dtype. */
+static fsc_status_t check_op(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, int *dt) {
     const char *name = fsc_comm_op_name(o->op);
-    if (o->tensor == NULL) return fsc_error(FSC_ERR_VALUE, "batch: %s needs a tensor", name);
+    if (o->tensor == NULL) return fsc_error(FSC_ERR_VALUE, "%s needs a tensor", name);
     switch (o->op) {
         case FSC_OP_ALL_GATHER:
         case FSC_OP_REDUCE_SCATTER:
-            if (o->input == NULL) return fsc_error(FSC_ERR_VALUE, "batch: %s needs an input", name);
+            if (o->input == NULL) return fsc_error(FSC_ERR_VALUE, "%s needs an input", name);
             return o->op == FSC_OP_ALL_GATHER ? check_all_gather(c, o->tensor, o->input, dt)
                                               : check_reduce_scatter(c, o->tensor, o->input, o->redop, dt);
         case FSC_OP_ALL_REDUCE: return check_tensor(c, o->tensor, o->op, "tensor", 1, (int)o->redop, dt);
@@ -705,11 +621,11 @@ static fsc_status_t check_batched(const fsc_nccl_comm_t *c, const fsc_nccl_op_t 
         case FSC_OP_RECV:
             FSC_CHECK(check_rank_arg(c, o->op, "peer", o->peer, 1));
             return check_tensor(c, o->tensor, o->op, "tensor", o->op == FSC_OP_RECV, -1, dt);
-        default: return fsc_error(FSC_ERR_VALUE, "batch: %s cannot be batched", name);
+        default: return fsc_error(FSC_ERR_VALUE, "%s cannot be enqueued on NCCL", name);
     }
 }
 
-static nccl_result_t issue_batched(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, int dt, cuda_stream_h s) {
+static nccl_result_t issue_op(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, int dt, cuda_stream_h s) {
     fsc_tensor_t *t = o->tensor;
     switch (o->op) {
         case FSC_OP_ALL_GATHER: return nccl.AllGather(o->input->data, t->data, (size_t)o->input->numel, dt, c->comm, s);
@@ -725,33 +641,84 @@ static nccl_result_t issue_batched(const fsc_nccl_comm_t *c, const fsc_nccl_op_t
     }
 }
 
-fsc_status_t fsc_nccl_batch(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream) {
+/* Check every op (nothing is enqueued unless all pass), then enqueue them on `stream`; inside one
+ * ncclGroupStart/End when `grouped` (batches, and point-to-point, so that NCCL can schedule a
+ * send/recv pair without deadlocking). `batch` prefixes argument errors with the op's index. */
+static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream, int grouped,
+                            int batch) {
     int dts[FSC_NCCL_MAX_BATCH];
     fsc_gpu_ctx_t g;
     if (n > FSC_NCCL_MAX_BATCH)
         return fsc_error(FSC_ERR_VALUE, "batch: at most %d operations, got %zu", FSC_NCCL_MAX_BATCH, n);
     for (size_t i = 0; i < n; i++) {
-        fsc_status_t st = check_batched(c, &ops[i], &dts[i]);
-        if (st != FSC_OK) {
+        fsc_status_t st = check_op(c, &ops[i], &dts[i]);
+        if (st != FSC_OK && batch) {
             char why[512]; /* fsc_error formats into the buffer fsc_last_error returns */
             snprintf(why, sizeof(why), "%s", fsc_last_error());
             return fsc_error(st, "batch operation %zu: %s", i, why);
         }
+        FSC_CHECK(st);
     }
     if (n == 0) return FSC_OK;
     fsc_comm_op_t last = ops[n - 1].op;
     FSC_CHECK(op_begin(c, last, &g));
-    nccl_result_t r = nccl.GroupStart();
+    nccl_result_t r = grouped ? nccl.GroupStart() : NCCL_OK;
     if (r == NCCL_OK) {
         nccl_result_t first = NCCL_OK;
         for (size_t i = 0; i < n; i++) {
-            nccl_result_t ri = issue_batched(c, &ops[i], dts[i], (cuda_stream_h)stream);
+            nccl_result_t ri = issue_op(c, &ops[i], dts[i], (cuda_stream_h)stream);
             if (ri != NCCL_OK && ri != NCCL_IN_PROGRESS && first == NCCL_OK) first = ri;
+            if (!grouped) r = ri;
         }
-        r = nccl.GroupEnd(); /* always close the group, even after a failed call inside it */
-        if (first != NCCL_OK) r = first;
+        if (grouped) {
+            r = nccl.GroupEnd(); /* always close the group, even after a failed call inside it */
+            if (first != NCCL_OK) r = first;
+        }
     }
     return op_end(c, last, r, stream, &g);
+}
+
+fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
+                                 fsc_stream_t stream) {
+    fsc_nccl_op_t o = {FSC_OP_ALL_GATHER, output, input, FSC_RED_SUM, 0};
+    return enqueue(c, &o, 1, stream, 0, 0);
+}
+
+fsc_status_t fsc_nccl_reduce_scatter(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
+                                     fsc_reduce_op_t op, fsc_stream_t stream) {
+    fsc_nccl_op_t o = {FSC_OP_REDUCE_SCATTER, output, input, op, 0};
+    return enqueue(c, &o, 1, stream, 0, 0);
+}
+
+fsc_status_t fsc_nccl_all_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, fsc_stream_t stream) {
+    fsc_nccl_op_t o = {FSC_OP_ALL_REDUCE, tensor, NULL, op, 0};
+    return enqueue(c, &o, 1, stream, 0, 0);
+}
+
+fsc_status_t fsc_nccl_broadcast(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int root, fsc_stream_t stream) {
+    fsc_nccl_op_t o = {FSC_OP_BROADCAST, tensor, NULL, FSC_RED_SUM, root};
+    return enqueue(c, &o, 1, stream, 0, 0);
+}
+
+fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, int root,
+                             fsc_stream_t stream) {
+    fsc_nccl_op_t o = {FSC_OP_REDUCE, tensor, NULL, op, root};
+    return enqueue(c, &o, 1, stream, 0, 0);
+}
+
+fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, fsc_stream_t stream) {
+    /* the send only reads `tensor`; the op struct is shared with the writing ops */
+    fsc_nccl_op_t o = {FSC_OP_SEND, (fsc_tensor_t *)tensor, NULL, FSC_RED_SUM, peer};
+    return enqueue(c, &o, 1, stream, 1, 0);
+}
+
+fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, fsc_stream_t stream) {
+    fsc_nccl_op_t o = {FSC_OP_RECV, tensor, NULL, FSC_RED_SUM, peer};
+    return enqueue(c, &o, 1, stream, 1, 0);
+}
+
+fsc_status_t fsc_nccl_batch(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream) {
+    return enqueue(c, ops, n, stream, 1, 1);
 }
 
 /* ---- waiting and teardown -------------------------------------------------------------------- */

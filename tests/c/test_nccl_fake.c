@@ -72,6 +72,26 @@ static void test_ops_and_wait(void) {
     EXPECT(fsc_nccl_wait(c, 0, 1.0) == FSC_OK, "wait: %s", fsc_last_error());
     fsc_tensor_t short_out = cuda_view(out, 3);
     EXPECT(fsc_nccl_all_gather(c, &short_out, &ti, 0) == FSC_ERR_VALUE, "bad output size accepted");
+    EXPECT(strstr(fsc_last_error(), "all_gather: output must have") && !strstr(fsc_last_error(), "batch"),
+           "single-op message: %s", fsc_last_error());
+    EXPECT(fsc_nccl_reduce(c, &to, FSC_RED_MAX, 0, 0) == FSC_OK, "reduce: %s", fsc_last_error());
+    EXPECT(fsc_nccl_reduce(c, &to, FSC_RED_MAX, 1, 0) == FSC_ERR_VALUE, "root 1 of 1 accepted");
+    EXPECT(fsc_nccl_send(c, &ti, 0, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "other than this rank"),
+           "send to self: %s", fsc_last_error());
+    /* a batch: checked as a whole first, then enqueued as one group */
+    float b_in[2] = {5, 6}, b_out[2] = {0}, b_ar[3] = {1, 1, 1};
+    fsc_tensor_t bi = cuda_view(b_in, 2), bo = cuda_view(b_out, 2), bar = cuda_view(b_ar, 3);
+    fsc_nccl_op_t ops[3] = {{FSC_OP_ALL_GATHER, &bo, &bi, FSC_RED_SUM, 0},
+                            {FSC_OP_ALL_REDUCE, &bar, NULL, FSC_RED_SUM, 0},
+                            {FSC_OP_BROADCAST, &bar, NULL, FSC_RED_SUM, 0}};
+    EXPECT(fsc_nccl_batch(c, ops, 3, 0) == FSC_OK, "batch: %s", fsc_last_error());
+    EXPECT(b_out[1] == 6.0f, "batched all_gather copied %g", b_out[1]);
+    ops[1].tensor = &short_out;
+    ops[1].op = FSC_OP_ALL_GATHER; /* no input: refused, and nothing of the batch is enqueued */
+    b_out[1] = 0;
+    EXPECT(fsc_nccl_batch(c, ops, 3, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "batch operation 1"),
+           "bad batch: %s", fsc_last_error());
+    EXPECT(b_out[1] == 0.0f, "a refused batch enqueued its first operation");
     nap(0.3); /* the watchdog reaps the completed operations */
     EXPECT(fsc_nccl_comm_destroy(c, 1.0) == FSC_OK, "destroy: %s", fsc_last_error());
     fsc_nccl_comm_free(c);
