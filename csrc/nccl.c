@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "log.h"
 
@@ -233,6 +234,7 @@ struct fsc_nccl_comm {
     pthread_mutex_t lock; /* serialises every NCCL call on `comm`, and guards everything below */
     nccl_comm_h comm;     /* NULL once aborted or destroyed */
     int rank, nranks, device;
+    int owner_pid; /* the process that created it; a fork() child must not touch NCCL or the lock */
     comm_state_t state;
     char why_dead[768];    /* the error that aborted it */
     fsc_comm_op_t last_op; /* last operation enqueued, for wait's messages */
@@ -463,6 +465,7 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     c->rank = rank;
     c->nranks = nranks;
     c->device = device;
+    c->owner_pid = (int)getpid();
     c->op_timeout = timeout_s > 0 ? timeout_s : fsc_comm_timeout_s();
     c->pending = calloc(WD_MAX_PENDING, sizeof(pending_op_t));
     if (c->pending == NULL) FSC_CHECK_GOTO(fsc_error(FSC_ERR_NOMEM, "nccl init: out of memory"), st, fail);
@@ -544,9 +547,20 @@ static int nccl_redop(fsc_reduce_op_t op) {
     }
 }
 
+/* FSC_ERR_COMM in a fork() child of the process that created `c`: NCCL and CUDA do not survive
+ * fork, the watchdog thread did not come along, and the lock may have been held at the fork. */
+static fsc_status_t check_owner(const fsc_nccl_comm_t *c, const char *what) {
+    if ((int)getpid() == c->owner_pid) return FSC_OK;
+    return fsc_error(FSC_ERR_COMM,
+                     "nccl %s: the communicator was created by pid %d; this process (pid %d) is a fork() child "
+                     "of it and cannot use it",
+                     what, c->owner_pid, (int)getpid());
+}
+
 /* Lock `c`, refuse a dead communicator, and make its device current. */
 static fsc_status_t op_begin(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_gpu_ctx_t *g) {
     fsc_status_t st;
+    FSC_CHECK(check_owner(c, fsc_comm_op_name(op)));
     pthread_mutex_lock(&c->lock);
     if (c->state != COMM_ALIVE) {
         st = dead_error(c, fsc_comm_op_name(op));
@@ -730,6 +744,7 @@ fsc_status_t fsc_nccl_wait(fsc_nccl_comm_t *c, fsc_stream_t stream, double timeo
     double deadline = fsc_comm_now() + timeout;
     int polls = 0;
 
+    FSC_CHECK(check_owner(c, "wait"));
     pthread_mutex_lock(&c->lock);
     st = c->state == COMM_ALIVE ? FSC_OK : dead_error(c, "wait");
     fsc_comm_op_t last = c->last_op;
@@ -773,6 +788,7 @@ exit:
 }
 
 fsc_status_t fsc_nccl_comm_abort(fsc_nccl_comm_t *c) {
+    FSC_CHECK(check_owner(c, "abort"));
     pthread_mutex_lock(&c->lock);
     abort_locked(c, "aborted by the user");
     pthread_mutex_unlock(&c->lock);
@@ -782,6 +798,7 @@ fsc_status_t fsc_nccl_comm_abort(fsc_nccl_comm_t *c) {
 fsc_status_t fsc_nccl_comm_destroy(fsc_nccl_comm_t *c, double timeout_s) {
     fsc_status_t st = FSC_OK;
     fsc_gpu_ctx_t g;
+    FSC_CHECK(check_owner(c, "destroy"));
     pthread_mutex_lock(&c->lock);
     if (c->state != COMM_ALIVE) goto unlock; /* already gone: idempotent */
     FSC_CHECK_GOTO(fsc_gpu_ctx_enter(c->device, &g), st, unlock);
@@ -803,6 +820,11 @@ unlock:
 
 void fsc_nccl_comm_free(fsc_nccl_comm_t *c) {
     if (c == NULL) return;
+    if (check_owner(c, "free") != FSC_OK) { /* a fork() child: release the host memory only */
+        free(c->pending);
+        free(c);
+        return;
+    }
     watchdog_stop(c);
     pthread_mutex_lock(&c->lock);
     if (c->comm != NULL) abort_locked(c, "released without destroy()");

@@ -273,6 +273,7 @@ fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, in
     if (seg_name != NULL) snprintf(g->seg_name, sizeof(g->seg_name), "%s", seg_name);
     g->rank = rank;
     g->size = size;
+    g->owner_pid = (int)getpid();
     g->timeout = fsc_comm_timeout_s();
     g->unlinked = 0;
     g->send_seq = calloc((size_t)size, sizeof(uint64_t));
@@ -296,6 +297,14 @@ fail:
     if (create && g->base != NULL) shm_unlink(g->seg_name);
     fsc_shm_group_close(g);
     return st;
+}
+
+fsc_status_t fsc_shm_check_owner(const fsc_shm_group_t *g) {
+    if ((int)getpid() == g->owner_pid) return FSC_OK;
+    return fsc_error(FSC_ERR_COMM,
+                     "group '%s' was opened by pid %d; this process (pid %d) is a fork() child of it and cannot "
+                     "use it: build a new group in the child",
+                     g->name, g->owner_pid, (int)getpid());
 }
 
 const char *fsc_shm_group_segment_name(const fsc_shm_group_t *g) {

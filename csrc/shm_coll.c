@@ -271,6 +271,7 @@ static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
 
 fsc_status_t fsc_shm_run(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     if (g->broken != FSC_OK) return fsc_error(g->broken, "%s", g->broken_msg);
+    FSC_CHECK(fsc_shm_check_owner(g));
     if (a->op != FSC_OP_BARRIER && a->op != FSC_OP_SEND && a->op != FSC_OP_RECV && a->count != 0 &&
         a->dtype == FSC_NUM_DTYPES)
         return fsc_error(FSC_ERR_INTERNAL, "shm: bad dtype");

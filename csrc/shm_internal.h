@@ -62,6 +62,7 @@ struct fsc_shm_group {
     char name[128];
     char seg_name[64];
     int rank, size;
+    int owner_pid; /* the process that opened it; a forked child must not use or stop it */
     double timeout;
     uint8_t *base;
     size_t bytes;
@@ -119,8 +120,12 @@ fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic ui
 /* Bump this rank's barrier epoch; with `wait`, block until every other rank has reached it. */
 fsc_status_t fsc_shm_arrive(fsc_shm_group_t *g, int wait);
 
+/* FSC_ERR_COMM when the calling process is not the one that opened `g` (a fork() child: the
+ * progress thread and any lock it held did not come along), else FSC_OK. */
+fsc_status_t fsc_shm_check_owner(const fsc_shm_group_t *g);
+
 /* Stop and join the progress thread once its queue has drained (shm_queue.c). No-op when it
- * was never started. */
+ * was never started, and in a fork() child (whose copy has no thread to join). */
 void fsc_shm_engine_stop(fsc_shm_group_t *g);
 
 #endif /* FSC_SHM_INTERNAL_H */

@@ -57,6 +57,10 @@ fsc_status_t fsc_shm_engine_start(fsc_shm_group_t *g) {
 
 void fsc_shm_engine_stop(fsc_shm_group_t *g) {
     if (!g->engine_started) return;
+    if (fsc_shm_check_owner(g) != FSC_OK) { /* a fork() child: no thread to join, the lock may be held */
+        g->engine_started = 0;
+        return;
+    }
     pthread_mutex_lock(&g->qmu);
     g->stop = 1;
     pthread_cond_signal(&g->qcv);
@@ -69,6 +73,7 @@ void fsc_shm_engine_stop(fsc_shm_group_t *g) {
 
 fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, fsc_shm_work_t **out) {
     *out = NULL;
+    FSC_CHECK(fsc_shm_check_owner(g));
     if (!g->engine_started) return fsc_error(FSC_ERR_INTERNAL, "shm group '%s': progress thread not started", g->name);
     fsc_shm_work_t *w = calloc(1, sizeof(*w));
     if (w == NULL) return fsc_error(FSC_ERR_NOMEM, "shm: out of memory queueing %s", fsc_comm_op_name(a->op));

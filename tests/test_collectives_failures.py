@@ -54,6 +54,41 @@ def test_dead_peer_is_reported_quickly():
     assert elapsed < 10, f"dead peer found after {elapsed:.1f} s; expected well before the 30 s timeout"
 
 
+def _fork_child_job(rank, world):
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group(name="forked")
+    group.all_reduce(torch.ones(8))  # the progress thread is running when the fork happens
+    pid = os.fork()
+    if pid == 0:  # the child must get an error, not a hang, and destroy() must return
+        code = 1
+        try:
+            _expect_error(lambda: group.all_reduce(torch.ones(8)), "'forked'", "fork() child")
+            group.destroy()
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise AssertionError("the fork() child hung")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    t = torch.ones(8)
+    group.all_reduce(t)  # the parents' group is intact
+    group.destroy()
+    return t[0].item()
+
+
+def test_fork_child_gets_an_error_not_a_hang():
+    assert run_ranks(_fork_child_job, 2, env=FAST) == [2.0, 2.0]
+
+
 def _never_joins_job(rank, world):
     import fairscale_c.distributed as fdist
 

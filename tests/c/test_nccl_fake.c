@@ -4,10 +4,13 @@
  * synchronize, and makes the next call fail with the reason. Run with the fake on
  * LD_LIBRARY_PATH and FAIRSCALE_C_TIMEOUT=1 (the Makefile does). Exit status 0 = all passed. */
 #include <dlfcn.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../../csrc/gpu.h"
 #include "../../csrc/nccl.h"
@@ -169,6 +172,30 @@ static void test_free_while_pending(void) {
     EXPECT(fake_live_events() == 0, "%d events leaked", fake_live_events());
 }
 
+/* A fork() child: every call refuses (no NCCL, no lock), and releasing the communicator returns at
+ * once without aborting the parent's; the parent's communicator keeps working. */
+static void test_fork_child(void) {
+    fake_set_mode(FAKE_OK);
+    fsc_nccl_comm_t *c = new_comm(0);
+    if (c == NULL) return;
+    float buf[4] = {0};
+    fsc_tensor_t t = cuda_view(buf, 4);
+    pid_t child = fork();
+    if (child == 0) {
+        int aborts0 = fake_aborts();
+        int ok = fsc_nccl_all_reduce(c, &t, FSC_RED_SUM, 0) == FSC_ERR_COMM && strstr(fsc_last_error(), "fork()");
+        ok = ok && fsc_nccl_wait(c, 0, 1.0) == FSC_ERR_COMM && fsc_nccl_comm_destroy(c, 1.0) == FSC_ERR_COMM;
+        fsc_nccl_comm_free(c);
+        ok = ok && fake_aborts() == aborts0;
+        _exit(ok ? 0 : 1);
+    }
+    int status = wait_or_kill(child, 5.0);
+    EXPECT(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "fork() child: status 0x%x", status);
+    EXPECT(fsc_nccl_all_reduce(c, &t, FSC_RED_SUM, 0) == FSC_OK && fsc_nccl_wait(c, 0, 1.0) == FSC_OK,
+           "parent after the child: %s", fsc_last_error());
+    fsc_nccl_comm_free(c);
+}
+
 int main(void) {
     void *fake = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
     if (fake == NULL || dlsym(fake, "fake_set_mode") == NULL) {
@@ -185,6 +212,7 @@ int main(void) {
     test_watchdog_timeout();
     test_watchdog_async_error();
     test_free_while_pending();
+    test_fork_child();
     if (failures) {
         fprintf(stderr, "test_nccl_fake: %d failure(s)\n", failures);
         return 1;

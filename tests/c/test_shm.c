@@ -224,6 +224,36 @@ static int rank_large_outputs(fsc_shm_group_t *g, void *ctx) {
     return bad ? 1 : 0;
 }
 
+/* A fork() child of a rank (the progress thread running) gets an error from every op instead of
+ * hanging on a queue nobody serves, and closing the group there returns at once; the parent's
+ * group keeps working. */
+static int rank_fork_child(fsc_shm_group_t *g, void *ctx) {
+    (void)ctx;
+    if (g == NULL || fsc_shm_engine_start(g) != FSC_OK) return 5;
+    float buf[4] = {1, 2, 3, 4};
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf};
+    fsc_shm_args_t b = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL};
+    pid_t child = fork();
+    if (child == 0) {
+        fsc_shm_work_t *w = NULL;
+        int ok = fsc_shm_submit(g, &a, &w) == FSC_ERR_COMM && strstr(fsc_last_error(), "fork() child") && w == NULL;
+        ok = ok && fsc_shm_run(g, &a) == FSC_ERR_COMM;
+        if (!ok) fprintf(stderr, "forked child: %s\n", fsc_last_error());
+        fsc_shm_group_close(g);
+        _exit(ok ? 0 : 1);
+    }
+    int status = wait_or_kill(child, 5.0);
+    if (status == -1) {
+        fprintf(stderr, "forked child did not exit within 5 s\n");
+        return 1;
+    }
+    fsc_shm_work_t *w = NULL;
+    int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0 && fsc_shm_submit(g, &b, &w) == FSC_OK &&
+             fsc_shm_work_wait(w, 10) == FSC_OK;
+    fsc_shm_work_release(w);
+    return ok ? 0 : 1;
+}
+
 /* ---- failures ---- */
 static int rank_mismatch(fsc_shm_group_t *g, void *ctx) {
     (void)ctx;
@@ -327,6 +357,7 @@ int main(void) {
             fprintf(stderr, "all ops, %d ranks, async=%d: %.2f s\n", size, async, fsc_comm_now() - t0);
         }
     EXPECT(spawn(2, 2, rank_large_outputs, NULL) == 0, "outputs of 16 MiB and more (streaming stores)");
+    EXPECT(spawn(2, 2, rank_fork_child, NULL) == 0, "a fork() child neither uses nor hangs on the group");
     EXPECT(spawn(2, 2, rank_mismatch, NULL) == 0, "collective mismatch reported on both ranks");
     EXPECT(spawn(2, 2, rank_p2p_mismatch, NULL) == 0, "send/recv mismatch reported on both ranks");
     EXPECT(spawn(2, 2, rank_dead_peer, NULL) == 0, "dead peer detected");
