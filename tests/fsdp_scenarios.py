@@ -399,6 +399,47 @@ def scenario_half_after_wrapping(rank, world):
     assert m.compute_dtype is torch.float16 and m.flat_param_0.dtype is torch.float16
 
 
+def scenario_sharded_grad_scaler(rank, world):
+    # FSDP with ShardedGradScaler against the unwrapped model with torch's GradScaler on the whole
+    # batch: same losses, parameters and scale, including a step whose gradients overflow (the
+    # global batch carries an inf, so both sides must skip it and back off) and scale growth
+    # (growth_interval=2).
+    from fairscale_c.optim.grad_scaler import ShardedGradScaler
+
+    device = DEVICE["device"]
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    ref = copy.deepcopy(model)
+    fsdp_model = fsdp()(model)
+    opt = torch.optim.SGD(fsdp_model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    scaler = ShardedGradScaler(init_scale=2.0**10, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+    gen = torch.Generator().manual_seed(1234)
+    for step in range(5):
+        x, y = (t.to(device) for t in mlp_batch(step, world, gen))
+        if step == 2:
+            x[-1, 0] = float("inf")  # the last rank's slice overflows
+        loss = mse(fsdp_model, _local(x, rank), _local(y, rank))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        fsdp_model.clip_grad_norm_(1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref_scaler.scale(mse(ref, x, y)).backward()
+        ref_scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        assert scaler.get_scale() == ref_scaler.get_scale(), (step, scaler.get_scale(), ref_scaler.get_scale())
+    assert scaler.get_scale() == 2.0**11  # grew at step 1, backed off at step 2, grew again at step 4
+    sd, ref_sd = fsdp_model.state_dict(), ref.state_dict()
+    for k, v in ref_sd.items():
+        torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"parameter {k}")
+
+
 NUMERICS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 SCENARIOS = dict(NUMERICS)
 

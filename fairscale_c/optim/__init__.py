@@ -1,0 +1,6 @@
+"""fairscale_c.optim — mirrors fairscale.optim (so far its gradient scalers; ShardedGradScaler
+lives in fairscale_c.optim.grad_scaler, as in FairScale, and is not re-exported here)."""
+
+from .grad_scaler import GradScaler
+
+__all__ = ["GradScaler"]

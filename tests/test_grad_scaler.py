@@ -1,0 +1,87 @@
+"""fairscale_c.optim.grad_scaler: GradScaler (unscales fp16 gradients too) and ShardedGradScaler
+(the found-inf flag agreed over the group), against torch.amp.GradScaler. The numerics of FSDP
+with ShardedGradScaler against single-process PyTorch are the 'sharded_grad_scaler' scenario in
+tests/fsdp_scenarios.py (world 1, 2 and 4)."""
+
+import pytest
+import torch
+from torch import nn
+
+from dist_utils import run_ranks
+from fairscale_c.optim import GradScaler
+from fairscale_c.optim.grad_scaler import ShardedGradScaler
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).to(dtype)
+
+
+def _train(model, scaler, steps=6, inf_at=(2,), dtype=torch.float32):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scales = []
+    gen = torch.Generator().manual_seed(7)
+    for step in range(steps):
+        x = torch.randn(5, 4, generator=gen).to(dtype)
+        if step in inf_at:
+            x[0, 0] = float("inf")
+        loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("cls", [GradScaler, ShardedGradScaler])
+def test_one_process_behaves_as_torchs_grad_scaler(cls):
+    kw = dict(init_scale=2.0**8, growth_interval=2)
+    ours, ours_params = _train(_model(), cls(**kw))
+    ref, ref_params = _train(_model(), torch.amp.GradScaler("cpu", **kw))
+    assert ours == ref and ours == [2.0**8, 2.0**9, 2.0**8, 2.0**8, 2.0**9, 2.0**9]
+    for a, b in zip(ours_params, ref_params):
+        assert torch.equal(a, b)
+
+
+def test_fp16_gradients_are_unscaled():
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        _train(_model(torch.float16), torch.amp.GradScaler("cpu"), dtype=torch.float16)
+    scales, params = _train(_model(torch.float16), GradScaler(init_scale=2.0**4), dtype=torch.float16)
+    assert scales[2] == scales[1] / 2 and all(torch.isfinite(p).all() for p in params)
+
+
+def test_disabled_scaler_is_a_pass_through():
+    scaler = ShardedGradScaler(enabled=False)
+    loss = torch.tensor(3.0)
+    assert scaler.scale(loss) is loss and not scaler.is_enabled()
+
+
+def _only_one_rank_overflows(rank, world, scaler_kind):
+    """FSDP on 2 ranks; after backward, rank 1 alone finds an inf in its gradient shard."""
+    import torch.distributed as dist
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler(init_scale=2.0**8) if scaler_kind == "sharded" else torch.amp.GradScaler("cpu", 2.0**8)
+    before = model.flat_param_0.detach().clone()
+    loss = model(torch.randn(3, 4)).pow(2).mean()
+    scaler.scale(loss).backward()
+    if rank == 1:
+        model.flat_param_0.grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    stepped = not torch.equal(model.flat_param_0.detach(), before)
+    dist.destroy_process_group()
+    return stepped, scaler.get_scale()
+
+
+def test_ranks_skip_the_step_together():
+    # With torch's scaler the ranks part ways: rank 0 steps, rank 1 skips and backs off alone.
+    assert run_ranks(_only_one_rank_overflows, 2, "torch") == [(True, 2.0**8), (False, 2.0**7)]
+    # ShardedGradScaler: both skip and both back off.
+    assert run_ranks(_only_one_rank_overflows, 2, "sharded") == [(False, 2.0**7), (False, 2.0**7)]
