@@ -303,6 +303,28 @@ def scenario_activation_checkpointing(rank, world):
     train_and_compare(rank, world, make_model, wrap, batch_fn=lm_batch, loss_fn=xent)
 
 
+def scenario_checkpoint_wrapper(rank, world):
+    # fairscale_c.nn.checkpoint_wrapper inside FSDP, as FairScale recommends and Tango's
+    # with_wrapped_modules does (checkpoint_wrapper first, then FSDP), against the plain model;
+    # then the other order, FSDP instances wrapped for checkpointing.
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+    from fairscale_c.nn import checkpoint_wrapper
+
+    def inside(model):
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = FSDP(checkpoint_wrapper(blk))
+        return FSDP(model)
+
+    train_and_compare(rank, world, TinyLM, inside, batch_fn=lm_batch, loss_fn=xent)
+
+    def outside(model):
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(FSDP(blk))
+        return FSDP(model)
+
+    train_and_compare(rank, world, TinyLM, outside, batch_fn=lm_batch, loss_fn=xent)
+
+
 def scenario_bucketing(rank, world):
     # 0: every gradient reduce-scattered alone; 0.02 MiB (20 KiB): the blocks (13 KiB each) fill a
     # bucket that is sent in the middle of backward, the root (3 KiB) goes at the end; 25 MiB

@@ -1,0 +1,129 @@
+"""Activation checkpointing with FairScale 0.4.13's API: ``checkpoint_wrapper(module,
+offload_to_cpu=False)`` returns the same module, whose forward from then on keeps only its inputs
+and recomputes everything else in backward.
+
+Built on torch.utils.checkpoint's non-reentrant mode, which brings keyword arguments, non-tensor
+outputs, the RNG state (CPU and CUDA) and the autocast state of the first pass to the
+recomputation, and works inside FSDP (``FSDP(checkpoint_wrapper(block))``, as FairScale
+recommends). ``is_checkpointing()`` is true during the first pass of a wrapped forward,
+``is_recomputing()`` during its recomputation; BatchNorm layers inside a wrapped module update
+their running statistics in the first pass only, so they end as without checkpointing.
+"""
+
+import contextlib
+import functools
+import threading
+import weakref
+from typing import Any, Generator
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.is_checkpointing = False
+        self.is_recomputing = False
+        self.is_checkpointing_disabled = False
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def _flag(name: str, value: bool = True) -> Generator[None, None, None]:
+    before = getattr(_state, name)
+    setattr(_state, name, value)
+    try:
+        yield
+    finally:
+        setattr(_state, name, before)
+
+
+def disable_checkpointing():
+    """While inside, wrapped modules run their plain forward (FairScale's context manager)."""
+    return _flag("is_checkpointing_disabled")
+
+
+def enable_checkpointing():
+    """Makes is_checkpointing() true while inside."""
+    return _flag("is_checkpointing")
+
+
+def enable_recomputing():
+    """Makes is_recomputing() true while inside."""
+    return _flag("is_recomputing")
+
+
+def is_checkpointing() -> bool:
+    """Whether this thread is in the first pass of a checkpointed forward."""
+    return _state.is_checkpointing
+
+
+def is_recomputing() -> bool:
+    """Whether this thread is recomputing a checkpointed forward in backward. Use it to keep a
+    forward's side effects (counters, statistics) from happening twice."""
+    return _state.is_recomputing
+
+
+def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
+    """Make `module`'s forward checkpointed and return `module` itself.
+
+    offload_to_cpu: keep the saved inputs (the activations entering the module) in host memory
+    between forward and backward; they are copied back to their device for the recomputation.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"checkpoint_wrapper: argument 'module' must be an nn.Module, got {type(module).__name__}")
+    _patch_batchnorm(module)
+    module.forward = functools.partial(_checkpointed_forward, type(module).forward, weakref.ref(module), offload_to_cpu)
+    return module
+
+
+def _checkpointed_forward(original_forward: Any, weak_self: Any, offload_to_cpu: bool, *args: Any, **kwargs: Any):
+    module = weak_self()
+    if not torch.is_grad_enabled() or _state.is_checkpointing_disabled:
+        return original_forward(module, *args, **kwargs)
+    devices = [a.device if torch.is_tensor(a) else None for a in args]
+    if offload_to_cpu:  # what the checkpoint keeps for backward is then the host copy
+        args = tuple(a.to("cpu", non_blocking=True) if torch.is_tensor(a) else a for a in args)
+    passes = []
+
+    def run(*inputs: Any) -> Any:
+        if offload_to_cpu:
+            inputs = tuple(x.to(d, non_blocking=True) if d is not None else x for x, d in zip(inputs, devices))
+        first = not passes
+        passes.append(None)
+        with enable_checkpointing() if first else enable_recomputing():
+            return original_forward(module, *inputs, **kwargs)
+
+    return torch_checkpoint.checkpoint(run, *args, use_reentrant=False)
+
+
+def _freeze_stats_when_recomputing(bn: _BatchNorm, inputs: Any) -> None:
+    # Momentum 0 leaves the running statistics as they are while the op (and so what autograd
+    # saves, which the checkpoint compares between the passes) stays the same.
+    if _state.is_recomputing and bn.training and bn.track_running_stats:
+        tracked = bn.num_batches_tracked.clone() if bn.num_batches_tracked is not None else None
+        bn._fsc_saved_stats = (bn.momentum, tracked)
+        bn.momentum = 0.0
+
+
+def _restore_stats_settings(bn: _BatchNorm, inputs: Any, output: Any) -> None:
+    saved = bn.__dict__.pop("_fsc_saved_stats", None)
+    if saved is not None:
+        bn.momentum = saved[0]
+        if saved[1] is not None:
+            with torch.no_grad():
+                bn.num_batches_tracked.copy_(saved[1])
+
+
+def _patch_batchnorm(module: nn.Module) -> None:
+    """BatchNorm layers must not update their running statistics a second time while the
+    forward is recomputed (FairScale patches them for the same reason)."""
+    for child in module.modules():
+        if isinstance(child, _BatchNorm) and not getattr(child, "_fsc_bn_patched", False):
+            child.register_forward_pre_hook(_freeze_stats_when_recomputing)
+            child.register_forward_hook(_restore_stats_settings)
+            child._fsc_bn_patched = True

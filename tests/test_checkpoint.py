@@ -1,0 +1,131 @@
+"""fairscale_c.nn.checkpoint: checkpoint_wrapper against the unwrapped module (gradients, RNG,
+kwargs, non-tensor outputs, BatchNorm statistics, autocast), the is_checkpointing /
+is_recomputing flags, and that activations are really dropped. FSDP around wrapped blocks is the
+'checkpoint_wrapper' scenario in tests/fsdp_scenarios.py (world 1, 2 and 4)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fairscale_c.nn import checkpoint_wrapper
+from fairscale_c.nn.checkpoint import is_checkpointing, is_recomputing
+from fairscale_c.nn.checkpoint.checkpoint_activations import disable_checkpointing
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(6, 32), nn.BatchNorm1d(32), nn.Linear(32, 3)
+        self.calls = {"checkpointing": 0, "recomputing": 0, "plain": 0}
+
+    def forward(self, x, scale=1.0, extra=None):
+        key = "checkpointing" if is_checkpointing() else "recomputing" if is_recomputing() else "plain"
+        self.calls[key] += 1
+        h = F.dropout(F.gelu(self.bn(self.fc1(x))), p=0.3, training=self.training)
+        out = self.fc2(h) * scale
+        if extra is not None:
+            out = out + extra
+        return out, {"n": x.shape[0]}, None  # non-tensor outputs pass through
+
+
+def _run(model, x, extra, seed=3):
+    torch.manual_seed(seed)
+    out, info, none = model(x, scale=2.0, extra=extra)
+    (out.pow(2).sum()).backward()
+    return out.detach(), info, none
+
+
+def test_gradients_rng_kwargs_and_outputs_match_the_plain_module():
+    torch.manual_seed(0)
+    plain = Net()
+    wrapped = copy.deepcopy(plain)
+    assert checkpoint_wrapper(wrapped) is wrapped  # the same module, as in FairScale
+    x = torch.randn(8, 6)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    extras = [torch.randn(8, 3, requires_grad=True) for _ in range(2)]
+    extras[1].data.copy_(extras[0].data)
+    ref = _run(plain, xs[0], extras[0])
+    got = _run(wrapped, xs[1], extras[1])
+    assert torch.equal(ref[0], got[0]) and got[1] == {"n": 8} and got[2] is None
+    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+        assert torch.equal(p.grad, q.grad), n  # dropout masks replayed: gradients identical
+    assert torch.equal(xs[0].grad, xs[1].grad) and torch.equal(extras[0].grad, extras[1].grad)
+    # BatchNorm statistics updated once per forward, as without checkpointing
+    assert torch.equal(plain.bn.running_mean, wrapped.bn.running_mean)
+    assert plain.bn.num_batches_tracked == wrapped.bn.num_batches_tracked == 1
+    assert wrapped.calls == {"checkpointing": 1, "recomputing": 1, "plain": 0}
+
+
+def test_activations_are_dropped():
+    def saved_bytes(model):
+        total = []
+
+        def pack(t):
+            total.append(t.numel() * t.element_size())
+            return t
+
+        x = torch.randn(64, 6, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)[0]
+        out.sum().backward()
+        return sum(total)
+
+    torch.manual_seed(0)
+    plain = Net()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    assert saved_bytes(wrapped) < saved_bytes(plain) / 4
+
+
+def test_bypassed_without_grad_and_when_disabled():
+    net = checkpoint_wrapper(Net())
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        net(x)
+    with disable_checkpointing():
+        net(x)[0].sum().backward()
+    assert net.calls == {"checkpointing": 0, "recomputing": 0, "plain": 2}
+
+
+def test_eval_mode_batchnorm_reads_running_stats_in_both_passes():
+    torch.manual_seed(0)
+    plain = Net().eval()
+    plain.bn.running_mean.uniform_(-1, 1)
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(8, 6)
+    _run(plain, x, None)
+    _run(wrapped, x, None)
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_autocast_state_is_replayed():
+    torch.manual_seed(0)
+    plain = Net()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(8, 6)
+    for m in (plain, wrapped):
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)[0]
+        assert out.dtype is torch.bfloat16
+        out.float().sum().backward()
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_offload_to_cpu_on_cpu_tensors_changes_nothing():
+    torch.manual_seed(0)
+    plain = Net()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain), offload_to_cpu=True)
+    x = torch.randn(8, 6)
+    assert torch.equal(_run(plain, x, None)[0], _run(wrapped, x, None)[0])
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_bad_module_argument():
+    with pytest.raises(TypeError, match="argument 'module' must be an nn.Module"):
+        checkpoint_wrapper(lambda x: x)
