@@ -624,22 +624,29 @@ class TangoFixture(nn.Module):
         return {"loss": F.mse_loss(self.head(x).float().squeeze(-1), y)}
 
 
-def _tango_build(fsdp_config, seed):
-    """What a Tango-style engine does: build the model, wrap the modules whose names fully match
-    a pattern and re-attach them with add_module, wrap the root, build the optimizer over the
-    root's (flat, sharded) parameters."""
+def _tango_build(fsdp_config, seed, activation_checkpointing):
+    """What a Tango-style engine does (with the three names it imports from FairScale): build the
+    model, wrap the modules whose names fully match a pattern (checkpoint_wrapper with
+    offload_to_cpu=True first when activation checkpointing is on, then FSDP) and re-attach them
+    with add_module, wrap the root, build the optimizer over the root's (flat, sharded)
+    parameters, and a ShardedGradScaler for AMP."""
     import re
 
+    from fairscale_c.nn.checkpoint import checkpoint_wrapper
     from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from fairscale_c.optim.grad_scaler import ShardedGradScaler
 
     torch.manual_seed(seed)
     model = TangoFixture()
     for name, module in list(model.named_modules()):
         if re.fullmatch(r"blocks\.[0-9]+", name):
+            if activation_checkpointing:
+                module = checkpoint_wrapper(module, offload_to_cpu=True)
             parent, _, child = name.rpartition(".")
             model.get_submodule(parent).add_module(child, FSDP(module, **fsdp_config))
     model = FSDP(model, **fsdp_config)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.005)
+    scaler = ShardedGradScaler() if fsdp_config["mixed_precision"] else None
+    return model, torch.optim.AdamW(model.parameters(), lr=0.005), scaler
 
 
 def _tango_batches(step, rank, world):
@@ -651,16 +658,23 @@ def _tango_batches(step, rank, world):
     return [(x[idx[:2]], y[idx[:2]]), (x[idx[2:]], y[idx[2:]])]
 
 
-def _tango_step(model, opt, step, rank, world, amp):
-    """forward_train per micro-batch (autocast, loss / n), backward, then clip and step."""
+def _tango_step(model, opt, scaler, step, rank, world, amp):
+    """forward_train per micro-batch (autocast, loss / n), backward (scaled under AMP), then
+    unscale, clip, step and update the scale."""
     opt.zero_grad(set_to_none=True)
     micro = _tango_batches(step, rank, world)
     for x, y in micro:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             loss = model(x=x, y=y)["loss"] / len(micro)
-        loss.backward()
+        (scaler.scale(loss) if scaler else loss).backward()
+    if scaler:
+        scaler.unscale_(opt)
     model.clip_grad_norm_(1.0)
-    opt.step()
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
 
 
 def tango_engine(rank, world):
@@ -669,29 +683,33 @@ def tango_engine(rank, world):
     from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
 
     d = CKPT["dir"]
-    for amp in (False, True):
+    for amp, ckpting in ((False, False), (True, True)):  # AMP with activation checkpointing too
         fsdp_config = dict(
             reshard_after_forward=True, move_params_to_cpu=False, move_grads_to_cpu=None, mixed_precision=amp
         )
-        straight, opt = _tango_build(fsdp_config, seed=317)
+        straight, opt, scaler = _tango_build(fsdp_config, 317, ckpting)
         for step in range(4):
-            _tango_step(straight, opt, step, rank, world, amp)
+            _tango_step(straight, opt, scaler, step, rank, world, amp)
 
-        model, opt = _tango_build(fsdp_config, seed=317)
+        model, opt, scaler = _tango_build(fsdp_config, 317, ckpting)
         for step in range(2):
-            _tango_step(model, opt, step, rank, world, amp)
+            _tango_step(model, opt, scaler, step, rank, world, amp)
         ckpt = os.path.join(d, f"amp{int(amp)}")
         os.makedirs(ckpt, exist_ok=True)
         state = {"weights": model.local_state_dict(), "metadata": model.local_metadata_dict()}
         _atomic_save(state, os.path.join(ckpt, f"worker{rank}_model.pt"))
         _atomic_save(opt.state_dict(), os.path.join(ckpt, f"worker{rank}_optimizer.pt"))
+        if scaler:
+            _atomic_save(scaler.state_dict(), os.path.join(ckpt, f"worker{rank}_grad_scaler.pt"))
         dist.barrier()
 
-        resumed, opt = _tango_build(fsdp_config, seed=1)  # other init: all must come from the files
+        resumed, opt, scaler = _tango_build(fsdp_config, 1, ckpting)  # other init: all from the files
         resumed.load_local_state_dict(torch.load(os.path.join(ckpt, f"worker{rank}_model.pt"))["weights"])
         opt.load_state_dict(torch.load(os.path.join(ckpt, f"worker{rank}_optimizer.pt")))
+        if scaler:
+            scaler.load_state_dict(torch.load(os.path.join(ckpt, f"worker{rank}_grad_scaler.pt")))
         for step in range(2, 4):
-            _tango_step(resumed, opt, step, rank, world, amp)
+            _tango_step(resumed, opt, scaler, step, rank, world, amp)
         for (k, a), (_, b) in zip(straight.local_state_dict().items(), resumed.local_state_dict().items()):
             assert torch.equal(a, b), f"amp={amp}: {k} differs after resuming"
 
@@ -707,7 +725,7 @@ def tango_engine(rank, world):
         x, y = _tango_batches(0, 0, 1)[0]
         with torch.no_grad():
             want = plain(x=x, y=y)["loss"]
-            state_model, _ = _tango_build(fsdp_config, seed=2)
+            state_model, _, _ = _tango_build(fsdp_config, 2, ckpting)
             state_model.load_local_state_dict(shards[rank]["weights"])
             got = state_model(x=x, y=y)["loss"]
         tol = BF16_TOL if amp else FP32_TOL  # mixed precision computes in fp16 from the same weights
