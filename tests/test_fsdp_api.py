@@ -302,3 +302,12 @@ def test_conversions_that_cannot_work_are_refused_before_anything_changes():
         m.to("meta")
     assert m.flat_param_0.device.type == "cpu"
     torch.testing.assert_close(m(torch.ones(1, 4)), mlp()(torch.ones(1, 4)))
+
+
+def test_pickling_and_deepcopy_raise_a_clear_error():
+    import pickle
+
+    m = FSDP(mlp())
+    for fn in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be pickled or deep-copied.*state_dict"):
+            fn(m)

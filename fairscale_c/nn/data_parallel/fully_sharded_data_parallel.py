@@ -332,6 +332,13 @@ class FullyShardedDataParallel(nn.Module):
         except AttributeError:
             return getattr(self._fsdp_wrapped_module, name)
 
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError(
+            "FullyShardedDataParallel cannot be pickled or deep-copied: it holds shards bound to a live "
+            "process group and its communicators. Save state_dict() or local_state_dict() + "
+            "local_metadata_dict() instead, or copy the module before wrapping it."
+        )
+
     def __getitem__(self, key: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(key)
 
