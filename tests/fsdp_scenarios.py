@@ -327,9 +327,10 @@ def scenario_checkpoint_wrapper(rank, world):
 
 def scenario_bucketing(rank, world):
     # 0: every gradient reduce-scattered alone; 0.02 MiB (20 KiB): the blocks (13 KiB each) fill a
-    # bucket that is sent in the middle of backward, the root (3 KiB) goes at the end; 25 MiB
-    # packs everything of these models into one op, as every other scenario exercises.
-    for cap in (0, 0.02):
+    # bucket that is sent in the middle of backward, the root (3 KiB) goes at the end; 0.01 MiB:
+    # the blocks go alone while the root waits in a bucket; 25 MiB packs everything of these
+    # models into one op, as every other scenario exercises.
+    for cap in (0, 0.02, 0.01):
         wrap = functools.partial(nested_manual_wrap, bucket_cap_mb=cap)
         train_and_compare(rank, world, TinyLM, wrap, batch_fn=lm_batch, loss_fn=xent)
 
