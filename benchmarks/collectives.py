@@ -189,7 +189,7 @@ def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu") -
         "dtype": "float32",
         "device": device,
         "baseline": "torch nccl" if device == "cuda" else "torch gloo",
-        "shm_chunk_bytes": int(os.environ.get("FAIRSCALE_C_SHM_CHUNK", 4 * MiB)),
+        "shm_chunk_bytes": int(os.environ.get("FAIRSCALE_C_SHM_CHUNK", MiB)),
         "rows": rows,
     }
 

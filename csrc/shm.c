@@ -42,7 +42,10 @@ static inline int reached(_Atomic uint32_t *word, uint32_t target) {
 
 static size_t chunk_from_env(void) {
     const char *s = getenv("FAIRSCALE_C_SHM_CHUNK");
-    size_t def = (size_t)4 << 20; /* 4 MiB: best of 256 KiB / 1 MiB / 4 MiB in benchmarks/collectives.py */
+    /* 1 MiB: in alternating runs of benchmarks/collectives.py (1-64 MiB, three of each) it beat
+     * 4 MiB by 1.22x (geometric mean; world 4: 1.16x), and 512 KiB / 2 MiB were within the
+     * noise of it. A rank's slots then stay in its caches, and the segment is a quarter the size. */
+    size_t def = (size_t)1 << 20;
     if (s == NULL || *s == '\0') return def;
     char *end = NULL;
     unsigned long long v = strtoull(s, &end, 10);
