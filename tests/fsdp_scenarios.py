@@ -738,6 +738,36 @@ SCENARIOS.update(state_save=state_save, state_load=state_load, memory_per_rank=m
 SCENARIOS.update(tango_engine=tango_engine)
 
 
+def dataloader_fork_workers(rank, world):
+    """Training with a DataLoader whose workers are fork()ed from a rank that runs the engine's
+    progress threads (a new set of workers each epoch): the workers never touch the groups, so
+    training carries on and matches the same loop without workers."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    data = TensorDataset(torch.randn(48, 8, generator=torch.Generator().manual_seed(rank)), torch.randn(48, 4))
+    results = []
+    for workers in (2, 0):
+        torch.manual_seed(0)
+        model = FSDP(MLP())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        loader = DataLoader(
+            data, batch_size=8, num_workers=workers, multiprocessing_context="fork" if workers else None
+        )
+        for _ in range(2):
+            for x, y in loader:
+                mse(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+        results.append(model.state_dict())
+    for k, v in results[1].items():
+        assert torch.equal(results[0][k], v), k
+
+
+SCENARIOS.update(dataloader_fork_workers=dataloader_fork_workers)
+
+
 class LayerDrop(nn.Module):
     """Ranks that skip different layers issue different collectives (FairScale issue 796)."""
 

@@ -60,6 +60,10 @@ def test_tango_style_engine_resumes_exactly(tmp_path):
     spawn(2, ["tango_engine"], extra=(str(tmp_path),))
 
 
+def test_dataloader_workers_forked_from_a_training_rank():
+    spawn(2, ["dataloader_fork_workers"])
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_per_rank_is_one_over_world(world):
     spawn(world, ["memory_per_rank"])
