@@ -129,3 +129,12 @@ def test_offload_to_cpu_on_cpu_tensors_changes_nothing():
 def test_bad_module_argument():
     with pytest.raises(TypeError, match="argument 'module' must be an nn.Module"):
         checkpoint_wrapper(lambda x: x)
+
+
+def test_import_paths_mirror_fairscale():
+    import fairscale_c.nn
+    import fairscale_c.nn.checkpoint
+    import fairscale_c.nn.misc
+
+    assert fairscale_c.nn.checkpoint_wrapper is fairscale_c.nn.checkpoint.checkpoint_wrapper
+    assert fairscale_c.nn.misc.checkpoint_wrapper is checkpoint_wrapper  # FairScale's old path
