@@ -32,12 +32,14 @@ class ReduceScatterBucket:
         op = "avg" if average else "sum"
         nbytes = grad.numel() * grad.element_size()
         if grad.is_cuda:  # on the side stream, overlapping the rest of backward
+            # `out` is allocated on the compute stream, like `grad`; h.pending keeps both alive
+            # until the compute stream has waited for the side stream's event, so their memory is
+            # reused only after the reduce-scatter (events order it, no record_stream: DESIGN.md).
+            out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
             ctx, side = _on_side_stream(fsdp, grad.device, fsdp.comm_rs)
             with ctx:
-                out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
                 fsdp.comm_rs.reduce_scatter(out, grad, op=op)
                 work = _StreamWork(side)
-            grad.record_stream(side)  # made on the compute stream, read on the side stream
             h.pending = (work, out, grad, average)
             return
         if fsdp.comm_rs.group is None or nbytes >= min(self.cap_bytes, _ALONE_BYTES):

@@ -582,8 +582,6 @@ class FullyShardedDataParallel(nn.Module):
                     work, out, _, average = h.pending
                     h.pending = None
                     work.wait()
-                    if out.is_cuda:  # made on the side stream, used and freed on this one
-                        out.record_stream(torch.cuda.current_stream(out.device))
                     if not average:
                         out.div_(m.gradient_predivide_factor * m.gradient_postdivide_factor)
                     m._accumulate_grad(h, out)
