@@ -20,11 +20,30 @@ typedef void *cu_module_t;
 typedef void *cu_function_t;
 typedef void *cu_stream_t;
 typedef void *cu_event_t;
+typedef unsigned long long cu_deviceptr_t; /* CUdeviceptr */
+
+/* CUDA_MEMCPY2D as cuMemcpy2DAsync_v2 takes it (size_t fields). */
+typedef struct {
+    size_t srcXInBytes, srcY;
+    int srcMemoryType; /* CUmemorytype */
+    const void *srcHost;
+    cu_deviceptr_t srcDevice;
+    void *srcArray;
+    size_t srcPitch;
+    size_t dstXInBytes, dstY;
+    int dstMemoryType;
+    void *dstHost;
+    cu_deviceptr_t dstDevice;
+    void *dstArray;
+    size_t dstPitch;
+    size_t WidthInBytes, Height;
+} cu_memcpy2d_t;
 
 #define CU_SUCCESS 0
 #define CU_ERROR_NOT_READY 600
 #define CU_STREAM_NON_BLOCKING 0x1
 #define CU_EVENT_DISABLE_TIMING 0x2
+#define CU_MEMORYTYPE_DEVICE 0x2
 
 /* Entry points, by their exported (versioned) symbol names: cuda.h maps e.g. cuStreamDestroy
  * to cuStreamDestroy_v2. The non-"_ptsz" variants are used, so stream 0 means the legacy
@@ -52,6 +71,8 @@ typedef struct {
     cu_result_t (*cuEventRecord)(cu_event_t, cu_stream_t);
     cu_result_t (*cuEventQuery)(cu_event_t);
     cu_result_t (*cuEventDestroy)(cu_event_t);
+    cu_result_t (*cuMemcpy2DAsync)(const cu_memcpy2d_t *, cu_stream_t);
+    cu_result_t (*cuMemcpyDtoDAsync)(cu_deviceptr_t, cu_deviceptr_t, size_t, cu_stream_t);
     cu_result_t (*cuGetErrorName)(cu_result_t, const char **);
     cu_result_t (*cuGetErrorString)(cu_result_t, const char **);
 } cu_api_t;
@@ -83,6 +104,8 @@ static const struct {
     CU_SYM(cuEventRecord, "cuEventRecord"),
     CU_SYM(cuEventQuery, "cuEventQuery"),
     CU_SYM(cuEventDestroy, "cuEventDestroy_v2"),
+    CU_SYM(cuMemcpy2DAsync, "cuMemcpy2DAsync_v2"),
+    CU_SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2"),
     CU_SYM(cuGetErrorName, "cuGetErrorName"),
     CU_SYM(cuGetErrorString, "cuGetErrorString"),
 #undef CU_SYM
@@ -531,4 +554,45 @@ fsc_status_t fsc_gpu_adamw_step(fsc_tensor_t *param, const fsc_tensor_t *grad, f
         &p,    &g, &m, &v, &n, &s.decay, &s.one_minus_b1, &s.beta2, &s.one_minus_b2, &s.bc2_sqrt, &s.neg_step_size,
         &s.eps};
     return launch(param->device_id, K_ADAMW_F32, grid_for(param->numel), stream, args, "cuda_adamw_step");
+}
+
+/* Pitches above this go row by row: drivers cap a 2D copy's pitch (CU_DEVICE_ATTRIBUTE_MAX_PITCH,
+ * 2^31 - 1 on current GPUs). */
+#define FSC_GPU_MAX_PITCH ((size_t)INT32_MAX)
+
+fsc_status_t fsc_gpu_pack_blocks(fsc_tensor_t *dst, const fsc_tensor_t *srcs, int n, int world, fsc_stream_t stream) {
+    static const char *op = "pack_blocks";
+    FSC_CHECK(fsc_tensor_pack_check(dst, srcs, n, world, FSC_DEV_CUDA, op));
+    if (dst->numel == 0) return FSC_OK;
+    size_t esz = fsc_dtype_size(dst->dtype), row = (size_t)(dst->numel / world) * esz; /* bytes per rank */
+    fsc_gpu_ctx_t g;
+    fsc_status_t st = FSC_OK;
+    FSC_CHECK(fsc_gpu_ctx_enter(dst->device_id, &g));
+    size_t at = 0; /* this source's offset inside each rank's row of dst */
+    for (int i = 0; i < n && st == FSC_OK; i++) {
+        size_t block = (size_t)(srcs[i].numel / world) * esz;
+        if (block == 0) continue;
+        cu_deviceptr_t s = (cu_deviceptr_t)(uintptr_t)srcs[i].data, d = (cu_deviceptr_t)(uintptr_t)dst->data + at;
+        cu_result_t r = CU_SUCCESS;
+        if (row <= FSC_GPU_MAX_PITCH) {
+            /* source rows of `block` bytes back to back -> dst rows `row` bytes apart */
+            cu_memcpy2d_t c;
+            memset(&c, 0, sizeof(c));
+            c.srcMemoryType = c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+            c.srcDevice = s;
+            c.srcPitch = block;
+            c.dstDevice = d;
+            c.dstPitch = row;
+            c.WidthInBytes = block;
+            c.Height = (size_t)world;
+            r = cu.cuMemcpy2DAsync(&c, (cu_stream_t)stream);
+        } else {
+            for (int k = 0; k < world && r == CU_SUCCESS; k++)
+                r = cu.cuMemcpyDtoDAsync(d + (size_t)k * row, s + (size_t)k * block, block, (cu_stream_t)stream);
+        }
+        if (r != CU_SUCCESS) st = cu_fail(op, row <= FSC_GPU_MAX_PITCH ? "cuMemcpy2DAsync" : "cuMemcpyDtoDAsync", r);
+        at += block;
+    }
+    fsc_gpu_ctx_exit(&g);
+    return st;
 }

@@ -98,4 +98,9 @@ fsc_status_t fsc_gpu_norm(const fsc_tensor_t *x, fsc_norm_mode_t mode, fsc_tenso
 fsc_status_t fsc_gpu_adamw_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
                                 fsc_tensor_t *exp_avg_sq, const fsc_adamw_hparams_t *hp, fsc_stream_t stream);
 
+/* CUDA twin of fsc_tensor_pack_blocks (same layout and checks), enqueued on `stream` as one
+ * 2D device-to-device copy per source; no kernel, so it works without CUDA kernels in the
+ * build. */
+fsc_status_t fsc_gpu_pack_blocks(fsc_tensor_t *dst, const fsc_tensor_t *srcs, int n, int world, fsc_stream_t stream);
+
 #endif /* FSC_GPU_H */

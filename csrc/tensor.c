@@ -167,26 +167,34 @@ fsc_status_t fsc_tensor_copy(fsc_tensor_t *dst, const fsc_tensor_t *src) {
     return FSC_OK;
 }
 
-fsc_status_t fsc_tensor_pack_blocks(fsc_tensor_t *dst, const fsc_tensor_t *srcs, int n, int world) {
-    if (world < 1) return fsc_error(FSC_ERR_VALUE, "pack_blocks: argument 'world' must be >= 1, got %d", world);
-    if (!fsc_tensor_is_contiguous(dst) || dst->device_type != FSC_DEV_CPU || dst->readonly)
-        return fsc_error(FSC_ERR_VALUE, "pack_blocks: argument 'dst' must be a writable contiguous CPU tensor");
+fsc_status_t fsc_tensor_pack_check(const fsc_tensor_t *dst, const fsc_tensor_t *srcs, int n, int world,
+                                   fsc_device_type_t dev, const char *op) {
+    const char *where = dev == FSC_DEV_CUDA ? "CUDA" : "CPU";
+    if (world < 1) return fsc_error(FSC_ERR_VALUE, "%s: argument 'world' must be >= 1, got %d", op, world);
+    if (!fsc_tensor_is_contiguous(dst) || dst->device_type != (int)dev || dst->readonly)
+        return fsc_error(FSC_ERR_VALUE, "%s: argument 'dst' must be a writable contiguous %s tensor", op, where);
     int64_t total = 0;
     for (int i = 0; i < n; i++) {
         const fsc_tensor_t *s = &srcs[i];
         if (s->dtype != dst->dtype)
-            return fsc_error(FSC_ERR_VALUE, "pack_blocks: srcs[%d] is %s but 'dst' is %s; expected one dtype", i,
+            return fsc_error(FSC_ERR_VALUE, "%s: srcs[%d] is %s but 'dst' is %s; expected one dtype", op, i,
                              fsc_dtype_name(s->dtype), fsc_dtype_name(dst->dtype));
-        if (!fsc_tensor_is_contiguous(s) || s->device_type != FSC_DEV_CPU)
-            return fsc_error(FSC_ERR_VALUE, "pack_blocks: srcs[%d] must be a contiguous CPU tensor", i);
+        if (!fsc_tensor_is_contiguous(s) || s->device_type != (int)dev || s->device_id != dst->device_id)
+            return fsc_error(FSC_ERR_VALUE, "%s: srcs[%d] must be a contiguous %s tensor on dst's device", op, i,
+                             where);
         if (s->numel % world != 0)
-            return fsc_error(FSC_ERR_VALUE, "pack_blocks: srcs[%d] has %lld elements, not a multiple of world=%d", i,
+            return fsc_error(FSC_ERR_VALUE, "%s: srcs[%d] has %lld elements, not a multiple of world=%d", op, i,
                              (long long)s->numel, world);
         total += s->numel;
     }
     if (total != dst->numel)
-        return fsc_error(FSC_ERR_VALUE, "pack_blocks: 'dst' has %lld elements, the sources %lld; expected equal",
+        return fsc_error(FSC_ERR_VALUE, "%s: 'dst' has %lld elements, the sources %lld; expected equal", op,
                          (long long)dst->numel, (long long)total);
+    return FSC_OK;
+}
+
+fsc_status_t fsc_tensor_pack_blocks(fsc_tensor_t *dst, const fsc_tensor_t *srcs, int n, int world) {
+    FSC_CHECK(fsc_tensor_pack_check(dst, srcs, n, world, FSC_DEV_CPU, "pack_blocks"));
     size_t esz = fsc_dtype_size(dst->dtype);
     char *out = dst->data;
     for (int r = 0; r < world; r++) {

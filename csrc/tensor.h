@@ -67,4 +67,9 @@ fsc_status_t fsc_tensor_copy(fsc_tensor_t *dst, const fsc_tensor_t *src);
  * of `world`. Blocks the calling thread. */
 fsc_status_t fsc_tensor_pack_blocks(fsc_tensor_t *dst, const fsc_tensor_t *srcs, int n, int world);
 
+/* The argument checks of fsc_tensor_pack_blocks, for tensors of device type `dev` (all on
+ * dst's device), shared with its CUDA twin fsc_gpu_pack_blocks; errors name `op`. */
+fsc_status_t fsc_tensor_pack_check(const fsc_tensor_t *dst, const fsc_tensor_t *srcs, int n, int world,
+                                   fsc_device_type_t dev, const char *op);
+
 #endif /* FSC_TENSOR_H */

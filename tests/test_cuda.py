@@ -109,6 +109,24 @@ def test_cuda_cast_rejects_unsupported_pairs():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_pack_blocks_matches_cpu_on_a_side_stream(dtype):
+    world, sizes = 4, [4 * 1000, 0, 4, 4 * 12345]
+    srcs = [torch.randn(n).to(dtype) for n in sizes]
+    ref = torch.empty(sum(sizes), dtype=dtype)
+    _C.pack_blocks(ref, srcs, world)
+    side = torch.cuda.Stream()
+    cuda_srcs = [s.cuda() for s in srcs]  # written on the current stream: the import orders `side` after it
+    out = torch.full((sum(sizes),), float("nan"), dtype=dtype, device="cuda")
+    _C.pack_blocks(out, cuda_srcs, world, side.cuda_stream)
+    side.synchronize()
+    assert torch.equal(out.cpu(), ref)
+    with pytest.raises(ValueError, match=r"srcs\[0\] must be a contiguous CUDA tensor"):
+        _C.pack_blocks(out, srcs, world, 0)
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 1000, (1 << 22) + 3])
 def test_cuda_unscale_matches_cpu_reference(dtype, n):

@@ -421,3 +421,8 @@ def test_pack_blocks_interleaves_rank_blocks():
         _C.pack_blocks(out, [a.double(), b], 2)
     with pytest.raises(ValueError, match="argument 'dst'.*contiguous"):
         _C.pack_blocks(torch.empty(20)[::2], [a, b], 2)
+    # with a stream the tensors must be CUDA tensors (the GPU twin: tests/test_cuda.py)
+    with pytest.raises(ValueError, match="argument 'dst' must be a writable contiguous CUDA tensor"):
+        _C.pack_blocks(out, [a, b], 2, stream=0)
+    with pytest.raises(TypeError, match="argument 'stream' must be None or a non-negative int"):
+        _C.pack_blocks(out, [a, b], 2, stream=-1)

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "../dlpack.h"
+#include "../gpu.h"
 #include "../hostbuf.h"
 #include "binding.h"
 
@@ -375,11 +376,30 @@ static PyObject *py_live_host_buffers(PyObject *module, PyObject *Py_UNUSED(args
     return PyLong_FromLong(fsc_hostbuf_live());
 }
 
-/* pack_blocks(dst, srcs, world): see fsc_tensor_pack_blocks; the GIL is released while copying. */
-static PyObject *py_pack_blocks(PyObject *module, PyObject *args) {
-    PyObject *dst_obj, *srcs_obj, *dst_owner = NULL, *result = NULL;
+/* pack_blocks(dst, srcs, world, stream=None): see fsc_tensor_pack_blocks; with a stream (an int,
+ * a cudaStream_t) the tensors are CUDA tensors and the copies are enqueued on it
+ * (fsc_gpu_pack_blocks). The GIL is released while copying / enqueueing. */
+static PyObject *py_pack_blocks(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"dst", "srcs", "world", "stream", NULL};
+    PyObject *dst_obj, *srcs_obj, *stream_obj = Py_None, *dst_owner = NULL, *result = NULL;
     int world;
-    if (!PyArg_ParseTuple(args, "OOi:pack_blocks", &dst_obj, &srcs_obj, &world)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOi|O:pack_blocks", kwlist, &dst_obj, &srcs_obj, &world,
+                                     &stream_obj))
+        return NULL;
+    int cuda = stream_obj != Py_None;
+    unsigned long long stream = 0;
+    if (cuda) {
+        stream = PyLong_Check(stream_obj) ? PyLong_AsUnsignedLongLong(stream_obj) : (unsigned long long)-1;
+        if (stream == (unsigned long long)-1) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "pack_blocks: argument 'stream' must be None or a non-negative int (a "
+                         "cudaStream_t), got %R",
+                         stream_obj);
+            return NULL;
+        }
+    }
+    int place = cuda ? 0 : FSC_IMPORT_CPU_ONLY;
     PyObject *seq = PySequence_Fast(srcs_obj, "pack_blocks: argument 'srcs' must be a sequence of tensors");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), got = 0;
@@ -389,17 +409,18 @@ static PyObject *py_pack_blocks(PyObject *module, PyObject *args) {
         PyErr_NoMemory();
         goto exit;
     }
-    if (fsc_py_import(module, dst_obj, "dst", FSC_IMPORT_WRITABLE | FSC_IMPORT_CPU_ONLY | FSC_IMPORT_CONTIGUOUS, 0,
+    if (fsc_py_import(module, dst_obj, "dst", FSC_IMPORT_WRITABLE | place | FSC_IMPORT_CONTIGUOUS, (intptr_t)stream,
                       &dst, &dst_owner) < 0)
         goto exit;
     for (; got < n; got++) {
-        if (fsc_py_import(module, PySequence_Fast_GET_ITEM(seq, got), "srcs[i]",
-                          FSC_IMPORT_CPU_ONLY | FSC_IMPORT_CONTIGUOUS, 0, &srcs[got], &owners[got]) < 0)
+        if (fsc_py_import(module, PySequence_Fast_GET_ITEM(seq, got), "srcs[i]", place | FSC_IMPORT_CONTIGUOUS,
+                          (intptr_t)stream, &srcs[got], &owners[got]) < 0)
             goto exit;
     }
     fsc_status_t st;
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_tensor_pack_blocks(&dst, srcs, (int)n, world);
+    st = cuda ? fsc_gpu_pack_blocks(&dst, srcs, (int)n, world, (fsc_stream_t)stream)
+              : fsc_tensor_pack_blocks(&dst, srcs, (int)n, world);
     Py_END_ALLOW_THREADS
     if (st != FSC_OK) {
         fsc_py_raise(module, st);
@@ -416,8 +437,9 @@ exit:
 }
 
 static PyMethodDef buffer_functions[] = {
-    {"pack_blocks", py_pack_blocks, METH_VARARGS,
-     "pack_blocks(dst, srcs, world): dst = block 0 of every src, then block 1 of every src, ... (C copy)."},
+    {"pack_blocks", (PyCFunction)(void (*)(void))py_pack_blocks, METH_VARARGS | METH_KEYWORDS,
+     "pack_blocks(dst, srcs, world, stream=None): dst = block 0 of every src, then block 1 of every src, ... (C "
+     "copy); with a stream (a cudaStream_t) on CUDA tensors, enqueued there as device copies."},
     {"copy_", (PyCFunction)(void (*)(void))py_copy, METH_VARARGS | METH_KEYWORDS,
      "copy_(dst, src): copy (and cast between floating dtypes) CPU tensor src into dst, honouring strides."},
     {"clone", py_clone, METH_O, "clone(src) -> Buffer: a contiguous C-owned copy of a CPU tensor."},

@@ -24,6 +24,7 @@ enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2 };
 #define R_NCCL_INVALID_ARGUMENT 4
 #define R_NCCL_REMOTE_ERROR 6
 #define R_NCCL_IN_PROGRESS 7
+#define R_CU_INVALID_VALUE 1
 #define R_CU_NOT_READY 600
 #define R_CU_NOT_SUPPORTED 801
 
@@ -212,6 +213,43 @@ EXPORT int cuEventDestroy_v2(void *ev) {
     live_events--;
     pthread_mutex_unlock(&mu);
     return R_OK;
+}
+/* CUDA_MEMCPY2D (size_t fields, as cuMemcpy2DAsync_v2 takes it); device memory is host memory,
+ * so copies happen on the spot. A pitch above the real drivers' limit is refused like theirs. */
+typedef struct {
+    size_t srcXInBytes, srcY;
+    int srcMemoryType;
+    const void *srcHost;
+    unsigned long long srcDevice;
+    void *srcArray;
+    size_t srcPitch, dstXInBytes, dstY;
+    int dstMemoryType;
+    void *dstHost;
+    unsigned long long dstDevice;
+    void *dstArray;
+    size_t dstPitch, WidthInBytes, Height;
+} memcpy2d_t;
+static int copies_2d, copies_1d;
+EXPORT int cuMemcpy2DAsync_v2(const memcpy2d_t *c, void *stream) {
+    (void)stream;
+    if (c->srcPitch > INT32_MAX || c->dstPitch > INT32_MAX || c->WidthInBytes > c->srcPitch ||
+        c->WidthInBytes > c->dstPitch || c->srcMemoryType != 2 || c->dstMemoryType != 2)
+        return R_CU_INVALID_VALUE;
+    for (size_t y = 0; y < c->Height; y++)
+        memcpy((char *)(uintptr_t)c->dstDevice + c->dstXInBytes + (c->dstY + y) * c->dstPitch,
+               (const char *)(uintptr_t)c->srcDevice + c->srcXInBytes + (c->srcY + y) * c->srcPitch, c->WidthInBytes);
+    copies_2d++;
+    return R_OK;
+}
+EXPORT int cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, size_t n, void *stream) {
+    (void)stream;
+    memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    copies_1d++;
+    return R_OK;
+}
+/* How many 2D and 1D copies were enqueued so far. */
+EXPORT int fake_copies(int two_d) {
+    return two_d ? copies_2d : copies_1d;
 }
 EXPORT int cuGetErrorName(int r, const char **s) {
     *s = r == R_CU_NOT_READY ? "CUDA_ERROR_NOT_READY" : r == 0 ? "CUDA_SUCCESS" : "CUDA_ERROR_NOT_SUPPORTED";

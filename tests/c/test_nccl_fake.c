@@ -20,6 +20,7 @@ enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2 };
 static void (*fake_set_mode)(int);
 static int (*fake_aborts)(void);
 static int (*fake_live_events)(void);
+static int (*fake_copies)(int);
 
 static double now(void) {
     struct timespec ts;
@@ -99,6 +100,36 @@ static void test_ops_and_wait(void) {
     EXPECT(fsc_nccl_comm_destroy(c, 1.0) == FSC_OK, "destroy: %s", fsc_last_error());
     fsc_nccl_comm_free(c);
     EXPECT(fake_live_events() == 0, "%d events leaked", fake_live_events());
+}
+
+/* fsc_gpu_pack_blocks: the CPU layout (block r of every source, in order, for r = 0..world-1),
+ * one 2D copy per non-empty source, and the CPU version's argument checks. */
+static void test_pack_blocks(void) {
+    float a[6] = {0, 1, 2, 3, 4, 5}, b[3] = {10, 11, 12}, c[9] = {20, 21, 22, 23, 24, 25, 26, 27, 28}, out[18];
+    float cpu_out[18];
+    fsc_tensor_t srcs[4] = {cuda_view(a, 6), cuda_view(b, 0), cuda_view(c, 9), cuda_view(b, 3)};
+    fsc_tensor_t dst = cuda_view(out, 18), cpu_dst = cuda_view(cpu_out, 18), cpu_srcs[4];
+    memset(out, 0, sizeof(out));
+    int before = fake_copies(1);
+    EXPECT(fsc_gpu_pack_blocks(&dst, srcs, 4, 3, 0) == FSC_OK, "pack: %s", fsc_last_error());
+    EXPECT(fake_copies(1) - before == 3, "%d 2D copies for 3 non-empty sources", fake_copies(1) - before);
+    cpu_dst.device_type = FSC_DEV_CPU;
+    for (int i = 0; i < 4; i++) cpu_srcs[i] = srcs[i], cpu_srcs[i].device_type = FSC_DEV_CPU;
+    EXPECT(fsc_tensor_pack_blocks(&cpu_dst, cpu_srcs, 4, 3) == FSC_OK, "cpu pack: %s", fsc_last_error());
+    EXPECT(memcmp(out, cpu_out, sizeof(out)) == 0, "CUDA and CPU packing differ");
+    /* rank 1's row: a[2:4], c[3:6], b[1:2] */
+    EXPECT(out[6] == 2 && out[7] == 3 && out[8] == 23 && out[10] == 25 && out[11] == 11, "row 1: %g %g %g %g %g",
+           out[6], out[7], out[8], out[10], out[11]);
+    fsc_tensor_t short_dst = cuda_view(out, 17);
+    EXPECT(fsc_gpu_pack_blocks(&short_dst, srcs, 4, 3, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "'dst' has 17"),
+           "short dst: %s", fsc_last_error());
+    EXPECT(fsc_gpu_pack_blocks(&dst, srcs, 4, 4, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "world=4"),
+           "indivisible: %s", fsc_last_error());
+    EXPECT(fsc_gpu_pack_blocks(&cpu_dst, srcs, 4, 3, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "CUDA tensor"),
+           "CPU dst: %s", fsc_last_error());
+    srcs[2].device_id = 1;
+    EXPECT(fsc_gpu_pack_blocks(&dst, srcs, 4, 3, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "dst's device"),
+           "other device: %s", fsc_last_error());
 }
 
 /* A collective that never completes (a peer died mid-operation), and the host never waits on
@@ -205,9 +236,11 @@ int main(void) {
     *(void **)&fake_set_mode = dlsym(fake, "fake_set_mode");
     *(void **)&fake_aborts = dlsym(fake, "fake_aborts");
     *(void **)&fake_live_events = dlsym(fake, "fake_live_events");
+    *(void **)&fake_copies = dlsym(fake, "fake_copies");
     EXPECT(fsc_nccl_load(NULL, 0) == FSC_OK, "load: %s", fsc_last_error());
     EXPECT(fsc_nccl_version() == 23102, "version %d", fsc_nccl_version());
     EXPECT(fsc_gpu_load() == FSC_OK, "driver: %s", fsc_last_error());
+    test_pack_blocks();
     test_ops_and_wait();
     test_watchdog_timeout();
     test_watchdog_async_error();

@@ -1,6 +1,7 @@
 """Reduce-scatter bucketing (FairScale's bucket_cap_mb): flat gradients smaller than the cap (and,
-on CPU, than 1 MiB) are packed together (in C) and reduced with one collective; larger ones go
-out on their own at once."""
+on CPU, than 1 MiB) are packed together (in C: a host copy on CPU, device copies enqueued on the
+compute stream on CUDA) and reduced with one collective; larger ones go out on their own at
+once."""
 
 from typing import Dict, List, Tuple
 
@@ -31,26 +32,29 @@ class ReduceScatterBucket:
         """Start (or queue) the reduce-scatter of `grad`; the result lands in ``h.pending``."""
         op = "avg" if average else "sum"
         nbytes = grad.numel() * grad.element_size()
-        if grad.is_cuda:  # on the side stream, overlapping the rest of backward
-            # `out` is allocated on the compute stream, like `grad`; h.pending keeps both alive
-            # until the compute stream has waited for the side stream's event, so their memory is
-            # reused only after the reduce-scatter (events order it, no record_stream: DESIGN.md).
-            out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-            ctx, side = _on_side_stream(fsdp, grad.device, fsdp.comm_rs)
-            with ctx:
-                fsdp.comm_rs.reduce_scatter(out, grad, op=op)
-                work = _StreamWork(side)
-            h.pending = (work, out, grad, average)
+        if fsdp.comm_rs.group is None or nbytes >= self.cap_bytes or (not grad.is_cuda and nbytes >= _ALONE_BYTES):
+            self._send_alone(fsdp, h, grad, op, average)
             return
-        if fsdp.comm_rs.group is None or nbytes >= min(self.cap_bytes, _ALONE_BYTES):
-            out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-            h.pending = (fsdp.comm_rs.reduce_scatter(out, grad, op=op, async_op=True), out, grad, average)
-            return
-        key = (id(fsdp.comm_rs.group), grad.dtype, op)
+        key = (id(fsdp.comm_rs.group), grad.device, grad.dtype, op)
         bucket = self.buckets.setdefault(key, [])
         bucket.append((fsdp, h, grad))
         if sum(g.numel() * g.element_size() for _, _, g in bucket) >= self.cap_bytes:
             self._send(key)
+
+    @staticmethod
+    def _send_alone(fsdp, h, grad: torch.Tensor, op: str, average: bool) -> None:
+        out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+        if grad.is_cuda:  # on the side stream, overlapping the rest of backward
+            # `out` is allocated on the compute stream, like `grad`; h.pending keeps both alive
+            # until the compute stream has waited for the side stream's event, so their memory is
+            # reused only after the reduce-scatter (events order it, no record_stream: DESIGN.md).
+            ctx, side = _on_side_stream(fsdp, grad.device, fsdp.comm_rs)
+            with ctx:
+                fsdp.comm_rs.reduce_scatter(out, grad, op=op)
+                work = _StreamWork(side)
+        else:
+            work = fsdp.comm_rs.reduce_scatter(out, grad, op=op, async_op=True)
+        h.pending = (work, out, grad, average)
 
     def flush(self) -> None:
         """Send every partly filled bucket (end of backward)."""
@@ -62,12 +66,23 @@ class ReduceScatterBucket:
         fsdp = entries[0][0]
         world = fsdp.world_size
         grads = [g for _, _, g in entries]
-        packed = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)
-        _C.pack_blocks(packed, grads, world)
-        out = torch.empty(packed.numel() // world, dtype=packed.dtype)
-        work = fsdp.comm_rs.reduce_scatter(out, packed, op=key[2], async_op=True)
+        device, op = key[1], key[3]
+        packed = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=device)
+        out = torch.empty(packed.numel() // world, dtype=packed.dtype, device=device)
+        if device.type == "cuda":
+            # Packed on the compute stream (as FSDP2 copies in), so the gradients can be freed as
+            # soon as this returns; `packed` and `out` stay alive in h.pending until the compute
+            # stream has waited for the side stream's event.
+            _C.pack_blocks(packed, grads, world, torch.cuda.current_stream(device).cuda_stream)
+            ctx, side = _on_side_stream(fsdp, device, fsdp.comm_rs)
+            with ctx:
+                fsdp.comm_rs.reduce_scatter(out, packed, op=op)
+                work = _StreamWork(side)
+        else:
+            _C.pack_blocks(packed, grads, world)
+            work = fsdp.comm_rs.reduce_scatter(out, packed, op=op, async_op=True)
         offset = 0
         for _, h, g in entries:
             n = g.numel() // world
-            h.pending = (work, out[offset : offset + n], packed, key[2] == "avg")
+            h.pending = (work, out[offset : offset + n], packed, op == "avg")
             offset += n
