@@ -55,6 +55,24 @@ def _bus_factor(op: str, n: int) -> float:
     return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
+def _traffic_busbw(op: str, n: int, memcpy_all: float) -> float:
+    """Bus bandwidth the op would reach if the memory traffic it cannot avoid moved at the rate
+    every rank's simultaneous memcpy moved data: each rank reads every byte of its input once and
+    writes every byte of its output once (slots and other intermediates assumed to stay in the
+    caches), and memcpy of B bytes moves 2B (read + non-temporal write). Per rank, with S the full
+    buffer: all_reduce 2S, all_gather S/n + S, in-place all_gather S (its own block is read, the
+    rest written), reduce_scatter S + S/n. Meaningful only for buffers that do not fit in the
+    caches, where memory bandwidth, not the algorithm, bounds every implementation."""
+    per_rank = {
+        "all_reduce": 2.0,
+        "all_gather": 1.0 + 1.0 / n,
+        "all_gather_inplace": 1.0,
+        "reduce_scatter": 1.0 + 1.0 / n,
+    }[op]
+    t_over_s = per_rank / (2.0 * memcpy_all)  # seconds per byte of S
+    return _bus_factor("all_reduce" if op == "all_reduce" else "all_gather", n) / t_over_s
+
+
 def _iters(nbytes: int, quick: bool) -> int:
     budget = (64 if quick else 256) * MiB
     return max(3, min(200 if not quick else 50, budget // max(nbytes, 1)))
@@ -179,6 +197,8 @@ def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu") -
         r["vs_memcpy"] = r["busbw_ours"] / r["memcpy_gbps"]
         if "memcpy_all_gbps" in r:
             r["vs_memcpy_all"] = r["busbw_ours"] / r["memcpy_all_gbps"]
+            r["traffic_busbw"] = _traffic_busbw(r["op"], r["world"], r["memcpy_all_gbps"])
+            r["vs_traffic"] = r["busbw_ours"] / r["traffic_busbw"]
     return {
         "machine": {
             "cpus": os.cpu_count(),
@@ -198,7 +218,7 @@ def print_table(result: Dict) -> None:
     base = "nccl" if result.get("device") == "cuda" else "gloo"  # the torch backend compared against
     head = (
         f"{'op':<19}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{base + ' busbw':>12}"
-        f"{'memcpy':>9}{'memcpy/all':>11}{'x ' + base:>8}{'/memcpy':>9}{'/m.all':>8}"
+        f"{'memcpy':>9}{'memcpy/all':>11}{'x ' + base:>8}{'/memcpy':>9}{'/m.all':>8}{'traffic':>9}{'/traffic':>9}"
     )
     print(head)
     print("-" * len(head))
@@ -207,11 +227,16 @@ def print_table(result: Dict) -> None:
             f"{r['op']:<19}{r['world']:>6}{_fmt_size(r['bytes']):>10}{r['algbw_ours']:>12.2f}{r['busbw_ours']:>12.2f}"
             f"{r['busbw_gloo']:>12.2f}{r['memcpy_gbps']:>9.2f}{r.get('memcpy_all_gbps', float('nan')):>11.2f}"
             f"{r['vs_gloo']:>8.2f}{r['vs_memcpy']:>9.2f}{r.get('vs_memcpy_all', float('nan')):>8.2f}"
+            f"{r.get('traffic_busbw', float('nan')):>9.2f}{r.get('vs_traffic', float('nan')):>9.2f}"
         )
     roof = "device-to-device copy" if result.get("device") == "cuda" else "single-thread libc memcpy"
     print(f"bandwidths in GB/s (1e9 bytes/s); busbw per nccl-tests; {base} = torch.distributed; memcpy = {roof}")
     if result.get("device") != "cuda":
         print("memcpy/all = the same memcpy run by every rank of the world at once (per-rank bandwidth)")
+        print(
+            "traffic = busbw if the bytes no implementation can avoid (each rank reads its input once, writes its"
+            " output once) moved at memcpy/all's rate; meaningful for buffers larger than the caches"
+        )
 
 
 def plot(result: Dict, path: str) -> None:
