@@ -64,6 +64,10 @@ def test_dataloader_workers_forked_from_a_training_rank():
     spawn(2, ["dataloader_fork_workers"])
 
 
+def test_training_steps_hold_nothing_new():
+    spawn(2, ["steady_state"])
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_per_rank_is_one_over_world(world):
     spawn(world, ["memory_per_rank"])
