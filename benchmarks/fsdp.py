@@ -180,7 +180,20 @@ def wrap_torch_fsdp2(model: GPT, cfg: Config) -> nn.Module:
     return model
 
 
-WRAPPERS = {"torch_fsdp2": wrap_torch_fsdp2, "fairscale_c": wrap_fairscale_c, "fairscale": wrap_fairscale}
+def wrap_local(model: GPT, cfg: Config) -> nn.Module:
+    """No sharding and no communication: every rank trains its own full copy on its own batch (in
+    bf16 for --bf16, as the FSDP runs compute). Not a competitor but the compute floor: the
+    model's forward, backward and optimizer step with nothing a framework adds (its optimizer
+    step covers all parameters, not a 1/world shard, so it is a slight over-estimate)."""
+    return model.to(torch.bfloat16) if cfg.bf16 else model
+
+
+WRAPPERS = {
+    "torch_fsdp2": wrap_torch_fsdp2,
+    "fairscale_c": wrap_fairscale_c,
+    "fairscale": wrap_fairscale,
+    "local": wrap_local,
+}
 
 
 # ---------------------------------------------------------------- one rank
@@ -227,6 +240,7 @@ def _load_libraries(framework: str) -> None:
         "fairscale_c": "fairscale_c.nn.wrap",
         "torch_fsdp2": "torch.distributed.fsdp",
         "fairscale": "fairscale.nn",
+        "local": "torch.nn",
     }
     importlib.import_module(modules[framework])
     tiny = GPT(Config(layers=1, d_model=8, heads=2, seq=4, vocab=16))
@@ -386,7 +400,7 @@ def print_table(rows: List[Dict], mem_label: str) -> None:
 
 def run_cpu(cfg: Config, profile: Optional[str]) -> Dict[str, Any]:
     rows = []
-    for fw in ("torch_fsdp2", "fairscale_c"):
+    for fw in ("torch_fsdp2", "fairscale_c", "local"):
         t0 = time.perf_counter()
         ranks = spawn(rank_main, cfg.world, fw, asdict(cfg), profile if fw == "fairscale_c" else None)
         rows.append(summarize(fw, ranks, cfg))
@@ -407,9 +421,21 @@ def run_cpu(cfg: Config, profile: Optional[str]) -> Dict[str, Any]:
         f"({fc['step_ratio_vs_fsdp2']:.2f}x); peak memory <= FSDP2: {'met' if met_mem else 'NOT met'} "
         f"({fc['mem_ratio_vs_fsdp2']:.2f}x)"
     )
+    floor = rows[2]["step_ratio_vs_fsdp2"]
+    print(
+        f"compute floor (local: each rank trains an unsharded copy, no communication): {floor:.2f}x FSDP2's step; "
+        f"fairscale_c's own time above it: {fc['step_ms'] - rows[2]['step_ms']:.1f} ms, FSDP2's: "
+        f"{rows[0]['step_ms'] - rows[2]['step_ms']:.1f} ms"
+    )
     if not all(r["hwm_reset"] for r in rows):
         print("note: /proc/self/clear_refs was not writable; peaks include model construction")
-    return {"rows": rows, "max_loss_diff": diff, "target_step_met": met_step, "target_mem_met": met_mem}
+    return {
+        "rows": rows,
+        "max_loss_diff": diff,
+        "target_step_met": met_step,
+        "target_mem_met": met_mem,
+        "compute_floor_vs_fsdp2": floor,
+    }
 
 
 # ---------------------------------------------------------------- CUDA (NCCL), separate and optional
