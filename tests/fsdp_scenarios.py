@@ -833,6 +833,40 @@ def steady_state(rank, world):
 SCENARIOS.update(steady_state=steady_state)
 
 
+def reduce_scatters_in_flight(rank, world):
+    """Full gradients do not pile up during backward: with every gradient reduce-scattered alone
+    (bucket_cap_mb=0) through 6 wrapped blocks, at most two reduce-scatters (and so two full
+    gradients) are alive at any point of backward; the rest have already become shard gradients."""
+    from fairscale_c.nn.data_parallel import _bucket, get_fsdp_instances
+
+    torch.manual_seed(0)
+    model = nested_manual_wrap(TinyLM(n_layers=6), bucket_cap_mb=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    original = _bucket.ReduceScatterBucket.add
+
+    def add(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append(sum(h.pending is not None for m in get_fsdp_instances(model) for h in m._handles))
+
+    _bucket.ReduceScatterBucket.add = add
+    try:
+        gen = torch.Generator().manual_seed(1)
+        for step in range(2):
+            x, y = lm_batch(step, world, gen)
+            xent(model, _local(x, rank), _local(y, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        _bucket.ReduceScatterBucket.add = original
+    assert len(seen) == 2 * 7, seen  # 6 blocks + the root, per step
+    assert max(seen) <= _bucket._MAX_IN_FLIGHT, seen
+    assert all(p.grad is None for p in model.parameters())
+
+
+SCENARIOS.update(reduce_scatters_in_flight=reduce_scatters_in_flight)
+
+
 class LayerDrop(nn.Module):
     """Ranks that skip different layers issue different collectives (FairScale issue 796)."""
 

@@ -64,6 +64,11 @@ def test_dataloader_workers_forked_from_a_training_rank():
     spawn(2, ["dataloader_fork_workers"])
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_full_gradients_do_not_pile_up_in_backward(world):
+    spawn(world, ["reduce_scatters_in_flight"])
+
+
 def test_training_steps_hold_nothing_new():
     spawn(2, ["steady_state"])
 

@@ -1,9 +1,15 @@
-"""Reduce-scatter bucketing (FairScale's bucket_cap_mb): flat gradients smaller than the cap (and,
-on CPU, than 1 MiB) are packed together (in C: a host copy on CPU, device copies enqueued on the
-compute stream on CUDA) and reduced with one collective; larger ones go out on their own at
-once."""
+"""Reduce-scatter bucketing (FairScale's bucket_cap_mb) and the reduce-scatters in flight.
 
-from typing import Dict, List, Tuple
+Flat gradients smaller than the cap (and, on CPU, than 1 MiB) are packed together (in C: a host
+copy on CPU, device copies enqueued on the compute stream on CUDA) and reduced with one
+collective; larger ones go out on their own at once. A reduce-scatter's input (the full gradient,
+or the packed bucket) must stay alive until the collective has read it, so at most
+``_MAX_IN_FLIGHT`` of them are: older ones are retired (their shard handed to the parameter, their
+input released) during backward, not at its end, which keeps one full gradient per layer from
+piling up until the last layer is done."""
+
+from collections import deque
+from typing import Any, Deque, Dict, List, Tuple
 
 import torch
 
@@ -18,31 +24,60 @@ from ._comm import _on_side_stream, _StreamWork
 # model, 0.99x on the default one, and no packed copy of those gradients in memory.
 _ALONE_BYTES = 1 << 20
 
+# Reduce-scatters whose input may still be alive: one being sent while the next is queued behind
+# it (FSDP2 keeps one). More only holds more full gradients; the engine runs them in order anyway.
+_MAX_IN_FLIGHT = 2
+
 
 class ReduceScatterBucket:
-    """One per root instance. Gradients of the same process group, dtype and reduction share a
-    bucket; a bucket is sent when it reaches the cap, and whatever is left at the end of backward.
-    Every rank adds the same gradients in the same order, so every rank sends the same ops."""
+    """One per root instance. Gradients of the same process group, device, dtype and reduction
+    share a bucket; a bucket is sent when it reaches the cap, and whatever is left at the end of
+    backward. Every rank adds the same gradients in the same order, so every rank sends the same
+    ops."""
 
     def __init__(self, cap_mb: float):
         self.cap_bytes = int(cap_mb * 2**20)
         self.buckets: Dict[Tuple, List] = {}
+        # (work, [(fsdp, handle)]) in issue order; each handle's ``pending`` holds its result view,
+        # the collective's input and whether it was averaged
+        self.in_flight: Deque[Tuple[Any, List]] = deque()
 
     def add(self, fsdp, h, grad: torch.Tensor, average: bool) -> None:
-        """Start (or queue) the reduce-scatter of `grad`; the result lands in ``h.pending``."""
+        """Start (or queue) the reduce-scatter of `grad`; its shard reaches the parameter's
+        ``.grad`` when the collective is retired (at the latest in `drain`)."""
         op = "avg" if average else "sum"
         nbytes = grad.numel() * grad.element_size()
         if fsdp.comm_rs.group is None or nbytes >= self.cap_bytes or (not grad.is_cuda and nbytes >= _ALONE_BYTES):
             self._send_alone(fsdp, h, grad, op, average)
-            return
-        key = (id(fsdp.comm_rs.group), grad.device, grad.dtype, op)
-        bucket = self.buckets.setdefault(key, [])
-        bucket.append((fsdp, h, grad))
-        if sum(g.numel() * g.element_size() for _, _, g in bucket) >= self.cap_bytes:
-            self._send(key)
+        else:
+            key = (id(fsdp.comm_rs.group), grad.device, grad.dtype, op)
+            bucket = self.buckets.setdefault(key, [])
+            bucket.append((fsdp, h, grad))
+            if sum(g.numel() * g.element_size() for _, _, g in bucket) >= self.cap_bytes:
+                self._send(key)
+        self._retire(_MAX_IN_FLIGHT)
 
-    @staticmethod
-    def _send_alone(fsdp, h, grad: torch.Tensor, op: str, average: bool) -> None:
+    def drain(self) -> None:
+        """End of backward: send every partly filled bucket and retire every reduce-scatter."""
+        for key in list(self.buckets):
+            self._send(key)
+        self._retire(0)
+
+    def _retire(self, keep: int) -> None:
+        """Retire finished reduce-scatters, and the oldest ones until at most `keep` remain: wait
+        (on CUDA the compute stream waits; the host does not), divide when the collective summed,
+        hand each shard to its parameter and drop the input."""
+        while self.in_flight and (len(self.in_flight) > keep or self.in_flight[0][0].is_completed()):
+            work, members = self.in_flight.popleft()
+            work.wait()
+            for fsdp, h in members:
+                out, _, average = h.pending
+                h.pending = None
+                if not average:
+                    out.div_(fsdp.gradient_predivide_factor * fsdp.gradient_postdivide_factor)
+                fsdp._accumulate_grad(h, out)
+
+    def _send_alone(self, fsdp, h, grad: torch.Tensor, op: str, average: bool) -> None:
         out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
         if grad.is_cuda:  # on the side stream, overlapping the rest of backward
             # `out` is allocated on the compute stream, like `grad`; h.pending keeps both alive
@@ -54,12 +89,8 @@ class ReduceScatterBucket:
                 work = _StreamWork(side)
         else:
             work = fsdp.comm_rs.reduce_scatter(out, grad, op=op, async_op=True)
-        h.pending = (work, out, grad, average)
-
-    def flush(self) -> None:
-        """Send every partly filled bucket (end of backward)."""
-        for key in list(self.buckets):
-            self._send(key)
+        h.pending = (out, grad, average)
+        self.in_flight.append((work, [(fsdp, h)]))
 
     def _send(self, key: Tuple) -> None:
         entries = self.buckets.pop(key)
@@ -84,5 +115,6 @@ class ReduceScatterBucket:
         offset = 0
         for _, h, g in entries:
             n = g.numel() // world
-            h.pending = (work, out[offset : offset + n], packed, op == "avg")
+            h.pending = (out[offset : offset + n], packed, op == "avg")
             offset += n
+        self.in_flight.append((work, [(m, h) for m, h, _ in entries]))

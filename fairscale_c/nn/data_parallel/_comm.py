@@ -52,6 +52,10 @@ class _StreamWork:
     def wait(self) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.event)
 
+    def is_completed(self) -> bool:
+        """Whether the side stream has passed the collectives (a host query; never blocks)."""
+        return self.event.query()
+
 
 def _on_side_stream(fsdp: Any, device: torch.device, comm: "Comm"):
     """Context for enqueueing `comm`'s collectives on the root's side stream for that communicator

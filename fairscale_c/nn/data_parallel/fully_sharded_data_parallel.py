@@ -7,8 +7,10 @@ full buffer and all-gather in place (C), point the module's parameters at views 
 the full buffer's storage; from the second iteration the next instance's all-gather is started
 while the current one computes. Backward: re-gather (prefetching the previous instance); when the
 full buffer's gradient is complete, reduce-scatter it asynchronously (C engine, overlapping the
-rest of backward; small gradients are packed into bucket_cap_mb buckets first); at the end of
-backward the root waits, casts to fp32 and sets ``flat_param.grad`` to the averaged shard.
+rest of backward; small gradients are packed into bucket_cap_mb buckets first); finished
+reduce-scatters, and the oldest beyond two in flight, are retired during backward (the averaged
+shard becomes ``flat_param.grad``, cast to fp32, and the full gradient is released), the rest by the
+root at the end of backward.
 """
 
 import contextlib
@@ -71,7 +73,7 @@ class _Handle:
         self.split_sizes = [s.numel for s in layout.slots] + ([pad] if pad else [])
         self.has_full = False
         self.gathering = None  # (work, source shard) while a prefetch all-gather runs
-        self.pending = None  # (work, reduced shard, reduce input) while a reduce-scatter runs
+        self.pending = None  # (reduced shard, reduce input, averaged) while a reduce-scatter runs
         self.backing_name = ""  # "flat_param_<i>", or the parameter's name when not flattened
 
     def new_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -575,16 +577,8 @@ class FullyShardedDataParallel(nn.Module):
     @torch.no_grad()
     def _wait_for_post_backward(self) -> None:
         """Root only, at the end of backward: finish every reduce-scatter and set the grad shards."""
-        self._bucket.flush()
+        self._bucket.drain()
         for m in self._fsdp_instances:
-            for h in m._handles:
-                if h.pending is not None:
-                    work, out, _, average = h.pending
-                    h.pending = None
-                    work.wait()
-                    if not average:
-                        out.div_(m.gradient_predivide_factor * m.gradient_postdivide_factor)
-                    m._accumulate_grad(h, out)
             if m._require_backward_grad_sync:
                 m._free_full_params()
             m._pre_backward_hook_has_run = False
