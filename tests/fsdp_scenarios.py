@@ -370,6 +370,39 @@ def scenario_multiple_forwards_before_backward(rank, world):
     train_and_compare(rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=two_lm_forwards)
 
 
+def scenario_separate_backwards(rank, world):
+    """Two forwards, then a backward for each loss (FairScale issues 918 and 920): the second
+    backward re-gathers what the first resharded, and its reduced gradients add to the first's."""
+    device = DEVICE["device"]
+    for wrap in (fsdp(), nested_manual_wrap):
+        torch.manual_seed(0)
+        model = TinyLM().to(device)
+        ref = copy.deepcopy(model)
+        model = wrap(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(3)
+        for step in range(STEPS):
+            x, y = (t.to(device) for t in lm_batch(step, world, gen))
+            h = LOCAL_BATCH // 2
+            xl, yl = _local(x, rank), _local(y, rank)
+            first, second = xent(model, xl[:h], yl[:h]) / 2, xent(model, xl[h:], yl[h:]) / 2
+            first.backward()
+            second.backward()
+            ref_loss = 0
+            for r in range(world):  # the same split on every rank's slice of the global batch
+                xr, yr = _local(x, r), _local(y, r)
+                ref_loss = ref_loss + (xent(ref, xr[:h], yr[:h]) + xent(ref, xr[h:], yr[h:])) / (2 * world)
+            ref_loss.backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        sd = model.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"parameter {k} after {STEPS} steps")
+
+
 def scenario_submodule_twice(rank, world):
     from fairscale_c.nn import FullyShardedDataParallel as FSDP
 
