@@ -4,9 +4,11 @@ Flat gradients smaller than the cap (and, on CPU, than 1 MiB) are packed togethe
 copy on CPU, device copies enqueued on the compute stream on CUDA) and reduced with one
 collective; larger ones go out on their own at once. A reduce-scatter's input (the full gradient,
 or the packed bucket) must stay alive until the collective has read it, so at most
-``_MAX_IN_FLIGHT`` of them are: older ones are retired (their shard handed to the parameter, their
-input released) during backward, not at its end, which keeps one full gradient per layer from
-piling up until the last layer is done."""
+``_MAX_IN_FLIGHT`` of them are: older ones are retired during backward (waited for, their input
+released), not at its end, which keeps one full gradient per layer from piling up until the last
+layer is done. The reduced shards reach ``.grad`` at the end of backward, as before: handing them
+over mid-backward would make offloaded gradients (``move_grads_to_cpu`` on CUDA) block the host on
+a device-to-host copy once per layer."""
 
 from collections import deque
 from typing import Any, Deque, Dict, List, Tuple
@@ -41,10 +43,12 @@ class ReduceScatterBucket:
         # (work, [(fsdp, handle)]) in issue order; each handle's ``pending`` holds its result view,
         # the collective's input and whether it was averaged
         self.in_flight: Deque[Tuple[Any, List]] = deque()
+        # (fsdp, handle, reduced shard, averaged) of retired reduce-scatters, until `drain`
+        self.reduced: List[Tuple[Any, Any, torch.Tensor, bool]] = []
 
     def add(self, fsdp, h, grad: torch.Tensor, average: bool) -> None:
         """Start (or queue) the reduce-scatter of `grad`; its shard reaches the parameter's
-        ``.grad`` when the collective is retired (at the latest in `drain`)."""
+        ``.grad`` in `drain`."""
         op = "avg" if average else "sum"
         nbytes = grad.numel() * grad.element_size()
         if fsdp.comm_rs.group is None or nbytes >= self.cap_bytes or (not grad.is_cuda and nbytes >= _ALONE_BYTES):
@@ -58,24 +62,27 @@ class ReduceScatterBucket:
         self._retire(_MAX_IN_FLIGHT)
 
     def drain(self) -> None:
-        """End of backward: send every partly filled bucket and retire every reduce-scatter."""
+        """End of backward: send every partly filled bucket, retire every reduce-scatter, divide
+        the shards of those that summed, and hand each shard to its parameter's ``.grad``."""
         for key in list(self.buckets):
             self._send(key)
         self._retire(0)
+        for fsdp, h, out, average in self.reduced:
+            if not average:
+                out.div_(fsdp.gradient_predivide_factor * fsdp.gradient_postdivide_factor)
+            fsdp._accumulate_grad(h, out)
+        self.reduced.clear()
 
     def _retire(self, keep: int) -> None:
         """Retire finished reduce-scatters, and the oldest ones until at most `keep` remain: wait
-        (on CUDA the compute stream waits; the host does not), divide when the collective summed,
-        hand each shard to its parameter and drop the input."""
+        (on CUDA the compute stream waits; the host does not) and release the input."""
         while self.in_flight and (len(self.in_flight) > keep or self.in_flight[0][0].is_completed()):
             work, members = self.in_flight.popleft()
             work.wait()
             for fsdp, h in members:
                 out, _, average = h.pending
                 h.pending = None
-                if not average:
-                    out.div_(fsdp.gradient_predivide_factor * fsdp.gradient_postdivide_factor)
-                fsdp._accumulate_grad(h, out)
+                self.reduced.append((fsdp, h, out, average))
 
     def _send_alone(self, fsdp, h, grad: torch.Tensor, op: str, average: bool) -> None:
         out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)

@@ -8,9 +8,9 @@ the full buffer's storage; from the second iteration the next instance's all-gat
 while the current one computes. Backward: re-gather (prefetching the previous instance); when the
 full buffer's gradient is complete, reduce-scatter it asynchronously (C engine, overlapping the
 rest of backward; small gradients are packed into bucket_cap_mb buckets first); finished
-reduce-scatters, and the oldest beyond two in flight, are retired during backward (the averaged
-shard becomes ``flat_param.grad``, cast to fp32, and the full gradient is released), the rest by the
-root at the end of backward.
+reduce-scatters, and the oldest beyond two in flight, are retired during backward (their full
+gradient released); at the end of backward the root retires the rest, casts to fp32 and sets
+``flat_param.grad`` to the averaged shard.
 """
 
 import contextlib
