@@ -108,6 +108,12 @@ fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic ui
         if ((int32_t)(v - target) >= 0) return FSC_OK;
         double now = fsc_comm_now();
         if (now > g->deadline) return wait_failed(g, peer, 0);
+        if (atomic_load_explicit(&g->abandon, memory_order_relaxed))
+            return fsc_error(FSC_ERR_COMM,
+                             "%s on group '%s' (rank %d of %d): abandoned while waiting for rank %d, because "
+                             "the group was closed (at exit, or while unwinding an error) and the op did not "
+                             "finish within the grace period",
+                             g->op_desc, g->name, g->rank, g->size, peer);
         if (now - last_check > FSC_SHM_LIVENESS_S) {
             last_check = now;
             if (pid_dead(pid) && !reached(word, target)) return wait_failed(g, peer, 1);
@@ -298,7 +304,7 @@ fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, in
     return FSC_OK;
 fail:
     if (create && g->base != NULL) shm_unlink(g->seg_name);
-    fsc_shm_group_close(g);
+    fsc_shm_group_close(g, -1);
     return st;
 }
 
@@ -353,9 +359,9 @@ fsc_status_t fsc_shm_group_join(fsc_shm_group_t *g) {
     return FSC_OK;
 }
 
-void fsc_shm_group_close(fsc_shm_group_t *g) {
+void fsc_shm_group_close(fsc_shm_group_t *g, double grace_s) {
     if (g == NULL) return;
-    fsc_shm_engine_stop(g);
+    fsc_shm_engine_stop(g, grace_s);
     if (g->base != NULL) munmap(g->base, g->bytes);
     free(g->send_seq);
     free(g->recv_seq);

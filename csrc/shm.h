@@ -61,8 +61,11 @@ fsc_status_t fsc_shm_group_join(fsc_shm_group_t *g);
 void fsc_shm_group_unlink(fsc_shm_group_t *g);
 
 /* Stop the progress thread (after the queued ops finish or fail), unmap and free. NULL is a
- * no-op. Blocks at most about one timeout. */
-void fsc_shm_group_close(fsc_shm_group_t *g);
+ * no-op. With grace_s < 0 it blocks at most about one timeout. With grace_s >= 0, an op still
+ * waiting for a peer grace_s seconds after the call is abandoned: it fails with FSC_ERR_COMM
+ * ("abandoned"), as do the ops queued behind it, so closing takes about grace_s at most (the
+ * path for interpreter exit and error unwinding, where a peer may never come). */
+void fsc_shm_group_close(fsc_shm_group_t *g, double grace_s);
 
 /* Run one op on the calling thread and block until it completes. Every rank must issue the
  * same collectives in the same order (send/recv pair up per peer); a divergence is reported as

@@ -79,6 +79,8 @@ struct fsc_shm_group {
     /* current op, for error messages */
     char op_desc[192];
     double deadline;
+    /* set by fsc_shm_group_close when its grace period ran out: waits for peers give up */
+    _Atomic int abandon;
     /* sticky failure: once an op fails every later op fails with this */
     fsc_status_t broken;
     char broken_msg[1024];
@@ -124,8 +126,10 @@ fsc_status_t fsc_shm_arrive(fsc_shm_group_t *g, int wait);
  * progress thread and any lock it held did not come along), else FSC_OK. */
 fsc_status_t fsc_shm_check_owner(const fsc_shm_group_t *g);
 
-/* Stop and join the progress thread once its queue has drained (shm_queue.c). No-op when it
- * was never started, and in a fork() child (whose copy has no thread to join). */
-void fsc_shm_engine_stop(fsc_shm_group_t *g);
+/* Stop and join the progress thread once its queue has drained (shm_queue.c). With
+ * grace_s >= 0, an op still waiting for a peer after grace_s seconds is abandoned (it fails, and
+ * so do the ops queued behind it). No-op when it was never started, and in a fork() child (whose
+ * copy has no thread to join). */
+void fsc_shm_engine_stop(fsc_shm_group_t *g, double grace_s);
 
 #endif /* FSC_SHM_INTERNAL_H */

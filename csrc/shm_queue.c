@@ -9,6 +9,20 @@
 #include "log.h"
 #include "shm_internal.h"
 
+/* The CLOCK_REALTIME time `seconds` from now (pthread's timed waits take absolute times). */
+static struct timespec realtime_after(double seconds) {
+    struct timespec abs;
+    clock_gettime(CLOCK_REALTIME, &abs);
+    time_t whole = (time_t)seconds;
+    abs.tv_sec += whole;
+    abs.tv_nsec += (long)((seconds - (double)whole) * 1e9);
+    if (abs.tv_nsec >= 1000000000L) {
+        abs.tv_sec++;
+        abs.tv_nsec -= 1000000000L;
+    }
+    return abs;
+}
+
 static void work_finish(fsc_shm_work_t *w, fsc_status_t st) {
     pthread_mutex_lock(&w->mu);
     w->st = st;
@@ -55,7 +69,7 @@ fsc_status_t fsc_shm_engine_start(fsc_shm_group_t *g) {
     return FSC_OK;
 }
 
-void fsc_shm_engine_stop(fsc_shm_group_t *g) {
+void fsc_shm_engine_stop(fsc_shm_group_t *g, double grace_s) {
     if (!g->engine_started) return;
     if (fsc_shm_check_owner(g) != FSC_OK) { /* a fork() child: no thread to join, the lock may be held */
         g->engine_started = 0;
@@ -65,7 +79,17 @@ void fsc_shm_engine_stop(fsc_shm_group_t *g) {
     g->stop = 1;
     pthread_cond_signal(&g->qcv);
     pthread_mutex_unlock(&g->qmu);
+    if (grace_s >= 0) {
+        struct timespec abs = realtime_after(grace_s);
+        if (pthread_timedjoin_np(g->thread, NULL, &abs) == 0) goto joined;
+        /* Still waiting for a peer that may never come: make its waits give up. Ops that are
+         * moving data finish their chunk; the check sits where a rank sleeps for a peer. */
+        atomic_store(&g->abandon, 1);
+        FSC_WARN("shm", "group '%s': closing with an op still waiting for a peer after %g s; abandoning it", g->name,
+                 grace_s);
+    }
     pthread_join(g->thread, NULL);
+joined:
     pthread_mutex_destroy(&g->qmu);
     pthread_cond_destroy(&g->qcv);
     g->engine_started = 0;
@@ -98,17 +122,7 @@ int fsc_shm_work_done(fsc_shm_work_t *w) {
 }
 
 fsc_status_t fsc_shm_work_wait(fsc_shm_work_t *w, double timeout_s) {
-    struct timespec abs;
-    if (timeout_s >= 0) {
-        clock_gettime(CLOCK_REALTIME, &abs);
-        time_t whole = (time_t)timeout_s;
-        abs.tv_sec += whole;
-        abs.tv_nsec += (long)((timeout_s - (double)whole) * 1e9);
-        if (abs.tv_nsec >= 1000000000L) {
-            abs.tv_sec++;
-            abs.tv_nsec -= 1000000000L;
-        }
-    }
+    struct timespec abs = realtime_after(timeout_s >= 0 ? timeout_s : 0);
     pthread_mutex_lock(&w->mu);
     while (!atomic_load(&w->done)) {
         if (timeout_s < 0) {

@@ -325,3 +325,83 @@ def test_destroyed_group_and_context_manager(solo):
         solo.barrier()
     with pytest.raises(RuntimeError, match="destroyed"):
         solo.all_reduce(torch.ones(1))
+
+
+# A rank whose peer is alive but never joins (stuck elsewhere, in a debugger, waiting for input):
+# Ctrl-C, an exception leaving a ``with group`` block, or plain interpreter exit with an op still
+# queued must let the process go within a couple of seconds, not after FAIRSCALE_C_TIMEOUT (60 s
+# here) or when the peer finally exits.
+_EXIT_SCRIPT = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # subprocesses may start with SIGINT ignored
+import torch
+import fairscale_c.distributed as fdist
+mode = sys.argv[1]
+group = fdist.init_group(name="absent-peer")
+print("joined", flush=True)
+if group.rank == 1:
+    time.sleep(120)  # alive, never takes part
+    sys.exit(0)
+t = torch.ones(1000)
+if mode == "exit":
+    group.all_reduce(t, async_op=True)  # left pending: the interpreter exits with it queued
+elif mode == "sigint":
+    print("waiting", flush=True)
+    group.all_reduce(t)  # blocks until the test interrupts it
+elif mode == "with":
+    with group:
+        group.all_reduce(t, async_op=True)
+        raise RuntimeError("boom")
+"""
+
+
+def _start_pair(tmp_path, mode):
+    import subprocess
+    import sys
+
+    script = tmp_path / "absent_peer.py"
+    script.write_text(_EXIT_SCRIPT)
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=port, FAIRSCALE_C_TIMEOUT="60")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), mode],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
+@pytest.mark.parametrize("mode", ["exit", "sigint", "with"])
+def test_rank_leaves_promptly_while_its_peer_is_absent(tmp_path, mode):
+    import signal
+
+    rank0, rank1 = _start_pair(tmp_path, mode)
+    try:
+        assert rank0.stdout.readline().strip() == "joined", rank0.stderr.read()
+        if mode == "sigint":
+            assert rank0.stdout.readline().strip() == "waiting"
+            time.sleep(0.5)  # let it block inside the collective
+            rank0.send_signal(signal.SIGINT)
+        start = time.perf_counter()
+        out, err = rank0.communicate(timeout=30)
+        elapsed = time.perf_counter() - start
+        assert rank1.poll() is None, "the peer was supposed to stay alive throughout"
+    finally:
+        for p in (rank0, rank1):
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert elapsed < 10, f"rank 0 took {elapsed:.1f} s to exit ({mode}); stderr: {err[-2000:]}"
+    if mode == "sigint":
+        assert "KeyboardInterrupt" in err, err[-2000:]
+    if mode == "with":
+        assert "RuntimeError: boom" in err, err[-2000:]
+    if mode == "exit":
+        assert rank0.returncode == 0, err[-2000:]

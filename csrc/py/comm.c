@@ -51,16 +51,28 @@ static int work_block(WorkObject *self, double timeout_s) {
     }
 }
 
-static PyObject *Work_wait(WorkObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"timeout", NULL};
-    PyObject *timeout = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:wait", kwlist, &timeout)) return NULL;
-    double t = -1;
-    if (timeout != Py_None) {
-        t = PyFloat_AsDouble(timeout);
-        if (t == -1 && PyErr_Occurred()) return NULL;
-        if (t < 0) return PyErr_Format(PyExc_ValueError, "wait: timeout must be >= 0 or None, got %g", t);
+/* Parse the optional seconds argument `name` of `method` ("|O"): None -> -1 (no limit); else a
+ * number >= 0. Returns -1 with ValueError/TypeError set on a bad value, else 0. */
+static int parse_seconds(PyObject *args, PyObject *kwds, const char *method, char *name, double *out) {
+    char *kwlist[] = {name, NULL};
+    char fmt[64];
+    PyObject *obj = Py_None;
+    snprintf(fmt, sizeof(fmt), "|O:%s", method);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, fmt, kwlist, &obj)) return -1;
+    *out = -1;
+    if (obj == Py_None) return 0;
+    *out = PyFloat_AsDouble(obj);
+    if (*out == -1 && PyErr_Occurred()) return -1;
+    if (*out < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be >= 0 or None, got %g", method, name, *out);
+        return -1;
     }
+    return 0;
+}
+
+static PyObject *Work_wait(WorkObject *self, PyObject *args, PyObject *kwds) {
+    double t;
+    if (parse_seconds(args, kwds, "wait", "timeout", &t) < 0) return NULL;
     if (work_block(self, t) < 0) return NULL;
     Py_CLEAR(self->owners); /* done: the memory no longer needs pinning */
     Py_RETURN_TRUE;
@@ -159,25 +171,29 @@ static PyObject *Group_unlink(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-static void group_close(GroupObject *self) {
+/* Close the engine group: drain the queue (every pending Work finishes), abandoning an op still
+ * waiting for a peer after grace_s seconds when grace_s >= 0. */
+static void group_close(GroupObject *self, double grace_s) {
     if (self->g == NULL) return;
     fsc_shm_group_t *g = self->g;
     self->g = NULL;
     fsc_shm_group_unlink(g);
     Py_BEGIN_ALLOW_THREADS
-    fsc_shm_group_close(g); /* drains the queue: every pending Work finishes */
+    fsc_shm_group_close(g, grace_s);
     Py_END_ALLOW_THREADS
 }
 
-static PyObject *Group_close(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
-    group_close(self);
+static PyObject *Group_close(GroupObject *self, PyObject *args, PyObject *kwds) {
+    double grace_s;
+    if (parse_seconds(args, kwds, "close", "grace", &grace_s) < 0) return NULL;
+    group_close(self, grace_s);
     if (self->pending != NULL && PyList_SetSlice(self->pending, 0, PY_SSIZE_T_MAX, NULL) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static void Group_dealloc(GroupObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
-    group_close(self);
+    group_close(self, -1);
     Py_XDECREF(self->pending);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -469,7 +485,9 @@ static PyMethodDef Group_methods[] = {
     {"join", (PyCFunction)Group_join, METH_NOARGS,
      "Block (GIL released) until every rank has attached, remove the segment's name, start the progress thread."},
     {"unlink", (PyCFunction)Group_unlink, METH_NOARGS, "Remove the segment's name now (idempotent)."},
-    {"close", (PyCFunction)Group_close, METH_NOARGS, "Finish queued ops, stop the progress thread, unmap."},
+    {"close", (PyCFunction)(void (*)(void))Group_close, METH_VARARGS | METH_KEYWORDS,
+     "close(grace=None): finish queued ops, stop the progress thread, unmap. With grace (seconds), an op "
+     "still waiting for a peer after that long is abandoned (it and the ops behind it fail)."},
     KW_METHOD(all_gather, "all_gather(output, input, async_op=False): output = concat of every rank's input."),
     KW_METHOD(reduce_scatter,
               "reduce_scatter(output, input, op='sum', async_op=False): output = block `rank` of "

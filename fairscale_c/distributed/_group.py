@@ -4,10 +4,12 @@ torch.distributed group they were built from), CUDA tensors to the NCCL backend.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import secrets
 import socket
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -17,6 +19,20 @@ from .. import _C
 from ._rendezvous import Exchange, ProcessGroupExchange, StoreExchange
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+# Seconds an op may still wait for a peer when its group is closed at interpreter exit or while an
+# exception unwinds a ``with`` block; after that it is abandoned (it fails), so a rank that was
+# interrupted (Ctrl-C) or failed while a peer is alive but absent exits at once instead of holding
+# on until FAIRSCALE_C_TIMEOUT.
+_UNWIND_GRACE_S = 2.0
+
+_LIVE: "weakref.WeakSet[Group]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_groups() -> None:
+    for group in list(_LIVE):
+        group._close(_UNWIND_GRACE_S)
 
 
 def hostname() -> str:
@@ -102,6 +118,7 @@ class Group:
         self._nccl: Optional[Any] = None
         self._subgroups = 0
         self._rendezvous()
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ setup / teardown
     def _rendezvous(self) -> None:
@@ -135,19 +152,31 @@ class Group:
 
     def destroy(self) -> None:
         """Finish queued ops and release the shared memory and NCCL communicator. Idempotent."""
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
-        if self._nccl is not None:
-            nccl, self._nccl = self._nccl, None
-            nccl.destroy()
+        self._close(None)
+
+    def _close(self, grace: Optional[float]) -> None:
+        """destroy(); with `grace`, an op still waiting for a peer after that many seconds is
+        abandoned, and teardown errors are swallowed (the exit and error-unwinding path)."""
+        _LIVE.discard(self)
+        shm, self._shm = self._shm, None
+        nccl, self._nccl = self._nccl, None
         self._torch_cpu = None
+        if shm is not None:
+            shm.close(grace)
+        if nccl is not None:
+            if grace is None:
+                nccl.destroy()
+            else:
+                try:
+                    nccl.destroy(timeout=grace)  # on timeout the communicator is aborted
+                except Exception:  # noqa: BLE001 - exiting or unwinding: the first error is what matters
+                    nccl.abort()
 
     def __enter__(self) -> "Group":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.destroy()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self._close(None if exc_type is None else _UNWIND_GRACE_S)
 
     def __repr__(self) -> str:
         backend = "shm" if self._shm is not None else ("torch" if self._torch_cpu is not None else "destroyed")

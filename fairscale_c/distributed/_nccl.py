@@ -164,6 +164,7 @@ class NcclBackend:
         """Stop pending work and free the communicator without waiting for other ranks."""
         self._comm.abort()
 
-    def destroy(self) -> None:
-        """Orderly teardown; every rank should call it. Idempotent."""
-        self._comm.destroy(self._timeout)
+    def destroy(self, timeout: Optional[float] = None) -> None:
+        """Orderly teardown; every rank should call it. Idempotent. After ``timeout`` seconds
+        (default FAIRSCALE_C_TIMEOUT) the communicator is aborted and DistributedError raised."""
+        self._comm.destroy(float(timeout) if timeout is not None else self._timeout)

@@ -87,11 +87,11 @@ static int child(int rank, int size, int fd_r, int fd_w, rank_fn fn, void *ctx, 
     }
     if (join && (st = fsc_shm_group_join(g)) != FSC_OK) {
         int rc = fn ? fn(NULL, ctx) : 3; /* fn(NULL) lets a test inspect the join error */
-        fsc_shm_group_close(g);
+        fsc_shm_group_close(g, -1);
         return rc;
     }
     int rc = fn(g, ctx);
-    fsc_shm_group_close(g);
+    fsc_shm_group_close(g, -1);
     return rc;
 }
 
@@ -239,7 +239,7 @@ static int rank_fork_child(fsc_shm_group_t *g, void *ctx) {
         int ok = fsc_shm_submit(g, &a, &w) == FSC_ERR_COMM && strstr(fsc_last_error(), "fork() child") && w == NULL;
         ok = ok && fsc_shm_run(g, &a) == FSC_ERR_COMM;
         if (!ok) fprintf(stderr, "forked child: %s\n", fsc_last_error());
-        fsc_shm_group_close(g);
+        fsc_shm_group_close(g, -1);
         _exit(ok ? 0 : 1);
     }
     int status = wait_or_kill(child, 5.0);
@@ -319,6 +319,35 @@ static int rank_timeout(fsc_shm_group_t *g, void *ctx) {
     return ok ? 0 : 1;
 }
 
+/* Closing with a grace period: an op whose peer arrives within it completes; one whose peer
+ * never comes is abandoned after it (FSC_ERR_COMM "abandoned"), instead of holding the close for
+ * the whole timeout (20 s here). *ctx: seconds rank 1 waits before joining, or -1 for never. */
+static int rank_close_with_grace(fsc_shm_group_t *g, void *ctx) {
+    double late = *(double *)ctx;
+    float buf[4] = {1, 2, 3, 4};
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf};
+    if (fsc_shm_group_rank(g) == 1) {
+        if (late < 0) {
+            sleep(4);
+            return 0;
+        }
+        usleep((useconds_t)(late * 1e6));
+        return fsc_shm_run(g, &a) == FSC_OK ? 0 : 1;
+    }
+    fsc_shm_work_t *w = NULL;
+    if (fsc_shm_engine_start(g) != FSC_OK || fsc_shm_submit(g, &a, &w) != FSC_OK) _exit(5);
+    double t0 = fsc_comm_now();
+    fsc_shm_group_close(g, 1.0);
+    double dt = fsc_comm_now() - t0;
+    fsc_status_t st = fsc_shm_work_wait(w, 0);
+    int ok = late < 0 ? st == FSC_ERR_COMM && strstr(fsc_last_error(), "abandoned while waiting for rank 1") && dt < 3.0
+                      : st == FSC_OK && buf[3] == 8.0f;
+    if (!ok)
+        fprintf(stderr, "close with grace (peer late %g s): st=%d after %.2f s: %s\n", late, st, dt, fsc_last_error());
+    fsc_shm_work_release(w);
+    _exit(ok ? 0 : 1); /* the group is closed: skip the harness's close */
+}
+
 /* ---- conversions ---- */
 static void test_half(void) {
     for (uint32_t h = 0; h < 65536; h++) {
@@ -361,6 +390,9 @@ int main(void) {
     EXPECT(spawn(2, 2, rank_mismatch, NULL) == 0, "collective mismatch reported on both ranks");
     EXPECT(spawn(2, 2, rank_p2p_mismatch, NULL) == 0, "send/recv mismatch reported on both ranks");
     EXPECT(spawn(2, 2, rank_dead_peer, NULL) == 0, "dead peer detected");
+    double late = 0.3, never = -1;
+    EXPECT(spawn(2, 2, rank_close_with_grace, &late) == 0, "close with a grace period lets a late peer finish");
+    EXPECT(spawn(2, 2, rank_close_with_grace, &never) == 0, "close with a grace period abandons a missing peer");
     setenv("FAIRSCALE_C_TIMEOUT", "1", 1);
     EXPECT(spawn(3, 2, rank_missing, NULL) == 0, "rank that never joins reported");
     EXPECT(spawn(2, 2, rank_timeout, NULL) == 0, "stalled peer times out");
