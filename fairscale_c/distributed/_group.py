@@ -32,7 +32,10 @@ _LIVE: "weakref.WeakSet[Group]" = weakref.WeakSet()
 @atexit.register
 def _close_live_groups() -> None:
     for group in list(_LIVE):
-        group._close(_UNWIND_GRACE_S)
+        try:
+            group._close(_UNWIND_GRACE_S)
+        except Exception:  # noqa: BLE001 - at exit (or in a fork() child of the owner) nothing is left to tell
+            pass
 
 
 def hostname() -> str:
