@@ -315,6 +315,14 @@ def test_argument_errors(solo):
         solo.send(x, 0)
     with pytest.raises(TypeError, match=r"DLPack"):
         solo.all_reduce([1.0, 2.0])
+    work = solo.all_reduce(torch.ones(4), async_op=True)
+    with pytest.raises(ValueError, match=r"wait: timeout must be >= 0 or None, got -0.5"):
+        work.wait(-0.5)
+    with pytest.raises(TypeError, match=r"wait: timeout must be a number of seconds or None, got str"):
+        work.wait("1")
+    assert work.wait(10)
+    with pytest.raises(ValueError, match=r"close: grace must be >= 0 or None, got -1"):
+        solo._shm.close(grace=-1)
     # nothing was sent: the group still works
     solo.all_reduce(x)
     assert x.tolist() == [1.0] * 4

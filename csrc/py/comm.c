@@ -62,9 +62,13 @@ static int parse_seconds(PyObject *args, PyObject *kwds, const char *method, cha
     *out = -1;
     if (obj == Py_None) return 0;
     *out = PyFloat_AsDouble(obj);
-    if (*out == -1 && PyErr_Occurred()) return -1;
-    if (*out < 0) {
-        PyErr_Format(PyExc_ValueError, "%s: %s must be >= 0 or None, got %g", method, name, *out);
+    if (*out == -1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a number of seconds or None, got %s", method, name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (*out < 0) { /* PyErr_Format has no %g: show the object */
+        PyErr_Format(PyExc_ValueError, "%s: %s must be >= 0 or None, got %R", method, name, obj);
         return -1;
     }
     return 0;
