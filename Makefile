@@ -43,7 +43,7 @@ lint: $(DEPS)
 	$(VPY) -m pip install -q ruff
 	$(VENV)/bin/ruff check fairscale_c tests benchmarks examples setup.py tools
 	$(VENV)/bin/ruff format --check fairscale_c tests benchmarks examples setup.py tools
-	clang-format --dry-run -Werror csrc/*.c csrc/*.h csrc/py/*.c csrc/py/*.h csrc/cuda/*.cu csrc/cuda/*.cuh tests/c/*.c tests/c/*.h
+	clang-format --dry-run -Werror csrc/*/*.c csrc/*/*.h csrc/cuda/*.cu csrc/cuda/*.cuh tests/c/*.c tests/c/*.h
 
 bench: install
 	$(VPY) benchmarks/collectives.py --quick

@@ -65,7 +65,7 @@ def subsystem_macros():
 
 ext = Extension(
     "fairscale_c._C",
-    sources=sorted(glob.glob("csrc/*.c")) + sorted(glob.glob("csrc/py/*.c")),
+    sources=sorted(glob.glob("csrc/*/*.c")),  # base, comm, gpu (the core) and py (the binding layer)
     include_dirs=["csrc"],
     define_macros=subsystem_macros(),
     extra_compile_args=[

@@ -1,4 +1,4 @@
-"""CPU reference kernels (csrc/kernels_cpu.c) against torch on CPU.
+"""CPU reference kernels (csrc/gpu/kernels_cpu.c) against torch on CPU.
 
 These references are what the CPU path runs and what tests/test_cuda.py compares the CUDA
 kernels with, so they are held to torch's own results here.

@@ -1,7 +1,7 @@
 """Compile csrc/cuda/*.cu into one fatbin and embed it in a generated C file.
 
 The extension never links against CUDA: the kernels travel inside it as a byte array that
-csrc/gpu.c hands to cuModuleLoadData at run time. setup.py calls find_nvcc() and, when a
+csrc/gpu/gpu.c hands to cuModuleLoadData at run time. setup.py calls find_nvcc() and, when a
 compiler is there, build_fatbin(); the generated file is then compiled into the extension
 with -DFSC_WITH_CUDA_KERNELS=1.
 

@@ -8,7 +8,7 @@
  *   m  = lerp(m, g, omb1)                 (torch's two-branch lerp formula)
  *   v  = v * beta2 + omb2 * g * g
  *   p  = p + neg_step_size * m / (sqrt(v) / bc2_sqrt + eps)
- * The scalars come from fsc_adamw_prepare (csrc/kernels_cpu.c). Every operation is an
+ * The scalars come from fsc_adamw_prepare (csrc/gpu/kernels_cpu.c). Every operation is an
  * explicitly rounded intrinsic so nvcc cannot contract pairs into FMAs: the result is then
  * bit-identical to the CPU reference, which rounds once per torch op. Any grid;
  * FSC_CUDA_BLOCK threads per block. */

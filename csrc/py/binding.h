@@ -6,8 +6,8 @@
 #include <Python.h>
 #include <stdint.h>
 
-#include "../status.h"
-#include "../tensor.h"
+#include "base/status.h"
+#include "base/tensor.h"
 
 /* Per-module state (PEP 489). Each subsystem's exec function fills its own fields. */
 typedef struct {

@@ -2,10 +2,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../dlpack.h"
-#include "../gpu.h"
-#include "../hostbuf.h"
+#include "base/dlpack.h"
+#include "base/hostbuf.h"
 #include "binding.h"
+#include "gpu/gpu.h"
 
 typedef struct {
     PyObject_HEAD fsc_hostbuf_t *buf;

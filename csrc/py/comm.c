@@ -3,8 +3,8 @@
  * waits release the GIL and wake up periodically to honour Ctrl-C. */
 #include "binding.h"
 
-#include "../comm.h"
-#include "../shm.h"
+#include "comm/comm.h"
+#include "comm/shm.h"
 
 #define FSC_WAIT_SLICE_S 0.2
 

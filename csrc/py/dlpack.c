@@ -1,7 +1,7 @@
 /* dlpack.c — importing any DLPack producer (torch, numpy, capsules) as an fsc_tensor_t view. */
 #include <string.h>
 
-#include "../dlpack.h"
+#include "base/dlpack.h"
 #include "binding.h"
 
 #define OWNER_CAPSULE "fairscale_c.dlpack_owner"

@@ -1,11 +1,11 @@
-/* gpu.c — Python bindings for csrc/gpu.h (CUDA discovery and kernels), their CPU references in
- * csrc/kernels_cpu.h, and csrc/nccl.h (_C.NcclComm). */
+/* gpu.c — Python bindings for csrc/gpu/gpu.h (CUDA discovery and kernels), their CPU references in
+ * csrc/gpu/kernels_cpu.h, and csrc/comm/nccl.h (_C.NcclComm). */
 #include <string.h>
 
-#include "../gpu.h"
-#include "../kernels_cpu.h"
-#include "../nccl.h"
 #include "binding.h"
+#include "comm/nccl.h"
+#include "gpu/gpu.h"
+#include "gpu/kernels_cpu.h"
 
 /* ---- argument helpers ----------------------------------------------------------------------- */
 

@@ -1,6 +1,6 @@
 /* module.c — fairscale_c._C: multi-phase init (PEP 489), module state, build_info. */
-#include "../dlpack.h"
-#include "../log.h"
+#include "base/dlpack.h"
+#include "base/log.h"
 #include "binding.h"
 
 #ifndef FSC_VERSION

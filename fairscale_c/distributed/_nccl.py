@@ -1,6 +1,6 @@
 """NCCL backend of the collective engine: one communicator per group, for CUDA tensors.
 
-The C core (csrc/nccl.c) loads libnccl at run time, preferring the copy torch already loaded,
+The C core (csrc/comm/nccl.c) loads libnccl at run time, preferring the copy torch already loaded,
 and drives a non-blocking communicator whose errors are polled, so a dead peer surfaces as
 :class:`fairscale_c.DistributedError` instead of a hang. Collectives are enqueued on a CUDA
 stream and return without waiting; :meth:`NcclBackend.wait` and :meth:`NcclBackend.barrier`

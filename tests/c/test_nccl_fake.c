@@ -12,9 +12,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../../csrc/gpu.h"
-#include "../../csrc/nccl.h"
+#include "comm/nccl.h"
 #include "expect.h"
+#include "gpu/gpu.h"
 
 enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2 };
 static void (*fake_set_mode)(int);

@@ -10,9 +10,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "../../csrc/half.h"
-#include "../../csrc/shm.h"
-#include "../../csrc/shm_reduce.h"
+#include "base/half.h"
+#include "comm/shm.h"
+#include "comm/shm_reduce.h"
 #include "expect.h"
 
 /* ---- element access by dtype ---- */

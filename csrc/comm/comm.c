@@ -1,12 +1,12 @@
 /* comm.c — op names, header comparison and the timeout setting shared by all backends. */
-#include "comm.h"
+#include "comm/comm.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "log.h"
+#include "base/log.h"
 
 const char *fsc_comm_op_name(fsc_comm_op_t op) {
     switch (op) {

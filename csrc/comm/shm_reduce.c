@@ -1,11 +1,11 @@
 /* shm_reduce.c — reduction loops written so gcc -O3 vectorises them: restrict pointers, no
  * branches in the body, blocks of FSC_RED_BLOCK elements so the accumulator stays in L1.
  * Kernels are compiled twice (AVX2 and baseline) and picked at load time. */
-#include "shm_reduce.h"
+#include "comm/shm_reduce.h"
 
 #include <stdint.h>
 
-#include "half.h"
+#include "base/half.h"
 
 #define FSC_RED_BLOCK 2048
 

@@ -16,8 +16,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "log.h"
-#include "shm_internal.h"
+#include "base/log.h"
+#include "comm/shm_internal.h"
 
 #define FSC_SHM_SPINS 2000       /* pause-loop iterations before yielding */
 #define FSC_SHM_YIELDS 50        /* sched_yield calls before sleeping in futex */

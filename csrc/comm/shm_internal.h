@@ -7,7 +7,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-#include "shm.h"
+#include "comm/shm.h"
 
 #define FSC_SHM_LINE 128                    /* two x86 lines: adjacent-line prefetch must not cause false sharing */
 #define FSC_SHM_MAGIC 0x31306d6873637366ull /* "fscshm01" */

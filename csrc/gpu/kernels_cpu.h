@@ -5,8 +5,8 @@
 
 #include <stdint.h>
 
-#include "status.h"
-#include "tensor.h"
+#include "base/status.h"
+#include "base/tensor.h"
 
 /* Hyper-parameters of one AdamW step, as torch.optim.AdamW takes them (amsgrad=False,
  * maximize=False). `step` is the 1-based step count after incrementing, like the `step`

@@ -1,9 +1,9 @@
 /* tensor.c — dtype facts and the strided copy/cast that every host-side move goes through. */
-#include "tensor.h"
+#include "base/tensor.h"
 
 #include <string.h>
 
-#include "half.h"
+#include "base/half.h"
 
 size_t fsc_dtype_size(fsc_dtype_t dt) {
     switch (dt) {

@@ -1,5 +1,5 @@
 /* hostbuf.c — aligned, zeroed, atomically reference-counted host allocations. */
-#include "hostbuf.h"
+#include "base/hostbuf.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -1,9 +1,9 @@
 /* kernels_cpu.c — CPU reference kernels; each mirrors one kernel in csrc/cuda/. */
-#include "kernels_cpu.h"
+#include "gpu/kernels_cpu.h"
 
 #include <math.h>
 
-#include "half.h"
+#include "base/half.h"
 
 /* ---- element access through float32 ------------------------------------------------------ */
 

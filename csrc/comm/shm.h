@@ -5,9 +5,9 @@
 
 #include <stddef.h>
 
-#include "comm.h"
-#include "status.h"
-#include "tensor.h"
+#include "base/status.h"
+#include "base/tensor.h"
+#include "comm/comm.h"
 
 /* One rank's handle on a group's segment. Opaque; not thread-safe except where noted (the
  * progress thread is the only user once fsc_shm_engine_start has been called). */
@@ -42,7 +42,7 @@ typedef struct {
  * (0: unknown) has exited, after which the half-made name is removed. Publishing the name
  * before creating the segment therefore leaves nothing behind if the creator dies while any
  * peer is alive. `group_name` appears in every error message. Sizes come from
- * FAIRSCALE_C_SHM_CHUNK (bytes per pipeline chunk, default 4 MiB) read by the creator. The
+ * FAIRSCALE_C_SHM_CHUNK (bytes per pipeline chunk, default 1 MiB) read by the creator. The
  * timeout for rendezvous and for every op is FAIRSCALE_C_TIMEOUT, read here. On success *out is
  * owned by the caller (fsc_shm_group_close). */
 fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, int create, int creator_pid, int rank,

@@ -1,5 +1,5 @@
 /* log.c — stderr logger; the level is cached in an atomic so the disabled path is one load. */
-#include "log.h"
+#include "base/log.h"
 
 #include <stdarg.h>
 #include <stdatomic.h>

@@ -5,9 +5,9 @@
 
 #include <stdint.h>
 
-#include "kernels_cpu.h"
-#include "status.h"
-#include "tensor.h"
+#include "base/status.h"
+#include "base/tensor.h"
+#include "gpu/kernels_cpu.h"
 
 /* A CUstream / cudaStream_t (the same handle) as an integer, e.g. torch's
  * `torch.cuda.current_stream().cuda_stream`. 0 is the legacy default stream. */

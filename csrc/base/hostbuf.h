@@ -5,7 +5,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 
-#include "status.h"
+#include "base/status.h"
 
 typedef struct fsc_hostbuf fsc_hostbuf_t;
 

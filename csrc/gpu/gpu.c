@@ -1,7 +1,7 @@
 /* gpu.c — run-time loader for the CUDA driver (libcuda.so.1) and runtime (libcudart), and the
  * kernel launchers. The only file that talks to the CUDA driver; nothing here needs CUDA
  * headers or libraries at build time. */
-#include "gpu.h"
+#include "gpu/gpu.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "log.h"
+#include "base/log.h"
 
 /* ---- the driver ABI we use (from the documented cuda.h; no header needed) --------------- */
 

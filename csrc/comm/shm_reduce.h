@@ -5,8 +5,8 @@
 
 #include <stddef.h>
 
-#include "comm.h"
-#include "tensor.h"
+#include "base/tensor.h"
+#include "comm/comm.h"
 
 /* dst[i] = srcs[0][i] (op) srcs[1][i] (op) ... (op) srcs[nsrc-1][i] for i < count, all buffers of
  * dtype `dt`, nsrc >= 1. For FSC_RED_AVG the result is divided by `divisor` (normally the group

@@ -9,9 +9,9 @@
 #include <emmintrin.h>
 #endif
 
-#include "log.h"
-#include "shm_internal.h"
-#include "shm_reduce.h"
+#include "base/log.h"
+#include "comm/shm_internal.h"
+#include "comm/shm_reduce.h"
 
 #define FSC_P2P_ERR_JUMP 0x40000000u /* acked jump that releases a sender after a mismatch */
 

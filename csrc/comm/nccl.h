@@ -6,10 +6,10 @@
 
 #include <stddef.h>
 
-#include "comm.h"
-#include "gpu.h"
-#include "status.h"
-#include "tensor.h"
+#include "base/status.h"
+#include "base/tensor.h"
+#include "comm/comm.h"
+#include "gpu/gpu.h"
 
 #define FSC_NCCL_UNIQUE_ID_BYTES 128
 

@@ -5,8 +5,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "status.h"
-#include "tensor.h"
+#include "base/status.h"
+#include "base/tensor.h"
 
 /* What a rank is doing. Values are stable: they travel between processes in op headers. */
 typedef enum {

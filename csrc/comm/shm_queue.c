@@ -6,8 +6,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "log.h"
-#include "shm_internal.h"
+#include "base/log.h"
+#include "comm/shm_internal.h"
 
 /* The CLOCK_REALTIME time `seconds` from now (pthread's timed waits take absolute times). */
 static struct timespec realtime_after(double seconds) {

@@ -1,9 +1,9 @@
 /* status.c — thread-local last-error storage. */
-#include "status.h"
+#include "base/status.h"
 
 #include <stdio.h>
 
-#include "log.h"
+#include "base/log.h"
 
 static _Thread_local char last_error[1024];
 

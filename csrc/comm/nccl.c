@@ -2,7 +2,7 @@
  * streams, waits that poll ncclCommGetAsyncError, and a watchdog thread per communicator, so a
  * dead peer becomes an error, not a hang, even when the host never waits. The NCCL ABI below is
  * declared from the documented nccl.h; no header is needed. */
-#include "nccl.h"
+#include "comm/nccl.h"
 
 #include <dlfcn.h>
 #include <limits.h>
@@ -15,7 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "log.h"
+#include "base/log.h"
 
 /* ---- ABI ------------------------------------------------------------------------------------ */
 
