@@ -420,8 +420,8 @@ def scenario_reduce_scatter_groups(rank, world):
     from fairscale_c.nn.data_parallel import ProcessGroupName, get_fsdp_instances
 
     m = train_and_compare(rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=xent)
-    assert (m.comm_rs.group is not m.comm.group) == (world > 1)
-    assert all(i.comm_rs.group is m.comm_rs.group for i in get_fsdp_instances(m)), "one cached group"
+    assert (m.comm_rs is not m.comm) == (world > 1)
+    assert all(i.comm_rs is m.comm_rs for i in get_fsdp_instances(m)), "one cached group"
     m = train_and_compare(rank, world, MLP, fsdp(process_group_reduce_scatter=ProcessGroupName.default))
     assert m.comm_rs is m.comm
     same = dist.new_group(list(range(world)))

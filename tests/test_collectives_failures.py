@@ -222,10 +222,11 @@ def _mismatch_job(rank, world):
             lambda g: g.all_reduce(torch.ones(8, dtype=torch.float32 if rank == 0 else torch.float64)),
             ["dtype=float32", "dtype=float64"],
         ),
-        (
+        (  # a send completes once its data is in the shared buffer: the sender learns of the
+            # refusal at its next op
             "send/recv",
-            lambda g: g.send(torch.ones(4), 1) if rank == 0 else g.recv(torch.ones(5), 0),
-            ["send(count=4", "recv(count=5"],
+            lambda g: (g.send(torch.ones(4), 1), g.barrier()) if rank == 0 else g.recv(torch.ones(5), 0),
+            ["send(count=4", "recv(count=5"] if rank == 1 else ["refused", "recv(count=5"],
         ),
     ]
     for what, call, needles in cases:

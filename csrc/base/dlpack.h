@@ -80,4 +80,25 @@ typedef struct DLManagedTensorVersioned {
     DLTensor dl_tensor;
 } DLManagedTensorVersioned;
 
+/* DLPack >= 1.2: the C exchange API a producer publishes as a capsule named "dlpack_exchange_api"
+ * in its tensor type's `__dlpack_c_exchange_api__` attribute (torch >= 2.10 does). Only the
+ * layout is declared here; fields a consumer does not use are opaque function pointers. */
+typedef struct DLPackExchangeAPIHeader {
+    DLPackVersion version;
+    struct DLPackExchangeAPIHeader *prev_api;
+} DLPackExchangeAPIHeader;
+
+/* Fill `out` with a non-owning view of `py_object` (which must be of the type the API came from);
+ * valid until control returns to the producer. 0, or -1 with a Python exception set. */
+typedef int (*DLPackDLTensorFromPyObjectNoSync)(void *py_object, DLTensor *out);
+
+typedef struct {
+    DLPackExchangeAPIHeader header;
+    void *managed_tensor_allocator;
+    void *managed_tensor_from_py_object_no_sync;
+    void *managed_tensor_to_py_object_no_sync;
+    DLPackDLTensorFromPyObjectNoSync dltensor_from_py_object_no_sync;
+    void *current_work_stream;
+} DLPackExchangeAPI;
+
 #endif /* FSC_DLPACK_H */

@@ -113,3 +113,138 @@ fsc_status_t fsc_comm_check_dtype(fsc_dtype_t dt, int redop, const char *opname,
                      "int32, int64, uint8",
                      opname, argname, (unsigned)dt < FSC_NUM_DTYPES ? fsc_dtype_name(dt) : "?");
 }
+
+/* ---- argument rules ------------------------------------------------------------------------- */
+
+static const char *device_name(int device_type) {
+    return device_type == FSC_DEV_CUDA ? "cuda" : "cpu";
+}
+
+static fsc_status_t check_tensor(const fsc_tensor_t *t, const char *op, const char *arg, int writable, int redop,
+                                 int device_type, int device_id) {
+    if (t->device_type != device_type)
+        return fsc_error(FSC_ERR_VALUE, "%s: %s is on %s; expected a %s tensor", op, arg, device_name(t->device_type),
+                         device_name(device_type));
+    if (device_id >= 0 && t->device_id != device_id)
+        return fsc_error(FSC_ERR_VALUE, "%s: %s is on %s:%d but the communicator is on %s:%d", op, arg,
+                         device_name(device_type), t->device_id, device_name(device_type), device_id);
+    if (!fsc_tensor_is_contiguous(t))
+        return fsc_error(FSC_ERR_VALUE, "%s: argument '%s' must be contiguous (call .contiguous() first)", op, arg);
+    if (writable && t->readonly)
+        return fsc_error(FSC_ERR_VALUE, "%s: argument '%s' is read-only; expected writable memory", op, arg);
+    if (t->numel > 0 && t->data == NULL) return fsc_error(FSC_ERR_VALUE, "%s: %s has no data", op, arg);
+    return fsc_comm_check_dtype(t->dtype, redop, op, arg);
+}
+
+static fsc_status_t check_rank(const char *op, const char *arg, int r, int rank, int size, int not_self) {
+    if (r < 0 || r >= size || (not_self && r == rank))
+        return fsc_error(FSC_ERR_VALUE, "%s: %s=%d is not a valid group rank (expected 0 <= %s < %d%s)", op, arg, r,
+                         arg, size, not_self ? " and not this rank" : "");
+    return FSC_OK;
+}
+
+/* Byte ranges [a, a + na) and [b, b + nb) share a byte. */
+static int overlaps(const void *a, size_t na, const void *b, size_t nb) {
+    const uint8_t *pa = a, *pb = b;
+    return na > 0 && nb > 0 && pa < pb + nb && pb < pa + na;
+}
+
+/* all_gather / reduce_scatter: `big` is size x `small`; they may share memory only when `small`
+ * is exactly this rank's block of `big`. */
+static fsc_status_t check_blocks(const char *op, const fsc_tensor_t *big, const char *big_arg,
+                                 const fsc_tensor_t *small, const char *small_arg, int rank, int size) {
+    if (big->dtype != small->dtype)
+        return fsc_error(FSC_ERR_VALUE, "%s: output has dtype %s but input has dtype %s; expected the same dtype", op,
+                         fsc_dtype_name(!strcmp(big_arg, "output") ? big->dtype : small->dtype),
+                         fsc_dtype_name(!strcmp(big_arg, "output") ? small->dtype : big->dtype));
+    if (small->numel > INT64_MAX / size || big->numel != (int64_t)size * small->numel)
+        return fsc_error(FSC_ERR_VALUE,
+                         "%s: %s has %lld elements; expected group size (%d) x %s elements (%lld) = %lld", op, big_arg,
+                         (long long)big->numel, size, small_arg, (long long)small->numel,
+                         (long long)size * (long long)small->numel);
+    size_t nb_small = fsc_tensor_nbytes(small), nb_big = fsc_tensor_nbytes(big);
+    const uint8_t *own = (const uint8_t *)big->data + (size_t)rank * nb_small;
+    if (overlaps(big->data, nb_big, small->data, nb_small) && (const uint8_t *)small->data != own)
+        return fsc_error(FSC_ERR_VALUE,
+                         "%s: %s overlaps %s but is not this rank's block of it; for the in-place form pass %s = "
+                         "%s[rank * n:(rank + 1) * n] (rank %d)",
+                         op, small_arg, big_arg, small_arg, big_arg, rank);
+    return FSC_OK;
+}
+
+fsc_status_t fsc_comm_check_call(const fsc_comm_call_t *c, int rank, int size, int device_type, int device_id) {
+    const char *op = fsc_comm_op_name(c->op);
+    int redop =
+        (c->op == FSC_OP_ALL_REDUCE || c->op == FSC_OP_REDUCE || c->op == FSC_OP_REDUCE_SCATTER) ? (int)c->redop : -1;
+    if (redop >= FSC_NUM_REDS) return fsc_error(FSC_ERR_VALUE, "%s: unknown reduce op %d", op, redop);
+    if (c->op == FSC_OP_BARRIER) return FSC_OK;
+    if (c->op <= FSC_OP_NONE || c->op >= FSC_NUM_OPS) return fsc_error(FSC_ERR_VALUE, "unknown op %d", (int)c->op);
+    if (c->tensor == NULL) return fsc_error(FSC_ERR_VALUE, "%s needs a tensor", op);
+    switch (c->op) {
+        case FSC_OP_ALL_GATHER:
+        case FSC_OP_REDUCE_SCATTER: {
+            if (c->input == NULL) return fsc_error(FSC_ERR_VALUE, "%s needs an input", op);
+            FSC_CHECK(check_tensor(c->tensor, op, "output", 1, redop, device_type, device_id));
+            FSC_CHECK(check_tensor(c->input, op, "input", 0, redop, device_type, device_id));
+            if (c->op == FSC_OP_ALL_GATHER) return check_blocks(op, c->tensor, "output", c->input, "input", rank, size);
+            return check_blocks(op, c->input, "input", c->tensor, "output", rank, size);
+        }
+        case FSC_OP_BROADCAST:
+        case FSC_OP_REDUCE: FSC_CHECK(check_rank(op, "root", c->peer, rank, size, 0)); break;
+        case FSC_OP_SEND: FSC_CHECK(check_rank(op, "dst", c->peer, rank, size, 1)); break;
+        case FSC_OP_RECV: FSC_CHECK(check_rank(op, "src", c->peer, rank, size, 1)); break;
+        default: break;
+    }
+    return check_tensor(c->tensor, op, "tensor", c->op != FSC_OP_SEND, redop, device_type, device_id);
+}
+
+static int is_p2p(fsc_comm_op_t op) {
+    return op == FSC_OP_SEND || op == FSC_OP_RECV;
+}
+
+/* The bytes call `c` writes (*w) and reads besides them (*r). */
+static void call_extents(const fsc_comm_call_t *c, const void **w, size_t *nw, const void **r, size_t *nr) {
+    *w = *r = NULL;
+    *nw = *nr = 0;
+    if (c->tensor == NULL) return;
+    if (c->op == FSC_OP_SEND) {
+        *r = c->tensor->data;
+        *nr = fsc_tensor_nbytes(c->tensor);
+        return;
+    }
+    *w = c->tensor->data;
+    *nw = fsc_tensor_nbytes(c->tensor);
+    if (c->input != NULL) {
+        *r = c->input->data;
+        *nr = fsc_tensor_nbytes(c->input);
+    }
+}
+
+fsc_status_t fsc_comm_check_batch(const fsc_comm_call_t *calls, size_t n, int rank, int size, int device_type,
+                                  int device_id) {
+    for (size_t i = 0; i < n; i++) {
+        if (fsc_comm_check_call(&calls[i], rank, size, device_type, device_id) != FSC_OK) {
+            char why[512]; /* fsc_error formats into the buffer fsc_last_error returns */
+            snprintf(why, sizeof(why), "%s", fsc_last_error());
+            return fsc_error(FSC_ERR_VALUE, "batch operation %zu: %s", i, why);
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        const void *wi, *ri;
+        size_t nwi, nri;
+        call_extents(&calls[i], &wi, &nwi, &ri, &nri);
+        for (size_t j = 0; j < n; j++) {
+            /* collectives of a batch run in list order; point-to-point runs beside everything */
+            if (j == i || !(is_p2p(calls[i].op) || is_p2p(calls[j].op))) continue;
+            const void *wj, *rj;
+            size_t nwj, nrj;
+            call_extents(&calls[j], &wj, &nwj, &rj, &nrj);
+            if (overlaps(wi, nwi, wj, nwj) || overlaps(wi, nwi, rj, nrj))
+                return fsc_error(FSC_ERR_VALUE,
+                                 "batch: operation %zu (%s) writes memory that operation %zu (%s) also uses; expected "
+                                 "disjoint tensors",
+                                 i, fsc_comm_op_name(calls[i].op), j, fsc_comm_op_name(calls[j].op));
+        }
+    }
+    return FSC_OK;
+}

@@ -70,4 +70,32 @@ fsc_status_t fsc_comm_header_check(const char *group, int rank_a, const fsc_comm
  * naming `argname` otherwise. Pass redop < 0 for ops that do not reduce. */
 fsc_status_t fsc_comm_check_dtype(fsc_dtype_t dt, int redop, const char *opname, const char *argname);
 
+/* One call into the engine, as every backend takes it. `tensor` is the tensor the op writes
+ * (all_gather / reduce_scatter output; the tensor of all_reduce, broadcast, reduce, recv) or, for
+ * send, the one it reads; NULL for barrier. `input` is the all_gather / reduce_scatter input (NULL
+ * otherwise). `peer` is the broadcast / reduce root or the send / recv peer (group ranks). */
+typedef struct {
+    fsc_comm_op_t op;
+    fsc_tensor_t *tensor;
+    const fsc_tensor_t *input;
+    fsc_reduce_op_t redop;
+    int peer;
+} fsc_comm_call_t;
+
+/* The engine's argument rules, the same for every backend, checked before anything is sent:
+ * tensors contiguous, on `device_type` (and on `device_id` when it is >= 0), of a supported dtype
+ * (the same for input and output) that suits the reduce op; written tensors writable; sizes
+ * (all_gather: output = size x input; reduce_scatter: input = size x output); root / peer a rank
+ * of the group (a peer other than this rank); input and output disjoint except that the input
+ * may be exactly this rank's block of the output (all_gather) or the output exactly this rank's
+ * block of the input (reduce_scatter), the in-place forms. FSC_ERR_VALUE naming the op and the
+ * argument otherwise. */
+fsc_status_t fsc_comm_check_call(const fsc_comm_call_t *c, int rank, int size, int device_type, int device_id);
+
+/* fsc_comm_check_call for each of `n` calls issued together (errors say "batch operation i: "),
+ * and no send or recv shares memory with another call of the batch where either writes it (the
+ * collectives of a batch run in list order, so they may share memory with each other). */
+fsc_status_t fsc_comm_check_batch(const fsc_comm_call_t *calls, size_t n, int rank, int size, int device_type,
+                                  int device_id);
+
 #endif /* FSC_COMM_H */

@@ -505,15 +505,10 @@ exit:
 
 /* ---- collectives ------------------------------------------------------------------------------ */
 
-/* The NCCL dtype for a tensor argument, after the engine-wide dtype/redop check. */
-static fsc_status_t check_tensor(const fsc_nccl_comm_t *c, const fsc_tensor_t *t, fsc_comm_op_t op, const char *arg,
-                                 int writable, int redop, int *nccl_dtype) {
+/* The NCCL dtype of a tensor the engine-wide rules (fsc_comm_check_call) have admitted, refusing
+ * what the loaded NCCL is too old for. */
+static fsc_status_t nccl_dtype(const fsc_tensor_t *t, fsc_comm_op_t op, int redop, int *nccl_dtype) {
     const char *opname = fsc_comm_op_name(op);
-    FSC_CHECK(fsc_kernels_check(t, opname, arg, FSC_DEV_CUDA, ~0u, writable));
-    if (t->device_id != c->device)
-        return fsc_error(FSC_ERR_VALUE, "%s: %s is on cuda:%d but the communicator is on cuda:%d", opname, arg,
-                         t->device_id, c->device);
-    FSC_CHECK(fsc_comm_check_dtype(t->dtype, redop, opname, arg));
     if ((t->dtype == FSC_BFLOAT16 || redop == FSC_RED_AVG) && nccl_version_code < NCCL_MIN_VERSION_BF16_AVG)
         return fsc_error(FSC_ERR_UNAVAILABLE, "%s: %s needs NCCL >= 2.10.3, loaded %d", opname,
                          redop == FSC_RED_AVG ? "op avg" : "bfloat16", nccl_version_code);
@@ -528,13 +523,6 @@ static fsc_status_t check_tensor(const fsc_nccl_comm_t *c, const fsc_tensor_t *t
         default: /* fsc_comm_check_dtype admitted a dtype this table lacks */
             return fsc_error(FSC_ERR_INTERNAL, "%s: no NCCL type for %s", opname, fsc_dtype_name(t->dtype));
     }
-    return FSC_OK;
-}
-
-static fsc_status_t check_rank_arg(const fsc_nccl_comm_t *c, fsc_comm_op_t op, const char *arg, int r, int not_self) {
-    if (r < 0 || r >= c->nranks || (not_self && r == c->rank))
-        return fsc_error(FSC_ERR_VALUE, "%s: %s must be a rank in [0, %d)%s, got %d", fsc_comm_op_name(op), arg,
-                         c->nranks, not_self ? " other than this rank" : "", r);
     return FSC_OK;
 }
 
@@ -587,56 +575,12 @@ static fsc_status_t op_end(fsc_nccl_comm_t *c, fsc_comm_op_t op, nccl_result_t r
     return st;
 }
 
-static fsc_status_t check_all_gather(const fsc_nccl_comm_t *c, const fsc_tensor_t *output, const fsc_tensor_t *input,
-                                     int *dt_in) {
-    int dt_out = 0;
-    FSC_CHECK(check_tensor(c, input, FSC_OP_ALL_GATHER, "input", 0, -1, dt_in));
-    FSC_CHECK(check_tensor(c, output, FSC_OP_ALL_GATHER, "output", 1, -1, &dt_out));
-    if (input->dtype != output->dtype)
-        return fsc_error(FSC_ERR_VALUE, "all_gather: output dtype %s differs from input dtype %s",
-                         fsc_dtype_name(output->dtype), fsc_dtype_name(input->dtype));
-    if (output->numel != input->numel * c->nranks)
-        return fsc_error(FSC_ERR_VALUE, "all_gather: output must have size * input.numel = %lld elements, got %lld",
-                         (long long)(input->numel * c->nranks), (long long)output->numel);
-    return FSC_OK;
-}
-
-static fsc_status_t check_reduce_scatter(const fsc_nccl_comm_t *c, const fsc_tensor_t *output,
-                                         const fsc_tensor_t *input, fsc_reduce_op_t op, int *dt_in) {
-    int dt_out = 0;
-    FSC_CHECK(check_tensor(c, input, FSC_OP_REDUCE_SCATTER, "input", 0, (int)op, dt_in));
-    FSC_CHECK(check_tensor(c, output, FSC_OP_REDUCE_SCATTER, "output", 1, (int)op, &dt_out));
-    if (input->dtype != output->dtype)
-        return fsc_error(FSC_ERR_VALUE, "reduce_scatter: output dtype %s differs from input dtype %s",
-                         fsc_dtype_name(output->dtype), fsc_dtype_name(input->dtype));
-    if (input->numel != output->numel * c->nranks)
-        return fsc_error(FSC_ERR_VALUE, "reduce_scatter: input must have size * output.numel = %lld elements, got %lld",
-                         (long long)(output->numel * c->nranks), (long long)input->numel);
-    return FSC_OK;
-}
-
-/* Check one operation as the engine's API promises (FSC_ERR_VALUE naming the argument); sets its
- * NCCL dtype. */
-static fsc_status_t check_op(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, int *dt) {
-    const char *name = fsc_comm_op_name(o->op);
-    if (o->tensor == NULL) return fsc_error(FSC_ERR_VALUE, "%s needs a tensor", name);
-    switch (o->op) {
-        case FSC_OP_ALL_GATHER:
-        case FSC_OP_REDUCE_SCATTER:
-            if (o->input == NULL) return fsc_error(FSC_ERR_VALUE, "%s needs an input", name);
-            return o->op == FSC_OP_ALL_GATHER ? check_all_gather(c, o->tensor, o->input, dt)
-                                              : check_reduce_scatter(c, o->tensor, o->input, o->redop, dt);
-        case FSC_OP_ALL_REDUCE: return check_tensor(c, o->tensor, o->op, "tensor", 1, (int)o->redop, dt);
-        case FSC_OP_BROADCAST:
-        case FSC_OP_REDUCE:
-            FSC_CHECK(check_rank_arg(c, o->op, "root", o->peer, 0));
-            return check_tensor(c, o->tensor, o->op, "tensor", 1, o->op == FSC_OP_REDUCE ? (int)o->redop : -1, dt);
-        case FSC_OP_SEND:
-        case FSC_OP_RECV:
-            FSC_CHECK(check_rank_arg(c, o->op, "peer", o->peer, 1));
-            return check_tensor(c, o->tensor, o->op, "tensor", o->op == FSC_OP_RECV, -1, dt);
-        default: return fsc_error(FSC_ERR_VALUE, "%s cannot be enqueued on NCCL", name);
-    }
+/* The NCCL dtype of an operation that passed the engine's argument rules. */
+static fsc_status_t op_dtype(const fsc_nccl_op_t *o, int *dt) {
+    int reduces = o->op == FSC_OP_ALL_REDUCE || o->op == FSC_OP_REDUCE || o->op == FSC_OP_REDUCE_SCATTER;
+    if (o->op == FSC_OP_BARRIER || o->op == FSC_OP_NONE)
+        return fsc_error(FSC_ERR_VALUE, "%s cannot be enqueued on NCCL", fsc_comm_op_name(o->op));
+    return nccl_dtype(o->tensor, o->op, reduces ? (int)o->redop : -1, dt);
 }
 
 static nccl_result_t issue_op(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, int dt, cuda_stream_h s) {
@@ -660,19 +604,15 @@ static nccl_result_t issue_op(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, 
  * send/recv pair without deadlocking). `batch` prefixes argument errors with the op's index. */
 static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream, int grouped,
                             int batch) {
-    int dts[FSC_NCCL_MAX_BATCH];
+    int dts[FSC_NCCL_MAX_BATCH] = {0};
     fsc_gpu_ctx_t g;
     if (n > FSC_NCCL_MAX_BATCH)
         return fsc_error(FSC_ERR_VALUE, "batch: at most %d operations, got %zu", FSC_NCCL_MAX_BATCH, n);
-    for (size_t i = 0; i < n; i++) {
-        fsc_status_t st = check_op(c, &ops[i], &dts[i]);
-        if (st != FSC_OK && batch) {
-            char why[512]; /* fsc_error formats into the buffer fsc_last_error returns */
-            snprintf(why, sizeof(why), "%s", fsc_last_error());
-            return fsc_error(st, "batch operation %zu: %s", i, why);
-        }
-        FSC_CHECK(st);
-    }
+    if (batch)
+        FSC_CHECK(fsc_comm_check_batch(ops, n, c->rank, c->nranks, FSC_DEV_CUDA, c->device));
+    else if (n == 1)
+        FSC_CHECK(fsc_comm_check_call(&ops[0], c->rank, c->nranks, FSC_DEV_CUDA, c->device));
+    for (size_t i = 0; i < n; i++) FSC_CHECK(op_dtype(&ops[i], &dts[i]));
     if (n == 0) return FSC_OK;
     fsc_comm_op_t last = ops[n - 1].op;
     FSC_CHECK(op_begin(c, last, &g));

@@ -88,17 +88,8 @@ fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduc
 fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, fsc_stream_t stream);
 fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, fsc_stream_t stream);
 
-/* One operation of a batch. `tensor` is the written tensor (all_gather / reduce_scatter output;
- * the tensor of all_reduce, broadcast, reduce, recv) or, for send, the one read; `input` is the
- * all_gather / reduce_scatter input (NULL otherwise). `peer` is the broadcast / reduce root or
- * the send / recv peer. */
-typedef struct {
-    fsc_comm_op_t op;
-    fsc_tensor_t *tensor;
-    const fsc_tensor_t *input;
-    fsc_reduce_op_t redop;
-    int peer;
-} fsc_nccl_op_t;
+/* One operation of a batch: the engine's call description (comm.h), checked by the same rules. */
+typedef fsc_comm_call_t fsc_nccl_op_t;
 
 #define FSC_NCCL_MAX_BATCH 256
 

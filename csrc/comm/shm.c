@@ -36,10 +36,6 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static inline int reached(_Atomic uint32_t *word, uint32_t target) {
-    return (int32_t)(atomic_load_explicit(word, memory_order_acquire) - target) >= 0;
-}
-
 static size_t chunk_from_env(void) {
     const char *s = getenv("FAIRSCALE_C_SHM_CHUNK");
     /* 1 MiB: in alternating runs of benchmarks/collectives.py (1-64 MiB, three of each) it beat
@@ -77,51 +73,89 @@ void fsc_shm_post(_Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t v
         syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
+void fsc_shm_ring(fsc_shm_group_t *g, int r) {
+    fsc_shm_rank_ctrl_t *peer = &g->ranks[r];
+    atomic_fetch_add_explicit(&peer->bell, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(&peer->bell_sleepers, memory_order_seq_cst) > 0)
+        syscall(SYS_futex, (uint32_t *)&peer->bell, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* The interrupt check of the calling thread (fsc_shm_set_interrupt_check). */
+static _Thread_local int (*interrupt_fn)(void *);
+static _Thread_local void *interrupt_arg;
+
+void fsc_shm_set_interrupt_check(int (*fn)(void *), void *arg) {
+    interrupt_fn = fn;
+    interrupt_arg = arg;
+}
+
+const char *fsc_shm_op_desc(fsc_shm_group_t *g, char *buf, size_t cap) {
+    fsc_comm_header_format(&g->cur_hdr, buf, cap);
+    return buf;
+}
+
 static fsc_status_t wait_failed(fsc_shm_group_t *g, int peer, int dead) {
-    char peer_op[192];
+    char peer_op[192], mine[192];
     fsc_comm_header_format(&g->ranks[peer].cur, peer_op, sizeof(peer_op));
+    fsc_shm_op_desc(g, mine, sizeof(mine));
     if (dead)
         return fsc_error(FSC_ERR_COMM,
                          "%s on group '%s' (rank %d of %d): rank %d (pid %d) exited while this rank "
                          "was waiting for it (it was last in %s)",
-                         g->op_desc, g->name, g->rank, g->size, peer, (int)atomic_load(&g->ranks[peer].pid), peer_op);
+                         mine, g->name, g->rank, g->size, peer, (int)atomic_load(&g->ranks[peer].pid), peer_op);
     return fsc_error(FSC_ERR_TIMEOUT,
                      "%s on group '%s' (rank %d of %d): rank %d did not arrive within "
                      "FAIRSCALE_C_TIMEOUT=%g s (it is in %s)",
-                     g->op_desc, g->name, g->rank, g->size, peer, g->timeout, peer_op);
+                     mine, g->name, g->rank, g->size, peer, g->timeout, peer_op);
+}
+
+fsc_status_t fsc_shm_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, _Atomic uint32_t *word,
+                             _Atomic uint32_t *sleepers, uint32_t seen, int peer) {
+    if (b->spins < FSC_SHM_SPINS) {
+        b->spins++;
+        cpu_relax();
+        return FSC_OK;
+    }
+    if (b->yields < FSC_SHM_YIELDS) {
+        b->yields++;
+        sched_yield();
+        return FSC_OK;
+    }
+    char mine[192];
+    double now = fsc_comm_now();
+    if (b->last_check == 0) b->last_check = now;
+    if (now > g->deadline) return wait_failed(g, peer, 0);
+    if (atomic_load_explicit(&g->abandon, memory_order_relaxed))
+        return fsc_error(FSC_ERR_COMM,
+                         "%s on group '%s' (rank %d of %d): abandoned while waiting for rank %d, because "
+                         "the group was closed (at exit, or while unwinding an error) and the op did not "
+                         "finish within the grace period",
+                         fsc_shm_op_desc(g, mine, sizeof(mine)), g->name, g->rank, g->size, peer);
+    if (now - b->last_check > FSC_SHM_LIVENESS_S) {
+        b->last_check = now;
+        FSC_CHECK(fsc_shm_check_refused(g));
+        if (pid_dead((pid_t)atomic_load(&g->ranks[peer].pid)) && atomic_load(word) == seen)
+            return wait_failed(g, peer, 1);
+        if (interrupt_fn != NULL && interrupt_fn(interrupt_arg))
+            return fsc_error(FSC_ERR_COMM,
+                             "%s on group '%s' (rank %d of %d): interrupted while waiting for rank %d; the op "
+                             "ran on the calling thread and cannot finish now, so the group is unusable",
+                             fsc_shm_op_desc(g, mine, sizeof(mine)), g->name, g->rank, g->size, peer);
+    }
+    struct timespec slice = {0, FSC_SHM_SLICE_NS};
+    atomic_fetch_add(sleepers, 1);
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &slice, NULL, 0);
+    atomic_fetch_sub(sleepers, 1);
+    return FSC_OK;
 }
 
 fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t target,
                           int peer) {
-    for (int i = 0; i < FSC_SHM_SPINS; i++) {
-        if (reached(word, target)) return FSC_OK;
-        cpu_relax();
-    }
-    for (int i = 0; i < FSC_SHM_YIELDS; i++) {
-        if (reached(word, target)) return FSC_OK;
-        sched_yield();
-    }
-    double last_check = fsc_comm_now();
-    pid_t pid = (pid_t)atomic_load(&g->ranks[peer].pid);
+    fsc_shm_backoff_t b = {0, 0, 0};
     for (;;) {
         uint32_t v = atomic_load_explicit(word, memory_order_acquire);
         if ((int32_t)(v - target) >= 0) return FSC_OK;
-        double now = fsc_comm_now();
-        if (now > g->deadline) return wait_failed(g, peer, 0);
-        if (atomic_load_explicit(&g->abandon, memory_order_relaxed))
-            return fsc_error(FSC_ERR_COMM,
-                             "%s on group '%s' (rank %d of %d): abandoned while waiting for rank %d, because "
-                             "the group was closed (at exit, or while unwinding an error) and the op did not "
-                             "finish within the grace period",
-                             g->op_desc, g->name, g->rank, g->size, peer);
-        if (now - last_check > FSC_SHM_LIVENESS_S) {
-            last_check = now;
-            if (pid_dead(pid) && !reached(word, target)) return wait_failed(g, peer, 1);
-        }
-        struct timespec slice = {0, FSC_SHM_SLICE_NS};
-        atomic_fetch_add(sleepers, 1);
-        syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, v, &slice, NULL, 0);
-        atomic_fetch_sub(sleepers, 1);
+        FSC_CHECK(fsc_shm_backoff(g, &b, word, sleepers, v, peer));
     }
 }
 
@@ -287,7 +321,12 @@ fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, in
     g->unlinked = 0;
     g->send_seq = calloc((size_t)size, sizeof(uint64_t));
     g->recv_seq = calloc((size_t)size, sizeof(uint64_t));
-    if (g->send_seq == NULL || g->recv_seq == NULL) {
+    g->send_next = calloc((size_t)size, sizeof(uint32_t));
+    g->recv_next = calloc((size_t)size, sizeof(uint32_t));
+    g->send_busy = calloc((size_t)size, 1);
+    g->recv_busy = calloc((size_t)size, 1);
+    if (g->send_seq == NULL || g->recv_seq == NULL || g->send_next == NULL || g->recv_next == NULL ||
+        g->send_busy == NULL || g->recv_busy == NULL) {
         st = fsc_error(FSC_ERR_NOMEM, "shm group: out of memory");
         goto fail;
     }
@@ -365,5 +404,9 @@ void fsc_shm_group_close(fsc_shm_group_t *g, double grace_s) {
     if (g->base != NULL) munmap(g->base, g->bytes);
     free(g->send_seq);
     free(g->recv_seq);
+    free(g->send_next);
+    free(g->recv_next);
+    free(g->send_busy);
+    free(g->recv_busy);
     free(g);
 }

@@ -72,16 +72,38 @@ void fsc_shm_group_close(fsc_shm_group_t *g, double grace_s);
  * FSC_ERR_MISMATCH naming both sides, a peer that dies or stalls as FSC_ERR_COMM /
  * FSC_ERR_TIMEOUT naming the op, the group and the rank. After any such error the group is
  * unusable: later ops fail with the same message. Arguments are not validated here (the
- * binding layer does that before anything is sent). */
+ * binding layer checks them with fsc_comm_check_call before anything is sent). A send completes
+ * once its data is in the shared buffers (it does not wait for the receiver to take it), so a
+ * send of up to two p2p chunks (FAIRSCALE_C_SHM_CHUNK / 4 each, at least 64 KiB) never blocks. */
 fsc_status_t fsc_shm_run(fsc_shm_group_t *g, const fsc_shm_args_t *a);
 
-/* Start the group's progress thread. Afterwards ops go through fsc_shm_submit only. */
+/* Run `n` ops issued together on the calling thread: the sends and recvs all at once (each
+ * channel in order, channels side by side, so no order of issue can deadlock), then the
+ * collectives in list order. */
+fsc_status_t fsc_shm_run_batch(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t n);
+
+/* Start the group's progress thread. Afterwards ops go through fsc_shm_submit or
+ * fsc_shm_try_inline only. */
 fsc_status_t fsc_shm_engine_start(fsc_shm_group_t *g);
 
-/* Queue an op for the progress thread; ops run one at a time in submission order. Does not
- * block. On success *out holds a reference owned by the caller (fsc_shm_work_release). Safe to
- * call from one thread at a time (the binding layer holds the GIL). */
-fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, fsc_shm_work_t **out);
+/* Queue `n` ops issued together (one op, or a batch as in fsc_shm_run_batch) for the progress
+ * thread; items run in submission order, except that consecutive items made only of sends and
+ * recvs run together, as one batch would. Does not block; `a` is copied. On success *out holds
+ * a reference owned by the caller (fsc_shm_work_release); items complete in submission order.
+ * Safe to call from one thread at a time (the binding layer holds the GIL). */
+fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t n, fsc_shm_work_t **out);
+
+/* When nothing is queued or running, run `n` ops (as fsc_shm_run_batch) on the calling thread
+ * and set *ran = 1: a synchronous op then costs no hand-off to the progress thread and back.
+ * Otherwise set *ran = 0 and return FSC_OK (the caller queues it instead). Meanwhile the
+ * progress thread does not start queued items. */
+fsc_status_t fsc_shm_try_inline(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t n, int *ran);
+
+/* Install a check that a thread running ops itself calls while it sleeps for a peer (every
+ * 50 ms or so): when `fn(arg)` returns nonzero the op fails (FSC_ERR_COMM, "interrupted") and the
+ * group becomes unusable. Thread-local; NULL removes it. The binding layer uses it to honour
+ * Ctrl-C during fsc_shm_try_inline. */
+void fsc_shm_set_interrupt_check(int (*fn)(void *), void *arg);
 
 /* 1 when the op has finished (successfully or not), else 0. Never blocks. */
 int fsc_shm_work_done(fsc_shm_work_t *w);

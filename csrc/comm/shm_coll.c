@@ -4,6 +4,7 @@
  * enters once it has finished reading step's data, so one barrier per step suffices. Reductions
  * are split so each rank reduces 1/size of every chunk in parallel. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__)
 #include <emmintrin.h>
@@ -12,8 +13,6 @@
 #include "base/log.h"
 #include "comm/shm_internal.h"
 #include "comm/shm_reduce.h"
-
-#define FSC_P2P_ERR_JUMP 0x40000000u /* acked jump that releases a sender after a mismatch */
 
 static size_t min_sz(size_t a, size_t b) {
     return a < b ? a : b;
@@ -67,12 +66,12 @@ static void begin_op(fsc_shm_group_t *g, const fsc_shm_args_t *a, uint64_t seq, 
     h->redop = (a->op == FSC_OP_ALL_REDUCE || a->op == FSC_OP_REDUCE || a->op == FSC_OP_REDUCE_SCATTER)
                    ? (uint32_t)a->redop
                    : 0;
-    int rooted = a->op == FSC_OP_BROADCAST || a->op == FSC_OP_REDUCE || a->op == FSC_OP_SEND || a->op == FSC_OP_RECV;
+    int rooted = a->op == FSC_OP_BROADCAST || a->op == FSC_OP_REDUCE;
     h->root = rooted ? a->root : -1;
     h->count = a->op == FSC_OP_BARRIER ? 0 : (uint64_t)a->count;
     h->seq = seq;
     g->ranks[g->rank].cur = *h;
-    fsc_comm_header_format(h, g->op_desc, sizeof(g->op_desc));
+    g->cur_hdr = *h;
     g->deadline = fsc_comm_now() + g->timeout;
 }
 
@@ -200,60 +199,6 @@ static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     return FSC_OK;
 }
 
-static fsc_status_t p2p_mismatch(fsc_shm_group_t *g, int sender, const fsc_comm_header_t *sh, int receiver,
-                                 const fsc_comm_header_t *rh) {
-    char ds[192], dr[192];
-    fsc_comm_header_format(sh, ds, sizeof(ds));
-    fsc_comm_header_format(rh, dr, sizeof(dr));
-    return fsc_error(FSC_ERR_MISMATCH, "send/recv mismatch in group '%s': rank %d called %s but rank %d called %s",
-                     g->name, sender, ds, receiver, dr);
-}
-
-/* Synchronous send: returns once the receiver has taken every chunk (so a mismatch found by the
- * receiver is reported here too). At most two chunks are in flight. */
-static fsc_status_t run_send(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    fsc_comm_header_t h;
-    begin_op(g, a, ++g->send_seq[a->root], &h);
-    fsc_shm_chan_t *c = fsc_shm_chan(g, g->rank, a->root);
-    size_t esz = fsc_dtype_size(a->dtype), bytes = a->count * esz, per = g->p2p_chunk;
-    uint32_t base = atomic_load(&c->sent), nchunks = (uint32_t)(bytes == 0 ? 1 : (bytes + per - 1) / per);
-    c->hdr = h;
-    for (uint32_t k = 0; k < nchunks; k++) {
-        if (k >= 2) FSC_CHECK(fsc_shm_wait(g, &c->acked, &c->acked_sleepers, base + k - 1, a->root));
-        if (atomic_load(&c->err)) return p2p_mismatch(g, g->rank, &h, a->root, &c->rhdr);
-        size_t off = (size_t)k * per;
-        copy(fsc_shm_p2p_buf(g, g->rank, a->root, base + k), (const uint8_t *)a->in + off, min_sz(per, bytes - off));
-        fsc_shm_post(&c->sent, &c->sent_sleepers, base + k + 1);
-    }
-    FSC_CHECK(fsc_shm_wait(g, &c->acked, &c->acked_sleepers, base + nchunks, a->root));
-    if (atomic_load(&c->err)) return p2p_mismatch(g, g->rank, &h, a->root, &c->rhdr);
-    return FSC_OK;
-}
-
-static fsc_status_t run_recv(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    fsc_comm_header_t h;
-    begin_op(g, a, ++g->recv_seq[a->root], &h);
-    fsc_shm_chan_t *c = fsc_shm_chan(g, a->root, g->rank);
-    size_t esz = fsc_dtype_size(a->dtype), bytes = a->count * esz, per = g->p2p_chunk;
-    uint32_t base = atomic_load(&c->acked), nchunks = (uint32_t)(bytes == 0 ? 1 : (bytes + per - 1) / per);
-    FSC_CHECK(fsc_shm_wait(g, &c->sent, &c->sent_sleepers, base + 1, a->root));
-    const fsc_comm_header_t *sh = &c->hdr;
-    if (sh->op != FSC_OP_SEND || sh->count != h.count || sh->dtype != h.dtype || sh->seq != h.seq ||
-        sh->root != g->rank) {
-        c->rhdr = h;
-        atomic_store(&c->err, 1);
-        fsc_shm_post(&c->acked, &c->acked_sleepers, base + FSC_P2P_ERR_JUMP);
-        return p2p_mismatch(g, a->root, sh, g->rank, &h);
-    }
-    for (uint32_t k = 0; k < nchunks; k++) {
-        if (k > 0) FSC_CHECK(fsc_shm_wait(g, &c->sent, &c->sent_sleepers, base + k + 1, a->root));
-        size_t off = (size_t)k * per;
-        copy((uint8_t *)a->out + off, fsc_shm_p2p_buf(g, a->root, g->rank, base + k), min_sz(per, bytes - off));
-        fsc_shm_post(&c->acked, &c->acked_sleepers, base + k + 1);
-    }
-    return FSC_OK;
-}
-
 static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     switch (a->op) {
         case FSC_OP_BARRIER: return open_collective(g, a);
@@ -262,30 +207,54 @@ static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
         case FSC_OP_ALL_REDUCE:
         case FSC_OP_REDUCE: return run_all_reduce(g, a);
         case FSC_OP_BROADCAST: return run_broadcast(g, a);
-        case FSC_OP_SEND: return run_send(g, a);
-        case FSC_OP_RECV: return run_recv(g, a);
         default: break;
     }
     return fsc_error(FSC_ERR_INTERNAL, "shm: unknown op %d", (int)a->op);
 }
 
-fsc_status_t fsc_shm_run(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+fsc_status_t fsc_shm_check_usable(fsc_shm_group_t *g) {
     if (g->broken != FSC_OK) return fsc_error(g->broken, "%s", g->broken_msg);
     FSC_CHECK(fsc_shm_check_owner(g));
-    if (a->op != FSC_OP_BARRIER && a->op != FSC_OP_SEND && a->op != FSC_OP_RECV && a->count != 0 &&
-        a->dtype == FSC_NUM_DTYPES)
-        return fsc_error(FSC_ERR_INTERNAL, "shm: bad dtype");
-    if ((a->op == FSC_OP_SEND || a->op == FSC_OP_RECV || a->op == FSC_OP_BROADCAST || a->op == FSC_OP_REDUCE) &&
-        (a->root < 0 || a->root >= g->size || ((a->op == FSC_OP_SEND || a->op == FSC_OP_RECV) && a->root == g->rank)))
-        return fsc_error(FSC_ERR_VALUE, "%s on group '%s': %s %d is not a valid rank (group size %d%s)",
-                         fsc_comm_op_name(a->op), g->name,
-                         (a->op == FSC_OP_SEND || a->op == FSC_OP_RECV) ? "peer" : "root", a->root, g->size,
-                         (a->op == FSC_OP_SEND || a->op == FSC_OP_RECV) ? ", and not this rank" : "");
-    fsc_status_t st = dispatch(g, a);
-    if (st != FSC_OK && st != FSC_ERR_VALUE) {
+    return fsc_shm_check_refused(g);
+}
+
+fsc_status_t fsc_shm_fail(fsc_shm_group_t *g, fsc_status_t st) {
+    if (st != FSC_OK && st != FSC_ERR_VALUE && g->broken == FSC_OK) {
         g->broken = st;
         snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", fsc_last_error());
         FSC_WARN("shm", "%s", g->broken_msg);
     }
     return st;
+}
+
+/* Ranks and dtypes were checked by the binding layer (fsc_comm_check_call); these guard the core
+ * against a caller that skipped it. */
+static fsc_status_t check_args(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    int p2p = a->op == FSC_OP_SEND || a->op == FSC_OP_RECV;
+    if (a->op <= FSC_OP_NONE || a->op >= FSC_NUM_OPS) return fsc_error(FSC_ERR_INTERNAL, "shm: unknown op %d", a->op);
+    if (a->op != FSC_OP_BARRIER && (unsigned)a->dtype >= FSC_NUM_DTYPES)
+        return fsc_error(FSC_ERR_INTERNAL, "shm: bad dtype");
+    if ((p2p || a->op == FSC_OP_BROADCAST || a->op == FSC_OP_REDUCE) &&
+        (a->root < 0 || a->root >= g->size || (p2p && a->root == g->rank)))
+        return fsc_error(FSC_ERR_VALUE, "%s on group '%s': %s %d is not a valid rank (group size %d%s)",
+                         fsc_comm_op_name(a->op), g->name, p2p ? "peer" : "root", a->root, g->size,
+                         p2p ? ", and not this rank" : "");
+    return FSC_OK;
+}
+
+fsc_status_t fsc_shm_run_batch(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t n) {
+    FSC_CHECK(fsc_shm_check_usable(g));
+    for (size_t i = 0; i < n; i++) FSC_CHECK(check_args(g, &a[i]));
+    fsc_shm_p2p_t one, *st = &one;
+    if (n > 1 && (st = calloc(n, sizeof(*st))) == NULL)
+        return fsc_error(FSC_ERR_NOMEM, "shm: out of memory for a batch of %zu ops", n);
+    fsc_status_t s = fsc_shm_p2p_run(g, a, st, n);
+    for (size_t i = 0; i < n && s == FSC_OK; i++)
+        if (a[i].op != FSC_OP_SEND && a[i].op != FSC_OP_RECV) s = dispatch(g, &a[i]);
+    if (st != &one) free(st);
+    return fsc_shm_fail(g, s);
+}
+
+fsc_status_t fsc_shm_run(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    return fsc_shm_run_batch(g, a, 1);
 }

@@ -11,7 +11,7 @@
 
 #define FSC_SHM_LINE 128                    /* two x86 lines: adjacent-line prefetch must not cause false sharing */
 #define FSC_SHM_MAGIC 0x31306d6873637366ull /* "fscshm01" */
-#define FSC_SHM_VERSION 1u
+#define FSC_SHM_VERSION 2u
 #define FSC_SHM_MAX_RANKS 256
 
 /* Per-rank control block, written only by its rank. */
@@ -22,13 +22,19 @@ typedef struct {
     fsc_comm_header_t cur;                           /* what the rank is doing now (diagnostics) */
     _Atomic int32_t pid;
     _Atomic uint32_t attached;
+    /* Rung by a peer each time it posts on a send/recv channel towards this rank, so a rank with
+     * several point-to-point ops in flight sleeps on one futex word. */
+    _Alignas(FSC_SHM_LINE) _Atomic uint32_t bell;
+    _Atomic uint32_t bell_sleepers;
 } fsc_shm_rank_ctrl_t;
 
-/* One direction of a send/recv pair: src writes `sent` and `hdr`, dst writes `acked`. */
+/* One direction of a send/recv pair. Messages travel in chunks through two buffers; chunk j (counted
+ * over the channel's life) uses buffer j & 1 and carries its message's header in hdr[j & 1]. src
+ * writes `sent` (= chunks posted) and `hdr`, dst writes `acked` (= chunks taken). */
 typedef struct {
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t sent;
     _Atomic uint32_t sent_sleepers;
-    fsc_comm_header_t hdr;
+    fsc_comm_header_t hdr[2];
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t acked;
     _Atomic uint32_t acked_sleepers;
     _Atomic uint32_t err;   /* receiver saw a mismatching header */
@@ -47,8 +53,22 @@ typedef struct {
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t nattached;
 } fsc_shm_seg_t;
 
+/* Progress of one send or recv. */
+typedef struct {
+    const fsc_shm_args_t *a;
+    fsc_comm_header_t h;
+    uint32_t j0;      /* channel index of the message's first chunk */
+    uint32_t nchunks; /* chunks of the message (1 for an empty one) */
+    uint32_t k;       /* chunks moved so far */
+    int started, done;
+} fsc_shm_p2p_t;
+
+/* One submitted item: a single op or a batch. */
 struct fsc_shm_work {
-    fsc_shm_args_t args;
+    fsc_shm_args_t *args;
+    size_t n;
+    int p2p_only;       /* every op is a send or recv */
+    fsc_shm_p2p_t *p2p; /* n entries, used by the sends and recvs */
     _Atomic int refs;
     _Atomic int done;
     fsc_status_t st;
@@ -75,10 +95,13 @@ struct fsc_shm_group {
     uint32_t epoch;
     uint64_t coll_seq;
     uint64_t step;
-    uint64_t *send_seq, *recv_seq; /* per peer */
-    /* current op, for error messages */
-    char op_desc[192];
+    uint64_t *send_seq, *recv_seq;   /* messages per peer (header sequence numbers) */
+    uint32_t *send_next, *recv_next; /* chunks per peer: channel index of the next chunk */
+    uint8_t *send_busy, *recv_busy;  /* per peer, scratch of one progress pass */
+    /* current op, for error messages (formatted only when one is raised) */
+    fsc_comm_header_t cur_hdr;
     double deadline;
+    size_t p2p_probe; /* which in-flight send/recv the next point-to-point wait watches */
     /* set by fsc_shm_group_close when its grace period ran out: waits for peers give up */
     _Atomic int abandon;
     /* sticky failure: once an op fails every later op fails with this */
@@ -87,6 +110,7 @@ struct fsc_shm_group {
     /* progress thread (shm_queue.c) */
     int engine_started;
     int stop;
+    int inline_running; /* the calling thread is running an op itself (qmu) */
     pthread_t thread;
     pthread_mutex_t qmu;
     pthread_cond_t qcv;
@@ -112,6 +136,55 @@ static inline uint8_t *fsc_shm_p2p_buf(fsc_shm_group_t *g, int src, int dst, uin
 
 /* Publish `value` in `word` and wake its sleepers. */
 void fsc_shm_post(_Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t value);
+
+/* Ring rank `r`'s bell (after posting on a channel towards it). */
+void fsc_shm_ring(fsc_shm_group_t *g, int r);
+
+/* 1 when `word` has reached `target` (wrap-around aware). */
+static inline int fsc_shm_reached(_Atomic uint32_t *word, uint32_t target) {
+    return (int32_t)(atomic_load_explicit(word, memory_order_acquire) - target) >= 0;
+}
+
+/* How long a waiter has been waiting: spins, then yields, then futex sleeps in slices. */
+typedef struct {
+    int spins, yields;
+    double last_check; /* last peer liveness check */
+} fsc_shm_backoff_t;
+
+/* One step of waiting for `word` to change from `seen` (spin, yield or a futex slice), then the
+ * checks a sleeping waiter makes: the deadline, the group being abandoned, an interrupt of the
+ * calling thread, and (every 50 ms) whether rank `peer` is alive. FSC_OK to look again. */
+fsc_status_t fsc_shm_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, _Atomic uint32_t *word,
+                             _Atomic uint32_t *sleepers, uint32_t seen, int peer);
+
+/* g->cur_hdr formatted ("all_reduce(count=..., seq=...)"). */
+const char *fsc_shm_op_desc(fsc_shm_group_t *g, char *buf, size_t cap);
+
+/* Run the sends and recvs among `ops` (n of them, issue order) to completion, all at once: each
+ * send/recv channel moves its messages in order, the channels beside each other, so no order of
+ * issue on the ranks can deadlock. Sends complete once their data is in the shared buffers
+ * (shm_p2p.c). `st` holds one progress record per op. */
+fsc_status_t fsc_shm_p2p_run(fsc_shm_group_t *g, const fsc_shm_args_t *ops, fsc_shm_p2p_t *st, size_t n);
+
+/* One pass over `n` records (issue order): start what can start, move every chunk that can move.
+ * Sets *progressed when anything moved; *left = records not done. Errors name the op. */
+fsc_status_t fsc_shm_p2p_pass(fsc_shm_group_t *g, fsc_shm_p2p_t *const *recs, size_t n, int *progressed, size_t *left);
+
+/* Wait a little for point-to-point progress on this rank's bell (seen: its value before the pass). */
+fsc_status_t fsc_shm_p2p_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, fsc_shm_p2p_t *const *recs, size_t n,
+                                 uint32_t seen);
+
+/* A send completes before its receiver looks at it; a receiver that refused one (the header did
+ * not match) says so on the channel, and the sender fails (FSC_ERR_MISMATCH naming the recv) at its
+ * next op or while it waits in one. */
+fsc_status_t fsc_shm_check_refused(fsc_shm_group_t *g);
+
+/* Fail with the group's sticky error when it is broken, used from a fork() child, or a message it
+ * sent was refused. */
+fsc_status_t fsc_shm_check_usable(fsc_shm_group_t *g);
+
+/* Record a failure as the group's sticky error (argument errors excepted) and return it. */
+fsc_status_t fsc_shm_fail(fsc_shm_group_t *g, fsc_status_t st);
 
 /* Block until `word` has reached `target` (wrap-around aware), spinning briefly, then sleeping
  * in futex slices while checking g->deadline and whether rank `peer` is still alive. Errors

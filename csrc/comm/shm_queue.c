@@ -1,5 +1,7 @@
-/* shm_queue.c — the per-group progress thread: runs submitted ops one at a time in order, so
- * Python (which only enqueues and waits with the GIL released) keeps computing meanwhile. */
+/* shm_queue.c — the per-group progress thread: runs submitted items in order (consecutive
+ * point-to-point items together), so Python (which only enqueues and waits with the GIL released)
+ * keeps computing meanwhile; and the inline path, where a synchronous op finds the queue idle and
+ * runs on the calling thread. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,7 +38,91 @@ void fsc_shm_work_release(fsc_shm_work_t *w) {
     if (w == NULL || atomic_fetch_sub(&w->refs, 1) != 1) return;
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
+    free(w->args);
+    free(w->p2p);
     free(w);
+}
+
+/* Drop the finished head of the queue and publish its result. */
+static void pop_finished(fsc_shm_group_t *g, fsc_shm_work_t *w, fsc_status_t st) {
+    work_finish(w, st);
+    pthread_mutex_lock(&g->qmu);
+    g->qhead = w->next;
+    if (g->qhead == NULL) g->qtail = NULL;
+    pthread_mutex_unlock(&g->qmu);
+    fsc_shm_work_release(w);
+}
+
+/* Run the point-to-point items at the head of the queue together, admitting those queued behind
+ * them while they move, and finish them in queue order. Returns when none is left in flight. */
+static void run_p2p_items(fsc_shm_group_t *g) {
+    enum { CAP = 256 };
+    fsc_shm_p2p_t *recs[CAP];
+    fsc_shm_work_t *last = NULL; /* last item admitted */
+    size_t m = 0;
+    fsc_shm_backoff_t b = {0, 0, 0};
+    fsc_status_t st = fsc_shm_check_usable(g);
+    g->deadline = fsc_comm_now() + g->timeout;
+    for (;;) {
+        pthread_mutex_lock(&g->qmu);
+        fsc_shm_work_t *next = last == NULL ? g->qhead : last->next;
+        while (next != NULL && next->p2p_only && m + next->n <= CAP) {
+            for (size_t i = 0; i < next->n; i++) {
+                memset(&next->p2p[i], 0, sizeof(next->p2p[i]));
+                next->p2p[i].a = &next->args[i];
+                recs[m++] = &next->p2p[i];
+            }
+            last = next;
+            next = next->next;
+        }
+        fsc_shm_work_t *head = g->qhead;
+        pthread_mutex_unlock(&g->qmu);
+        if (st != FSC_OK) break;
+        uint32_t seen = atomic_load_explicit(&g->ranks[g->rank].bell, memory_order_acquire);
+        int progressed = 0;
+        size_t left = 0;
+        st = fsc_shm_p2p_pass(g, recs, m, &progressed, &left);
+        if (st != FSC_OK) break;
+        /* finish the items at the front whose ops are all done, in queue order */
+        size_t drop = 0;
+        while (head != NULL && drop < m) {
+            size_t k = 0;
+            while (k < head->n && recs[drop + k]->done) k++;
+            if (k < head->n) break;
+            fsc_shm_work_t *next_head = head->next;
+            drop += head->n;
+            if (head == last) last = NULL, next_head = NULL;
+            pop_finished(g, head, FSC_OK);
+            head = next_head;
+        }
+        if (drop) {
+            memmove(recs, recs + drop, (m - drop) * sizeof(*recs));
+            m -= drop;
+        }
+        if (m == 0) {
+            pthread_mutex_lock(&g->qmu);
+            int more = g->qhead != NULL && g->qhead->p2p_only;
+            pthread_mutex_unlock(&g->qmu);
+            if (!more) return;
+            continue;
+        }
+        if (progressed || drop) {
+            memset(&b, 0, sizeof(b));
+            g->deadline = fsc_comm_now() + g->timeout;
+            continue;
+        }
+        st = fsc_shm_p2p_backoff(g, &b, recs, m, seen);
+    }
+    /* a failure breaks the group: every admitted item fails with it */
+    st = fsc_shm_fail(g, st);
+    while (last != NULL) {
+        pthread_mutex_lock(&g->qmu);
+        fsc_shm_work_t *head = g->qhead;
+        pthread_mutex_unlock(&g->qmu);
+        int was_last = head == last;
+        pop_finished(g, head, st);
+        if (was_last) break;
+    }
 }
 
 static void *progress_main(void *arg) {
@@ -45,15 +131,16 @@ static void *progress_main(void *arg) {
     fsc_log_set_rank(g->rank);
     pthread_mutex_lock(&g->qmu);
     for (;;) {
-        while (g->qhead == NULL && !g->stop) pthread_cond_wait(&g->qcv, &g->qmu);
+        while ((g->qhead == NULL || g->inline_running) && !g->stop) pthread_cond_wait(&g->qcv, &g->qmu);
+        while (g->inline_running) pthread_cond_wait(&g->qcv, &g->qmu); /* stopping: let it finish */
         fsc_shm_work_t *w = g->qhead;
         if (w == NULL) break; /* stop requested and queue drained */
         pthread_mutex_unlock(&g->qmu);
-        work_finish(w, fsc_shm_run(g, &w->args));
+        if (w->p2p_only)
+            run_p2p_items(g);
+        else
+            pop_finished(g, w, fsc_shm_run_batch(g, w->args, w->n));
         pthread_mutex_lock(&g->qmu);
-        g->qhead = w->next;
-        if (g->qhead == NULL) g->qtail = NULL;
-        fsc_shm_work_release(w);
     }
     pthread_mutex_unlock(&g->qmu);
     return NULL;
@@ -77,7 +164,7 @@ void fsc_shm_engine_stop(fsc_shm_group_t *g, double grace_s) {
     }
     pthread_mutex_lock(&g->qmu);
     g->stop = 1;
-    pthread_cond_signal(&g->qcv);
+    pthread_cond_broadcast(&g->qcv);
     pthread_mutex_unlock(&g->qmu);
     if (grace_s >= 0) {
         struct timespec abs = realtime_after(grace_s);
@@ -95,13 +182,29 @@ joined:
     g->engine_started = 0;
 }
 
-fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, fsc_shm_work_t **out) {
+static int all_p2p(const fsc_shm_args_t *a, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (a[i].op != FSC_OP_SEND && a[i].op != FSC_OP_RECV) return 0;
+    return 1;
+}
+
+fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t n, fsc_shm_work_t **out) {
     *out = NULL;
     FSC_CHECK(fsc_shm_check_owner(g));
     if (!g->engine_started) return fsc_error(FSC_ERR_INTERNAL, "shm group '%s': progress thread not started", g->name);
+    if (n == 0 || n > 256) return fsc_error(FSC_ERR_VALUE, "shm: a batch holds 1 to 256 ops, got %zu", n);
     fsc_shm_work_t *w = calloc(1, sizeof(*w));
-    if (w == NULL) return fsc_error(FSC_ERR_NOMEM, "shm: out of memory queueing %s", fsc_comm_op_name(a->op));
-    w->args = *a;
+    if (w != NULL) {
+        w->args = malloc(n * sizeof(*a));
+        w->p2p = calloc(n, sizeof(*w->p2p));
+    }
+    if (w == NULL || w->args == NULL || w->p2p == NULL) {
+        if (w != NULL) free(w->args), free(w->p2p), free(w);
+        return fsc_error(FSC_ERR_NOMEM, "shm: out of memory queueing %s", fsc_comm_op_name(a->op));
+    }
+    memcpy(w->args, a, n * sizeof(*a));
+    w->n = n;
+    w->p2p_only = all_p2p(a, n);
     atomic_store(&w->refs, 2); /* caller + queue */
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
@@ -117,6 +220,30 @@ fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, fsc_shm
     return FSC_OK;
 }
 
+fsc_status_t fsc_shm_try_inline(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t n, int *ran) {
+    *ran = 0;
+    FSC_CHECK(fsc_shm_check_owner(g));
+    if (g->engine_started) {
+        pthread_mutex_lock(&g->qmu);
+        int idle = g->qhead == NULL && !g->inline_running && !g->stop;
+        if (idle) g->inline_running = 1;
+        pthread_mutex_unlock(&g->qmu);
+        if (!idle) return FSC_OK;
+    }
+    *ran = 1;
+    fsc_status_t st = fsc_shm_run_batch(g, a, n);
+    if (g->engine_started) {
+        char msg[1024]; /* the unlock below must not lose the message of a failed op */
+        if (st != FSC_OK) snprintf(msg, sizeof(msg), "%s", fsc_last_error());
+        pthread_mutex_lock(&g->qmu);
+        g->inline_running = 0;
+        pthread_cond_broadcast(&g->qcv);
+        pthread_mutex_unlock(&g->qmu);
+        if (st != FSC_OK) fsc_error(st, "%s", msg);
+    }
+    return st;
+}
+
 int fsc_shm_work_done(fsc_shm_work_t *w) {
     return atomic_load_explicit(&w->done, memory_order_acquire);
 }
@@ -130,7 +257,7 @@ fsc_status_t fsc_shm_work_wait(fsc_shm_work_t *w, double timeout_s) {
         } else if (pthread_cond_timedwait(&w->cv, &w->mu, &abs) == ETIMEDOUT && !atomic_load(&w->done)) {
             pthread_mutex_unlock(&w->mu);
             return fsc_error(FSC_ERR_TIMEOUT, "Work.wait: %s did not complete within %g s (it is still running)",
-                             fsc_comm_op_name(w->args.op), timeout_s);
+                             w->n > 1 ? "batch" : fsc_comm_op_name(w->args[0].op), timeout_s);
         }
     }
     fsc_status_t st = w->st;

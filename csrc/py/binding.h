@@ -8,6 +8,7 @@
 
 #include "base/status.h"
 #include "base/tensor.h"
+#include "comm/comm.h"
 
 /* Per-module state (PEP 489). Each subsystem's exec function fills its own fields. */
 typedef struct {
@@ -16,6 +17,11 @@ typedef struct {
     PyTypeObject *GroupType;    /* _C.ShmGroup (collective engine, shm backend) */
     PyTypeObject *WorkType;     /* _C.Work (async collective handle) */
     PyTypeObject *NcclCommType; /* _C.NcclComm (collective engine, nccl backend) */
+    /* DLPack C exchange API of the tensor type that has one (torch.Tensor), found at first use */
+    PyObject *xtype;    /* that type */
+    PyObject *xcapsule; /* its __dlpack_c_exchange_api__ capsule (keeps the API alive) */
+    const void *xapi;   /* const DLPackExchangeAPI * */
+    PyObject *xnone;    /* the last type found without one (probed once, not every call) */
 } fsc_module_state;
 
 extern PyModuleDef fsc_module_def;
@@ -42,6 +48,50 @@ PyObject *fsc_py_raise(PyObject *module, fsc_status_t st);
  * exception naming `argname` (TypeError, ValueError or BufferError) and returns -1. */
 int fsc_py_import(PyObject *module, PyObject *obj, const char *argname, int flags, intptr_t cuda_stream,
                   fsc_tensor_t *out, PyObject **owner);
+
+/* ---- shared argument parsing (args.c) ---- */
+
+/* "O&" converter for a stream argument: a non-negative int (a cudaStream_t; 0 = legacy default),
+ * stored as uintptr_t. */
+int fsc_py_stream_converter(PyObject *obj, void *out);
+
+/* Parse "sum" | "avg" | "max" | "min"; ValueError naming the accepted values otherwise. */
+int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op);
+
+#define FSC_PY_CALLS_INLINE 2
+
+/* The imported arguments of one call or a batch of calls: the engine's call descriptions, the
+ * tensor views they point at, and the references that keep the tensors' memory alive. */
+typedef struct {
+    fsc_comm_call_t *calls;
+    size_t ncalls, cap_calls;
+    fsc_tensor_t *tensors;
+    PyObject **owners; /* one per imported tensor */
+    size_t ntensors, cap_tensors;
+    fsc_comm_call_t calls_inline[FSC_PY_CALLS_INLINE];
+    fsc_tensor_t tensors_inline[2 * FSC_PY_CALLS_INLINE];
+    PyObject *owners_inline[2 * FSC_PY_CALLS_INLINE];
+} fsc_py_calls_t;
+
+/* Room for `ncalls` calls (two tensors each). -1 with MemoryError set on failure. */
+int fsc_py_calls_init(fsc_py_calls_t *c, size_t ncalls);
+
+/* Drop the owners and free what fsc_py_calls_init allocated. Idempotent. */
+void fsc_py_calls_clear(fsc_py_calls_t *c);
+
+/* Import `obj` (fsc_py_import with `flags`) into the next tensor slot of `c`; *out points at it. */
+int fsc_py_import_arg(fsc_py_calls_t *c, PyObject *module, PyObject *obj, const char *argname, int flags,
+                      intptr_t stream, fsc_tensor_t **out);
+
+/* The owners as a new tuple (they move into it; `c` keeps none). NULL with an exception set. */
+PyObject *fsc_py_calls_owners(fsc_py_calls_t *c);
+
+/* Parse `ops`, a sequence of 1..max tuples (name, *args) as the single-op methods take their
+ * arguments: ("all_gather", output, input), ("reduce_scatter", output, input, op),
+ * ("all_reduce", tensor, op), ("broadcast", tensor, root), ("reduce", tensor, op, root),
+ * ("send", tensor, peer), ("recv", tensor, peer). Tensors are imported with `flags` (plus
+ * FSC_IMPORT_WRITABLE for written ones). Initialises `c`; on failure it is cleared. */
+int fsc_py_parse_calls(fsc_py_calls_t *c, PyObject *module, PyObject *ops, size_t max, int flags, intptr_t stream);
 
 /* Subsystem hooks called from the module's exec slot, in this order. Each adds its
  * functions/types to `module`, fills its state fields, and returns 0 or -1 with an

@@ -3,6 +3,8 @@
  * waits release the GIL and wake up periodically to honour Ctrl-C. */
 #include "binding.h"
 
+#include <string.h>
+
 #include "comm/comm.h"
 #include "comm/shm.h"
 
@@ -224,28 +226,31 @@ static PyObject *Group_get_closed(GroupObject *self, void *Py_UNUSED(c)) {
 
 /* ---------------------------------------------------------------- ops */
 
-/* Imported arguments of one op. */
-typedef struct {
-    fsc_tensor_t t[2];
-    PyObject *owner[2];
-    int n;
-} op_views;
-
-static void views_clear(op_views *v) {
-    for (int i = 0; i < v->n; i++) Py_CLEAR(v->owner[i]);
-    v->n = 0;
-}
-
-static int import_arg(GroupObject *self, op_views *v, PyObject *obj, const char *argname, int writable) {
-    int flags = FSC_IMPORT_CONTIGUOUS | FSC_IMPORT_CPU_ONLY | (writable ? FSC_IMPORT_WRITABLE : 0);
-    if (fsc_py_import(module_of((PyObject *)self), obj, argname, flags, 0, &v->t[v->n], &v->owner[v->n]) < 0) return -1;
-    v->n++;
-    return 0;
-}
-
-static int value_error(GroupObject *self, fsc_status_t st) {
-    fsc_py_raise(module_of((PyObject *)self), st);
-    return -1;
+/* The engine's arguments for a checked call. */
+static fsc_shm_args_t shm_args(const fsc_comm_call_t *c) {
+    fsc_shm_args_t a = {c->op, c->redop, -1, FSC_FLOAT32, 0, NULL, NULL};
+    if (c->op == FSC_OP_BARRIER) return a;
+    const fsc_tensor_t *t = c->tensor;
+    a.dtype = t->dtype;
+    switch (c->op) {
+        case FSC_OP_ALL_GATHER:
+            a.count = (size_t)c->input->numel;
+            a.in = c->input->data;
+            a.out = t->data;
+            break;
+        case FSC_OP_REDUCE_SCATTER:
+            a.count = (size_t)t->numel;
+            a.in = c->input->data;
+            a.out = t->data;
+            break;
+        default:
+            a.root = c->peer;
+            a.count = (size_t)t->numel;
+            a.in = t->data;
+            a.out = t->data;
+            break;
+    }
+    return a;
 }
 
 /* Drop finished Works from the front of the pending list (they complete in order). */
@@ -255,26 +260,31 @@ static int prune_pending(GroupObject *self) {
     return k ? PyList_SetSlice(self->pending, 0, k, NULL) : 0;
 }
 
-/* Queue `a`; the Work keeps the views' owners. Sync: wait here and return None. */
-static PyObject *submit(GroupObject *self, const fsc_shm_args_t *a, op_views *v, int async_op) {
+/* The interrupt check of an op running on the calling thread (GIL released): take the GIL for a
+ * moment and run Python's signal handlers. Nonzero when one raised (Ctrl-C); the exception then
+ * waits in this thread's state until the op returns. */
+static int interrupted(void *arg) {
+    (void)arg;
+    PyGILState_STATE gs = PyGILState_Ensure();
+    int raised = PyErr_CheckSignals() < 0;
+    PyGILState_Release(gs);
+    return raised;
+}
+
+/* Queue `args` for the progress thread; the Work keeps the tensors' owners. */
+static PyObject *queue(GroupObject *self, const fsc_shm_args_t *args, size_t n, fsc_py_calls_t *c, int async_op) {
     PyObject *module = module_of((PyObject *)self);
     fsc_module_state *state = fsc_py_state(module);
-    if (prune_pending(self) < 0) goto fail;
     WorkObject *w = PyObject_New(WorkObject, state->WorkType);
-    if (w == NULL) goto fail;
+    if (w == NULL) return NULL;
     w->work = NULL;
     w->module = Py_NewRef(module);
-    w->owners = PyTuple_New(v->n);
+    w->owners = fsc_py_calls_owners(c);
     if (w->owners == NULL) {
         Py_DECREF(w);
-        goto fail;
+        return NULL;
     }
-    for (int i = 0; i < v->n; i++) {
-        PyTuple_SET_ITEM(w->owners, i, v->owner[i]); /* steals */
-        v->owner[i] = NULL;
-    }
-    v->n = 0;
-    fsc_status_t st = fsc_shm_submit(self->g, a, &w->work);
+    fsc_status_t st = fsc_shm_submit(self->g, args, n, &w->work);
     if (st != FSC_OK) {
         Py_DECREF(w);
         return fsc_py_raise(module, st);
@@ -299,135 +309,94 @@ static PyObject *submit(GroupObject *self, const fsc_shm_args_t *a, op_views *v,
     }
     Py_DECREF(w);
     Py_RETURN_NONE;
-fail:
-    views_clear(v);
-    return NULL;
 }
 
-static int parse_redop(GroupObject *self, const char *name, fsc_reduce_op_t *out) {
-    fsc_status_t st = fsc_reduce_op_parse(name, out);
-    return st == FSC_OK ? 0 : value_error(self, st);
-}
-
-static int check_rank_arg(GroupObject *self, const char *opname, const char *argname, int r, int allow_self) {
-    int size = fsc_shm_group_size(self->g), me = fsc_shm_group_rank(self->g);
-    if (r < 0 || r >= size || (!allow_self && r == me)) {
-        PyErr_Format(PyExc_ValueError, "%s: %s=%d is not a valid group rank (expected 0 <= %s < %d%s)", opname, argname,
-                     r, argname, size, allow_self ? "" : " and not this rank");
-        return -1;
+/* Check the calls (the engine's rules, one C function for every backend), then run them: a
+ * synchronous op on this thread when nothing is queued (no hand-off), else through the queue.
+ * Consumes `c`. */
+static PyObject *run_calls(GroupObject *self, fsc_py_calls_t *c, int async_op) {
+    PyObject *module = module_of((PyObject *)self), *result = NULL;
+    int rank = fsc_shm_group_rank(self->g), size = fsc_shm_group_size(self->g);
+    size_t n = c->ncalls;
+    fsc_shm_args_t stack[FSC_PY_CALLS_INLINE], *args = stack;
+    fsc_status_t st = n == 1 ? fsc_comm_check_call(&c->calls[0], rank, size, FSC_DEV_CPU, -1)
+                             : fsc_comm_check_batch(c->calls, n, rank, size, FSC_DEV_CPU, -1);
+    if (st != FSC_OK) {
+        fsc_py_raise(module, st);
+        goto exit;
     }
-    return 0;
+    if (n > FSC_PY_CALLS_INLINE && (args = PyMem_Malloc(n * sizeof(*args))) == NULL) {
+        PyErr_NoMemory();
+        goto exit;
+    }
+    for (size_t i = 0; i < n; i++) args[i] = shm_args(&c->calls[i]);
+    if (prune_pending(self) < 0) goto exit;
+    if (!async_op) {
+        int ran = 0;
+        Py_BEGIN_ALLOW_THREADS
+        fsc_shm_set_interrupt_check(interrupted, NULL);
+        st = fsc_shm_try_inline(self->g, args, n, &ran);
+        fsc_shm_set_interrupt_check(NULL, NULL);
+        Py_END_ALLOW_THREADS
+        if (st != FSC_OK) {
+            if (!PyErr_Occurred()) fsc_py_raise(module, st); /* else: KeyboardInterrupt from a handler */
+            goto exit;
+        }
+        if (ran) {
+            result = Py_NewRef(Py_None);
+            goto exit;
+        }
+    }
+    result = queue(self, args, n, c, async_op);
+exit:
+    if (args != stack) PyMem_Free(args);
+    fsc_py_calls_clear(c);
+    return result;
 }
 
-static int same_dtype(GroupObject *self, const char *opname, const fsc_tensor_t *out, const fsc_tensor_t *in) {
-    if (out->dtype == in->dtype) return 0;
-    return value_error(self, fsc_error(FSC_ERR_VALUE,
-                                       "%s: output has dtype %s but input has dtype %s; expected the "
-                                       "same dtype",
-                                       opname, fsc_dtype_name(out->dtype), fsc_dtype_name(in->dtype)));
+/* One call with up to two tensors (CPU memory; `tensor` is written unless it is a send). */
+static PyObject *one_call(GroupObject *self, fsc_comm_op_t op, PyObject *tensor, PyObject *input, int peer,
+                          const char *redop, int async_op) {
+    if (check_open(self) < 0) return NULL;
+    PyObject *module = module_of((PyObject *)self);
+    fsc_py_calls_t c;
+    fsc_py_calls_init(&c, 1); /* inline storage: cannot fail */
+    fsc_comm_call_t *call = &c.calls[0];
+    memset(call, 0, sizeof(*call));
+    call->op = op;
+    call->peer = peer;
+    c.ncalls = 1;
+    if (redop != NULL && fsc_py_parse_redop(module, redop, &call->redop) < 0) goto fail;
+    int two = input != NULL;
+    if (tensor != NULL &&
+        fsc_py_import_arg(&c, module, tensor, two ? "output" : "tensor",
+                          FSC_IMPORT_CPU_ONLY | (op != FSC_OP_SEND ? FSC_IMPORT_WRITABLE : 0), 0, &call->tensor) < 0)
+        goto fail;
+    fsc_tensor_t *in = NULL;
+    if (two && fsc_py_import_arg(&c, module, input, "input", FSC_IMPORT_CPU_ONLY, 0, &in) < 0) goto fail;
+    call->input = in;
+    return run_calls(self, &c, async_op);
+fail:
+    fsc_py_calls_clear(&c);
+    return NULL;
 }
 
 static PyObject *Group_all_gather(GroupObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"output", "input", "async_op", NULL};
-    PyObject *out_obj, *in_obj;
+    PyObject *out, *in;
     int async_op = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|p:all_gather", kwlist, &out_obj, &in_obj, &async_op)) return NULL;
-    if (check_open(self) < 0) return NULL;
-    op_views v = {.n = 0};
-    if (import_arg(self, &v, out_obj, "output", 1) < 0 || import_arg(self, &v, in_obj, "input", 0) < 0) goto fail;
-    fsc_tensor_t *o = &v.t[0], *i = &v.t[1];
-    int size = fsc_shm_group_size(self->g);
-    if (same_dtype(self, "all_gather", o, i) < 0) goto fail;
-    if (fsc_comm_check_dtype(i->dtype, -1, "all_gather", "input") != FSC_OK) {
-        value_error(self, FSC_ERR_VALUE);
-        goto fail;
-    }
-    if (o->numel != (int64_t)size * i->numel) {
-        PyErr_Format(PyExc_ValueError,
-                     "all_gather: output has %lld elements; expected group size (%d) x input "
-                     "elements (%lld) = %lld",
-                     (long long)o->numel, size, (long long)i->numel, (long long)size * (long long)i->numel);
-        goto fail;
-    }
-    {
-        /* In place is allowed only as this rank's block of the output; any other overlap would be
-         * overwritten while it is still being read. */
-        const uint8_t *ib = i->data, *ob = o->data;
-        size_t inb = fsc_tensor_nbytes(i), onb = fsc_tensor_nbytes(o);
-        const uint8_t *own = ob + (size_t)fsc_shm_group_rank(self->g) * inb;
-        if (inb > 0 && ib < ob + onb && ob < ib + inb && ib != own) {
-            PyErr_Format(PyExc_ValueError,
-                         "all_gather: input overlaps output but is not this rank's block of it; for an "
-                         "in-place all_gather pass input = output[rank * n:(rank + 1) * n] (rank %d)",
-                         fsc_shm_group_rank(self->g));
-            goto fail;
-        }
-    }
-    fsc_shm_args_t a = {FSC_OP_ALL_GATHER, FSC_RED_SUM, -1, i->dtype, (size_t)i->numel, i->data, o->data};
-    return submit(self, &a, &v, async_op);
-fail:
-    views_clear(&v);
-    return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|p:all_gather", kwlist, &out, &in, &async_op)) return NULL;
+    return one_call(self, FSC_OP_ALL_GATHER, out, in, -1, NULL, async_op);
 }
 
 static PyObject *Group_reduce_scatter(GroupObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"output", "input", "op", "async_op", NULL};
-    PyObject *out_obj, *in_obj;
-    const char *opname = "sum";
+    PyObject *out, *in;
+    const char *op = "sum";
     int async_op = 0;
-    fsc_reduce_op_t rop;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|sp:reduce_scatter", kwlist, &out_obj, &in_obj, &opname, &async_op))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|sp:reduce_scatter", kwlist, &out, &in, &op, &async_op))
         return NULL;
-    if (check_open(self) < 0 || parse_redop(self, opname, &rop) < 0) return NULL;
-    op_views v = {.n = 0};
-    if (import_arg(self, &v, out_obj, "output", 1) < 0 || import_arg(self, &v, in_obj, "input", 0) < 0) goto fail;
-    fsc_tensor_t *o = &v.t[0], *i = &v.t[1];
-    int size = fsc_shm_group_size(self->g);
-    if (same_dtype(self, "reduce_scatter", o, i) < 0) goto fail;
-    if (fsc_comm_check_dtype(i->dtype, (int)rop, "reduce_scatter", "input") != FSC_OK) {
-        value_error(self, FSC_ERR_VALUE);
-        goto fail;
-    }
-    if (i->numel != (int64_t)size * o->numel) {
-        PyErr_Format(PyExc_ValueError,
-                     "reduce_scatter: input has %lld elements; expected group size (%d) x output "
-                     "elements (%lld) = %lld",
-                     (long long)i->numel, size, (long long)o->numel, (long long)size * (long long)o->numel);
-        goto fail;
-    }
-    fsc_shm_args_t a = {FSC_OP_REDUCE_SCATTER, rop, -1, i->dtype, (size_t)o->numel, i->data, o->data};
-    return submit(self, &a, &v, async_op);
-fail:
-    views_clear(&v);
-    return NULL;
-}
-
-/* all_reduce, broadcast, reduce, send, recv: one tensor, optional root/peer and reduce op. */
-static PyObject *one_tensor_op(GroupObject *self, fsc_comm_op_t op, PyObject *tensor, int root, const char *opname,
-                               int async_op) {
-    const char *name = fsc_comm_op_name(op);
-    fsc_reduce_op_t rop = FSC_RED_SUM;
-    int reduces = op == FSC_OP_ALL_REDUCE || op == FSC_OP_REDUCE;
-    if (check_open(self) < 0 || (reduces && parse_redop(self, opname, &rop) < 0)) return NULL;
-    if (op == FSC_OP_BROADCAST || op == FSC_OP_REDUCE) {
-        if (check_rank_arg(self, name, "root", root, 1) < 0) return NULL;
-    } else if (op == FSC_OP_SEND) {
-        if (check_rank_arg(self, name, "dst", root, 0) < 0) return NULL;
-    } else if (op == FSC_OP_RECV) {
-        if (check_rank_arg(self, name, "src", root, 0) < 0) return NULL;
-    }
-    op_views v = {.n = 0};
-    if (import_arg(self, &v, tensor, "tensor", op != FSC_OP_SEND) < 0) goto fail;
-    fsc_tensor_t *t = &v.t[0];
-    if (fsc_comm_check_dtype(t->dtype, reduces ? (int)rop : -1, name, "tensor") != FSC_OK) {
-        value_error(self, FSC_ERR_VALUE);
-        goto fail;
-    }
-    fsc_shm_args_t a = {op, rop, root, t->dtype, (size_t)t->numel, t->data, t->data};
-    return submit(self, &a, &v, async_op);
-fail:
-    views_clear(&v);
-    return NULL;
+    return one_call(self, FSC_OP_REDUCE_SCATTER, out, in, -1, op, async_op);
 }
 
 static PyObject *Group_all_reduce(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -436,7 +405,7 @@ static PyObject *Group_all_reduce(GroupObject *self, PyObject *args, PyObject *k
     const char *op = "sum";
     int async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|sp:all_reduce", kwlist, &t, &op, &async_op)) return NULL;
-    return one_tensor_op(self, FSC_OP_ALL_REDUCE, t, -1, op, async_op);
+    return one_call(self, FSC_OP_ALL_REDUCE, t, NULL, -1, op, async_op);
 }
 
 static PyObject *Group_broadcast(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -444,7 +413,7 @@ static PyObject *Group_broadcast(GroupObject *self, PyObject *args, PyObject *kw
     PyObject *t;
     int root = 0, async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|p:broadcast", kwlist, &t, &root, &async_op)) return NULL;
-    return one_tensor_op(self, FSC_OP_BROADCAST, t, root, NULL, async_op);
+    return one_call(self, FSC_OP_BROADCAST, t, NULL, root, NULL, async_op);
 }
 
 static PyObject *Group_reduce(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -453,7 +422,7 @@ static PyObject *Group_reduce(GroupObject *self, PyObject *args, PyObject *kwds)
     const char *op = "sum";
     int root = 0, async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|sp:reduce", kwlist, &t, &root, &op, &async_op)) return NULL;
-    return one_tensor_op(self, FSC_OP_REDUCE, t, root, op, async_op);
+    return one_call(self, FSC_OP_REDUCE, t, NULL, root, op, async_op);
 }
 
 static PyObject *Group_send(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -461,7 +430,7 @@ static PyObject *Group_send(GroupObject *self, PyObject *args, PyObject *kwds) {
     PyObject *t;
     int peer = 0, async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|p:send", kwlist, &t, &peer, &async_op)) return NULL;
-    return one_tensor_op(self, FSC_OP_SEND, t, peer, NULL, async_op);
+    return one_call(self, FSC_OP_SEND, t, NULL, peer, NULL, async_op);
 }
 
 static PyObject *Group_recv(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -469,17 +438,25 @@ static PyObject *Group_recv(GroupObject *self, PyObject *args, PyObject *kwds) {
     PyObject *t;
     int peer = 0, async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|p:recv", kwlist, &t, &peer, &async_op)) return NULL;
-    return one_tensor_op(self, FSC_OP_RECV, t, peer, NULL, async_op);
+    return one_call(self, FSC_OP_RECV, t, NULL, peer, NULL, async_op);
 }
 
 static PyObject *Group_barrier(GroupObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"async_op", NULL};
     int async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p:barrier", kwlist, &async_op)) return NULL;
+    return one_call(self, FSC_OP_BARRIER, NULL, NULL, -1, NULL, async_op);
+}
+
+static PyObject *Group_batch(GroupObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ops", "async_op", NULL};
+    PyObject *ops;
+    int async_op = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:batch", kwlist, &ops, &async_op)) return NULL;
     if (check_open(self) < 0) return NULL;
-    op_views v = {.n = 0};
-    fsc_shm_args_t a = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL};
-    return submit(self, &a, &v, async_op);
+    fsc_py_calls_t c;
+    if (fsc_py_parse_calls(&c, module_of((PyObject *)self), ops, 256, FSC_IMPORT_CPU_ONLY, 0) < 0) return NULL;
+    return run_calls(self, &c, async_op);
 }
 
 #define KW_METHOD(name, doc) \
@@ -502,6 +479,10 @@ static PyMethodDef Group_methods[] = {
     KW_METHOD(send, "send(tensor, dst, async_op=False): returns when dst has received it."),
     KW_METHOD(recv, "recv(tensor, src, async_op=False)."),
     KW_METHOD(barrier, "barrier(async_op=False)."),
+    KW_METHOD(batch,
+              "batch(ops, async_op=False): run the ops together, each a tuple (name, *args) as the single-op "
+              "methods take them, e.g. ('send', t, dst), ('recv', t, src), ('all_reduce', t, 'sum'). Sends "
+              "and recvs move at once (no order of issue can deadlock), then collectives in list order."),
     {NULL, NULL, 0, NULL},
 };
 

@@ -257,14 +257,67 @@ static int device_is_cuda(PyObject *obj, const char *argname, int *is_cuda) {
     return 0;
 }
 
+/* The exchange API of `type` (DLPack >= 1.2, `__dlpack_c_exchange_api__`), or NULL. Found once per
+ * process for the type that has it (and its subclasses, e.g. nn.Parameter); a type without it is
+ * remembered so that the probe is not repeated for every call. */
+static const DLPackExchangeAPI *exchange_api_of(fsc_module_state *st, PyTypeObject *type) {
+    if (st->xtype != NULL && (type == (PyTypeObject *)st->xtype || PyType_IsSubtype(type, (PyTypeObject *)st->xtype)))
+        return st->xapi;
+    if (st->xtype != NULL || type == (PyTypeObject *)st->xnone) return NULL;
+    PyObject *cap = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
+    const DLPackExchangeAPI *api = NULL;
+    if (cap != NULL && PyCapsule_IsValid(cap, "dlpack_exchange_api"))
+        api = PyCapsule_GetPointer(cap, "dlpack_exchange_api");
+    PyErr_Clear();
+    if (api == NULL || api->header.version.major != 1 || api->header.version.minor < 2 ||
+        api->dltensor_from_py_object_no_sync == NULL) {
+        Py_XDECREF(cap);
+        Py_XSETREF(st->xnone, Py_NewRef((PyObject *)type));
+        return NULL;
+    }
+    st->xtype = Py_NewRef((PyObject *)type);
+    st->xcapsule = cap;
+    st->xapi = api;
+    return api;
+}
+
+/* A host tensor of a producer with an exchange API (torch): a non-owning view, no capsule, no
+ * Python-level __dlpack__ call (a tenth of the cost); the owner is the tensor itself. Returns 1
+ * when it handled `obj` (*rc: 0, or -1 with an exception set), 0 to take the __dlpack__ path (no
+ * API, or device memory, whose producer must first order its work before the consumer's stream). */
+static int import_exchange(PyObject *module, PyObject *obj, const char *argname, int flags, fsc_tensor_t *out,
+                           PyObject **owner, int *rc) {
+    const DLPackExchangeAPI *api = exchange_api_of(fsc_py_state(module), Py_TYPE(obj));
+    if (api == NULL) return 0;
+    *rc = -1;
+    if (check_requires_grad(obj, argname) < 0) return 1;
+    DLTensor t;
+    if (api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_Format(PyExc_BufferError, "argument '%s': cannot export through DLPack: %S", argname,
+                     value ? value : Py_None);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return 1;
+    }
+    if (t.device.device_type != kDLCPU) return 0; /* device memory: let __dlpack__(stream=) order it */
+    if (view_from_dl(&t, 0, argname, flags, out) < 0) return 1;
+    *owner = Py_NewRef(obj);
+    *rc = 0;
+    return 1;
+}
+
 int fsc_py_import(PyObject *module, PyObject *obj, const char *argname, int flags, intptr_t cuda_stream,
                   fsc_tensor_t *out, PyObject **owner) {
-    (void)module;
     *owner = NULL;
     if (PyCapsule_CheckExact(obj)) {
         *owner = consume_capsule(obj, argname, flags, out);
         return *owner == NULL ? -1 : 0;
     }
+    int rc;
+    if (module != NULL && import_exchange(module, obj, argname, flags, out, owner, &rc)) return rc;
     if (!PyObject_HasAttrString(obj, "__dlpack__")) {
         PyErr_Format(PyExc_TypeError,
                      "argument '%s': expected an object supporting the DLPack protocol (__dlpack__), e.g. a "

@@ -9,22 +9,6 @@
 
 /* ---- argument helpers ----------------------------------------------------------------------- */
 
-/* "O&" converter for a stream argument: a non-negative int (a cudaStream_t; 0 = legacy default). */
-static int stream_converter(PyObject *obj, void *out) {
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "argument 'stream': expected an int (a cudaStream_t), got %s",
-                     Py_TYPE(obj)->tp_name);
-        return 0;
-    }
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_ValueError, "argument 'stream': expected a non-negative int (a cudaStream_t)");
-        return 0;
-    }
-    *(fsc_stream_t *)out = (fsc_stream_t)v;
-    return 1;
-}
-
 /* The views of one call's tensor arguments and the references that keep their memory alive. */
 typedef struct {
     PyObject *owners[4];
@@ -101,8 +85,8 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args, PyObject *kwargs
     imports_t im = {{0}, 0};
     fsc_tensor_t dst, src;
     fsc_status_t st;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:cuda_cast", kwlist, &dst_obj, &src_obj, stream_converter,
-                                     &stream))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:cuda_cast", kwlist, &dst_obj, &src_obj,
+                                     fsc_py_stream_converter, &stream))
         return NULL;
     if (import_arg(&im, module, dst_obj, "dst", 1, 0, stream, &dst) < 0 ||
         import_arg(&im, module, src_obj, "src", 0, 0, stream, &src) < 0)
@@ -124,7 +108,7 @@ static PyObject *unscale(PyObject *module, PyObject *args, PyObject *kwargs, int
     fsc_tensor_t buf, fi;
     fsc_status_t st;
     int ok = cuda ? PyArg_ParseTupleAndKeywords(args, kwargs, "OfOO&:cuda_unscale_inf_check", kwlist_cuda, &buf_obj,
-                                                &inv_scale, &fi_obj, stream_converter, &stream)
+                                                &inv_scale, &fi_obj, fsc_py_stream_converter, &stream)
                   : PyArg_ParseTupleAndKeywords(args, kwargs, "OfO:cpu_unscale_inf_check", kwlist_cpu, &buf_obj,
                                                 &inv_scale, &fi_obj);
     if (!ok) return NULL;
@@ -155,7 +139,7 @@ static PyObject *py_cuda_sq_norm(PyObject *module, PyObject *args, PyObject *kwa
     fsc_tensor_t out, x, ws;
     fsc_status_t st;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO&|p:cuda_sq_norm", kwlist, &out_obj, &x_obj, &ws_obj,
-                                     stream_converter, &stream, &absmax))
+                                     fsc_py_stream_converter, &stream, &absmax))
         return NULL;
     if (import_arg(&im, module, out_obj, "out", 1, 0, stream, &out) < 0 ||
         import_arg(&im, module, x_obj, "x", 0, 0, stream, &x) < 0 ||
@@ -202,7 +186,8 @@ static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int c
     static const char *names[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, cuda ? "OOOOdddddLO&:cuda_adamw_step" : "OOOOdddddL:cpu_adamw_step",
                                      cuda ? kwlist_cuda : kwlist_cpu, &objs[0], &objs[1], &objs[2], &objs[3], &hp.lr,
-                                     &hp.beta1, &hp.beta2, &hp.eps, &hp.weight_decay, &step, stream_converter, &stream))
+                                     &hp.beta1, &hp.beta2, &hp.eps, &hp.weight_decay, &step, fsc_py_stream_converter,
+                                     &stream))
         return NULL;
     hp.step = step;
     for (int i = 0; i < 4; i++)
@@ -328,7 +313,7 @@ static PyObject *comm_all_gather(PyObject *self, PyObject *args, PyObject *kwarg
     fsc_tensor_t out, in;
     fsc_status_t st;
     if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:all_gather", kwlist, &out_obj, &in_obj,
-                                                       stream_converter, &stream))
+                                                       fsc_py_stream_converter, &stream))
         return NULL;
     if (import_arg(&im, module, out_obj, "output", 1, 0, stream, &out) < 0 ||
         import_arg(&im, module, in_obj, "input", 0, 0, stream, &in) < 0)
@@ -338,15 +323,6 @@ static PyObject *comm_all_gather(PyObject *self, PyObject *args, PyObject *kwarg
     st = fsc_nccl_all_gather(c, &out, &in, stream);
     Py_END_ALLOW_THREADS
     return finish(module, &im, st);
-}
-
-static int parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op) {
-    fsc_status_t st = fsc_reduce_op_parse(name, op);
-    if (st != FSC_OK) {
-        fsc_py_raise(module, st);
-        return -1;
-    }
-    return 0;
 }
 
 /* reduce_scatter(output, input, op, stream) */
@@ -361,8 +337,8 @@ static PyObject *comm_reduce_scatter(PyObject *self, PyObject *args, PyObject *k
     fsc_status_t st;
     if (module == NULL ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, "OOsO&:reduce_scatter", kwlist, &out_obj, &in_obj, &opname,
-                                     stream_converter, &stream) ||
-        parse_redop(module, opname, &op) < 0)
+                                     fsc_py_stream_converter, &stream) ||
+        fsc_py_parse_redop(module, opname, &op) < 0)
         return NULL;
     if (import_arg(&im, module, out_obj, "output", 1, 0, stream, &out) < 0 ||
         import_arg(&im, module, in_obj, "input", 0, 0, stream, &in) < 0)
@@ -388,10 +364,10 @@ static PyObject *reduce_common(PyObject *self, PyObject *args, PyObject *kwargs,
     fsc_status_t st;
     if (module == NULL) return NULL;
     int ok = with_root ? PyArg_ParseTupleAndKeywords(args, kwargs, "OsiO&:reduce", kwlist_r, &obj, &opname, &root,
-                                                     stream_converter, &stream)
+                                                     fsc_py_stream_converter, &stream)
                        : PyArg_ParseTupleAndKeywords(args, kwargs, "OsO&:all_reduce", kwlist_ar, &obj, &opname,
-                                                     stream_converter, &stream);
-    if (!ok || parse_redop(module, opname, &op) < 0) return NULL;
+                                                     fsc_py_stream_converter, &stream);
+    if (!ok || fsc_py_parse_redop(module, opname, &op) < 0) return NULL;
     if (import_arg(&im, module, obj, "tensor", 1, 0, stream, &t) < 0) return import_failed(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
     Py_BEGIN_ALLOW_THREADS
@@ -423,7 +399,7 @@ static PyObject *ranked_common(PyObject *self, PyObject *args, PyObject *kwargs,
     fsc_status_t st;
     if (module == NULL ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, formats[kind], kind == RANKED_BROADCAST ? kwlist_root : kwlist_peer,
-                                     &obj, &who, stream_converter, &stream))
+                                     &obj, &who, fsc_py_stream_converter, &stream))
         return NULL;
     if (import_arg(&im, module, obj, "tensor", kind != RANKED_SEND, 0, stream, &t) < 0) return import_failed(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
@@ -457,7 +433,7 @@ static PyObject *comm_wait(PyObject *self, PyObject *args, PyObject *kwargs) {
     double timeout = 0.0;
     fsc_status_t st;
     if (module == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "O&|d:wait", kwlist, stream_converter, &stream, &timeout))
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "O&|d:wait", kwlist, fsc_py_stream_converter, &stream, &timeout))
         return NULL;
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
     Py_BEGIN_ALLOW_THREADS
@@ -467,124 +443,25 @@ static PyObject *comm_wait(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_RETURN_NONE;
 }
 
-/* batch(ops, stream): ops is a sequence of tuples, each (name, ...) as the single-op methods take
- * their arguments: ("all_gather", output, input), ("reduce_scatter", output, input, op),
- * ("all_reduce", tensor, op), ("broadcast", tensor, root), ("reduce", tensor, op, root),
- * ("send", tensor, peer), ("recv", tensor, peer). */
-static int parse_batched(PyObject *module, PyObject *item, Py_ssize_t i, fsc_stream_t stream, PyObject **owners,
-                         int *nowners, fsc_tensor_t *tensors, fsc_nccl_op_t *o) {
-    static const struct {
-        const char *name;
-        fsc_comm_op_t op;
-        const char *format; /* after the name: O = tensor, s = reduce op, i = rank */
-    } kinds[] = {
-        {"all_gather", FSC_OP_ALL_GATHER, "OO"},
-        {"reduce_scatter", FSC_OP_REDUCE_SCATTER, "OOs"},
-        {"all_reduce", FSC_OP_ALL_REDUCE, "Os"},
-        {"broadcast", FSC_OP_BROADCAST, "Oi"},
-        {"reduce", FSC_OP_REDUCE, "Osi"},
-        {"send", FSC_OP_SEND, "Oi"},
-        {"recv", FSC_OP_RECV, "Oi"},
-    };
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(item, 0))) {
-        PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd must be a tuple (name, ...), got %s", i,
-                     Py_TYPE(item)->tp_name);
-        return -1;
-    }
-    const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(item, 0));
-    if (name == NULL) return -1;
-    size_t k = 0, nkinds = sizeof(kinds) / sizeof(kinds[0]);
-    while (k < nkinds && strcmp(kinds[k].name, name) != 0) k++;
-    if (k == nkinds) {
-        PyErr_Format(PyExc_ValueError,
-                     "argument 'ops': item %zd names '%s'; expected all_gather, reduce_scatter, all_reduce, broadcast, "
-                     "reduce, send or recv",
-                     i, name);
-        return -1;
-    }
-    const char *fmt = kinds[k].format;
-    if (PyTuple_GET_SIZE(item) != (Py_ssize_t)strlen(fmt) + 1) {
-        PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd (%s) takes %zu values after the name, got %zd", i, name,
-                     strlen(fmt), PyTuple_GET_SIZE(item) - 1);
-        return -1;
-    }
-    memset(o, 0, sizeof(*o));
-    o->op = kinds[k].op;
-    for (size_t a = 0; fmt[a] != '\0'; a++) {
-        PyObject *v = PyTuple_GET_ITEM(item, (Py_ssize_t)a + 1);
-        if (fmt[a] == 'O') {
-            /* first tensor: written (read for send); second: the collective's input */
-            int writable = a == 0 && o->op != FSC_OP_SEND;
-            fsc_tensor_t *t = &tensors[a];
-            PyObject *owner;
-            int flags = FSC_IMPORT_CONTIGUOUS | (writable ? FSC_IMPORT_WRITABLE : 0);
-            if (fsc_py_import(module, v, a == 0 ? "tensor" : "input", flags, (intptr_t)stream, t, &owner) < 0)
-                return -1;
-            owners[(*nowners)++] = owner;
-            if (a == 0)
-                o->tensor = t;
-            else
-                o->input = t;
-        } else if (fmt[a] == 's') {
-            const char *opname = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
-            if (opname == NULL) {
-                if (!PyErr_Occurred())
-                    PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd (%s): op must be a str", i, name);
-                return -1;
-            }
-            if (parse_redop(module, opname, &o->redop) < 0) return -1;
-        } else {
-            long r = PyLong_AsLong(v);
-            if (r == -1 && PyErr_Occurred()) return -1;
-            o->peer = (int)r;
-        }
-    }
-    return 0;
-}
-
+/* batch(ops, stream): the ops (fsc_py_parse_calls' format) enqueued as one NCCL group. */
 static PyObject *comm_batch(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"ops", "stream", NULL};
-    PyObject *module = comm_module(self), *ops_obj, *seq = NULL, *result = NULL;
-    PyObject **owners = NULL;
-    fsc_tensor_t *tensors = NULL;
-    fsc_nccl_op_t *ops = NULL;
-    int nowners = 0;
+    PyObject *module = comm_module(self), *ops_obj;
     fsc_stream_t stream;
+    fsc_py_calls_t c;
     if (module == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO&:batch", kwlist, &ops_obj, stream_converter, &stream))
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO&:batch", kwlist, &ops_obj, fsc_py_stream_converter, &stream))
         return NULL;
-    seq = PySequence_Fast(ops_obj, "argument 'ops': expected a sequence of tuples");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > FSC_NCCL_MAX_BATCH) {
-        PyErr_Format(PyExc_ValueError, "argument 'ops': at most %d operations per batch, got %zd", FSC_NCCL_MAX_BATCH,
-                     n);
-        goto exit;
-    }
-    owners = PyMem_Calloc((size_t)(2 * n + 1), sizeof(PyObject *));
-    tensors = PyMem_Calloc((size_t)(2 * n + 1), sizeof(fsc_tensor_t));
-    ops = PyMem_Calloc((size_t)n + 1, sizeof(fsc_nccl_op_t));
-    if (owners == NULL || tensors == NULL || ops == NULL) {
-        PyErr_NoMemory();
-        goto exit;
-    }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (parse_batched(module, PySequence_Fast_GET_ITEM(seq, i), i, stream, owners, &nowners, &tensors[2 * i],
-                          &ops[i]) < 0)
-            goto exit;
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
+    if (fsc_py_parse_calls(&c, module, ops_obj, FSC_NCCL_MAX_BATCH, FSC_IMPORT_CONTIGUOUS, (intptr_t)stream) < 0)
+        return NULL;
+    fsc_nccl_comm_t *comm = ((NcclCommObject *)self)->comm;
     fsc_status_t st;
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_batch(c, ops, (size_t)n, stream);
+    st = fsc_nccl_batch(comm, c.calls, c.ncalls, stream);
     Py_END_ALLOW_THREADS
-    result = st == FSC_OK ? Py_NewRef(Py_None) : fsc_py_raise(module, st);
-exit: /* the views may go now: NCCL has the pointers, and the caller keeps the tensors alive */
-    while (nowners > 0) Py_DECREF(owners[--nowners]);
-    PyMem_Free(ops);
-    PyMem_Free(tensors);
-    PyMem_Free(owners);
-    Py_DECREF(seq);
-    return result;
+    fsc_py_calls_clear(&c); /* NCCL has the pointers; the caller keeps the tensors alive */
+    if (st != FSC_OK) return fsc_py_raise(module, st);
+    Py_RETURN_NONE;
 }
 
 static PyObject *comm_abort(PyObject *self, PyObject *Py_UNUSED(args)) {

@@ -90,6 +90,9 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(st->GroupType);
     Py_VISIT(st->WorkType);
     Py_VISIT(st->NcclCommType);
+    Py_VISIT(st->xtype);
+    Py_VISIT(st->xcapsule);
+    Py_VISIT(st->xnone);
     return 0;
 }
 
@@ -100,6 +103,10 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(st->GroupType);
     Py_CLEAR(st->WorkType);
     Py_CLEAR(st->NcclCommType);
+    Py_CLEAR(st->xtype);
+    Py_CLEAR(st->xcapsule);
+    Py_CLEAR(st->xnone);
+    st->xapi = NULL;
     return 0;
 }
 

@@ -8,8 +8,14 @@ from an initialised ``torch.distributed`` process group, or from torchrun's envi
     group = fdist.init_group()            # default / given torch group, or torchrun env
     fdist.all_reduce(t, op="avg")         # uses the default group
     work = group.all_gather(out, inp, async_op=True); ...; work.wait()
+    group.batch([fdist.P2POp("send", a, right), fdist.P2POp("recv", b, left)])  # cannot deadlock
     sub = group.new_group([0, 1])         # every rank of `group` calls it; others get None
     group.destroy()                       # or `with fdist.init_group() as group:`
+    g = fdist.group_for(pg, role="reduce_scatter")  # the one engine group of (pg, role)
+
+A Work behaves the same on both devices: ``wait()`` on CPU blocks until the op is done; on CUDA
+the op runs on the group's side stream and ``wait()`` makes the current stream wait for it (no host
+synchronisation); ``is_completed()`` polls either way.
 
 Errors: ValueError/TypeError for bad arguments (raised before anything is sent);
 ``fairscale_c.DistributedError`` for a peer that dies, stalls past FAIRSCALE_C_TIMEOUT seconds
@@ -19,17 +25,27 @@ Errors: ValueError/TypeError for bad arguments (raised before anything is sent);
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from .._C import DistributedError
-from ._group import Group
+from .._C import Work as ShmWork
+from ._group import REGISTRY, Group, LocalGroup, P2POp
 from ._rendezvous import ProcessGroupExchange, StoreExchange, default_store, env_store, timeout_s
+from ._work import CompletedWork, CudaWork, local_copy
 
 __all__ = [
     "DistributedError",
     "Group",
+    "LocalGroup",
+    "P2POp",
+    "ShmWork",
+    "CudaWork",
+    "CompletedWork",
+    "group_for",
+    "batch_isend_irecv",
+    "local_copy",
     "init_group",
     "new_group",
     "get_group",
@@ -50,19 +66,38 @@ _built: Dict[Tuple[int, ...], int] = defaultdict(int)
 _env_store: Optional["dist.Store"] = None
 
 
-def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] = None) -> Group:
-    """Build a group on every rank (a collective: all ranks of ``pg`` call it in the same order).
+def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] = None, device: Any = None) -> Group:
+    """The engine group of ``pg`` (a collective the first time: all ranks of ``pg`` call it in the
+    same order).
 
     With torch.distributed initialised, ranks come from ``pg`` (default: the default group) and
-    rendezvous data travel through torch's store (or object collectives on ``pg``). Otherwise
-    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (as set by torchrun) are used with a TCPStore.
-    The first group built becomes the default for the module-level functions."""
+    rendezvous data travel through torch's store (or object collectives on ``pg``); without a
+    ``name`` this is the registry's group for ``pg`` (see :func:`group_for`), built once. With a
+    ``name``, a new group of its own. Without torch.distributed, RANK / WORLD_SIZE / MASTER_ADDR /
+    MASTER_PORT (as set by torchrun) are used with a TCPStore. The first group built becomes the
+    default for the module-level functions. ``device`` (a CUDA device) creates the group's NCCL
+    communicator now instead of at its first CUDA op."""
+    if name is None and dist.is_available() and dist.is_initialized():
+        group = group_for(pg if pg is not None else dist.group.WORLD, device=device)
+        if isinstance(group, LocalGroup):  # a one-rank torch group: still a real engine group here
+            group = _build(pg, None)
+            REGISTRY[(id(group.process_group), "default")] = (group.process_group, group)
+        return group
+    group = _build(pg, name)
+    if device is not None:
+        group.init_nccl(device)
+    return group
+
+
+def _build(pg: Optional["dist.ProcessGroup"], name: Optional[str], role: str = "default") -> Group:
     global _default
     if dist.is_available() and dist.is_initialized():
         pg = pg if pg is not None else dist.group.WORLD
         ranks = tuple(dist.get_process_group_ranks(pg))
         _built[ranks] += 1
         gname = name or f"pg{_built[ranks]}[{','.join(map(str, ranks)) if len(ranks) <= 8 else len(ranks)}]"
+        if name is None and role != "default":
+            gname += f"/{role}"
         store = default_store()
         if store is not None:
             rank = dist.get_rank(pg)
@@ -88,6 +123,53 @@ def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] 
     if _default is None:
         _default = group
     return group
+
+
+def group_for(process_group: Any = None, role: str = "default", *, device: Any = None) -> Any:
+    """The one engine group of a torch process group and role, built on first use (a collective
+    over that group; every rank asks in the same order). ``None`` means the default group; with
+    torch.distributed not initialised, or for a group of one rank, a :class:`LocalGroup` (every
+    collective a local copy). Features share these: FSDP takes ``"default"`` for its all-gathers
+    and ``"reduce_scatter"`` for gradient reductions (a communicator of its own, so the two run
+    side by side, as with FairScale's separate reduce-scatter group). ``device``: create the NCCL
+    communicator now (Pipe and OSS ask for it)."""
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return LocalGroup()
+        process_group = dist.group.WORLD
+    key = (id(process_group), role)
+    entry = REGISTRY.get(key)
+    if entry is None:
+        _release_destroyed_groups()
+        if dist.get_world_size(process_group) == 1:
+            group: Any = LocalGroup(process_group)
+        else:
+            group = _build(process_group, None, role)
+        REGISTRY[key] = entry = (process_group, group)
+    group = entry[1]
+    if device is not None and not isinstance(group, LocalGroup):
+        group.init_nccl(device)
+    return group
+
+
+def _release_destroyed_groups() -> None:
+    """Destroy the engine groups of torch process groups that torch has destroyed, so a process
+    that initialises and destroys torch.distributed repeatedly (sweeps, test suites) does not keep
+    a progress thread and a shared-memory mapping per past process group. Runs where every rank
+    builds its next group, so every rank releases the same ones."""
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    if live is None:  # a torch without this registry: keep everything
+        return
+    for key, (pg, group) in list(REGISTRY.items()):
+        if pg not in live:
+            REGISTRY.pop(key, None)
+            group.destroy()
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp], group: Optional[Group] = None) -> List[Any]:
+    """torch.distributed.batch_isend_irecv's shape: run the sends and recvs together (no order of
+    issue deadlocks) and return a list with one Work for them."""
+    return [(group or get_group()).batch(list(p2p_op_list), async_op=True)]
 
 
 def get_group() -> Group:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .. import _C
 from ._rendezvous import Exchange, ProcessGroupExchange, StoreExchange
+from ._work import CompletedWork, CudaWork, local_copy
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
@@ -51,16 +52,6 @@ def _device_type(t: Any, argname: str, op: str) -> int:
         raise TypeError(
             f"{op}: {argname} must be a tensor supporting DLPack (torch.Tensor, numpy array), got {type(t).__name__}"
         ) from None
-
-
-class _DoneWork:
-    """Work of an op that finished when it was issued (stream-ordered CUDA ops, torch fallback)."""
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 class _TorchCPU:
@@ -104,6 +95,20 @@ class _TorchCPU:
     def barrier(self) -> None:
         dist.barrier(group=self.pg)
 
+    def batch(self, items: list) -> None:
+        """Sends and recvs through torch's batch_isend_irecv, then the collectives in order."""
+        p2p = [
+            dist.P2POp(dist.isend if name == "send" else dist.irecv, t, self._g(peer), group=self.pg)
+            for name, t, peer in (i for i in items if i[0] in ("send", "recv"))
+        ]
+        for work in dist.batch_isend_irecv(p2p) if p2p else []:
+            work.wait()
+        for name, *args in items:
+            if name == "reduce":
+                self.reduce(args[0], root=args[2], op=args[1])
+            elif name not in ("send", "recv"):
+                getattr(self, name)(*args)
+
 
 class Group:
     """A group of ranks. Build one with :func:`fairscale_c.distributed.init_group` or
@@ -116,6 +121,8 @@ class Group:
     def __init__(self, exchange: Exchange, name: str, pg: Optional["dist.ProcessGroup"] = None) -> None:
         self.rank, self.size, self.name = exchange.rank, exchange.size, name
         self._exchange, self._pg = exchange, pg
+        self.process_group = pg  # the torch.distributed group it was built from, if any
+        self._side: dict = {}  # CUDA device -> the stream this group's NCCL ops run on
         self._shm: Optional[Any] = None
         self._torch_cpu: Optional[_TorchCPU] = None
         self._nccl: Optional[Any] = None
@@ -161,6 +168,9 @@ class Group:
         """destroy(); with `grace`, an op still waiting for a peer after that many seconds is
         abandoned, and teardown errors are swallowed (the exit and error-unwinding path)."""
         _LIVE.discard(self)
+        for key, (_, group) in list(REGISTRY.items()):
+            if group is self:
+                del REGISTRY[key]
         shm, self._shm = self._shm, None
         nccl, self._nccl = self._nccl, None
         self._torch_cpu = None
@@ -211,7 +221,7 @@ class Group:
             raise RuntimeError(f"group '{self.name}' has been destroyed")
         return backend
 
-    def _cuda(self) -> Any:
+    def _cuda(self, device: Any = None) -> Any:
         if self._nccl is None:
             try:
                 from ._nccl import NcclBackend
@@ -220,77 +230,203 @@ class Group:
                     f"group '{self.name}': CUDA tensors need the NCCL backend, which is unavailable "
                     f"({exc.__class__.__name__}: {exc})"
                 ) from exc
-            self._nccl = NcclBackend(self.rank, self.size, self._exchange.broadcast)
+            self._nccl = NcclBackend(self.rank, self.size, self._exchange.broadcast, device=device)
         return self._nccl
+
+    def init_nccl(self, device: Any = None) -> None:
+        """Create this group's NCCL communicator now (a collective over the group: every rank calls
+        it), on ``device`` (default: torch's current CUDA device), so that the first CUDA op is not
+        a hidden group-wide set-up. Idempotent."""
+        self._cuda(device)
+
+    def _side_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = torch.cuda.Stream(device)
+        return side
 
     def _route(self, op: str, *named: Any) -> bool:
         """True for CUDA; checks that every (argname, tensor) pair lives on the same device type."""
-        kinds = [(name, _device_type(t, name, op)) for name, t in named]
-        first_name, first = kinds[0]
-        for name, kind in kinds[1:]:
-            if (kind in _DLPACK_CUDA) != (first in _DLPACK_CUDA):
+        first_name, first = "", None
+        for name, t in named:
+            cuda = getattr(t, "is_cuda", None)  # torch: a C attribute; others: __dlpack_device__
+            if cuda is None:
+                cuda = _device_type(t, name, op) in _DLPACK_CUDA
+            if first is None:
+                first_name, first = name, cuda
+            elif cuda != first:
                 raise ValueError(
-                    f"{op}: {name} is on {'cuda' if kind in _DLPACK_CUDA else 'cpu'} but {first_name} is "
-                    f"on {'cuda' if first in _DLPACK_CUDA else 'cpu'}; expected the same device"
+                    f"{op}: {name} is on {'cuda' if cuda else 'cpu'} but {first_name} is "
+                    f"on {'cuda' if first else 'cpu'}; expected the same device"
                 )
-        return first in _DLPACK_CUDA
+        return bool(first)
 
-    def _run(self, op: str, cuda: bool, async_op: bool, args: tuple, kwargs: dict) -> Any:
-        if cuda:
-            getattr(self._cuda(), op)(*args, **kwargs)
-            return _DoneWork() if async_op else None
+    def _cpu_op(self, op: str, async_op: bool, args: tuple, kwargs: dict) -> Any:
         backend = self._cpu()
         if backend is self._shm:
             return getattr(backend, op)(*args, async_op=async_op, **kwargs)
         getattr(backend, op)(*args, **kwargs)
-        return _DoneWork() if async_op else None
+        return CompletedWork() if async_op else None
+
+    def _cuda_op(self, what: str, enqueue: Any, tensors: tuple, async_op: bool) -> Any:
+        """Run ``enqueue(nccl, stream)`` on this group's side stream after the work already on the
+        current stream; the Work's event marks its end (see CudaWork)."""
+        nccl = self._cuda()
+        device = nccl.device
+        side = self._side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        enqueue(nccl, side)
+        event = torch.cuda.Event()
+        event.record(side)
+        work = CudaWork(event, device, tensors, nccl, what)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     # ------------------------------------------------------------------ collectives
     def all_gather(self, output: Any, input: Any, async_op: bool = False) -> Any:
         """output (size * input.numel() elements) = every rank's input, in rank order."""
-        cuda = self._route("all_gather", ("output", output), ("input", input))
-        return self._run("all_gather", cuda, async_op, (output, input), {})
+        if self._route("all_gather", ("output", output), ("input", input)):
+            return self._cuda_op(
+                "all_gather", lambda n, s: n.all_gather(output, input, stream=s), (output, input), async_op
+            )
+        return self._cpu_op("all_gather", async_op, (output, input), {})
 
     def reduce_scatter(self, output: Any, input: Any, op: str = "sum", async_op: bool = False) -> Any:
         """output = block ``rank`` (output.numel() elements) of the reduction of every rank's input."""
-        cuda = self._route("reduce_scatter", ("output", output), ("input", input))
-        return self._run("reduce_scatter", cuda, async_op, (output, input), {"op": op})
+        if self._route("reduce_scatter", ("output", output), ("input", input)):
+            return self._cuda_op(
+                "reduce_scatter", lambda n, s: n.reduce_scatter(output, input, op, stream=s), (output, input), async_op
+            )
+        return self._cpu_op("reduce_scatter", async_op, (output, input), {"op": op})
 
     def all_reduce(self, tensor: Any, op: str = "sum", async_op: bool = False) -> Any:
         """In place: tensor = reduction (sum | avg | max | min) over ranks."""
-        cuda = self._route("all_reduce", ("tensor", tensor))
-        return self._run("all_reduce", cuda, async_op, (tensor,), {"op": op})
+        if self._route("all_reduce", ("tensor", tensor)):
+            return self._cuda_op("all_reduce", lambda n, s: n.all_reduce(tensor, op, stream=s), (tensor,), async_op)
+        return self._cpu_op("all_reduce", async_op, (tensor,), {"op": op})
 
     def broadcast(self, tensor: Any, root: int = 0, async_op: bool = False) -> Any:
         """In place: every rank's tensor = root's."""
-        cuda = self._route("broadcast", ("tensor", tensor))
-        return self._run("broadcast", cuda, async_op, (tensor,), {"root": root})
+        if self._route("broadcast", ("tensor", tensor)):
+            return self._cuda_op("broadcast", lambda n, s: n.broadcast(tensor, root, stream=s), (tensor,), async_op)
+        return self._cpu_op("broadcast", async_op, (tensor,), {"root": root})
 
     def reduce(self, tensor: Any, root: int = 0, op: str = "sum", async_op: bool = False) -> Any:
         """root's tensor = reduction over ranks; other ranks' tensors are left unchanged."""
-        cuda = self._route("reduce", ("tensor", tensor))
-        return self._run("reduce", cuda, async_op, (tensor,), {"root": root, "op": op})
+        if self._route("reduce", ("tensor", tensor)):
+            return self._cuda_op("reduce", lambda n, s: n.reduce(tensor, op, root, stream=s), (tensor,), async_op)
+        return self._cpu_op("reduce", async_op, (tensor,), {"root": root, "op": op})
 
     def send(self, tensor: Any, dst: int, async_op: bool = False) -> Any:
-        """Send to group rank ``dst``; the sync form returns once dst has received it."""
+        """Send to group rank ``dst``. On CPU the send completes once its data is in the shared
+        buffers (small messages never wait for the receiver); to exchange in both directions, use
+        :meth:`batch` or ``async_op=True``, which cannot deadlock whatever the order of issue."""
         if self._route("send", ("tensor", tensor)):
-            self._cuda().send(tensor, dst)
-            return _DoneWork() if async_op else None
-        return self._run("send", False, async_op, (tensor,), {"dst": dst})
+            return self._cuda_op("send", lambda n, s: n.send(tensor, dst, stream=s), (tensor,), async_op)
+        return self._cpu_op("send", async_op, (tensor,), {"dst": dst})
 
     def recv(self, tensor: Any, src: int, async_op: bool = False) -> Any:
         """Receive from group rank ``src`` into tensor (same numel and dtype as sent)."""
         if self._route("recv", ("tensor", tensor)):
-            self._cuda().recv(tensor, src)
-            return _DoneWork() if async_op else None
-        return self._run("recv", False, async_op, (tensor,), {"src": src})
+            return self._cuda_op("recv", lambda n, s: n.recv(tensor, src, stream=s), (tensor,), async_op)
+        return self._cpu_op("recv", async_op, (tensor,), {"src": src})
+
+    def batch(self, ops: Sequence[Any], async_op: bool = False) -> Any:
+        """Run several ops together: each a :class:`P2POp` or a tuple ``(name, *args)`` with the
+        arguments of the method of that name (``("send", t, dst)``, ``("recv", t, src)``,
+        ``("all_reduce", t, "sum")``, ...). Sends and receives move at once (NCCL: one group), so
+        a ring exchange issued in any order on the ranks completes; collectives of the batch run
+        in list order. Returns one Work when ``async_op``."""
+        items = [op.as_tuple() if isinstance(op, P2POp) else tuple(op) for op in ops]
+        if not items:
+            raise ValueError("batch: argument 'ops' is empty; expected at least one op")
+        named = [(f"ops[{i}]", a) for i, item in enumerate(items) for a in item[1:] if hasattr(a, "__dlpack__")]
+        if named and self._route("batch", *named):
+            tensors = tuple(t for _, t in named)
+            return self._cuda_op("batch", lambda n, s: n.batch(items, stream=s), tensors, async_op)
+        return self._cpu_op("batch", async_op, (items,), {})
 
     def barrier(self, async_op: bool = False) -> Any:
         """Every rank waits for all the others (CPU engine; also the NCCL one if it is in use)."""
-        work = self._run("barrier", False, async_op, (), {})
+        work = self._cpu_op("barrier", async_op, (), {})
         if self._nccl is not None:
             self._nccl.barrier()
         return work
 
 
-__all__ = ["Group", "StoreExchange", "hostname"]
+class P2POp:
+    """One send or recv of a :meth:`Group.batch`, as ``torch.distributed.P2POp``: ``op`` is
+    ``"send"`` / ``"recv"`` or one of this module's send / recv / isend / irecv functions (or
+    torch.distributed's), ``peer`` a rank of the group the batch runs on."""
+
+    __slots__ = ("op", "tensor", "peer")
+
+    def __init__(self, op: Any, tensor: Any, peer: int, group: Any = None, tag: int = 0) -> None:
+        name = op if isinstance(op, str) else getattr(op, "__name__", "")
+        name = {"isend": "send", "irecv": "recv"}.get(name, name)
+        if name not in ("send", "recv"):
+            raise ValueError(f"P2POp: argument 'op' must be 'send', 'recv' or a send/recv function, got {op!r}")
+        if group is not None or tag != 0:
+            raise ValueError("P2POp: 'group' and 'tag' are not supported; pass the group to batch()")
+        self.op, self.tensor, self.peer = name, tensor, int(peer)
+
+    def as_tuple(self) -> tuple:
+        return (self.op, self.tensor, self.peer)
+
+
+class LocalGroup:
+    """The group of a single process (no torch.distributed, or a process group of one rank): every
+    collective is a local copy or nothing, completed when it returns."""
+
+    def __init__(self, pg: Any = None, name: str = "local") -> None:
+        self.rank, self.size, self.name, self.process_group = 0, 1, name, pg
+
+    def __repr__(self) -> str:
+        return f"LocalGroup(name={self.name!r})"
+
+    @staticmethod
+    def _done(async_op: bool) -> Any:
+        return CompletedWork() if async_op else None
+
+    def _copy(self, op: str, output: Any, input: Any, async_op: bool) -> Any:
+        if output.numel() != input.numel():
+            big, small = ("output", "input") if op == "all_gather" else ("input", "output")
+            n = {"output": output.numel(), "input": input.numel()}
+            raise ValueError(
+                f"{op}: {big} has {n[big]} elements; expected group size (1) x {small} elements "
+                f"({n[small]}) = {n[small]}"
+            )
+        local_copy(output, input)
+        return self._done(async_op)
+
+    def all_gather(self, output: Any, input: Any, async_op: bool = False) -> Any:
+        return self._copy("all_gather", output, input, async_op)
+
+    def reduce_scatter(self, output: Any, input: Any, op: str = "sum", async_op: bool = False) -> Any:
+        return self._copy("reduce_scatter", output, input, async_op)
+
+    def all_reduce(self, tensor: Any, op: str = "sum", async_op: bool = False) -> Any:
+        return self._done(async_op)
+
+    def broadcast(self, tensor: Any, root: int = 0, async_op: bool = False) -> Any:
+        if root != 0:
+            raise ValueError(f"broadcast: root={root} is not a valid group rank (expected 0 <= root < 1)")
+        return self._done(async_op)
+
+    def reduce(self, tensor: Any, root: int = 0, op: str = "sum", async_op: bool = False) -> Any:
+        return self.broadcast(tensor, root, async_op)
+
+    def barrier(self, async_op: bool = False) -> Any:
+        return self._done(async_op)
+
+    def destroy(self) -> None:
+        pass
+
+
+# One engine group per (torch process group, role): (the torch group, the engine group).
+REGISTRY: dict = {}
+
+
+__all__ = ["Group", "LocalGroup", "P2POp", "REGISTRY", "StoreExchange", "hostname"]

@@ -15,7 +15,8 @@ as well as CUDA: the scale lives on the device of the first tensor passed to ``s
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
+
+from fairscale_c import distributed as fdist
 
 
 def _default_device() -> str:
@@ -68,13 +69,9 @@ class ShardedGradScaler(GradScaler):
         self.group = process_group
         self._comm: Optional[Any] = None
 
-    def _group_comm(self) -> Optional[Any]:
+    def _group_comm(self) -> Any:
         if self._comm is None:
-            if self.group is None and not (dist.is_available() and dist.is_initialized()):
-                return None  # one process: nothing to agree with
-            from fairscale_c.nn.data_parallel._comm import Comm
-
-            self._comm = Comm(self.group)
+            self._comm = fdist.group_for(self.group)  # a LocalGroup for one process
         return self._comm
 
     def unscale_(self, optimizer: Any) -> None:
@@ -86,7 +83,7 @@ class ShardedGradScaler(GradScaler):
         super().unscale_(optimizer)
         state = self._per_optimizer_states[id(optimizer)]
         comm = self._group_comm()
-        if comm is None or comm.world_size == 1:
+        if comm.size == 1:
             return
         per_device: Dict[torch.device, torch.Tensor] = state["found_inf_per_device"]
         # One all-reduce per call whatever this rank holds (a rank without gradients still takes

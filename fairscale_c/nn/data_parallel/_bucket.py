@@ -17,8 +17,6 @@ import torch
 
 from fairscale_c import _C
 
-from ._comm import _on_side_stream, _StreamWork
-
 
 # On the CPU engine a gradient of 1 MiB or more is reduce-scattered on its own even below the cap:
 # packing it costs more (a copy at a few GB/s) than the per-op overhead a bucket saves (about
@@ -51,10 +49,10 @@ class ReduceScatterBucket:
         ``.grad`` in `drain`."""
         op = "avg" if average else "sum"
         nbytes = grad.numel() * grad.element_size()
-        if fsdp.comm_rs.group is None or nbytes >= self.cap_bytes or (not grad.is_cuda and nbytes >= _ALONE_BYTES):
+        if fsdp.comm_rs.size == 1 or nbytes >= self.cap_bytes or (not grad.is_cuda and nbytes >= _ALONE_BYTES):
             self._send_alone(fsdp, h, grad, op, average)
         else:
-            key = (id(fsdp.comm_rs.group), grad.device, grad.dtype, op)
+            key = (id(fsdp.comm_rs), grad.device, grad.dtype, op)
             bucket = self.buckets.setdefault(key, [])
             bucket.append((fsdp, h, grad))
             if sum(g.numel() * g.element_size() for _, _, g in bucket) >= self.cap_bytes:
@@ -85,17 +83,11 @@ class ReduceScatterBucket:
                 self.reduced.append((fsdp, h, out, average))
 
     def _send_alone(self, fsdp, h, grad: torch.Tensor, op: str, average: bool) -> None:
+        # On CUDA `out` is allocated on the compute stream, like `grad`, and the collective runs on
+        # the group's side stream; h.pending keeps both alive until the work is retired (the compute
+        # stream waits for it), so their memory is reused only after it (events, no record_stream).
         out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-        if grad.is_cuda:  # on the side stream, overlapping the rest of backward
-            # `out` is allocated on the compute stream, like `grad`; h.pending keeps both alive
-            # until the compute stream has waited for the side stream's event, so their memory is
-            # reused only after the reduce-scatter (events order it, no record_stream: DESIGN.md).
-            ctx, side = _on_side_stream(fsdp, grad.device, fsdp.comm_rs)
-            with ctx:
-                fsdp.comm_rs.reduce_scatter(out, grad, op=op)
-                work = _StreamWork(side)
-        else:
-            work = fsdp.comm_rs.reduce_scatter(out, grad, op=op, async_op=True)
+        work = fsdp.comm_rs.reduce_scatter(out, grad, op=op, async_op=True)
         h.pending = (out, grad, average)
         self.in_flight.append((work, [(fsdp, h)]))
 
@@ -109,16 +101,11 @@ class ReduceScatterBucket:
         out = torch.empty(packed.numel() // world, dtype=packed.dtype, device=device)
         if device.type == "cuda":
             # Packed on the compute stream (as FSDP2 copies in), so the gradients can be freed as
-            # soon as this returns; `packed` and `out` stay alive in h.pending until the compute
-            # stream has waited for the side stream's event.
+            # soon as this returns; `packed` and `out` stay alive in h.pending until retired.
             _C.pack_blocks(packed, grads, world, torch.cuda.current_stream(device).cuda_stream)
-            ctx, side = _on_side_stream(fsdp, device, fsdp.comm_rs)
-            with ctx:
-                fsdp.comm_rs.reduce_scatter(out, packed, op=op)
-                work = _StreamWork(side)
         else:
             _C.pack_blocks(packed, grads, world)
-            work = fsdp.comm_rs.reduce_scatter(out, packed, op=op, async_op=True)
+        work = fsdp.comm_rs.reduce_scatter(out, packed, op=op, async_op=True)
         offset = 0
         for _, h, g in entries:
             n = g.numel() // world

@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from fairscale_c import _C
+from fairscale_c import distributed as fdist
+from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
 from . import _state_dict
 from ._bucket import ReduceScatterBucket
-from ._comm import Comm, _on_side_stream, _StreamWork
-from ._comm import _local_copy as _copy  # copies/casts that keep autograd's version counters
 from .flat_param import FlatLayout, collect_params
 
 
@@ -121,11 +121,11 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("fp32_reduce_scatter requires mixed_precision=True")
         if compute_dtype is not None and compute_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"argument 'compute_dtype' must be float32, float16 or bfloat16, got {compute_dtype}")
-        self.comm = Comm(process_group)
+        self.comm = fdist.group_for(process_group)  # the engine group of the torch group (None: default)
         self.process_group = self.comm.process_group
         self.comm_rs = self._reduce_scatter_comm(process_group_reduce_scatter)
         self.process_group_reduce_scatter = self.comm_rs.process_group
-        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.rank, self.world_size = self.comm.rank, self.comm.size
         self.reshard_after_forward = reshard_after_forward
         self.disable_reshard_on_root = disable_reshard_on_root
         self.mixed_precision = mixed_precision
@@ -243,7 +243,7 @@ class FullyShardedDataParallel(nn.Module):
                         f"{mode} mode expects every parameter to be {want}"
                     )
 
-    def _reduce_scatter_comm(self, pg: Any) -> Comm:
+    def _reduce_scatter_comm(self, pg: Any) -> Any:
         """FairScale's rule: ProcessGroupName.reduce_scatter (the default) gives reduce-scatters a
         group of their own over the same ranks, ProcessGroupName.default or None reuses
         process_group, and a group whose ranks differ from process_group's falls back to it."""
@@ -257,15 +257,15 @@ class FullyShardedDataParallel(nn.Module):
                     "argument 'process_group_reduce_scatter' must be a process group, None or a "
                     f"ProcessGroupName ('default' or 'reduce_scatter'), got {pg!r}"
                 ) from None
-        if pg is None or pg == ProcessGroupName.default or self.comm.world_size == 1:
+        if pg is None or pg == ProcessGroupName.default or self.comm.size == 1:
             return self.comm
         if pg == ProcessGroupName.reduce_scatter:
-            return Comm(self.process_group, role="reduce_scatter")
+            return fdist.group_for(self.process_group, role="reduce_scatter")
         if pg is dist.GroupMember.NON_GROUP_MEMBER or dist.get_process_group_ranks(pg) != dist.get_process_group_ranks(
             self.process_group
         ):
             return self.comm
-        return Comm(pg)
+        return fdist.group_for(pg)
 
     @torch.no_grad()
     def _make_shard(self, layout: FlatLayout, device: torch.device) -> torch.Tensor:
@@ -454,18 +454,15 @@ class FullyShardedDataParallel(nn.Module):
             if h.has_full or h.gathering is not None:
                 continue
             full = h.full.detach()
-            _alloc_storage(full)  # on the current stream, which the side stream then waits for
-            ctx, side = _on_side_stream(self, full.device, self.comm)
-            with ctx:
-                shard = h.param.detach()
-                if shard.dtype is not full.dtype or shard.device != full.device:
-                    # Cast straight into this rank's block of the full buffer and gather in place.
-                    n = h.layout.shard_numel
-                    mine = full[self.rank * n : (self.rank + 1) * n]
-                    _copy(mine, shard)
-                    shard = mine
-                work = self.comm.all_gather(full, shard, async_op=True)
-            h.gathering = (work if side is None else _StreamWork(side), shard)
+            _alloc_storage(full)  # on the current stream, which the collective is ordered after
+            shard = h.param.detach()
+            if shard.dtype is not full.dtype or shard.device != full.device:
+                # Cast straight into this rank's block of the full buffer and gather in place.
+                n = h.layout.shard_numel
+                mine = full[self.rank * n : (self.rank + 1) * n]
+                _copy(mine, shard)
+                shard = mine
+            h.gathering = (self.comm.all_gather(full, shard, async_op=True), shard)
 
     @torch.no_grad()
     def _rebuild_full_params(self) -> None:

@@ -1,0 +1,179 @@
+/* args.c — argument parsing the binding files share: streams, reduce ops, and lists of
+ * collective calls (batches) imported into the engine's call descriptions. */
+#include <string.h>
+
+#include "binding.h"
+
+int fsc_py_stream_converter(PyObject *obj, void *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "argument 'stream': expected an int (a cudaStream_t), got %s",
+                     Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "argument 'stream': expected a non-negative int (a cudaStream_t)");
+        return 0;
+    }
+    *(uintptr_t *)out = (uintptr_t)v;
+    return 1;
+}
+
+int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op) {
+    fsc_status_t st = fsc_reduce_op_parse(name, op);
+    if (st == FSC_OK) return 0;
+    fsc_py_raise(module, st);
+    return -1;
+}
+
+int fsc_py_import_arg(fsc_py_calls_t *c, PyObject *module, PyObject *obj, const char *argname, int flags,
+                      intptr_t stream, fsc_tensor_t **out) {
+    if (c->ntensors >= c->cap_tensors) {
+        PyErr_SetString(PyExc_RuntimeError, "fairscale_c: too many tensor arguments in one call");
+        return -1;
+    }
+    fsc_tensor_t *t = &c->tensors[c->ntensors];
+    PyObject *owner;
+    if (fsc_py_import(module, obj, argname, flags, stream, t, &owner) < 0) return -1;
+    c->owners[c->ntensors++] = owner;
+    *out = t;
+    return 0;
+}
+
+int fsc_py_calls_init(fsc_py_calls_t *c, size_t ncalls) {
+    memset(c, 0, sizeof(*c));
+    c->cap_calls = ncalls ? ncalls : 1;
+    c->cap_tensors = 2 * c->cap_calls;
+    if (c->cap_calls <= FSC_PY_CALLS_INLINE) {
+        c->calls = c->calls_inline;
+        c->tensors = c->tensors_inline;
+        c->owners = c->owners_inline;
+        return 0;
+    }
+    c->calls = PyMem_Calloc(c->cap_calls, sizeof(*c->calls));
+    c->tensors = PyMem_Calloc(c->cap_tensors, sizeof(*c->tensors));
+    c->owners = PyMem_Calloc(c->cap_tensors, sizeof(*c->owners));
+    if (c->calls == NULL || c->tensors == NULL || c->owners == NULL) {
+        fsc_py_calls_clear(c);
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+void fsc_py_calls_clear(fsc_py_calls_t *c) {
+    for (size_t i = 0; i < c->ntensors; i++) Py_CLEAR(c->owners[i]);
+    c->ntensors = 0;
+    if (c->calls != c->calls_inline) {
+        PyMem_Free(c->calls);
+        PyMem_Free(c->tensors);
+        PyMem_Free(c->owners);
+    }
+    c->calls = NULL;
+    c->tensors = NULL;
+    c->owners = NULL;
+    c->ncalls = 0;
+}
+
+PyObject *fsc_py_calls_owners(fsc_py_calls_t *c) {
+    PyObject *tuple = PyTuple_New((Py_ssize_t)c->ntensors);
+    if (tuple == NULL) return NULL;
+    for (size_t i = 0; i < c->ntensors; i++) {
+        PyTuple_SET_ITEM(tuple, (Py_ssize_t)i, c->owners[i]); /* steals */
+        c->owners[i] = NULL;
+    }
+    c->ntensors = 0;
+    return tuple;
+}
+
+/* One item of a batch: (name, *args) with the arguments of the single-op method of that name. */
+static int parse_item(fsc_py_calls_t *c, PyObject *module, PyObject *item, Py_ssize_t i, int flags, intptr_t stream) {
+    static const struct {
+        const char *name;
+        fsc_comm_op_t op;
+        const char *format; /* after the name: O = tensor, s = reduce op, i = rank */
+    } kinds[] = {
+        {"all_gather", FSC_OP_ALL_GATHER, "OO"},
+        {"reduce_scatter", FSC_OP_REDUCE_SCATTER, "OOs"},
+        {"all_reduce", FSC_OP_ALL_REDUCE, "Os"},
+        {"broadcast", FSC_OP_BROADCAST, "Oi"},
+        {"reduce", FSC_OP_REDUCE, "Osi"},
+        {"send", FSC_OP_SEND, "Oi"},
+        {"recv", FSC_OP_RECV, "Oi"},
+    };
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(item, 0))) {
+        PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd must be a tuple (name, ...), got %s", i,
+                     Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(item, 0));
+    if (name == NULL) return -1;
+    size_t k = 0, nkinds = sizeof(kinds) / sizeof(kinds[0]);
+    while (k < nkinds && strcmp(kinds[k].name, name) != 0) k++;
+    if (k == nkinds) {
+        PyErr_Format(PyExc_ValueError,
+                     "argument 'ops': item %zd names '%s'; expected all_gather, reduce_scatter, all_reduce, broadcast, "
+                     "reduce, send or recv",
+                     i, name);
+        return -1;
+    }
+    const char *fmt = kinds[k].format;
+    if (PyTuple_GET_SIZE(item) != (Py_ssize_t)strlen(fmt) + 1) {
+        PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd (%s) takes %zu values after the name, got %zd", i, name,
+                     strlen(fmt), PyTuple_GET_SIZE(item) - 1);
+        return -1;
+    }
+    fsc_comm_call_t *o = &c->calls[c->ncalls];
+    memset(o, 0, sizeof(*o));
+    o->op = kinds[k].op;
+    for (size_t a = 0; fmt[a] != '\0'; a++) {
+        PyObject *v = PyTuple_GET_ITEM(item, (Py_ssize_t)a + 1);
+        if (fmt[a] == 'O') {
+            /* first tensor: written (read for send); second: the collective's input */
+            int writable = a == 0 && o->op != FSC_OP_SEND;
+            fsc_tensor_t *t;
+            if (fsc_py_import_arg(c, module, v, a == 0 ? "tensor" : "input",
+                                  flags | (writable ? FSC_IMPORT_WRITABLE : 0), stream, &t) < 0)
+                return -1;
+            if (a == 0)
+                o->tensor = t;
+            else
+                o->input = t;
+        } else if (fmt[a] == 's') {
+            const char *opname = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
+            if (opname == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd (%s): op must be a str", i, name);
+                return -1;
+            }
+            if (fsc_py_parse_redop(module, opname, &o->redop) < 0) return -1;
+        } else {
+            long r = PyLong_AsLong(v);
+            if (r == -1 && PyErr_Occurred()) return -1;
+            o->peer = (int)r;
+        }
+    }
+    c->ncalls++;
+    return 0;
+}
+
+int fsc_py_parse_calls(fsc_py_calls_t *c, PyObject *module, PyObject *ops, size_t max, int flags, intptr_t stream) {
+    PyObject *seq = PySequence_Fast(ops, "argument 'ops': expected a sequence of tuples");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int rc = -1;
+    if (n < 1 || (size_t)n > max) {
+        PyErr_Format(PyExc_ValueError, "argument 'ops': expected 1 to %zu operations, got %zd", max, n);
+        goto exit;
+    }
+    if (fsc_py_calls_init(c, (size_t)n) < 0) goto exit;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (parse_item(c, module, PySequence_Fast_GET_ITEM(seq, i), i, flags, stream) < 0) {
+            fsc_py_calls_clear(c);
+            goto exit;
+        }
+    rc = 0;
+exit:
+    Py_DECREF(seq);
+    return rc;
+}
