@@ -1,0 +1,184 @@
+"""The collectives layer as features use it: point-to-point that cannot deadlock (ring exchanges
+in every order, sync and async, single ops and batches), the overlap rule for every op, one engine
+group per torch process group and role, and Work on CUDA (GPU-marked)."""
+
+import os
+
+import pytest
+import torch
+
+from dist_utils import run_ranks, shm_segments
+
+FAST = {"FAIRSCALE_C_TIMEOUT": "30"}
+SMALL = 1000  # elements: one p2p chunk, so a send completes without its receiver
+LARGE = 300_000  # 1.2 MB of float32: five 256 KiB chunks, more than the two buffers of a channel
+
+# How each rank issues its send (to the right) and its recv (from the left):
+#   send_first / recv_first: every rank in that order; by_rank: even ranks send first.
+ORDERS = ["send_first", "recv_first", "by_rank"]
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_segments():
+    before = shm_segments()
+    yield
+    assert shm_segments() - before == set(), "shared-memory segments left in /dev/shm"
+
+
+def _ring_job(rank, world, cases):
+    import fairscale_c.distributed as fdist
+
+    right, left = (rank + 1) % world, (rank - 1) % world
+    failures = []
+    with fdist.init_group(name="ring") as g:
+        for (mode, order, n), step in (
+            (c, s) for c in cases for s in range(3)
+        ):  # several rounds: channels carry message after message
+            out = torch.arange(n, dtype=torch.float32) + 1000 * rank + step
+            got = torch.full((n,), -1.0)
+            send_first = order == "send_first" or (order == "by_rank" and rank % 2 == 0)
+            ops = [fdist.P2POp("send", out, right), fdist.P2POp(fdist.recv, got, left)]
+            if not send_first:
+                ops.reverse()
+            if mode == "batch":
+                g.batch(ops)
+            elif mode == "batch_async":
+                work = fdist.batch_isend_irecv(ops, group=g)
+                for w in work:
+                    w.wait()
+            elif mode == "async":
+                works = [
+                    g.send(o.tensor, o.peer, async_op=True)
+                    if o.op == "send"
+                    else g.recv(o.tensor, o.peer, async_op=True)
+                    for o in ops
+                ]
+                for w in reversed(works):  # waiting out of order is fine too
+                    w.wait()
+            else:  # sync single ops: a small send completes once it is in the shared buffer
+                for o in ops:
+                    (g.send if o.op == "send" else g.recv)(o.tensor, o.peer)
+            want = torch.arange(n, dtype=torch.float32) + 1000 * left + step
+            if not torch.equal(got, want):
+                failures.append(f"{mode}/{order} step {step}: got {got[:4].tolist()}..., want {want[:4].tolist()}...")
+        g.barrier()
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_exchange_completes_in_any_order(world):
+    # Batches and async ops complete in every order and at every size. Single sync ops complete
+    # when a sender comes first: a small send completes once its data is in the shared buffer.
+    # (Every rank blocking in a sync recv first can complete with no implementation.)
+    cases = [(m, o, n) for m in ("async", "batch", "batch_async") for o in ORDERS for n in (SMALL, LARGE)]
+    cases += [("sync", o, SMALL) for o in ("send_first", "by_rank")]
+    results = run_ranks(_ring_job, world, cases, env=FAST, timeout=240)
+    assert not any(results), results
+
+
+def _overlap_job(rank, world):
+    import fairscale_c.distributed as fdist
+
+    messages = []
+    with fdist.init_group(name="overlap") as g:
+        buf = torch.zeros(8 * world)
+        cases = [
+            ("all_gather", lambda: g.all_gather(buf[: 4 * world], buf[1:5])),
+            ("reduce_scatter", lambda: g.reduce_scatter(buf[1:5], buf[: 4 * world])),
+            ("batch", lambda: g.batch([("send", buf[:4], (rank + 1) % world), ("recv", buf[2:6], (rank - 1) % world)])),
+        ]
+        for what, call in cases:
+            try:
+                call()
+                messages.append(f"{what}: overlapping arguments accepted")
+            except ValueError as e:
+                if "overlaps" not in str(e) and "also uses" not in str(e):
+                    messages.append(f"{what}: unclear message {e}")
+        # the in-place forms stay allowed
+        per = 4
+        g.all_gather(buf[: per * world], buf[rank * per : (rank + 1) * per])
+        g.reduce_scatter(buf[rank * per : (rank + 1) * per], buf[: per * world])
+        g.barrier()
+    return messages
+
+
+def test_overlapping_arguments_are_refused_for_every_op():
+    results = run_ranks(_overlap_job, 2, env=FAST)
+    assert results == [[], []], results
+
+
+def _progress_threads():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return names.count("fsc_progress")
+
+
+def _one_group_job(rank, world):
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+    from fairscale_c.optim.grad_scaler import ShardedGradScaler
+
+    dist.init_process_group("gloo")
+    try:
+        model = FSDP(torch.nn.Sequential(FSDP(torch.nn.Linear(4, 4)), torch.nn.Linear(4, 4)))
+        scaler = ShardedGradScaler()
+        default = fdist.init_group()
+        checks = {
+            "FSDP's group is the registry's": model.comm is fdist.group_for(None),
+            "init_group() returns it": default is model.comm,
+            "nested instances share it": all(m.comm is model.comm for m in model.modules() if isinstance(m, FSDP)),
+            "reduce-scatter role is its own group": model.comm_rs is fdist.group_for(None, "reduce_scatter")
+            and model.comm_rs is not model.comm,
+            "the scaler uses it": scaler._group_comm() is model.comm,
+        }
+        threads = _progress_threads()
+        default.destroy()
+        model.comm_rs.destroy()
+        return [k for k, ok in checks.items() if not ok], threads
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_engine_group_per_torch_group_and_role():
+    results = run_ranks(_one_group_job, 2, env=FAST)
+    for failed, threads in results:
+        assert failed == []
+        assert threads == 2, f"{threads} progress threads; expected one per (torch group, role): 2"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_work_completes_with_its_event():
+    results = run_ranks(_cuda_work_job, 1, env=FAST)
+    assert results == [[]], results
+
+
+def _cuda_work_job(rank, world):
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    try:
+        g = fdist.init_group(name="cuda-work", device=torch.device("cuda", 0))
+        t = torch.ones(1 << 20, device="cuda")
+        torch.cuda._sleep(200_000_000)  # the op is queued behind this on the current stream
+        work = g.all_reduce(t, async_op=True)
+        problems = []
+        if work.is_completed():
+            problems.append("is_completed() before the op could run")
+        work.wait()  # the current stream waits; the host does not
+        torch.cuda.synchronize()
+        if not work.is_completed():
+            problems.append("not completed after synchronize")
+        g.destroy()
+        return problems
+    finally:
+        dist.destroy_process_group()
