@@ -34,16 +34,17 @@ asan: $(DEPS)
 	LD_PRELOAD=$(ASAN_LIB) ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 PYTHONPATH=build/asan/lib FAIRSCALE_C_EXPECT_BUILD=build/asan \
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/test_dlpack.py tests/test_build.py tests/test_kernels_cpu.py \
-		tests/test_collectives.py tests/test_collectives_failures.py tests/test_collectives_stress.py tests/test_fsdp_api.py \
+		tests/test_collectives.py tests/test_collectives_failures.py tests/test_collectives_stress.py \
+		tests/test_collectives_layer.py tests/test_fsdp_api.py \
 		-k "not test_peer_that_never_joins"
 	$(MAKE) -C tests/c ctest SANITIZE=1
 
-# ruff for Python; clang-format (Debian's clang-format package) for C/CUDA.
+# ruff for Python; clang-format 14 for C/CUDA (the PyPI wheel, so that every machine formats alike).
 lint: $(DEPS)
-	$(VPY) -m pip install -q ruff
+	$(VPY) -m pip install -q ruff clang-format==14.0.6
 	$(VENV)/bin/ruff check fairscale_c tests benchmarks examples setup.py tools
 	$(VENV)/bin/ruff format --check fairscale_c tests benchmarks examples setup.py tools
-	clang-format --dry-run -Werror csrc/*/*.c csrc/*/*.h csrc/cuda/*.cu csrc/cuda/*.cuh tests/c/*.c tests/c/*.h
+	$(VENV)/bin/clang-format --dry-run -Werror csrc/*/*.c csrc/*/*.h csrc/cuda/*.cu csrc/cuda/*.cuh tests/c/*.c tests/c/*.h
 
 bench: install
 	$(VPY) benchmarks/collectives.py --quick
