@@ -145,9 +145,32 @@ static fsc_status_t run_reduce_scatter(fsc_shm_group_t *g, const fsc_shm_args_t 
     return FSC_OK;
 }
 
+/* An all_reduce whose ranks' inputs together are at most this many bytes takes one barrier
+ * instead of two: every rank reduces all of it from the slots (a few hundred bytes of arithmetic
+ * cost less than a round trip between ranks). */
+#define FSC_SHM_ONE_BARRIER_MAX ((size_t)64 << 10)
+
+/* Small all_reduce: post the input, barrier, every rank reduces every slot (in rank order, so every
+ * rank computes the same bits) straight into its output. The slot is reused two ops later, after
+ * a barrier every rank passes once it has read it, as in the pipelined ops. */
+static fsc_status_t run_small_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    const void *srcs[FSC_SHM_MAX_RANKS];
+    size_t nb = a->count * fsc_dtype_size(a->dtype);
+    copy(fsc_shm_slot(g, g->rank, g->step), a->in, nb);
+    FSC_CHECK(open_collective(g, a));
+    for (int p = 0; p < g->size; p++) srcs[p] = fsc_shm_slot(g, p, g->step);
+    FSC_CHECK(fsc_shm_reduce(a->out, srcs, g->size, a->count, a->dtype, a->redop, g->size));
+    g->step++;
+    return FSC_OK;
+}
+
 /* all_reduce and reduce: post the chunk, reduce my 1/size of it into the shared result buffer,
  * barrier, copy the whole result out (reduce: root only; others just announce they are done). */
 static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    if (a->op == FSC_OP_ALL_REDUCE &&
+        a->count * fsc_dtype_size(a->dtype) * (size_t)g->size <= FSC_SHM_ONE_BARRIER_MAX &&
+        a->count * fsc_dtype_size(a->dtype) <= g->chunk)
+        return run_small_all_reduce(g, a);
     size_t esz = fsc_dtype_size(a->dtype), align = 64 / esz, per = g->chunk / esz;
     const uint8_t *in = a->in;
     uint8_t *out = a->out;

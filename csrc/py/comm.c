@@ -39,6 +39,8 @@ static int work_block(WorkObject *self, double timeout_s) {
         st = fsc_shm_work_wait(self->work, slice);
         Py_END_ALLOW_THREADS
         if (fsc_shm_work_done(self->work)) {
+            /* the slice may have timed out just before the op finished: take the op's own status */
+            st = fsc_shm_work_wait(self->work, 0);
             if (st != FSC_OK) {
                 fsc_py_raise(self->module, st);
                 return -1;
@@ -47,7 +49,9 @@ static int work_block(WorkObject *self, double timeout_s) {
         }
         if (PyErr_CheckSignals() < 0) return -1;
         if (deadline >= 0 && fsc_comm_now() >= deadline) {
-            fsc_py_raise(self->module, fsc_shm_work_wait(self->work, 0));
+            st = fsc_shm_work_wait(self->work, 0); /* OK if it has just finished */
+            if (st == FSC_OK) return 0;
+            fsc_py_raise(self->module, st);
             return -1;
         }
     }
