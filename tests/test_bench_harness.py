@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import _harness  # noqa: E402
 from _harness import RankPool, shm_segments_of  # noqa: E402
