@@ -119,6 +119,8 @@ def _rank_teardown(state: RankState) -> None:
 
 def time_calls(state: RankState, calls: int) -> float:
     """Rank command: after a barrier, time `calls` back-to-back calls of state.op (seconds)."""
+    if not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"time_calls: calls must be an int >= 1, got {calls!r}")
     if state.op is None:
         raise RuntimeError("time_calls: no case was set up on this rank (state.op is None)")
     op = state.op

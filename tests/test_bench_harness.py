@@ -92,6 +92,12 @@ def test_bad_arguments():
     for bad in (-1.0, float("nan"), float("inf"), "1"):
         with pytest.raises(ValueError, match="advance: seconds"):
             _harness.advance(bad)
+    state = _harness.RankState(rank=0, world=1, group=None, op=lambda: None)
+    for bad in (0, -3, 2.0):
+        with pytest.raises(ValueError, match="time_calls: calls must be an int >= 1"):
+            _harness.time_calls(state, bad)
+    with pytest.raises(RuntimeError, match="no case was set up"):
+        _harness.time_calls(_harness.RankState(rank=0, world=1, group=None), 1)
 
 
 def test_measured_time_moves_only_by_what_was_measured():
