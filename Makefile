@@ -4,7 +4,7 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-installed
 
-.PHONY: demo test install asan ctest bench lint clean
+.PHONY: demo test install asan ctest bench bench-compare bench-tables lint clean
 
 # torch is pinned: the CPU build of 2.13.0 (an unpinned torch pulls a multi-GB CUDA build).
 $(DEPS):
@@ -46,7 +46,33 @@ lint: $(DEPS)
 	$(VENV)/bin/ruff format --check fairscale_c tests benchmarks examples setup.py tools
 	$(VENV)/bin/clang-format --dry-run -Werror csrc/*/*.c csrc/*/*.h csrc/cuda/*.cu csrc/cuda/*.cuh tests/c/*.c tests/c/*.h
 
-bench: install
+# The pytest-benchmark suite (benchmarks/test_*.py; docs/benchmarks.md says how to read it).
+# `make bench` runs it and saves the run as JSON under benchmarks/results/<machine>/.
+# `make bench-compare` runs it again, compares each case with the last saved run (or with
+# BENCH_AGAINST=NNNN, a saved run's number) and fails a case whose fastest round is more than
+# BENCH_TOLERANCE slower; it saves nothing, so a rerun compares with the same run. The default,
+# min:100% (twice as slow), suits the shared 2-core VM (docs/benchmarks.md gives the run-to-run
+# spread it is based on); on a quiet machine use e.g. BENCH_TOLERANCE=min:25%.
+BENCH_DEPS      := $(VENV)/.bench-deps-installed
+BENCH_TOLERANCE ?= min:100%
+BENCH_AGAINST   ?=
+BENCH_PYTEST    := $(VPY) -m pytest benchmarks --benchmark-only --benchmark-storage=benchmarks/results \
+	--benchmark-columns=min,median,iqr,max,rounds
+
+$(BENCH_DEPS): $(DEPS)
+	$(VPY) -m pip install -q "pytest-benchmark>=4"
+	touch $@
+
+bench: install $(BENCH_DEPS)
+	$(BENCH_PYTEST) --benchmark-autosave
+
+bench-compare: install $(BENCH_DEPS)
+	@ls benchmarks/results/*/[0-9]*.json >/dev/null 2>&1 || { echo "bench-compare: no saved run under benchmarks/results: run 'make bench' first"; exit 1; }
+	$(BENCH_PYTEST) $(if $(BENCH_AGAINST),--benchmark-compare=$(BENCH_AGAINST),--benchmark-compare) \
+		--benchmark-compare-fail=$(BENCH_TOLERANCE)
+
+# The side-by-side tables of docs/benchmarks.md come from the standalone scripts.
+bench-tables: install
 	$(VPY) benchmarks/collectives.py --quick
 
 clean:

@@ -72,6 +72,11 @@ class Config:
     seed: int = 0
 
 
+def quick_config() -> Config:
+    """The small model of --quick (0.14M parameters), also the one benchmarks/test_bench_fsdp.py trains."""
+    return Config(layers=2, d_model=64, heads=2, seq=64, vocab=512, batch=4, steps=5, warmup=2)
+
+
 class Block(nn.Module):
     """Pre-LN transformer block: causal self-attention then a 4x MLP, each with a residual."""
 
@@ -531,7 +536,7 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     p.add_argument("--profile", metavar="FILE", help="cProfile rank 0 of fairscale_c's timed steps into FILE")
     p.add_argument("--out", default=RESULTS, help="JSON results path")
     a = p.parse_args(argv)
-    cfg = Config(layers=2, d_model=64, heads=2, seq=64, vocab=512, batch=4, steps=5, warmup=2) if a.quick else d
+    cfg = quick_config() if a.quick else d
     for name in ("steps", "warmup", "layers", "d_model", "heads", "seq", "vocab", "batch"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))

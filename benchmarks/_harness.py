@@ -1,0 +1,309 @@
+"""Shared pieces of the pytest-benchmark suite (benchmarks/test_*.py).
+
+RankPool: `world` spawned rank processes that live for a whole test module. Each rank joins a gloo
+process group and a fairscale_c group once, then serves commands sent over a pipe: a command is a
+module-level function `fn(state, *args)` run on every rank at once, whose return value comes back
+by rank. Every wait has a timeout; a rank that fails or stops answering brings the pool down
+(ranks stopped, then killed), and later commands fail at once naming the first failure.
+
+measured_time: a pytest-benchmark timer (`@pytest.mark.benchmark(timer=measured_time)`) that
+advances only by what a case measured itself (`advance`): the slowest rank's time for N
+back-to-back calls divided by N, or a CUDA event interval divided by N. With it, pytest-benchmark's
+statistics are per-call times of the work, without the pipe round trip that drives the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import socket
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+# Seconds a command may take on the ranks before the pool is declared hung, and the engine's own
+# bound on a wait for a peer inside the ranks (FAIRSCALE_C_TIMEOUT), kept below it so a rank
+# whose peer failed reports an error before the pool gives up on it.
+COMMAND_TIMEOUT_S = 120.0
+RANK_ENGINE_TIMEOUT_S = 60
+START_TIMEOUT_S = 180.0  # importing torch on a loaded 2-core machine takes a while
+STOP_GRACE_S = 20.0
+# A rank that hears nothing from the pool for this long exits on its own (a lost parent).
+RANK_IDLE_EXIT_S = 1800.0
+
+
+# ---------------------------------------------------------------- timer
+
+
+_measured_s = 0.0
+
+
+def measured_time() -> float:
+    """pytest-benchmark timer: the sum of every interval passed to advance() so far (seconds)."""
+    return _measured_s
+
+
+def advance(seconds: float) -> None:
+    """Add a measured interval to measured_time()."""
+    global _measured_s
+    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"advance: seconds must be a finite number >= 0, got {seconds!r}")
+    _measured_s += float(seconds)
+
+
+def drive(benchmark: Any, measure: Callable[[], float], rounds: int, warmup_rounds: int = 1) -> List[float]:
+    """Run `measure` (returns the seconds per call it measured) under benchmark.pedantic, one call
+    per round, feeding measured_time. Returns the per-call seconds of the timed rounds."""
+    if rounds < 1 or warmup_rounds < 0:
+        raise ValueError(f"drive: rounds must be >= 1 and warmup_rounds >= 0, got {rounds}, {warmup_rounds}")
+    seen: List[float] = []
+
+    def one_round() -> None:
+        t = measure()
+        seen.append(t)
+        advance(t)
+
+    benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
+    # With --benchmark-disable pedantic runs the target once, with no warm-up.
+    return seen[warmup_rounds:] if len(seen) > warmup_rounds else seen
+
+
+def median(values: List[float]) -> float:
+    return statistics.median(values)
+
+
+# ---------------------------------------------------------------- ranks
+
+
+@dataclass
+class RankState:
+    """What a rank keeps between commands: its place in the world, the process groups, and
+    whatever the current case set up (`op`: the callable that _time_calls times)."""
+
+    rank: int
+    world: int
+    group: Any  # fairscale_c.distributed.Group
+    op: Optional[Callable[[], Any]] = None
+    case: Dict[str, Any] = field(default_factory=dict)
+
+
+def _rank_setup(rank: int, world: int) -> RankState:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    # One intra-op thread per rank: `world` ranks share the machine's cores, as in training.
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=RANK_ENGINE_TIMEOUT_S)
+    )
+    return RankState(rank=rank, world=world, group=fdist.init_group())
+
+
+def _rank_teardown(state: RankState) -> None:
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    state.op, state.case = None, {}
+    fdist.destroy(state.group)
+    dist.destroy_process_group()
+
+
+def time_calls(state: RankState, calls: int) -> float:
+    """Rank command: after a barrier, time `calls` back-to-back calls of state.op (seconds)."""
+    if not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"time_calls: calls must be an int >= 1, got {calls!r}")
+    if state.op is None:
+        raise RuntimeError("time_calls: no case was set up on this rank (state.op is None)")
+    op = state.op
+    state.group.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        op()
+    return time.perf_counter() - t0
+
+
+def _rank_main(rank: int, world: int, port: int, conn: Any) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "FAIRSCALE_C_TIMEOUT": str(RANK_ENGINE_TIMEOUT_S),
+        }
+    )
+    try:
+        state = _rank_setup(rank, world)
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    try:
+        while conn.poll(RANK_IDLE_EXIT_S):
+            try:
+                msg = conn.recv()
+            except EOFError:  # the pool's end is gone
+                break
+            if msg[0] == "stop":
+                break
+            _, fn, args = msg
+            try:
+                reply = ("ok", fn(state, *args))
+            except BaseException:
+                reply = ("err", traceback.format_exc())
+            conn.send(reply)
+    finally:
+        _rank_teardown(state)
+        conn.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_segments_of(pids: List[int]) -> List[str]:
+    """fairscale_c shared-memory segments in /dev/shm created by these processes (their names
+    start with fsc-<pid>-). A group's segment is unlinked once every rank has attached, so after
+    a clean shutdown there are none."""
+    prefixes = tuple(f"fsc-{pid}-" for pid in pids)
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefixes))
+    except FileNotFoundError:
+        return []
+
+
+class RankPool:
+    """`world` rank processes started once; see the module docstring.
+
+    pool.run(fn, *args) runs module-level `fn(state, *args)` on every rank and returns the results
+    by rank. pool.close() stops the ranks (killing any that do not stop within STOP_GRACE_S) and
+    raises if they left shared-memory segments behind."""
+
+    def __init__(self, world: int) -> None:
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"RankPool: world must be an int >= 1, got {world!r}")
+        self.world = world
+        self.pids: List[int] = []
+        self._broken: Optional[str] = None
+        self._closed = False
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._conns = []
+        self._procs = []
+        try:
+            for r in range(world):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_rank_main, args=(r, world, port, child), daemon=True, name=f"bench-rank{r}")
+                p.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(p)
+                self.pids.append(p.pid)
+            self._collect("start-up", START_TIMEOUT_S)
+        except BaseException as e:
+            self._broken = f"start-up: {type(e).__name__}: {e}"
+            self._closed = True
+            self._stop(graceful=False)
+            raise
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = COMMAND_TIMEOUT_S) -> List[Any]:
+        if self._closed:
+            raise RuntimeError("RankPool.run: the pool is closed")
+        if self._broken is not None:
+            raise RuntimeError(f"RankPool.run: the ranks were stopped after an earlier failure:\n{self._broken}")
+        what = getattr(fn, "__name__", repr(fn))
+        try:
+            for c in self._conns:
+                c.send(("run", fn, args))
+            return self._collect(what, timeout)
+        except BaseException as e:
+            self._broken = f"{type(e).__name__}: {e}"
+            self._stop(graceful=False)
+            raise
+
+    def _collect(self, what: str, timeout: float) -> List[Any]:
+        """One reply from every rank, or an error naming the ranks that failed, died or timed out."""
+        replies: Dict[int, Any] = {}
+        errors: List[str] = []
+        deadline = time.monotonic() + timeout
+        while len(replies) + len(errors) < self.world:
+            waiting = {self._conns[r]: r for r in range(self.world) if r not in replies}
+            ready = mpc.wait(list(waiting), timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            for c in ready:
+                r = waiting[c]
+                try:
+                    status, value = c.recv()
+                except EOFError:
+                    status, value = "err", f"exited (code {self._procs[r].exitcode}) without replying"
+                if status == "ok":
+                    replies[r] = value
+                else:
+                    errors.append(f"--- rank {r} ---\n{value}")
+                    replies[r] = None
+            if errors:
+                # A peer of the failed rank may sit in a collective until its engine times out:
+                # do not wait for it.
+                break
+            if time.monotonic() >= deadline:
+                late = sorted(set(range(self.world)) - set(replies))
+                raise TimeoutError(f"{what}: ranks {late} did not answer within {timeout:.0f} s")
+        if errors:
+            raise RuntimeError(f"{what} failed:\n" + "\n".join(errors))
+        return [replies[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        """Stop the ranks; raise if a clean stop left shared-memory segments. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        left = self._stop(graceful=self._broken is None)
+        if left and self._broken is None:
+            raise RuntimeError(f"RankPool.close: the ranks left shared-memory segments behind: {left}")
+
+    def _stop(self, graceful: bool) -> List[str]:
+        """Ask every rank to stop; wait STOP_GRACE_S (2 s when not graceful: a rank may sit in a
+        collective whose peer failed), then terminate and kill. Removes the shared-memory
+        segments named by our ranks' pids and returns their names."""
+        for c in self._conns:
+            try:
+                c.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + (STOP_GRACE_S if graceful else 2.0)
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self._conns:
+            c.close()
+        self._conns, self._procs = [], []
+        left = shm_segments_of(self.pids)
+        for name in left:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
+        return left
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,118 @@
+"""One training step of the small GPT (benchmarks/fsdp.py's --quick model) on CPU at world 2:
+fairscale_c's FullyShardedDataParallel, with PyTorch's FSDP2 and with no sharding ("local": each
+rank trains its own full copy, no communication: the compute floor) as the paired cases.
+
+A step is zero_grad + forward + loss + backward + AdamW step + loss.item(), as in
+benchmarks/fsdp.py. The model is built and wrapped in the long-lived rank processes (same seed,
+same per-rank batches for every framework) and takes WARMUP_STEPS untimed steps; a round is then
+STEPS_PER_ROUND steps back to back after a barrier, and its per-step time is the slowest rank's
+elapsed time / STEPS_PER_ROUND (see _harness.measured_time).
+
+Guards, so that a case cannot time a run that does not train: every loss is finite, the loss
+falls, and fairscale_c's losses match FSDP2's step for step (both see the same data).
+
+OSS and Pipe steps belong in test_bench_oss.py / test_bench_pipe.py beside this file, on the same
+`ranks` fixture, once those features exist (docs/benchmarks.md, "Adding cases").
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import asdict
+from typing import Any, Dict, List
+
+import pytest
+from conftest import WORLD
+
+from _harness import RankState, drive, measured_time, median, time_calls
+
+FRAMEWORKS = ["torch_fsdp2", "fairscale_c", "local"]  # FSDP2 first: the others' ratios read its median
+STEPS_PER_ROUND, ROUNDS, WARMUP_STEPS = 5, 6, 2
+LOSS_MATCH_ATOL = 1e-3
+
+_results: Dict[str, Dict[str, Any]] = {}
+
+
+def _config() -> Dict[str, Any]:
+    import fsdp as fsdp_script  # benchmarks/fsdp.py
+
+    cfg = fsdp_script.quick_config()
+    cfg.world, cfg.threads, cfg.warmup = WORLD, 1, WARMUP_STEPS
+    cfg.steps = (ROUNDS + 1) * STEPS_PER_ROUND  # the timed rounds and pedantic's warm-up round
+    return asdict(cfg)
+
+
+def _prepare_training(state: RankState, framework: str, cfg_dict: Dict[str, Any]) -> None:
+    """Rank command: build and wrap the model for `framework`, take the warm-up steps, and leave
+    one training step in state.op."""
+    import torch
+
+    import fsdp as fsdp_script
+
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    state.op, state.case = None, {}  # release the previous framework's model first
+    gc.collect()
+    cfg = fsdp_script.Config(**cfg_dict)
+    batches = fsdp_script.make_batches(cfg, state.rank, torch.device("cpu"))
+    torch.manual_seed(cfg.seed)
+    model = fsdp_script.WRAPPERS[framework](fsdp_script.GPT(cfg), cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    losses: List[float] = []
+
+    def step() -> None:
+        x, y = batches[len(losses) % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+
+    for _ in range(cfg.warmup):
+        step()
+    state.case = {"losses": losses}
+    state.op = step
+
+
+def _losses(state: RankState) -> List[float]:
+    """Rank command: the losses of every step taken so far by the current case."""
+    return list(state.case["losses"])
+
+
+@pytest.mark.benchmark(timer=measured_time)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_fsdp_step(benchmark: Any, ranks: Any, framework: str) -> None:
+    cfg = _config()
+    benchmark.group = f"fsdp step, small GPT, cpu world {WORLD}"
+    ranks.run(_prepare_training, framework, cfg)
+    per_step = drive(benchmark, lambda: max(ranks.run(time_calls, STEPS_PER_ROUND)) / STEPS_PER_ROUND, ROUNDS)
+    losses = ranks.run(_losses)
+    t = median(per_step)
+    _results[framework] = {"step_s": t, "losses": losses}
+    info: Dict[str, Any] = {
+        "framework": framework,
+        "world": WORLD,
+        "config": {k: cfg[k] for k in ("layers", "d_model", "heads", "seq", "vocab", "batch", "lr")},
+        "steps_per_round": STEPS_PER_ROUND,
+        "timing": "slowest rank's time for steps_per_round back-to-back steps after a barrier, / steps_per_round",
+        "tokens_per_s": WORLD * cfg["batch"] * cfg["seq"] / t,
+        "loss_first": [r[0] for r in losses],
+        "loss_last": [r[-1] for r in losses],
+    }
+    base = _results.get("torch_fsdp2")
+    info["step_vs_fsdp2"] = t / base["step_s"] if base is not None and framework != "torch_fsdp2" else None
+    if framework == "fairscale_c" and base is not None:
+        info["max_abs_loss_diff_vs_fsdp2"] = max(
+            abs(a - b) for mine, theirs in zip(losses, base["losses"]) for a, b in zip(mine, theirs)
+        )
+    benchmark.extra_info.update(info)
+
+    for rank, rank_losses in enumerate(losses):
+        assert all(math.isfinite(v) for v in rank_losses), f"{framework} rank {rank}: non-finite loss {rank_losses}"
+        tail = rank_losses[-STEPS_PER_ROUND:]
+        assert sum(tail) / len(tail) < rank_losses[0], f"{framework} rank {rank}: the loss did not fall {rank_losses}"
+    if "max_abs_loss_diff_vs_fsdp2" in info:
+        assert info["max_abs_loss_diff_vs_fsdp2"] <= LOSS_MATCH_ATOL, (
+            f"fairscale_c's losses differ from FSDP2's by {info['max_abs_loss_diff_vs_fsdp2']:.3g}"
+        )
