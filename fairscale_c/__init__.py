@@ -7,11 +7,11 @@ from typing import Any, Dict
 
 from . import _C
 from ._C import DistributedError
+from ._version import __version__
 
-__version__ = "0.1.0"
-__version_tuple__ = (0, 1, 0)
+__version_tuple__ = tuple(int(p) if p.isdigit() else p for p in __version__.split("."))
 
-__all__ = ["DistributedError", "build_info"]
+__all__ = ["DistributedError", "__version__", "build_info"]
 
 
 def build_info() -> Dict[str, Any]:
