@@ -19,7 +19,7 @@ def build_info() -> Dict[str, Any]:
 
     Keys: ``version``, ``compiler``, ``c_standard``, ``dlpack_version``, ``cuda_kernels_built``
     (compiled in when nvcc was present at build time), and, discovered at run time by dlopen
-    (see ``_C.gpu_info()``): ``driver_found`` / ``driver_version``, ``runtime_found`` /
+    (see ``_C.gpu_info()``): ``driver_found`` / ``driver_version`` / ``driver_path``, ``runtime_found`` /
     ``runtime_version`` / ``runtime_path``, ``nccl_version`` / ``nccl_path``, ``device_count``,
     ``kernels_built`` and ``error`` (why a library was not usable, if any).
     """
