@@ -182,10 +182,13 @@ def load_checkpoint(model: FSDP, optim: torch.optim.Optimizer, ckpt_dir: str, de
     Every rank must find the same step, else the folder changed under us: raise, don't diverge."""
     rank, world = dist.get_rank(), dist.get_world_size()
     step = latest_checkpoint(ckpt_dir, world) or 0
-    steps = [None] * world
-    dist.all_gather_object(steps, step)
-    if len(set(steps)) != 1:
-        raise RuntimeError(f"ranks found different checkpoints in {ckpt_dir}: steps {steps}")
+    # Tensor collectives (torch's object collectives would need numpy): the largest and smallest step.
+    extremes = torch.tensor([step, -step], device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if extremes[0].item() != -extremes[1].item():
+        raise RuntimeError(
+            f"ranks found different checkpoints in {ckpt_dir}: steps {-extremes[1].item()} to {extremes[0].item()}"
+        )
     if step == 0:
         return 0
     state = torch.load(shard_file(ckpt_dir, step, rank, world), map_location=device, weights_only=True)
@@ -208,10 +211,10 @@ class Progress:
     steps otherwise. Reporting takes collectives, so every rank must agree on the steps: whether
     rank 0 writes to a terminal is broadcast (a collective call)."""
 
-    def __init__(self, total: int, every: int):
-        on_terminal = [sys.stdout.isatty()]
-        dist.broadcast_object_list(on_terminal, src=0)
-        self.tty, self.enabled = on_terminal[0], dist.get_rank() == 0
+    def __init__(self, total: int, every: int, device: torch.device):
+        on_terminal = torch.tensor([int(sys.stdout.isatty())], device=device)
+        dist.broadcast(on_terminal, src=0)
+        self.tty, self.enabled = bool(on_terminal.item()), dist.get_rank() == 0
         self.total, self.every = total, 1 if self.tty else every
 
     def due(self, step: int) -> bool:
@@ -254,7 +257,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             f" {what}; checkpoints go to {args.ckpt_dir}",
             flush=True,
         )
-    progress = Progress(args.steps, args.log_every)
+    progress = Progress(args.steps, args.log_every, device)
     mem_kind = "allocated" if device.type == "cuda" else "RSS"
     window_start, window_tokens, saved = time.perf_counter(), 0, start
     try:

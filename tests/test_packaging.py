@@ -2,27 +2,28 @@
 
 What `pip install fairscale_c` does on a platform without a matching wheel is build this sdist, so
 a header, kernel or build script missing from it must fail here. The sdist is built through the
-PEP 517 hook (as pip and `python -m build` do), installed into a fresh virtual environment
-(without build isolation, so the test needs no network; `make dist` uses isolation), and used
-from a directory outside the source tree: `python -m fairscale_c`, a 2-rank all_reduce and two
-FSDP steps under torchrun. The new environment reuses this one's torch through a .pth file
-rather than installing another copy.
+PEP 517 hook (as pip and `python -m build` do), turned into a wheel without build isolation (so
+the test needs no network; `make dist` uses isolation), installed into a fresh virtual
+environment that holds only torch and its requirements (this environment's copies, linked, not
+installed again), and used from a directory outside the source tree: `python -m fairscale_c`, a
+2-rank all_reduce and two FSDP steps of examples/train_gpt.py under torchrun.
 """
 
 import glob
+import importlib.metadata
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import textwrap
 
 import pytest
 from dist_utils import free_port, shm_segments
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import fairscale_c
 
@@ -101,10 +102,12 @@ def _nvcc_used():
     return forced == "1" or (forced != "0" and build_cuda.find_nvcc() is not None)
 
 
-def _fresh_venv(path):
-    """A virtual environment without pip whose interpreter also sees this one's site-packages
-    (torch) after its own, through a .pth file; the .pth files there (this checkout's editable
-    install) are not processed, so `fairscale_c` resolves only to what gets installed here."""
+def _torch_only_venv(path):
+    """A virtual environment (without pip) holding only torch and what torch requires, as a
+    user's would: this environment's copies, linked from a folder that a .pth file puts on the
+    new interpreter's path. numpy, pytest and this checkout's editable install stay out of sight,
+    so a run-time need for any of them fails here. pip never uninstalls a package outside the
+    environment's own site-packages, so the links are safe."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
     python = str(path / "bin" / "python")
     purelib = subprocess.run(
@@ -114,18 +117,38 @@ def _fresh_venv(path):
         check=True,
         timeout=60,
     ).stdout.strip()
-    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    with open(os.path.join(purelib, "reuse_outer_site_packages.pth"), "w") as f:
-        f.write("".join(p + "\n" for p in sorted(ours)))
+    linked = path / "torch-and-requirements"
+    linked.mkdir()
+    todo, seen = ["torch"], set()
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # a requirement of another platform or build (e.g. the CUDA wheels)
+        for req in map(Requirement, dist.requires or []):
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+        for top in {f.parts[0] for f in dist.files or []} - {"..", "__pycache__"}:
+            src = dist.locate_file(top)
+            if os.path.exists(src) and not (linked / top).exists():
+                os.symlink(src, linked / top)
+    assert "torch" in seen and not (linked / "numpy").exists()
+    with open(os.path.join(purelib, "torch_and_requirements.pth"), "w") as f:
+        f.write(f"{linked}\n")
     return python
 
 
+# Run by torchrun in the new environment: an all_reduce of fairscale_c's collective engine, then
+# two FSDP steps of examples/train_gpt.py (its training function, on the same process group).
 RANKS_SCRIPT = textwrap.dedent(
     """
-    import os, sys
+    import importlib.util, sys
     import torch, torch.distributed as dist
     import fairscale_c, fairscale_c.distributed as fdist
-    from fairscale_c.nn import FullyShardedDataParallel as FSDP
 
     assert fairscale_c.__file__.startswith(sys.prefix), fairscale_c.__file__
     dist.init_process_group("gloo")
@@ -134,35 +157,34 @@ RANKS_SCRIPT = textwrap.dedent(
     t = torch.full((1000,), float(rank + 1))
     group.all_reduce(t)
     assert torch.equal(t, torch.full((1000,), float(sum(range(1, world + 1))))), t[:4]
-    torch.manual_seed(0)
-    model = FSDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)), torch.ones(8, 1)
-    losses = []
-    for _ in range(2):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    assert losses[1] < losses[0], losses
     group.destroy()
+    spec = importlib.util.spec_from_file_location("train_gpt", sys.argv[1])
+    train_gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpt)
+    args = train_gpt.parse_args(["--steps", "2", "--log-every", "1", "--ckpt-dir", sys.argv[2]])
+    train_gpt.train(args, torch.device("cpu"))
     dist.destroy_process_group()
-    print(f"rank {rank} ok: all_reduce {t[0].item():g}, FSDP losses {losses[0]:.4f} -> {losses[1]:.4f}", flush=True)
+    print(f"rank {rank} ok: all_reduce {t[0].item():g}", flush=True)
     """
 )
 
 
 @pytest.mark.slow
 def test_sdist_installs_into_a_fresh_venv_and_runs_outside_the_tree(sdist, tmp_path):
-    python = _fresh_venv(tmp_path / "venv")
+    python = _torch_only_venv(tmp_path / "venv")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(FAIRSCALE_C_TIMEOUT="60", OMP_NUM_THREADS="1")
-    # --no-index: the installed torch must satisfy the declared range, nothing may be downloaded.
-    pip = [sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "--no-build-isolation"]
-    r = subprocess.run(
-        [*pip, "--no-cache-dir", sdist], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
-    )
+    # What `pip install <sdist>` does, in two steps so that the build can use this environment's
+    # setuptools (no network) while the new one holds only torch: build a wheel from the sdist,
+    # then install it. --no-index: the torch there must satisfy the declared range, as nothing
+    # may be downloaded.
+    pip = [sys.executable, "-m", "pip"]
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-w", str(tmp_path), sdist]
+    r = subprocess.run(build, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    (wheel,) = glob.glob(str(tmp_path / "fairscale_c-*.whl"))
+    install = [*pip, "--python", python, "install", "--no-index", "--no-cache-dir", wheel]
+    r = subprocess.run(install, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
 
     r = subprocess.run(
@@ -189,7 +211,10 @@ def test_sdist_installs_into_a_fresh_venv_and_runs_outside_the_tree(sdist, tmp_p
     before = shm_segments()
     cmd = [python, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
     cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)]
+    cmd += [os.path.join(ROOT, "examples", "train_gpt.py"), str(tmp_path / "ckpt")]
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "rank 0 ok" in r.stdout and "rank 1 ok" in r.stdout, r.stdout
+    assert "step 2/2 [" in r.stdout and "done: 2 steps" in r.stdout, r.stdout
+    assert sorted(os.listdir(tmp_path / "ckpt" / "step-000002")) == ["rank-0-of-2.pt", "rank-1-of-2.pt"]
     assert shm_segments() <= before
