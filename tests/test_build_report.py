@@ -62,10 +62,9 @@ def test_report_names_the_driver_and_nccl_files_it_loaded():
     r = subprocess.run(["make", "-C", C_TESTS, "build/fake/libnccl.so.2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     fake = os.path.join(C_TESTS, "build", "fake")
-    info = json.loads(report("--json", env={"LD_LIBRARY_PATH": fake}))
-    assert info["driver_found"] and info["device_count"] >= 1
-    assert os.path.dirname(info["driver_path"]) == fake  # one object serves both names in the fake
-    assert info["nccl_version"] > 0 and info["nccl_path"] == os.path.join(fake, "libnccl.so.2")
     text = report(env={"LD_LIBRARY_PATH": fake})
-    assert f"at {info['driver_path']}, {info['device_count']} device(s)" in text
-    assert f"at {info['nccl_path']}" in text
+    # One object serves both names in the fake, so the driver's file may show either name.
+    assert re.search(rf"CUDA driver +\d+\.\d+ at {re.escape(fake)}/lib\S+\.so\S*, [1-9]\d* device\(s\)$", text, re.M), (
+        text
+    )
+    assert re.search(rf"NCCL +\d+\.\d+\.\d+ at {re.escape(fake)}/libnccl\.so\.2$", text, re.M), text

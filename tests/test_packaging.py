@@ -21,7 +21,7 @@ import tarfile
 import textwrap
 
 import pytest
-from dist_utils import free_port, shm_segments
+from dist_utils import free_port, orphaned_segments
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -208,7 +208,7 @@ def test_sdist_installs_into_a_fresh_venv_and_runs_outside_the_tree(sdist, tmp_p
 
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_SCRIPT)
-    before = shm_segments()
+    before = orphaned_segments()
     cmd = [python, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
     cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)]
     cmd += [os.path.join(ROOT, "examples", "train_gpt.py"), str(tmp_path / "ckpt")]
@@ -217,4 +217,4 @@ def test_sdist_installs_into_a_fresh_venv_and_runs_outside_the_tree(sdist, tmp_p
     assert "rank 0 ok" in r.stdout and "rank 1 ok" in r.stdout, r.stdout
     assert "step 2/2 [" in r.stdout and "done: 2 steps" in r.stdout, r.stdout
     assert sorted(os.listdir(tmp_path / "ckpt" / "step-000002")) == ["rank-0-of-2.pt", "rank-1-of-2.pt"]
-    assert shm_segments() <= before
+    assert orphaned_segments() <= before

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from dist_utils import free_port, shm_segments
+from dist_utils import free_port, orphaned_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
@@ -99,7 +99,7 @@ def _read_terminal(fd, q):
 
 
 def test_ctrl_c_on_a_terminal_stops_every_rank_and_leaves_no_shared_memory(tmp_path):
-    before = shm_segments()
+    before = orphaned_segments()
     args = ["--steps", "100000", "--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "2"]
     args += ["--bf16", "--activation-checkpointing"]
     # On a terminal (the progress bar redraws every step) and in a session of its own, so the
@@ -145,7 +145,7 @@ def test_ctrl_c_on_a_terminal_stops_every_rank_and_leaves_no_shared_memory(tmp_p
     # torchrun prints its own traceback for the signal; the workers print none.
     assert 'train_gpt.py", line' not in out, out
     assert proc.returncode != 0
-    assert shm_segments() <= before
+    assert orphaned_segments() <= before
     assert _processes_running(SCRIPT, str(tmp_path)) == []
 
 
