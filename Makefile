@@ -4,7 +4,7 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-installed
 
-.PHONY: demo test install asan ctest bench bench-compare bench-tables lint clean
+.PHONY: demo test install dist asan ctest bench bench-compare bench-tables lint clean
 
 # torch is pinned: the CPU build of 2.13.0 (an unpinned torch pulls a multi-GB CUDA build).
 $(DEPS):
@@ -14,6 +14,14 @@ $(DEPS):
 
 install: $(DEPS)
 	$(VPY) -m pip install -q --no-build-isolation -e .
+
+# dist/: the sdist, then a wheel built from it (python -m build), each in an isolated build
+# environment that has only what pyproject.toml declares (setuptools, from the package index).
+# The egg-info of the editable install goes first: setuptools would carry its file list over.
+dist: $(DEPS)
+	$(VPY) -m pip install -q build
+	rm -rf fairscale_c.egg-info
+	$(VPY) -m build --outdir dist .
 
 demo: install
 	$(VPY) examples/demo.py
@@ -76,4 +84,4 @@ bench-tables: install
 	$(VPY) benchmarks/collectives.py --quick
 
 clean:
-	rm -rf build fairscale_c/*.so *.egg-info
+	rm -rf build dist fairscale_c/*.so *.egg-info

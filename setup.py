@@ -2,13 +2,25 @@
 
 import glob
 import os
+import re
 import sys
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-VERSION = "0.1.0"
+
+
+def read_version():
+    """The version in fairscale_c/_version.py (pyproject.toml reads the same line)."""
+    with open(os.path.join(ROOT, "fairscale_c", "_version.py")) as f:
+        match = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError("fairscale_c/_version.py has no __version__ line")
+    return match.group(1)
+
+
+VERSION = read_version()
 
 
 def cuda_wanted():

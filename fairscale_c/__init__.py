@@ -7,11 +7,11 @@ from typing import Any, Dict
 
 from . import _C
 from ._C import DistributedError
+from ._version import __version__
 
-__version__ = "0.1.0"
-__version_tuple__ = (0, 1, 0)
+__version_tuple__ = tuple(int(p) if p.isdigit() else p for p in __version__.split("."))
 
-__all__ = ["DistributedError", "build_info"]
+__all__ = ["DistributedError", "__version__", "build_info"]
 
 
 def build_info() -> Dict[str, Any]:
@@ -19,7 +19,7 @@ def build_info() -> Dict[str, Any]:
 
     Keys: ``version``, ``compiler``, ``c_standard``, ``dlpack_version``, ``cuda_kernels_built``
     (compiled in when nvcc was present at build time), and, discovered at run time by dlopen
-    (see ``_C.gpu_info()``): ``driver_found`` / ``driver_version``, ``runtime_found`` /
+    (see ``_C.gpu_info()``): ``driver_found`` / ``driver_version`` / ``driver_path``, ``runtime_found`` /
     ``runtime_version`` / ``runtime_path``, ``nccl_version`` / ``nccl_path``, ``device_count``,
     ``kernels_built`` and ``error`` (why a library was not usable, if any).
     """

@@ -28,6 +28,18 @@ def shm_segments() -> set:
         return set()
 
 
+def orphaned_segments() -> set:
+    """fairscale_c segments whose creating process (the pid in the name, "fsc-<pid>-...") is gone:
+    left behind by a run that has ended. Segments of live processes are not counted, so that other
+    runs on the same machine, which share /dev/shm, do not make a leak check fail."""
+    orphans = set()
+    for name in shm_segments():
+        pid = name.split("-")[1] if name.count("-") >= 2 else ""
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            orphans.add(name)
+    return orphans
+
+
 def _entry(fn: Callable, rank: int, world: int, port: int, env: Dict[str, str], q: Any, args: tuple) -> None:
     os.environ.update(
         {

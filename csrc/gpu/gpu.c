@@ -154,6 +154,7 @@ static pthread_once_t load_once = PTHREAD_ONCE_INIT;
 static fsc_status_t load_status = FSC_ERR_UNAVAILABLE;
 static char load_message[256];
 static int driver_found, driver_version, device_count;
+static char driver_path[512]; /* where libcuda.so.1 resolved to, for bug reports */
 
 /* Per device: the retained primary context and, once loaded, the module and its kernels.
  * Filled under `dev_lock`; contexts and modules live until the process exits (like torch's). */
@@ -196,6 +197,10 @@ static void load_driver(void) {
         memcpy((char *)&cu + cu_symbols[i].offset, &p, sizeof(p));
     }
     driver_found = 1;
+    Dl_info where;
+    void *entry;
+    memcpy(&entry, &cu.cuDriverGetVersion, sizeof(entry));
+    if (dladdr(entry, &where) && where.dli_fname) snprintf(driver_path, sizeof(driver_path), "%s", where.dli_fname);
     cu.cuDriverGetVersion(&driver_version);
     cu_result_t r = cu.cuInit(0);
     if (r != CU_SUCCESS) {
@@ -245,6 +250,7 @@ void fsc_gpu_info(fsc_gpu_info_t *out) {
     fsc_status_t st = fsc_gpu_load();
     out->driver_found = driver_found;
     out->driver_version = driver_version;
+    snprintf(out->driver_path, sizeof(out->driver_path), "%s", driver_path);
     out->device_count = device_count;
     if (st != FSC_OK) snprintf(out->error, sizeof(out->error), "%s", load_message);
 #ifdef FSC_WITH_CUDA_KERNELS

@@ -20,6 +20,7 @@ typedef void *fsc_gpu_event_t;
 typedef struct {
     int driver_found;       /* libcuda.so.1 opened and its symbols resolved */
     int driver_version;     /* cuDriverGetVersion, e.g. 12080 for 12.8; 0 when not found */
+    char driver_path[512];  /* file libcuda.so.1 was loaded from; "" when not found */
     int runtime_found;      /* a libcudart was found (the one torch loaded, if any) */
     int runtime_version;    /* cudaRuntimeGetVersion; 0 when not found */
     char runtime_path[512]; /* file the runtime was loaded from; "" when not found */

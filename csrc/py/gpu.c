@@ -59,17 +59,19 @@ static PyObject *py_gpu_info(PyObject *module, PyObject *Py_UNUSED(args)) {
     Py_BEGIN_ALLOW_THREADS
     fsc_gpu_info(&info);
     Py_END_ALLOW_THREADS
+    PyObject *driver_path = str_or_none(info.driver_path);
     PyObject *runtime_path = str_or_none(info.runtime_path);
     PyObject *error = str_or_none(info.error);
     PyObject *nccl_path = str_or_none(fsc_nccl_path());
     PyObject *d = NULL;
-    if (runtime_path && error && nccl_path)
-        d = Py_BuildValue("{s:O, s:i, s:O, s:i, s:O, s:O, s:i, s:O, s:i, s:O}", "driver_found",
-                          info.driver_found ? Py_True : Py_False, "driver_version", info.driver_version,
-                          "runtime_found", info.runtime_found ? Py_True : Py_False, "runtime_version",
+    if (driver_path && runtime_path && error && nccl_path)
+        d = Py_BuildValue("{s:O, s:i, s:O, s:O, s:i, s:O, s:O, s:i, s:O, s:i, s:O}", "driver_found",
+                          info.driver_found ? Py_True : Py_False, "driver_version", info.driver_version, "driver_path",
+                          driver_path, "runtime_found", info.runtime_found ? Py_True : Py_False, "runtime_version",
                           info.runtime_version, "runtime_path", runtime_path, "kernels_built",
                           info.kernels_built ? Py_True : Py_False, "device_count", info.device_count, "error", error,
                           "nccl_version", fsc_nccl_version(), "nccl_path", nccl_path);
+    Py_XDECREF(driver_path);
     Py_XDECREF(runtime_path);
     Py_XDECREF(error);
     Py_XDECREF(nccl_path);
