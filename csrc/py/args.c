@@ -4,19 +4,35 @@
 
 #include "binding.h"
 
-int fsc_py_stream_converter(PyObject *obj, void *out) {
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "argument 'stream': expected an int (a cudaStream_t), got %s",
-                     Py_TYPE(obj)->tp_name);
-        return 0;
-    }
+/* The stream in `obj`: 1 when it is an int in [0, 2**64), 0 when it is not an int, -1 when it is
+ * out of range (no exception left set in either case). */
+static int stream_value(PyObject *obj, uintptr_t *out) {
+    if (!PyLong_Check(obj)) return 0;
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_ValueError, "argument 'stream': expected a non-negative int (a cudaStream_t)");
-        return 0;
+        PyErr_Clear();
+        return -1;
     }
-    *(uintptr_t *)out = (uintptr_t)v;
+    *out = (uintptr_t)v;
     return 1;
+}
+
+int fsc_py_stream_converter(PyObject *obj, void *out) {
+    int r = stream_value(obj, (uintptr_t *)out);
+    if (r == 0)
+        PyErr_Format(PyExc_TypeError, "argument 'stream': expected an int (a cudaStream_t), got %s",
+                     Py_TYPE(obj)->tp_name);
+    else if (r < 0)
+        PyErr_SetString(PyExc_ValueError, "argument 'stream': expected a non-negative int (a cudaStream_t)");
+    return r > 0;
+}
+
+int fsc_py_parse_optional_stream(PyObject *obj, const char *fname, int *given, uintptr_t *out) {
+    *given = obj != Py_None;
+    if (!*given || stream_value(obj, out) > 0) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: argument 'stream' must be None or a non-negative int (a cudaStream_t), got %R",
+                 fname, obj);
+    return -1;
 }
 
 int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op) {

@@ -55,6 +55,11 @@ int fsc_py_import(PyObject *module, PyObject *obj, const char *argname, int flag
  * stored as uintptr_t. */
 int fsc_py_stream_converter(PyObject *obj, void *out);
 
+/* The optional stream argument `obj` of `fname`: None (*given = 0; the tensors are CPU tensors)
+ * or a stream as fsc_py_stream_converter takes it (*given = 1, *out = the stream). Returns 0, or
+ * -1 with a TypeError naming `fname` and the value. */
+int fsc_py_parse_optional_stream(PyObject *obj, const char *fname, int *given, uintptr_t *out);
+
 /* Parse "sum" | "avg" | "max" | "min"; ValueError naming the accepted values otherwise. */
 int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op);
 

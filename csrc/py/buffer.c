@@ -382,23 +382,12 @@ static PyObject *py_live_host_buffers(PyObject *module, PyObject *Py_UNUSED(args
 static PyObject *py_pack_blocks(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"dst", "srcs", "world", "stream", NULL};
     PyObject *dst_obj, *srcs_obj, *stream_obj = Py_None, *dst_owner = NULL, *result = NULL;
-    int world;
+    int world, cuda;
+    fsc_stream_t stream = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOi|O:pack_blocks", kwlist, &dst_obj, &srcs_obj, &world,
-                                     &stream_obj))
+                                     &stream_obj) ||
+        fsc_py_parse_optional_stream(stream_obj, "pack_blocks", &cuda, &stream) < 0)
         return NULL;
-    int cuda = stream_obj != Py_None;
-    unsigned long long stream = 0;
-    if (cuda) {
-        stream = PyLong_Check(stream_obj) ? PyLong_AsUnsignedLongLong(stream_obj) : (unsigned long long)-1;
-        if (stream == (unsigned long long)-1) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
-                         "pack_blocks: argument 'stream' must be None or a non-negative int (a "
-                         "cudaStream_t), got %R",
-                         stream_obj);
-            return NULL;
-        }
-    }
     int place = cuda ? 0 : FSC_IMPORT_CPU_ONLY;
     PyObject *seq = PySequence_Fast(srcs_obj, "pack_blocks: argument 'srcs' must be a sequence of tensors");
     if (seq == NULL) return NULL;
@@ -419,7 +408,7 @@ static PyObject *py_pack_blocks(PyObject *module, PyObject *args, PyObject *kwar
     }
     fsc_status_t st;
     Py_BEGIN_ALLOW_THREADS
-    st = cuda ? fsc_gpu_pack_blocks(&dst, srcs, (int)n, world, (fsc_stream_t)stream)
+    st = cuda ? fsc_gpu_pack_blocks(&dst, srcs, (int)n, world, stream)
               : fsc_tensor_pack_blocks(&dst, srcs, (int)n, world);
     Py_END_ALLOW_THREADS
     if (st != FSC_OK) {
