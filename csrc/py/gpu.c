@@ -7,42 +7,11 @@
 #include "gpu/gpu.h"
 #include "gpu/kernels_cpu.h"
 
-/* ---- argument helpers ----------------------------------------------------------------------- */
-
-/* The views of one call's tensor arguments and the references that keep their memory alive. */
-typedef struct {
-    PyObject *owners[4];
-    int n;
-} imports_t;
-
-/* Import `obj` as a contiguous view (writable when asked), CPU-only for the references; for
- * CUDA tensors `stream` is the consumer stream the producer orders its work before. */
-static int import_arg(imports_t *im, PyObject *module, PyObject *obj, const char *arg, int writable, int cpu_only,
-                      fsc_stream_t stream, fsc_tensor_t *t) {
-    int flags = FSC_IMPORT_CONTIGUOUS | (writable ? FSC_IMPORT_WRITABLE : 0) | (cpu_only ? FSC_IMPORT_CPU_ONLY : 0);
-    PyObject *owner;
-    if (fsc_py_import(module, obj, arg, flags, (intptr_t)stream, t, &owner) < 0) return -1;
-    im->owners[im->n++] = owner;
-    return 0;
-}
-
-static void release_imports(imports_t *im) {
-    for (int i = 0; i < im->n; i++) Py_DECREF(im->owners[i]);
-    im->n = 0;
-}
-
-/* An argument failed to import (exception set): drop the ones already imported. */
-static PyObject *import_failed(imports_t *im) {
-    release_imports(im);
-    return NULL;
-}
-
-/* Return None, or raise for `st`; releases the imports either way. */
-static PyObject *finish(PyObject *module, imports_t *im, fsc_status_t st) {
-    release_imports(im);
-    if (st != FSC_OK) return fsc_py_raise(module, st);
-    Py_RETURN_NONE;
-}
+/* Import flags of the tensor arguments: contiguous views; written ones writable; the CPU
+ * references take CPU tensors only. */
+#define ARG_IN FSC_IMPORT_CONTIGUOUS
+#define ARG_OUT (FSC_IMPORT_CONTIGUOUS | FSC_IMPORT_WRITABLE)
+#define ARG_PLACE(cuda) ((cuda) ? 0 : FSC_IMPORT_CPU_ONLY)
 
 /* ---- discovery -------------------------------------------------------------------------------- */
 
@@ -82,19 +51,20 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args, PyObject *kwargs
     static char *kwlist[] = {"dst", "src", "stream", NULL};
     PyObject *dst_obj, *src_obj;
     fsc_stream_t stream;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t dst, src;
+    fsc_py_imports_t im;
+    fsc_tensor_t *dst, *src;
     fsc_status_t st;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:cuda_cast", kwlist, &dst_obj, &src_obj,
                                      fsc_py_stream_converter, &stream))
         return NULL;
-    if (import_arg(&im, module, dst_obj, "dst", 1, 0, stream, &dst) < 0 ||
-        import_arg(&im, module, src_obj, "src", 0, 0, stream, &src) < 0)
-        return import_failed(&im);
+    fsc_py_imports_init(&im, 2); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, dst_obj, "dst", ARG_OUT, stream, &dst) < 0 ||
+        fsc_py_import_arg(&im, module, src_obj, "src", ARG_IN, stream, &src) < 0)
+        return fsc_py_imports_fail(&im);
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_gpu_cast(&dst, &src, stream);
+    st = fsc_gpu_cast(dst, src, stream);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 /* Shared by the CUDA and CPU unscale bindings. */
@@ -104,22 +74,22 @@ static PyObject *unscale(PyObject *module, PyObject *args, PyObject *kwargs, int
     PyObject *buf_obj, *fi_obj;
     float inv_scale;
     fsc_stream_t stream = 0;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t buf, fi;
+    fsc_py_imports_t im;
+    fsc_tensor_t *buf, *fi;
     fsc_status_t st;
     int ok = cuda ? PyArg_ParseTupleAndKeywords(args, kwargs, "OfOO&:cuda_unscale_inf_check", kwlist_cuda, &buf_obj,
                                                 &inv_scale, &fi_obj, fsc_py_stream_converter, &stream)
                   : PyArg_ParseTupleAndKeywords(args, kwargs, "OfO:cpu_unscale_inf_check", kwlist_cpu, &buf_obj,
                                                 &inv_scale, &fi_obj);
     if (!ok) return NULL;
-    if (import_arg(&im, module, buf_obj, "buf", 1, !cuda, stream, &buf) < 0 ||
-        import_arg(&im, module, fi_obj, "found_inf", 1, !cuda, stream, &fi) < 0)
-        return import_failed(&im);
+    fsc_py_imports_init(&im, 2); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, buf_obj, "buf", ARG_OUT | ARG_PLACE(cuda), stream, &buf) < 0 ||
+        fsc_py_import_arg(&im, module, fi_obj, "found_inf", ARG_OUT | ARG_PLACE(cuda), stream, &fi) < 0)
+        return fsc_py_imports_fail(&im);
     Py_BEGIN_ALLOW_THREADS
-    st = cuda ? fsc_gpu_unscale_inf_check(&buf, inv_scale, &fi, stream)
-              : fsc_cpu_unscale_inf_check(&buf, inv_scale, &fi);
+    st = cuda ? fsc_gpu_unscale_inf_check(buf, inv_scale, fi, stream) : fsc_cpu_unscale_inf_check(buf, inv_scale, fi);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 static PyObject *py_cuda_unscale(PyObject *module, PyObject *args, PyObject *kwargs) {
@@ -135,36 +105,38 @@ static PyObject *py_cuda_sq_norm(PyObject *module, PyObject *args, PyObject *kwa
     PyObject *out_obj, *x_obj, *ws_obj;
     fsc_stream_t stream;
     int absmax = 0;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t out, x, ws;
+    fsc_py_imports_t im;
+    fsc_tensor_t *out, *x, *ws;
     fsc_status_t st;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO&|p:cuda_sq_norm", kwlist, &out_obj, &x_obj, &ws_obj,
                                      fsc_py_stream_converter, &stream, &absmax))
         return NULL;
-    if (import_arg(&im, module, out_obj, "out", 1, 0, stream, &out) < 0 ||
-        import_arg(&im, module, x_obj, "x", 0, 0, stream, &x) < 0 ||
-        import_arg(&im, module, ws_obj, "workspace", 1, 0, stream, &ws) < 0)
-        return import_failed(&im);
+    fsc_py_imports_init(&im, 3); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, out_obj, "out", ARG_OUT, stream, &out) < 0 ||
+        fsc_py_import_arg(&im, module, x_obj, "x", ARG_IN, stream, &x) < 0 ||
+        fsc_py_import_arg(&im, module, ws_obj, "workspace", ARG_OUT, stream, &ws) < 0)
+        return fsc_py_imports_fail(&im);
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_gpu_norm(&x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, &ws, &out, stream);
+    st = fsc_gpu_norm(x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, ws, out, stream);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 static PyObject *py_cpu_sq_norm(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"x", "absmax", NULL};
     PyObject *x_obj;
     int absmax = 0;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t x;
+    fsc_py_imports_t im;
+    fsc_tensor_t *x;
     fsc_status_t st;
     float result = 0.0f;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p:cpu_sq_norm", kwlist, &x_obj, &absmax)) return NULL;
-    if (import_arg(&im, module, x_obj, "x", 0, 1, 0, &x) < 0) return NULL;
+    fsc_py_imports_init(&im, 1); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, x_obj, "x", ARG_IN | ARG_PLACE(0), 0, &x) < 0) return fsc_py_imports_fail(&im);
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_cpu_norm(&x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, &result);
+    st = fsc_cpu_norm(x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, &result);
     Py_END_ALLOW_THREADS
-    release_imports(&im);
+    fsc_py_imports_clear(&im);
     if (st != FSC_OK) return fsc_py_raise(module, st);
     return PyFloat_FromDouble(result);
 }
@@ -180,8 +152,8 @@ static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int c
     fsc_adamw_hparams_t hp;
     long long step;
     fsc_stream_t stream = 0;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t t[4];
+    fsc_py_imports_t im;
+    fsc_tensor_t *t[4];
     fsc_status_t st;
     static const char *names[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, cuda ? "OOOOdddddLO&:cuda_adamw_step" : "OOOOdddddL:cpu_adamw_step",
@@ -190,13 +162,16 @@ static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int c
                                      &stream))
         return NULL;
     hp.step = step;
+    fsc_py_imports_init(&im, 4); /* inline: cannot fail */
     for (int i = 0; i < 4; i++)
-        if (import_arg(&im, module, objs[i], names[i], i != 1, !cuda, stream, &t[i]) < 0) return import_failed(&im);
+        if (fsc_py_import_arg(&im, module, objs[i], names[i], (i != 1 ? ARG_OUT : ARG_IN) | ARG_PLACE(cuda), stream,
+                              &t[i]) < 0)
+            return fsc_py_imports_fail(&im);
     Py_BEGIN_ALLOW_THREADS
-    st = cuda ? fsc_gpu_adamw_step(&t[0], &t[1], &t[2], &t[3], &hp, stream)
-              : fsc_cpu_adamw_step(&t[0], &t[1], &t[2], &t[3], &hp);
+    st = cuda ? fsc_gpu_adamw_step(t[0], t[1], t[2], t[3], &hp, stream)
+              : fsc_cpu_adamw_step(t[0], t[1], t[2], t[3], &hp);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 static PyObject *py_cuda_adamw(PyObject *module, PyObject *args, PyObject *kwargs) {
@@ -309,20 +284,21 @@ static PyObject *comm_all_gather(PyObject *self, PyObject *args, PyObject *kwarg
     static char *kwlist[] = {"output", "input", "stream", NULL};
     PyObject *module = comm_module(self), *out_obj, *in_obj;
     fsc_stream_t stream;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t out, in;
+    fsc_py_imports_t im;
+    fsc_tensor_t *out, *in;
     fsc_status_t st;
     if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:all_gather", kwlist, &out_obj, &in_obj,
                                                        fsc_py_stream_converter, &stream))
         return NULL;
-    if (import_arg(&im, module, out_obj, "output", 1, 0, stream, &out) < 0 ||
-        import_arg(&im, module, in_obj, "input", 0, 0, stream, &in) < 0)
-        return import_failed(&im);
+    fsc_py_imports_init(&im, 2); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, out_obj, "output", ARG_OUT, stream, &out) < 0 ||
+        fsc_py_import_arg(&im, module, in_obj, "input", ARG_IN, stream, &in) < 0)
+        return fsc_py_imports_fail(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_all_gather(c, &out, &in, stream);
+    st = fsc_nccl_all_gather(c, out, in, stream);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 /* reduce_scatter(output, input, op, stream) */
@@ -332,22 +308,23 @@ static PyObject *comm_reduce_scatter(PyObject *self, PyObject *args, PyObject *k
     const char *opname;
     fsc_reduce_op_t op;
     fsc_stream_t stream;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t out, in;
+    fsc_py_imports_t im;
+    fsc_tensor_t *out, *in;
     fsc_status_t st;
     if (module == NULL ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, "OOsO&:reduce_scatter", kwlist, &out_obj, &in_obj, &opname,
                                      fsc_py_stream_converter, &stream) ||
         fsc_py_parse_redop(module, opname, &op) < 0)
         return NULL;
-    if (import_arg(&im, module, out_obj, "output", 1, 0, stream, &out) < 0 ||
-        import_arg(&im, module, in_obj, "input", 0, 0, stream, &in) < 0)
-        return import_failed(&im);
+    fsc_py_imports_init(&im, 2); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, out_obj, "output", ARG_OUT, stream, &out) < 0 ||
+        fsc_py_import_arg(&im, module, in_obj, "input", ARG_IN, stream, &in) < 0)
+        return fsc_py_imports_fail(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_reduce_scatter(c, &out, &in, op, stream);
+    st = fsc_nccl_reduce_scatter(c, out, in, op, stream);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 /* all_reduce(tensor, op, stream) and reduce(tensor, op, root, stream) */
@@ -359,8 +336,8 @@ static PyObject *reduce_common(PyObject *self, PyObject *args, PyObject *kwargs,
     int root = 0;
     fsc_reduce_op_t op;
     fsc_stream_t stream;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t t;
+    fsc_py_imports_t im;
+    fsc_tensor_t *t;
     fsc_status_t st;
     if (module == NULL) return NULL;
     int ok = with_root ? PyArg_ParseTupleAndKeywords(args, kwargs, "OsiO&:reduce", kwlist_r, &obj, &opname, &root,
@@ -368,12 +345,13 @@ static PyObject *reduce_common(PyObject *self, PyObject *args, PyObject *kwargs,
                        : PyArg_ParseTupleAndKeywords(args, kwargs, "OsO&:all_reduce", kwlist_ar, &obj, &opname,
                                                      fsc_py_stream_converter, &stream);
     if (!ok || fsc_py_parse_redop(module, opname, &op) < 0) return NULL;
-    if (import_arg(&im, module, obj, "tensor", 1, 0, stream, &t) < 0) return import_failed(&im);
+    fsc_py_imports_init(&im, 1); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, obj, "tensor", ARG_OUT, stream, &t) < 0) return fsc_py_imports_fail(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
     Py_BEGIN_ALLOW_THREADS
-    st = with_root ? fsc_nccl_reduce(c, &t, op, root, stream) : fsc_nccl_all_reduce(c, &t, op, stream);
+    st = with_root ? fsc_nccl_reduce(c, t, op, root, stream) : fsc_nccl_all_reduce(c, t, op, stream);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 static PyObject *comm_all_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -394,23 +372,25 @@ static PyObject *ranked_common(PyObject *self, PyObject *args, PyObject *kwargs,
     PyObject *module = comm_module(self), *obj;
     int who;
     fsc_stream_t stream;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t t;
+    fsc_py_imports_t im;
+    fsc_tensor_t *t;
     fsc_status_t st;
     if (module == NULL ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, formats[kind], kind == RANKED_BROADCAST ? kwlist_root : kwlist_peer,
                                      &obj, &who, fsc_py_stream_converter, &stream))
         return NULL;
-    if (import_arg(&im, module, obj, "tensor", kind != RANKED_SEND, 0, stream, &t) < 0) return import_failed(&im);
+    fsc_py_imports_init(&im, 1); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, obj, "tensor", kind == RANKED_SEND ? ARG_IN : ARG_OUT, stream, &t) < 0)
+        return fsc_py_imports_fail(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
     Py_BEGIN_ALLOW_THREADS
     switch (kind) {
-        case RANKED_BROADCAST: st = fsc_nccl_broadcast(c, &t, who, stream); break;
-        case RANKED_SEND: st = fsc_nccl_send(c, &t, who, stream); break;
-        default: st = fsc_nccl_recv(c, &t, who, stream); break;
+        case RANKED_BROADCAST: st = fsc_nccl_broadcast(c, t, who, stream); break;
+        case RANKED_SEND: st = fsc_nccl_send(c, t, who, stream); break;
+        default: st = fsc_nccl_recv(c, t, who, stream); break;
     }
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 static PyObject *comm_broadcast(PyObject *self, PyObject *args, PyObject *kwargs) {
