@@ -128,5 +128,10 @@ int fsc_py_dlpack_exec(PyObject *module);
 int fsc_py_buffer_exec(PyObject *module); /* called by fsc_py_dlpack_exec */
 int fsc_py_comm_exec(PyObject *module);
 int fsc_py_gpu_exec(PyObject *module);
+int fsc_py_nccl_exec(PyObject *module);
+
+/* A PyMethodDef entry for a function taking (self, args, kwargs). */
+#define FSC_PY_KW_METHOD(name, fn, doc) \
+    { name, (PyCFunction)(void (*)(void))fn, METH_VARARGS | METH_KEYWORDS, doc }
 
 #endif /* FSC_PY_BINDING_H */
