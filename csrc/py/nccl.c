@@ -105,130 +105,109 @@ static void comm_dealloc(PyObject *obj) {
     Py_DECREF(tp);
 }
 
-/* all_gather(output, input, stream) */
-static PyObject *comm_all_gather(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"output", "input", "stream", NULL};
-    PyObject *module = comm_module(self), *out_obj, *in_obj;
-    fsc_stream_t stream;
+/* Enqueue one operation on `stream` (GIL released): `tensor` is imported written (read for a
+ * send), `input` read when not NULL, after `opname` (when not NULL) is parsed; `who` is the root
+ * or the peer. */
+static PyObject *enqueue(PyObject *self, PyObject *module, fsc_comm_op_t kind, PyObject *tensor, PyObject *input,
+                         const char *opname, int who, fsc_stream_t stream) {
+    fsc_reduce_op_t op = FSC_RED_SUM;
     fsc_py_imports_t im;
-    fsc_tensor_t *out, *in;
+    fsc_tensor_t *t, *in = NULL;
     fsc_status_t st;
-    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:all_gather", kwlist, &out_obj, &in_obj,
-                                                       fsc_py_stream_converter, &stream))
-        return NULL;
+    if (opname != NULL && fsc_py_parse_redop(module, opname, &op) < 0) return NULL;
     fsc_py_imports_init(&im, 2); /* inline: cannot fail */
-    if (fsc_py_import_arg(&im, module, out_obj, "output", ARG_OUT, stream, &out) < 0 ||
-        fsc_py_import_arg(&im, module, in_obj, "input", ARG_IN, stream, &in) < 0)
-        return fsc_py_imports_fail(&im);
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_all_gather(c, out, in, stream);
-    Py_END_ALLOW_THREADS
-    return fsc_py_imports_finish(module, &im, st);
-}
-
-/* reduce_scatter(output, input, op, stream) */
-static PyObject *comm_reduce_scatter(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"output", "input", "op", "stream", NULL};
-    PyObject *module = comm_module(self), *out_obj, *in_obj;
-    const char *opname;
-    fsc_reduce_op_t op;
-    fsc_stream_t stream;
-    fsc_py_imports_t im;
-    fsc_tensor_t *out, *in;
-    fsc_status_t st;
-    if (module == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "OOsO&:reduce_scatter", kwlist, &out_obj, &in_obj, &opname,
-                                     fsc_py_stream_converter, &stream) ||
-        fsc_py_parse_redop(module, opname, &op) < 0)
-        return NULL;
-    fsc_py_imports_init(&im, 2); /* inline: cannot fail */
-    if (fsc_py_import_arg(&im, module, out_obj, "output", ARG_OUT, stream, &out) < 0 ||
-        fsc_py_import_arg(&im, module, in_obj, "input", ARG_IN, stream, &in) < 0)
-        return fsc_py_imports_fail(&im);
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_reduce_scatter(c, out, in, op, stream);
-    Py_END_ALLOW_THREADS
-    return fsc_py_imports_finish(module, &im, st);
-}
-
-/* all_reduce(tensor, op, stream) and reduce(tensor, op, root, stream) */
-static PyObject *reduce_common(PyObject *self, PyObject *args, PyObject *kwargs, int with_root) {
-    static char *kwlist_ar[] = {"tensor", "op", "stream", NULL};
-    static char *kwlist_r[] = {"tensor", "op", "root", "stream", NULL};
-    PyObject *module = comm_module(self), *obj;
-    const char *opname;
-    int root = 0;
-    fsc_reduce_op_t op;
-    fsc_stream_t stream;
-    fsc_py_imports_t im;
-    fsc_tensor_t *t;
-    fsc_status_t st;
-    if (module == NULL) return NULL;
-    int ok = with_root ? PyArg_ParseTupleAndKeywords(args, kwargs, "OsiO&:reduce", kwlist_r, &obj, &opname, &root,
-                                                     fsc_py_stream_converter, &stream)
-                       : PyArg_ParseTupleAndKeywords(args, kwargs, "OsO&:all_reduce", kwlist_ar, &obj, &opname,
-                                                     fsc_py_stream_converter, &stream);
-    if (!ok || fsc_py_parse_redop(module, opname, &op) < 0) return NULL;
-    fsc_py_imports_init(&im, 1); /* inline: cannot fail */
-    if (fsc_py_import_arg(&im, module, obj, "tensor", ARG_OUT, stream, &t) < 0) return fsc_py_imports_fail(&im);
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS
-    st = with_root ? fsc_nccl_reduce(c, t, op, root, stream) : fsc_nccl_all_reduce(c, t, op, stream);
-    Py_END_ALLOW_THREADS
-    return fsc_py_imports_finish(module, &im, st);
-}
-
-static PyObject *comm_all_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return reduce_common(self, args, kwargs, 0);
-}
-
-static PyObject *comm_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return reduce_common(self, args, kwargs, 1);
-}
-
-typedef enum { RANKED_BROADCAST, RANKED_SEND, RANKED_RECV } ranked_op_t;
-
-/* broadcast(tensor, root, stream), send(tensor, peer, stream), recv(tensor, peer, stream) */
-static PyObject *ranked_common(PyObject *self, PyObject *args, PyObject *kwargs, ranked_op_t kind) {
-    static char *kwlist_root[] = {"tensor", "root", "stream", NULL};
-    static char *kwlist_peer[] = {"tensor", "peer", "stream", NULL};
-    static const char *formats[] = {"OiO&:broadcast", "OiO&:send", "OiO&:recv"};
-    PyObject *module = comm_module(self), *obj;
-    int who;
-    fsc_stream_t stream;
-    fsc_py_imports_t im;
-    fsc_tensor_t *t;
-    fsc_status_t st;
-    if (module == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, formats[kind], kind == RANKED_BROADCAST ? kwlist_root : kwlist_peer,
-                                     &obj, &who, fsc_py_stream_converter, &stream))
-        return NULL;
-    fsc_py_imports_init(&im, 1); /* inline: cannot fail */
-    if (fsc_py_import_arg(&im, module, obj, "tensor", kind == RANKED_SEND ? ARG_IN : ARG_OUT, stream, &t) < 0)
+    if (fsc_py_import_arg(&im, module, tensor, input ? "output" : "tensor", kind == FSC_OP_SEND ? ARG_IN : ARG_OUT,
+                          stream, &t) < 0 ||
+        (input != NULL && fsc_py_import_arg(&im, module, input, "input", ARG_IN, stream, &in) < 0))
         return fsc_py_imports_fail(&im);
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
     Py_BEGIN_ALLOW_THREADS
     switch (kind) {
-        case RANKED_BROADCAST: st = fsc_nccl_broadcast(c, t, who, stream); break;
-        case RANKED_SEND: st = fsc_nccl_send(c, t, who, stream); break;
+        case FSC_OP_ALL_GATHER: st = fsc_nccl_all_gather(c, t, in, stream); break;
+        case FSC_OP_REDUCE_SCATTER: st = fsc_nccl_reduce_scatter(c, t, in, op, stream); break;
+        case FSC_OP_ALL_REDUCE: st = fsc_nccl_all_reduce(c, t, op, stream); break;
+        case FSC_OP_REDUCE: st = fsc_nccl_reduce(c, t, op, who, stream); break;
+        case FSC_OP_BROADCAST: st = fsc_nccl_broadcast(c, t, who, stream); break;
+        case FSC_OP_SEND: st = fsc_nccl_send(c, t, who, stream); break;
         default: st = fsc_nccl_recv(c, t, who, stream); break;
     }
     Py_END_ALLOW_THREADS
     return fsc_py_imports_finish(module, &im, st);
 }
 
+/* all_gather(output, input, stream) */
+static PyObject *comm_all_gather(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"output", "input", "stream", NULL};
+    PyObject *module = comm_module(self), *out, *in;
+    fsc_stream_t stream;
+    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:all_gather", kwlist, &out, &in,
+                                                       fsc_py_stream_converter, &stream))
+        return NULL;
+    return enqueue(self, module, FSC_OP_ALL_GATHER, out, in, NULL, 0, stream);
+}
+
+/* reduce_scatter(output, input, op, stream) */
+static PyObject *comm_reduce_scatter(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"output", "input", "op", "stream", NULL};
+    PyObject *module = comm_module(self), *out, *in;
+    const char *op;
+    fsc_stream_t stream;
+    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OOsO&:reduce_scatter", kwlist, &out, &in, &op,
+                                                       fsc_py_stream_converter, &stream))
+        return NULL;
+    return enqueue(self, module, FSC_OP_REDUCE_SCATTER, out, in, op, 0, stream);
+}
+
+/* all_reduce(tensor, op, stream) */
+static PyObject *comm_all_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"tensor", "op", "stream", NULL};
+    PyObject *module = comm_module(self), *t;
+    const char *op;
+    fsc_stream_t stream;
+    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OsO&:all_reduce", kwlist, &t, &op,
+                                                       fsc_py_stream_converter, &stream))
+        return NULL;
+    return enqueue(self, module, FSC_OP_ALL_REDUCE, t, NULL, op, 0, stream);
+}
+
+/* reduce(tensor, op, root, stream) */
+static PyObject *comm_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"tensor", "op", "root", "stream", NULL};
+    PyObject *module = comm_module(self), *t;
+    const char *op;
+    int root;
+    fsc_stream_t stream;
+    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OsiO&:reduce", kwlist, &t, &op, &root,
+                                                       fsc_py_stream_converter, &stream))
+        return NULL;
+    return enqueue(self, module, FSC_OP_REDUCE, t, NULL, op, root, stream);
+}
+
+/* broadcast(tensor, root, stream), send(tensor, peer, stream), recv(tensor, peer, stream) */
+static PyObject *ranked(PyObject *self, PyObject *args, PyObject *kwargs, fsc_comm_op_t kind) {
+    static char *kwlist_root[] = {"tensor", "root", "stream", NULL};
+    static char *kwlist_peer[] = {"tensor", "peer", "stream", NULL};
+    const char *format = kind == FSC_OP_BROADCAST ? "OiO&:broadcast" : kind == FSC_OP_SEND ? "OiO&:send" : "OiO&:recv";
+    PyObject *module = comm_module(self), *t;
+    int who;
+    fsc_stream_t stream;
+    if (module == NULL ||
+        !PyArg_ParseTupleAndKeywords(args, kwargs, format, kind == FSC_OP_BROADCAST ? kwlist_root : kwlist_peer, &t,
+                                     &who, fsc_py_stream_converter, &stream))
+        return NULL;
+    return enqueue(self, module, kind, t, NULL, NULL, who, stream);
+}
+
 static PyObject *comm_broadcast(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return ranked_common(self, args, kwargs, RANKED_BROADCAST);
+    return ranked(self, args, kwargs, FSC_OP_BROADCAST);
 }
 
 static PyObject *comm_send(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return ranked_common(self, args, kwargs, RANKED_SEND);
+    return ranked(self, args, kwargs, FSC_OP_SEND);
 }
 
 static PyObject *comm_recv(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return ranked_common(self, args, kwargs, RANKED_RECV);
+    return ranked(self, args, kwargs, FSC_OP_RECV);
 }
 
 /* wait(stream, timeout=0.0): block (GIL released) until `stream`'s work is done. */
