@@ -16,7 +16,7 @@ gradient released); at the end of backward the root retires the rest, casts to f
 import contextlib
 import functools
 from enum import Enum, auto
-from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Generator, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from fairscale_c import distributed as fdist
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
 from . import _state_dict
-from ._bucket import ReduceScatterBucket
+from ._bucket import PendingReduce, ReduceScatterBucket
 from .flat_param import FlatLayout, collect_params
 
 
@@ -62,6 +62,13 @@ def _alloc_storage(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
+class _Gathering(NamedTuple):
+    """An all-gather of one flat parameter started ahead of use (``_Handle.gathering``)."""
+
+    work: Any  # the collective's Work: wait() before the full buffer is read
+    shard: torch.Tensor  # its input (the shard, or its cast in the full buffer), alive until then
+
+
 class _Handle:
     """Run-time state of one flat parameter."""
 
@@ -72,8 +79,8 @@ class _Handle:
         pad = layout.padded_numel - layout.numel
         self.split_sizes = [s.numel for s in layout.slots] + ([pad] if pad else [])
         self.has_full = False
-        self.gathering = None  # (work, source shard) while a prefetch all-gather runs
-        self.pending = None  # (reduced shard, reduce input, averaged) while a reduce-scatter runs
+        self.gathering: Optional[_Gathering] = None  # while an all-gather started ahead runs
+        self.pending: Optional[PendingReduce] = None  # while its gradient's reduce-scatter runs
         self.backing_name = ""  # "flat_param_<i>", or the parameter's name when not flattened
 
     def new_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -462,7 +469,7 @@ class FullyShardedDataParallel(nn.Module):
                 mine = full[self.rank * n : (self.rank + 1) * n]
                 _copy(mine, shard)
                 shard = mine
-            h.gathering = (self.comm.all_gather(full, shard, async_op=True), shard)
+            h.gathering = _Gathering(self.comm.all_gather(full, shard, async_op=True), shard)
 
     @torch.no_grad()
     def _rebuild_full_params(self) -> None:
@@ -470,7 +477,7 @@ class FullyShardedDataParallel(nn.Module):
         self._start_gather()
         for h in self._handles:
             if h.gathering is not None:
-                h.gathering[0].wait()
+                h.gathering.work.wait()
                 h.gathering = None
                 h.has_full = True
 
@@ -521,7 +528,7 @@ class FullyShardedDataParallel(nn.Module):
     def _free_full_params(self) -> None:
         for h in self._handles:
             if h.gathering is not None:  # a prefetch nobody used: finish it before freeing
-                h.gathering[0].wait()
+                h.gathering.work.wait()
                 h.gathering = None
                 h.has_full = True
             if h.has_full:
