@@ -128,11 +128,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("fp32_reduce_scatter requires mixed_precision=True")
         if compute_dtype is not None and compute_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"argument 'compute_dtype' must be float32, float16 or bfloat16, got {compute_dtype}")
-        self.comm = fdist.group_for(process_group)  # the engine group of the torch group (None: default)
-        self.process_group = self.comm.process_group
-        self.comm_rs = self._reduce_scatter_comm(process_group_reduce_scatter)
-        self.process_group_reduce_scatter = self.comm_rs.process_group
-        self.rank, self.world_size = self.comm.rank, self.comm.size
+        self._init_groups(process_group, process_group_reduce_scatter)
         self.reshard_after_forward = reshard_after_forward
         self.disable_reshard_on_root = disable_reshard_on_root
         self.mixed_precision = mixed_precision
@@ -153,40 +149,63 @@ class FullyShardedDataParallel(nn.Module):
             self.world_size
         )
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
+        self._init_shards(module, compute_device, state_dict_device)
+        self._init_state()
 
+    # ---------------------------------------------------------------- construction helpers
+
+    def _init_groups(self, process_group: Optional[Any], process_group_reduce_scatter: Any) -> None:
+        """The engine groups for all-gathers (`process_group`'s; None: the default group) and for
+        reduce-scatters (see _reduce_scatter_comm), and this rank's place in them."""
+        self.comm = fdist.group_for(process_group)
+        self.process_group = self.comm.process_group
+        self.comm_rs = self._reduce_scatter_comm(process_group_reduce_scatter)
+        self.process_group_reduce_scatter = self.comm_rs.process_group
+        self.rank, self.world_size = self.comm.rank, self.comm.size
+
+    def _init_shards(
+        self, module: nn.Module, compute_device: Optional[torch.device], state_dict_device: Optional[torch.device]
+    ) -> None:
+        """Lay out the parameters this instance owns (not those of nested instances) in flat buffers,
+        keep this rank's shard of each as a registered Parameter, and leave shaped views of the
+        (freed) full buffers under the original names."""
         first = next((p for p in module.parameters() if not _is_managed(p)), None)
         self.compute_device = torch.device(
             compute_device if compute_device is not None else (first.device if first is not None else "cpu")
         )
         self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
         shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
-
-        layouts, self._shared_pairs = collect_params(module, _is_managed, flatten_parameters)
+        layouts, self._shared_pairs = collect_params(module, _is_managed, self.flatten_parameters)
         self._check_dtypes(layouts)
         self._fsdp_wrapped_module = module
-        self._handles: List[_Handle] = []
-        for i, layout in enumerate(layouts):
-            layout.world_size, layout.rank = self.world_size, self.rank
-            shard = self._make_shard(layout, shard_device)
-            param = nn.Parameter(shard, requires_grad=layout.requires_grad)
-            param._fsc_fsdp_managed = True
-            param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
-            handle = _Handle(layout, param, self.compute_dtype, self.compute_device)
-            if flatten_parameters:
-                handle.backing_name = f"flat_param_{i}"
-                self.register_parameter(handle.backing_name, param)
-            else:
-                # As in FairScale: the shard stays registered under the original name.
-                handle.backing_name = layout.slots[0].name
-                layout.slots[0].module.register_parameter(layout.slots[0].attr, param)
-            self._handles.append(handle)
-            self._hook_full(handle)
+        self._handles: List[_Handle] = [self._new_handle(i, layout, shard_device) for i, layout in enumerate(layouts)]
         self.numel_padded_per_param = [h.layout.padding for h in self._handles]
         with torch.no_grad():
-            if flatten_parameters:
+            if self.flatten_parameters:
                 self._use_full_params()  # shaped views while the buffers still have storage
         for h in self._handles:
             _free_storage(h.full.detach())
+
+    def _new_handle(self, i: int, layout: FlatLayout, shard_device: torch.device) -> _Handle:
+        """Shard the `i`-th layout and register its shard: as ``flat_param_<i>``, or, as in
+        FairScale, under the original name when not flattening."""
+        layout.world_size, layout.rank = self.world_size, self.rank
+        shard = self._make_shard(layout, shard_device)
+        param = nn.Parameter(shard, requires_grad=layout.requires_grad)
+        param._fsc_fsdp_managed = True
+        param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
+        handle = _Handle(layout, param, self.compute_dtype, self.compute_device)
+        if self.flatten_parameters:
+            handle.backing_name = f"flat_param_{i}"
+            self.register_parameter(handle.backing_name, param)
+        else:
+            handle.backing_name = layout.slots[0].name
+            layout.slots[0].module.register_parameter(layout.slots[0].attr, param)
+        self._hook_full(handle)
+        return handle
+
+    def _init_state(self) -> None:
+        """The state between steps, until the first forward finds the root, and the state-dict hooks."""
         self._is_root: Optional[bool] = None
         self._fsdp_instances: List["FullyShardedDataParallel"] = []
         self._require_backward_grad_sync = True
@@ -195,8 +214,6 @@ class FullyShardedDataParallel(nn.Module):
         self.training_state = TrainingState.IDLE
         self._register_state_dict_hook(_state_dict.post_state_dict_hook)
         self._register_load_state_dict_pre_hook(functools.partial(_state_dict.pre_load_state_dict_hook, self))
-
-    # ---------------------------------------------------------------- construction helpers
 
     def _hook_full(self, h: _Handle) -> None:
         """Reduce-scatter the full buffer's gradient once autograd has accumulated all of it."""
