@@ -25,7 +25,7 @@ from fairscale_c import _C
 from fairscale_c import distributed as fdist
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
-from . import _state_dict
+from . import _optim_state, _state_dict
 from ._bucket import PendingReduce, ReduceScatterBucket
 from .flat_param import FlatLayout, collect_params
 
@@ -711,7 +711,7 @@ class FullyShardedDataParallel(nn.Module):
         """Load a local (sharded) state dict saved by local_state_dict() at the same world size."""
         self.assert_state(TrainingState.IDLE)
         instances = get_fsdp_instances(self)
-        _state_dict.check_local_shapes(self, instances, state_dict)
+        _state_dict.check_local_shapes(_named_instances(self), state_dict)
         with _state_dict.local_mode(instances):
             result = super().load_state_dict(state_dict, strict)
         for m in instances:
@@ -720,7 +720,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def local_metadata_dict(self) -> Dict[str, Any]:
         """What consolidate_shard_weights needs to rebuild full weights offline (FairScale's format)."""
-        return _state_dict.local_metadata(self)
+        return _state_dict.local_metadata(self, _named_instances(self))
 
     @staticmethod
     def consolidate_shard_weights(
@@ -735,15 +735,11 @@ class FullyShardedDataParallel(nn.Module):
     def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[Dict[str, Any]]:
         """Collective: rank 0 gets the optimizer state unsharded and keyed like the unwrapped model's
         parameters; other ranks get None."""
-        from . import _optim_state
-
-        return _optim_state.gather_full(self, optim)
+        return _optim_state.gather_full(self, get_fsdp_instances(self), optim)
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's shard of a state from gather_full_optim_state_dict(), for optim.load_state_dict."""
-        from . import _optim_state
-
-        return _optim_state.shard_from_full(self, full_optim_state_dict)
+        return _optim_state.shard_from_full(get_fsdp_instances(self), full_optim_state_dict)
 
 
 def _local_norm_term(grads: List[torch.Tensor], norm_type: float) -> float:
@@ -765,6 +761,11 @@ def _local_norm_term(grads: List[torch.Tensor], norm_type: float) -> float:
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:
     """Every FSDP instance in `mod` (itself included), in module order."""
     return [m for m in mod.modules() if isinstance(m, FullyShardedDataParallel) and not (skip_empty and not m._handles)]
+
+
+def _named_instances(root: nn.Module) -> List[Tuple[str, FullyShardedDataParallel]]:
+    """(path without wrapper names, instance) for every FSDP instance in `root`, in module order."""
+    return [(_state_dict.clean_path(p), m) for p, m in root.named_modules() if isinstance(m, FullyShardedDataParallel)]
 
 
 def _apply_to_tensors(fn, obj: Any) -> Any:
