@@ -105,9 +105,9 @@ static void comm_dealloc(PyObject *obj) {
     Py_DECREF(tp);
 }
 
-/* Enqueue one operation on `stream` (GIL released): `tensor` is imported written (read for a
- * send), `input` read when not NULL, after `opname` (when not NULL) is parsed; `who` is the root
- * or the peer. */
+/* Enqueue one operation on `stream` with the GIL released. `tensor` is written (read for a send)
+ * and `input`, when not NULL, read; `opname`, when not NULL, names the reduce op; `who` is the
+ * root or the peer. */
 static PyObject *enqueue(PyObject *self, PyObject *module, fsc_comm_op_t kind, PyObject *tensor, PyObject *input,
                          const char *opname, int who, fsc_stream_t stream) {
     fsc_reduce_op_t op = FSC_RED_SUM;
