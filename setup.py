@@ -69,7 +69,7 @@ class BuildExt(build_ext):
 def subsystem_macros():
     # Binding-layer subsystems register themselves from module.c when their file is present.
     macros = [("FSC_VERSION", '"%s"' % VERSION)]
-    for name in ("comm", "gpu"):
+    for name in ("comm", "gpu", "nccl"):
         if os.path.exists(os.path.join(ROOT, "csrc", "py", name + ".c")):
             macros.append(("FSC_HAVE_" + name.upper(), "1"))
     return macros

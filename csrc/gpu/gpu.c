@@ -41,12 +41,11 @@ typedef struct {
 
 #define CU_SUCCESS 0
 #define CU_ERROR_NOT_READY 600
-#define CU_STREAM_NON_BLOCKING 0x1
 #define CU_EVENT_DISABLE_TIMING 0x2
 #define CU_MEMORYTYPE_DEVICE 0x2
 
-/* Entry points, by their exported (versioned) symbol names: cuda.h maps e.g. cuStreamDestroy
- * to cuStreamDestroy_v2. The non-"_ptsz" variants are used, so stream 0 means the legacy
+/* Entry points, by their exported (versioned) symbol names: cuda.h maps e.g. cuEventDestroy
+ * to cuEventDestroy_v2. The non-"_ptsz" variants are used, so stream 0 means the legacy
  * default stream, as it does for torch. */
 typedef struct {
     cu_result_t (*cuInit)(unsigned int);
@@ -62,11 +61,7 @@ typedef struct {
     cu_result_t (*cuModuleGetFunction)(cu_function_t *, cu_module_t, const char *);
     cu_result_t (*cuLaunchKernel)(cu_function_t, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
                                   unsigned int, unsigned int, cu_stream_t, void **, void **);
-    cu_result_t (*cuStreamCreate)(cu_stream_t *, unsigned int);
-    cu_result_t (*cuStreamDestroy)(cu_stream_t);
-    cu_result_t (*cuStreamWaitEvent)(cu_stream_t, cu_event_t, unsigned int);
     cu_result_t (*cuStreamSynchronize)(cu_stream_t);
-    cu_result_t (*cuStreamQuery)(cu_stream_t);
     cu_result_t (*cuEventCreate)(cu_event_t *, unsigned int);
     cu_result_t (*cuEventRecord)(cu_event_t, cu_stream_t);
     cu_result_t (*cuEventQuery)(cu_event_t);
@@ -95,11 +90,7 @@ static const struct {
     CU_SYM(cuModuleLoadData, "cuModuleLoadData"),
     CU_SYM(cuModuleGetFunction, "cuModuleGetFunction"),
     CU_SYM(cuLaunchKernel, "cuLaunchKernel"),
-    CU_SYM(cuStreamCreate, "cuStreamCreate"),
-    CU_SYM(cuStreamDestroy, "cuStreamDestroy_v2"),
-    CU_SYM(cuStreamWaitEvent, "cuStreamWaitEvent"),
     CU_SYM(cuStreamSynchronize, "cuStreamSynchronize"),
-    CU_SYM(cuStreamQuery, "cuStreamQuery"),
     CU_SYM(cuEventCreate, "cuEventCreate"),
     CU_SYM(cuEventRecord, "cuEventRecord"),
     CU_SYM(cuEventQuery, "cuEventQuery"),
@@ -344,49 +335,12 @@ void fsc_gpu_event_destroy(int device, fsc_gpu_event_t ev) {
     fsc_gpu_ctx_exit(&g);
 }
 
-fsc_status_t fsc_gpu_stream_create(int device, fsc_stream_t *out) {
-    fsc_gpu_ctx_t g;
-    cu_stream_t s = NULL;
-    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
-    cu_result_t r = cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
-    fsc_gpu_ctx_exit(&g);
-    if (r != CU_SUCCESS) return cu_fail("stream_create", "cuStreamCreate", r);
-    *out = (fsc_stream_t)s;
-    return FSC_OK;
-}
-
-fsc_status_t fsc_gpu_stream_destroy(int device, fsc_stream_t stream) {
-    fsc_gpu_ctx_t g;
-    if (stream == 0) return fsc_error(FSC_ERR_VALUE, "stream_destroy: cannot destroy the default stream");
-    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
-    cu_result_t r = cu.cuStreamDestroy((cu_stream_t)stream);
-    fsc_gpu_ctx_exit(&g);
-    return r == CU_SUCCESS ? FSC_OK : cu_fail("stream_destroy", "cuStreamDestroy", r);
-}
-
-fsc_status_t fsc_gpu_stream_wait_event(int device, fsc_stream_t stream, fsc_gpu_event_t ev) {
-    fsc_gpu_ctx_t g;
-    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
-    cu_result_t r = cu.cuStreamWaitEvent((cu_stream_t)stream, ev, 0);
-    fsc_gpu_ctx_exit(&g);
-    return r == CU_SUCCESS ? FSC_OK : cu_fail("stream_wait_event", "cuStreamWaitEvent", r);
-}
-
 fsc_status_t fsc_gpu_stream_synchronize(int device, fsc_stream_t stream) {
     fsc_gpu_ctx_t g;
     FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
     cu_result_t r = cu.cuStreamSynchronize((cu_stream_t)stream);
     fsc_gpu_ctx_exit(&g);
     return r == CU_SUCCESS ? FSC_OK : cu_fail("stream_synchronize", "cuStreamSynchronize", r);
-}
-
-fsc_status_t fsc_gpu_stream_query(int device, fsc_stream_t stream, int *done) {
-    fsc_gpu_ctx_t g;
-    FSC_CHECK(fsc_gpu_ctx_enter(device, &g));
-    cu_result_t r = cu.cuStreamQuery((cu_stream_t)stream);
-    fsc_gpu_ctx_exit(&g);
-    *done = r == CU_SUCCESS;
-    return (r == CU_SUCCESS || r == CU_ERROR_NOT_READY) ? FSC_OK : cu_fail("stream_query", "cuStreamQuery", r);
 }
 
 /* ---- launching ---------------------------------------------------------------------------- */

@@ -56,17 +56,9 @@ fsc_status_t fsc_gpu_event_record(int device, fsc_stream_t stream, fsc_gpu_event
 fsc_status_t fsc_gpu_event_query(int device, fsc_gpu_event_t ev, int *done);
 void fsc_gpu_event_destroy(int device, fsc_gpu_event_t ev);
 
-/* Streams owned by the core: create a non-blocking stream on `device` (does not synchronise
- * with the legacy default stream) / destroy it (pending work still completes). */
-fsc_status_t fsc_gpu_stream_create(int device, fsc_stream_t *out);
-fsc_status_t fsc_gpu_stream_destroy(int device, fsc_stream_t stream);
-
-/* Make future work on `stream` wait for `ev` (device-side; does not block the host). */
-fsc_status_t fsc_gpu_stream_wait_event(int device, fsc_stream_t stream, fsc_gpu_event_t ev);
-
-/* Block until all work on `stream` has finished / report whether it has (*done = 1). */
+/* Block until all work on `stream` (a stream of `device`) has finished. Streams belong to
+ * torch; the core creates none. */
 fsc_status_t fsc_gpu_stream_synchronize(int device, fsc_stream_t stream);
-fsc_status_t fsc_gpu_stream_query(int device, fsc_stream_t stream, int *done);
 
 /* ---- kernel launchers ---------------------------------------------------------------------
  * All tensors are contiguous CUDA views on one device; the kernel is enqueued on `stream`

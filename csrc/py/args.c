@@ -1,22 +1,39 @@
-/* args.c — argument parsing the binding files share: streams, reduce ops, and lists of
- * collective calls (batches) imported into the engine's call descriptions. */
+/* args.c — argument parsing the binding files share: streams, reduce ops, imported tensor
+ * arguments, and lists of collective calls (batches) imported into the engine's call
+ * descriptions. */
 #include <string.h>
 
 #include "binding.h"
 
-int fsc_py_stream_converter(PyObject *obj, void *out) {
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "argument 'stream': expected an int (a cudaStream_t), got %s",
-                     Py_TYPE(obj)->tp_name);
-        return 0;
-    }
+/* The stream in `obj`: 1 when it is an int in [0, 2**64), 0 when it is not an int, -1 when it is
+ * out of range (no exception left set in either case). */
+static int stream_value(PyObject *obj, uintptr_t *out) {
+    if (!PyLong_Check(obj)) return 0;
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_ValueError, "argument 'stream': expected a non-negative int (a cudaStream_t)");
-        return 0;
+        PyErr_Clear();
+        return -1;
     }
-    *(uintptr_t *)out = (uintptr_t)v;
+    *out = (uintptr_t)v;
     return 1;
+}
+
+int fsc_py_stream_converter(PyObject *obj, void *out) {
+    int r = stream_value(obj, (uintptr_t *)out);
+    if (r == 0)
+        PyErr_Format(PyExc_TypeError, "argument 'stream': expected an int (a cudaStream_t), got %s",
+                     Py_TYPE(obj)->tp_name);
+    else if (r < 0)
+        PyErr_SetString(PyExc_ValueError, "argument 'stream': expected a non-negative int (a cudaStream_t)");
+    return r > 0;
+}
+
+int fsc_py_parse_optional_stream(PyObject *obj, const char *fname, int *given, uintptr_t *out) {
+    *given = obj != Py_None;
+    if (!*given || stream_value(obj, out) > 0) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: argument 'stream' must be None or a non-negative int (a cudaStream_t), got %R",
+                 fname, obj);
+    return -1;
 }
 
 int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op) {
@@ -26,34 +43,83 @@ int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op) 
     return -1;
 }
 
-int fsc_py_import_arg(fsc_py_calls_t *c, PyObject *module, PyObject *obj, const char *argname, int flags,
+/* ---- imported tensor arguments ---------------------------------------------------------------- */
+
+int fsc_py_imports_init(fsc_py_imports_t *im, size_t n) {
+    im->n = 0;
+    if (n <= FSC_PY_IMPORTS_INLINE) {
+        im->cap = FSC_PY_IMPORTS_INLINE;
+        im->tensors = im->tensors_inline;
+        im->owners = im->owners_inline;
+        return 0;
+    }
+    im->cap = n;
+    im->tensors = PyMem_Calloc(n, sizeof(*im->tensors));
+    im->owners = PyMem_Calloc(n, sizeof(*im->owners));
+    if (im->tensors == NULL || im->owners == NULL) {
+        fsc_py_imports_clear(im);
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+int fsc_py_import_arg(fsc_py_imports_t *im, PyObject *module, PyObject *obj, const char *argname, int flags,
                       intptr_t stream, fsc_tensor_t **out) {
-    if (c->ntensors >= c->cap_tensors) {
+    if (im->n >= im->cap) {
         PyErr_SetString(PyExc_RuntimeError, "fairscale_c: too many tensor arguments in one call");
         return -1;
     }
-    fsc_tensor_t *t = &c->tensors[c->ntensors];
+    fsc_tensor_t *t = &im->tensors[im->n];
     PyObject *owner;
     if (fsc_py_import(module, obj, argname, flags, stream, t, &owner) < 0) return -1;
-    c->owners[c->ntensors++] = owner;
+    im->owners[im->n++] = owner;
     *out = t;
     return 0;
 }
 
-int fsc_py_calls_init(fsc_py_calls_t *c, size_t ncalls) {
-    memset(c, 0, sizeof(*c));
-    c->cap_calls = ncalls ? ncalls : 1;
-    c->cap_tensors = 2 * c->cap_calls;
-    if (c->cap_calls <= FSC_PY_CALLS_INLINE) {
-        c->calls = c->calls_inline;
-        c->tensors = c->tensors_inline;
-        c->owners = c->owners_inline;
-        return 0;
+void fsc_py_imports_clear(fsc_py_imports_t *im) {
+    for (size_t i = 0; i < im->n; i++) Py_CLEAR(im->owners[i]);
+    im->n = 0;
+    if (im->tensors != im->tensors_inline) {
+        PyMem_Free(im->tensors);
+        PyMem_Free(im->owners);
     }
-    c->calls = PyMem_Calloc(c->cap_calls, sizeof(*c->calls));
-    c->tensors = PyMem_Calloc(c->cap_tensors, sizeof(*c->tensors));
-    c->owners = PyMem_Calloc(c->cap_tensors, sizeof(*c->owners));
-    if (c->calls == NULL || c->tensors == NULL || c->owners == NULL) {
+    im->tensors = im->tensors_inline;
+    im->owners = im->owners_inline;
+    im->cap = FSC_PY_IMPORTS_INLINE;
+}
+
+PyObject *fsc_py_imports_owners(fsc_py_imports_t *im) {
+    PyObject *tuple = PyTuple_New((Py_ssize_t)im->n);
+    if (tuple == NULL) return NULL;
+    for (size_t i = 0; i < im->n; i++) {
+        PyTuple_SET_ITEM(tuple, (Py_ssize_t)i, im->owners[i]); /* steals */
+        im->owners[i] = NULL;
+    }
+    im->n = 0;
+    return tuple;
+}
+
+PyObject *fsc_py_imports_finish(PyObject *module, fsc_py_imports_t *im, fsc_status_t st) {
+    fsc_py_imports_clear(im);
+    if (st != FSC_OK) return fsc_py_raise(module, st);
+    Py_RETURN_NONE;
+}
+
+PyObject *fsc_py_imports_fail(fsc_py_imports_t *im) {
+    fsc_py_imports_clear(im);
+    return NULL;
+}
+
+/* ---- collective calls and batches ------------------------------------------------------------- */
+
+int fsc_py_calls_init(fsc_py_calls_t *c, size_t ncalls) {
+    c->ncalls = 0;
+    c->cap_calls = ncalls ? ncalls : 1;
+    c->calls = c->calls_inline;
+    if (fsc_py_imports_init(&c->args, 2 * c->cap_calls) < 0) return -1;
+    if (c->cap_calls > FSC_PY_CALLS_INLINE && (c->calls = PyMem_Calloc(c->cap_calls, sizeof(*c->calls))) == NULL) {
         fsc_py_calls_clear(c);
         PyErr_NoMemory();
         return -1;
@@ -62,28 +128,10 @@ int fsc_py_calls_init(fsc_py_calls_t *c, size_t ncalls) {
 }
 
 void fsc_py_calls_clear(fsc_py_calls_t *c) {
-    for (size_t i = 0; i < c->ntensors; i++) Py_CLEAR(c->owners[i]);
-    c->ntensors = 0;
-    if (c->calls != c->calls_inline) {
-        PyMem_Free(c->calls);
-        PyMem_Free(c->tensors);
-        PyMem_Free(c->owners);
-    }
-    c->calls = NULL;
-    c->tensors = NULL;
-    c->owners = NULL;
+    fsc_py_imports_clear(&c->args);
+    if (c->calls != c->calls_inline) PyMem_Free(c->calls);
+    c->calls = c->calls_inline;
     c->ncalls = 0;
-}
-
-PyObject *fsc_py_calls_owners(fsc_py_calls_t *c) {
-    PyObject *tuple = PyTuple_New((Py_ssize_t)c->ntensors);
-    if (tuple == NULL) return NULL;
-    for (size_t i = 0; i < c->ntensors; i++) {
-        PyTuple_SET_ITEM(tuple, (Py_ssize_t)i, c->owners[i]); /* steals */
-        c->owners[i] = NULL;
-    }
-    c->ntensors = 0;
-    return tuple;
 }
 
 /* One item of a batch: (name, *args) with the arguments of the single-op method of that name. */
@@ -132,7 +180,7 @@ static int parse_item(fsc_py_calls_t *c, PyObject *module, PyObject *item, Py_ss
             /* first tensor: written (read for send); second: the collective's input */
             int writable = a == 0 && o->op != FSC_OP_SEND;
             fsc_tensor_t *t;
-            if (fsc_py_import_arg(c, module, v, a == 0 ? "tensor" : "input",
+            if (fsc_py_import_arg(&c->args, module, v, a == 0 ? "tensor" : "input",
                                   flags | (writable ? FSC_IMPORT_WRITABLE : 0), stream, &t) < 0)
                 return -1;
             if (a == 0)

@@ -55,22 +55,56 @@ int fsc_py_import(PyObject *module, PyObject *obj, const char *argname, int flag
  * stored as uintptr_t. */
 int fsc_py_stream_converter(PyObject *obj, void *out);
 
+/* The optional stream argument `obj` of `fname`: None (*given = 0; the tensors are CPU tensors)
+ * or a stream as fsc_py_stream_converter takes it (*given = 1, *out = the stream). Returns 0, or
+ * -1 with a TypeError naming `fname` and the value. */
+int fsc_py_parse_optional_stream(PyObject *obj, const char *fname, int *given, uintptr_t *out);
+
 /* Parse "sum" | "avg" | "max" | "min"; ValueError naming the accepted values otherwise. */
 int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op);
 
-#define FSC_PY_CALLS_INLINE 2
+#define FSC_PY_IMPORTS_INLINE 4
 
-/* The imported arguments of one call or a batch of calls: the engine's call descriptions, the
- * tensor views they point at, and the references that keep the tensors' memory alive. */
+/* The tensor arguments of one call into C, imported in order: their views (tensors[0..n)) and
+ * the references that keep their memory alive (owners[i] for tensors[i]). Room for
+ * FSC_PY_IMPORTS_INLINE views is inline; fsc_py_imports_init allocates more. */
+typedef struct {
+    fsc_tensor_t *tensors;
+    PyObject **owners;
+    size_t n, cap;
+    fsc_tensor_t tensors_inline[FSC_PY_IMPORTS_INLINE];
+    PyObject *owners_inline[FSC_PY_IMPORTS_INLINE];
+} fsc_py_imports_t;
+
+/* Room for `n` views; cannot fail for n <= FSC_PY_IMPORTS_INLINE, else -1 with MemoryError. */
+int fsc_py_imports_init(fsc_py_imports_t *im, size_t n);
+
+/* Import `obj` (fsc_py_import with `flags` and `stream`) into the next slot of `im`; *out points
+ * at the view. -1 with the exception set on failure. */
+int fsc_py_import_arg(fsc_py_imports_t *im, PyObject *module, PyObject *obj, const char *argname, int flags,
+                      intptr_t stream, fsc_tensor_t **out);
+
+/* Drop the owners and free what fsc_py_imports_init allocated. Idempotent. */
+void fsc_py_imports_clear(fsc_py_imports_t *im);
+
+/* The owners as a new tuple (they move into it; `im` keeps none). NULL with an exception set. */
+PyObject *fsc_py_imports_owners(fsc_py_imports_t *im);
+
+/* The end of a binding that returns None: clear `im`, then None, or the exception for `st`. */
+PyObject *fsc_py_imports_finish(PyObject *module, fsc_py_imports_t *im, fsc_status_t st);
+
+/* An import failed (exception set): clear `im` and return NULL. */
+PyObject *fsc_py_imports_fail(fsc_py_imports_t *im);
+
+#define FSC_PY_CALLS_INLINE (FSC_PY_IMPORTS_INLINE / 2)
+
+/* The imported arguments of one call or a batch of calls: the engine's call descriptions and the
+ * tensors they point at (two slots per call). */
 typedef struct {
     fsc_comm_call_t *calls;
     size_t ncalls, cap_calls;
-    fsc_tensor_t *tensors;
-    PyObject **owners; /* one per imported tensor */
-    size_t ntensors, cap_tensors;
     fsc_comm_call_t calls_inline[FSC_PY_CALLS_INLINE];
-    fsc_tensor_t tensors_inline[2 * FSC_PY_CALLS_INLINE];
-    PyObject *owners_inline[2 * FSC_PY_CALLS_INLINE];
+    fsc_py_imports_t args;
 } fsc_py_calls_t;
 
 /* Room for `ncalls` calls (two tensors each). -1 with MemoryError set on failure. */
@@ -78,13 +112,6 @@ int fsc_py_calls_init(fsc_py_calls_t *c, size_t ncalls);
 
 /* Drop the owners and free what fsc_py_calls_init allocated. Idempotent. */
 void fsc_py_calls_clear(fsc_py_calls_t *c);
-
-/* Import `obj` (fsc_py_import with `flags`) into the next tensor slot of `c`; *out points at it. */
-int fsc_py_import_arg(fsc_py_calls_t *c, PyObject *module, PyObject *obj, const char *argname, int flags,
-                      intptr_t stream, fsc_tensor_t **out);
-
-/* The owners as a new tuple (they move into it; `c` keeps none). NULL with an exception set. */
-PyObject *fsc_py_calls_owners(fsc_py_calls_t *c);
 
 /* Parse `ops`, a sequence of 1..max tuples (name, *args) as the single-op methods take their
  * arguments: ("all_gather", output, input), ("reduce_scatter", output, input, op),
@@ -101,5 +128,10 @@ int fsc_py_dlpack_exec(PyObject *module);
 int fsc_py_buffer_exec(PyObject *module); /* called by fsc_py_dlpack_exec */
 int fsc_py_comm_exec(PyObject *module);
 int fsc_py_gpu_exec(PyObject *module);
+int fsc_py_nccl_exec(PyObject *module);
+
+/* A PyMethodDef entry for a function taking (self, args, kwargs). */
+#define FSC_PY_KW_METHOD(name, fn, doc) \
+    { name, (PyCFunction)(void (*)(void))fn, METH_VARARGS | METH_KEYWORDS, doc }
 
 #endif /* FSC_PY_BINDING_H */

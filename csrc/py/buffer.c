@@ -285,23 +285,19 @@ static PyType_Spec buffer_spec = {
 /* copy_(dst, src): element-wise strided copy/cast in C; the GIL is released while copying. */
 static PyObject *py_copy(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"dst", "src", NULL};
-    PyObject *dst_obj, *src_obj, *dst_owner = NULL, *src_owner = NULL;
+    PyObject *dst_obj, *src_obj;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:copy_", kwlist, &dst_obj, &src_obj)) return NULL;
-    fsc_tensor_t dst, src;
-    if (fsc_py_import(module, dst_obj, "dst", FSC_IMPORT_WRITABLE | FSC_IMPORT_CPU_ONLY, 0, &dst, &dst_owner) < 0)
-        return NULL;
-    if (fsc_py_import(module, src_obj, "src", FSC_IMPORT_CPU_ONLY, 0, &src, &src_owner) < 0) {
-        Py_DECREF(dst_owner);
-        return NULL;
-    }
+    fsc_py_imports_t im;
+    fsc_tensor_t *dst, *src;
+    fsc_py_imports_init(&im, 2); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, dst_obj, "dst", FSC_IMPORT_WRITABLE | FSC_IMPORT_CPU_ONLY, 0, &dst) < 0 ||
+        fsc_py_import_arg(&im, module, src_obj, "src", FSC_IMPORT_CPU_ONLY, 0, &src) < 0)
+        return fsc_py_imports_fail(&im);
     fsc_status_t st;
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_tensor_copy(&dst, &src);
+    st = fsc_tensor_copy(dst, src);
     Py_END_ALLOW_THREADS
-    Py_DECREF(dst_owner);
-    Py_DECREF(src_owner);
-    if (st != FSC_OK) return fsc_py_raise(module, st);
-    Py_RETURN_NONE;
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 /* clone(src) -> Buffer: a contiguous C-owned copy of any DLPack CPU tensor. */
@@ -381,57 +377,34 @@ static PyObject *py_live_host_buffers(PyObject *module, PyObject *Py_UNUSED(args
  * (fsc_gpu_pack_blocks). The GIL is released while copying / enqueueing. */
 static PyObject *py_pack_blocks(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"dst", "srcs", "world", "stream", NULL};
-    PyObject *dst_obj, *srcs_obj, *stream_obj = Py_None, *dst_owner = NULL, *result = NULL;
-    int world;
+    PyObject *dst_obj, *srcs_obj, *stream_obj = Py_None, *result = NULL;
+    int world, cuda;
+    fsc_stream_t stream = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOi|O:pack_blocks", kwlist, &dst_obj, &srcs_obj, &world,
-                                     &stream_obj))
+                                     &stream_obj) ||
+        fsc_py_parse_optional_stream(stream_obj, "pack_blocks", &cuda, &stream) < 0)
         return NULL;
-    int cuda = stream_obj != Py_None;
-    unsigned long long stream = 0;
-    if (cuda) {
-        stream = PyLong_Check(stream_obj) ? PyLong_AsUnsignedLongLong(stream_obj) : (unsigned long long)-1;
-        if (stream == (unsigned long long)-1) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
-                         "pack_blocks: argument 'stream' must be None or a non-negative int (a "
-                         "cudaStream_t), got %R",
-                         stream_obj);
-            return NULL;
-        }
-    }
-    int place = cuda ? 0 : FSC_IMPORT_CPU_ONLY;
+    int flags = FSC_IMPORT_CONTIGUOUS | (cuda ? 0 : FSC_IMPORT_CPU_ONLY);
     PyObject *seq = PySequence_Fast(srcs_obj, "pack_blocks: argument 'srcs' must be a sequence of tensors");
     if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), got = 0;
-    fsc_tensor_t dst, *srcs = PyMem_Calloc(n ? (size_t)n : 1, sizeof(fsc_tensor_t));
-    PyObject **owners = PyMem_Calloc(n ? (size_t)n : 1, sizeof(PyObject *));
-    if (srcs == NULL || owners == NULL) {
-        PyErr_NoMemory();
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    fsc_py_imports_t im; /* dst, then the sources in order: tensors + 1 is the array of sources */
+    fsc_tensor_t *dst, *src;
+    if (fsc_py_imports_init(&im, (size_t)n + 1) < 0) goto exit;
+    if (fsc_py_import_arg(&im, module, dst_obj, "dst", flags | FSC_IMPORT_WRITABLE, (intptr_t)stream, &dst) < 0)
         goto exit;
-    }
-    if (fsc_py_import(module, dst_obj, "dst", FSC_IMPORT_WRITABLE | place | FSC_IMPORT_CONTIGUOUS, (intptr_t)stream,
-                      &dst, &dst_owner) < 0)
-        goto exit;
-    for (; got < n; got++) {
-        if (fsc_py_import(module, PySequence_Fast_GET_ITEM(seq, got), "srcs[i]", place | FSC_IMPORT_CONTIGUOUS,
-                          (intptr_t)stream, &srcs[got], &owners[got]) < 0)
-            goto exit;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *obj = PySequence_Fast_GET_ITEM(seq, i);
+        if (fsc_py_import_arg(&im, module, obj, "srcs[i]", flags, (intptr_t)stream, &src) < 0) goto exit;
     }
     fsc_status_t st;
     Py_BEGIN_ALLOW_THREADS
-    st = cuda ? fsc_gpu_pack_blocks(&dst, srcs, (int)n, world, (fsc_stream_t)stream)
-              : fsc_tensor_pack_blocks(&dst, srcs, (int)n, world);
+    st = cuda ? fsc_gpu_pack_blocks(dst, im.tensors + 1, (int)n, world, stream)
+              : fsc_tensor_pack_blocks(dst, im.tensors + 1, (int)n, world);
     Py_END_ALLOW_THREADS
-    if (st != FSC_OK) {
-        fsc_py_raise(module, st);
-        goto exit;
-    }
-    result = Py_NewRef(Py_None);
+    result = fsc_py_imports_finish(module, &im, st);
 exit:
-    for (Py_ssize_t i = 0; i < got; i++) Py_XDECREF(owners[i]);
-    Py_XDECREF(dst_owner);
-    PyMem_Free(owners);
-    PyMem_Free(srcs);
+    fsc_py_imports_clear(&im);
     Py_DECREF(seq);
     return result;
 }

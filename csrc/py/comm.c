@@ -283,7 +283,7 @@ static PyObject *queue(GroupObject *self, const fsc_shm_args_t *args, size_t n, 
     if (w == NULL) return NULL;
     w->work = NULL;
     w->module = Py_NewRef(module);
-    w->owners = fsc_py_calls_owners(c);
+    w->owners = fsc_py_imports_owners(&c->args);
     if (w->owners == NULL) {
         Py_DECREF(w);
         return NULL;
@@ -373,11 +373,11 @@ static PyObject *one_call(GroupObject *self, fsc_comm_op_t op, PyObject *tensor,
     if (redop != NULL && fsc_py_parse_redop(module, redop, &call->redop) < 0) goto fail;
     int two = input != NULL;
     if (tensor != NULL &&
-        fsc_py_import_arg(&c, module, tensor, two ? "output" : "tensor",
+        fsc_py_import_arg(&c.args, module, tensor, two ? "output" : "tensor",
                           FSC_IMPORT_CPU_ONLY | (op != FSC_OP_SEND ? FSC_IMPORT_WRITABLE : 0), 0, &call->tensor) < 0)
         goto fail;
     fsc_tensor_t *in = NULL;
-    if (two && fsc_py_import_arg(&c, module, input, "input", FSC_IMPORT_CPU_ONLY, 0, &in) < 0) goto fail;
+    if (two && fsc_py_import_arg(&c.args, module, input, "input", FSC_IMPORT_CPU_ONLY, 0, &in) < 0) goto fail;
     call->input = in;
     return run_calls(self, &c, async_op);
 fail:

@@ -1,5 +1,6 @@
-/* gpu.c — Python bindings for csrc/gpu/gpu.h (CUDA discovery and kernels), their CPU references in
- * csrc/gpu/kernels_cpu.h, and csrc/comm/nccl.h (_C.NcclComm). */
+/* gpu.c — Python bindings for csrc/gpu/gpu.h (CUDA discovery and kernels) and their CPU
+ * references in csrc/gpu/kernels_cpu.h. gpu_info() also reports the NCCL library found
+ * (csrc/comm/nccl.h); the communicator binding is in nccl.c. */
 #include <string.h>
 
 #include "binding.h"
@@ -7,42 +8,11 @@
 #include "gpu/gpu.h"
 #include "gpu/kernels_cpu.h"
 
-/* ---- argument helpers ----------------------------------------------------------------------- */
-
-/* The views of one call's tensor arguments and the references that keep their memory alive. */
-typedef struct {
-    PyObject *owners[4];
-    int n;
-} imports_t;
-
-/* Import `obj` as a contiguous view (writable when asked), CPU-only for the references; for
- * CUDA tensors `stream` is the consumer stream the producer orders its work before. */
-static int import_arg(imports_t *im, PyObject *module, PyObject *obj, const char *arg, int writable, int cpu_only,
-                      fsc_stream_t stream, fsc_tensor_t *t) {
-    int flags = FSC_IMPORT_CONTIGUOUS | (writable ? FSC_IMPORT_WRITABLE : 0) | (cpu_only ? FSC_IMPORT_CPU_ONLY : 0);
-    PyObject *owner;
-    if (fsc_py_import(module, obj, arg, flags, (intptr_t)stream, t, &owner) < 0) return -1;
-    im->owners[im->n++] = owner;
-    return 0;
-}
-
-static void release_imports(imports_t *im) {
-    for (int i = 0; i < im->n; i++) Py_DECREF(im->owners[i]);
-    im->n = 0;
-}
-
-/* An argument failed to import (exception set): drop the ones already imported. */
-static PyObject *import_failed(imports_t *im) {
-    release_imports(im);
-    return NULL;
-}
-
-/* Return None, or raise for `st`; releases the imports either way. */
-static PyObject *finish(PyObject *module, imports_t *im, fsc_status_t st) {
-    release_imports(im);
-    if (st != FSC_OK) return fsc_py_raise(module, st);
-    Py_RETURN_NONE;
-}
+/* Import flags of the kernels' arguments: contiguous views; written ones writable; the CPU
+ * references take CPU tensors only. */
+#define ARG_IN FSC_IMPORT_CONTIGUOUS
+#define ARG_OUT (FSC_IMPORT_CONTIGUOUS | FSC_IMPORT_WRITABLE)
+#define ARG_PLACE(cuda) ((cuda) ? 0 : FSC_IMPORT_CPU_ONLY)
 
 /* ---- discovery -------------------------------------------------------------------------------- */
 
@@ -84,19 +54,20 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args, PyObject *kwargs
     static char *kwlist[] = {"dst", "src", "stream", NULL};
     PyObject *dst_obj, *src_obj;
     fsc_stream_t stream;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t dst, src;
+    fsc_py_imports_t im;
+    fsc_tensor_t *dst, *src;
     fsc_status_t st;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:cuda_cast", kwlist, &dst_obj, &src_obj,
                                      fsc_py_stream_converter, &stream))
         return NULL;
-    if (import_arg(&im, module, dst_obj, "dst", 1, 0, stream, &dst) < 0 ||
-        import_arg(&im, module, src_obj, "src", 0, 0, stream, &src) < 0)
-        return import_failed(&im);
+    fsc_py_imports_init(&im, 2); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, dst_obj, "dst", ARG_OUT, stream, &dst) < 0 ||
+        fsc_py_import_arg(&im, module, src_obj, "src", ARG_IN, stream, &src) < 0)
+        return fsc_py_imports_fail(&im);
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_gpu_cast(&dst, &src, stream);
+    st = fsc_gpu_cast(dst, src, stream);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 /* Shared by the CUDA and CPU unscale bindings. */
@@ -106,22 +77,22 @@ static PyObject *unscale(PyObject *module, PyObject *args, PyObject *kwargs, int
     PyObject *buf_obj, *fi_obj;
     float inv_scale;
     fsc_stream_t stream = 0;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t buf, fi;
+    fsc_py_imports_t im;
+    fsc_tensor_t *buf, *fi;
     fsc_status_t st;
     int ok = cuda ? PyArg_ParseTupleAndKeywords(args, kwargs, "OfOO&:cuda_unscale_inf_check", kwlist_cuda, &buf_obj,
                                                 &inv_scale, &fi_obj, fsc_py_stream_converter, &stream)
                   : PyArg_ParseTupleAndKeywords(args, kwargs, "OfO:cpu_unscale_inf_check", kwlist_cpu, &buf_obj,
                                                 &inv_scale, &fi_obj);
     if (!ok) return NULL;
-    if (import_arg(&im, module, buf_obj, "buf", 1, !cuda, stream, &buf) < 0 ||
-        import_arg(&im, module, fi_obj, "found_inf", 1, !cuda, stream, &fi) < 0)
-        return import_failed(&im);
+    fsc_py_imports_init(&im, 2); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, buf_obj, "buf", ARG_OUT | ARG_PLACE(cuda), stream, &buf) < 0 ||
+        fsc_py_import_arg(&im, module, fi_obj, "found_inf", ARG_OUT | ARG_PLACE(cuda), stream, &fi) < 0)
+        return fsc_py_imports_fail(&im);
     Py_BEGIN_ALLOW_THREADS
-    st = cuda ? fsc_gpu_unscale_inf_check(&buf, inv_scale, &fi, stream)
-              : fsc_cpu_unscale_inf_check(&buf, inv_scale, &fi);
+    st = cuda ? fsc_gpu_unscale_inf_check(buf, inv_scale, fi, stream) : fsc_cpu_unscale_inf_check(buf, inv_scale, fi);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 static PyObject *py_cuda_unscale(PyObject *module, PyObject *args, PyObject *kwargs) {
@@ -137,36 +108,38 @@ static PyObject *py_cuda_sq_norm(PyObject *module, PyObject *args, PyObject *kwa
     PyObject *out_obj, *x_obj, *ws_obj;
     fsc_stream_t stream;
     int absmax = 0;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t out, x, ws;
+    fsc_py_imports_t im;
+    fsc_tensor_t *out, *x, *ws;
     fsc_status_t st;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO&|p:cuda_sq_norm", kwlist, &out_obj, &x_obj, &ws_obj,
                                      fsc_py_stream_converter, &stream, &absmax))
         return NULL;
-    if (import_arg(&im, module, out_obj, "out", 1, 0, stream, &out) < 0 ||
-        import_arg(&im, module, x_obj, "x", 0, 0, stream, &x) < 0 ||
-        import_arg(&im, module, ws_obj, "workspace", 1, 0, stream, &ws) < 0)
-        return import_failed(&im);
+    fsc_py_imports_init(&im, 3); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, out_obj, "out", ARG_OUT, stream, &out) < 0 ||
+        fsc_py_import_arg(&im, module, x_obj, "x", ARG_IN, stream, &x) < 0 ||
+        fsc_py_import_arg(&im, module, ws_obj, "workspace", ARG_OUT, stream, &ws) < 0)
+        return fsc_py_imports_fail(&im);
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_gpu_norm(&x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, &ws, &out, stream);
+    st = fsc_gpu_norm(x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, ws, out, stream);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 static PyObject *py_cpu_sq_norm(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"x", "absmax", NULL};
     PyObject *x_obj;
     int absmax = 0;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t x;
+    fsc_py_imports_t im;
+    fsc_tensor_t *x;
     fsc_status_t st;
     float result = 0.0f;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p:cpu_sq_norm", kwlist, &x_obj, &absmax)) return NULL;
-    if (import_arg(&im, module, x_obj, "x", 0, 1, 0, &x) < 0) return NULL;
+    fsc_py_imports_init(&im, 1); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, x_obj, "x", ARG_IN | ARG_PLACE(0), 0, &x) < 0) return fsc_py_imports_fail(&im);
     Py_BEGIN_ALLOW_THREADS
-    st = fsc_cpu_norm(&x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, &result);
+    st = fsc_cpu_norm(x, absmax ? FSC_NORM_ABSMAX : FSC_NORM_SUMSQ, &result);
     Py_END_ALLOW_THREADS
-    release_imports(&im);
+    fsc_py_imports_clear(&im);
     if (st != FSC_OK) return fsc_py_raise(module, st);
     return PyFloat_FromDouble(result);
 }
@@ -182,8 +155,8 @@ static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int c
     fsc_adamw_hparams_t hp;
     long long step;
     fsc_stream_t stream = 0;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t t[4];
+    fsc_py_imports_t im;
+    fsc_tensor_t *t[4];
     fsc_status_t st;
     static const char *names[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, cuda ? "OOOOdddddLO&:cuda_adamw_step" : "OOOOdddddL:cpu_adamw_step",
@@ -192,13 +165,16 @@ static PyObject *adamw(PyObject *module, PyObject *args, PyObject *kwargs, int c
                                      &stream))
         return NULL;
     hp.step = step;
+    fsc_py_imports_init(&im, 4); /* inline: cannot fail */
     for (int i = 0; i < 4; i++)
-        if (import_arg(&im, module, objs[i], names[i], i != 1, !cuda, stream, &t[i]) < 0) return import_failed(&im);
+        if (fsc_py_import_arg(&im, module, objs[i], names[i], (i != 1 ? ARG_OUT : ARG_IN) | ARG_PLACE(cuda), stream,
+                              &t[i]) < 0)
+            return fsc_py_imports_fail(&im);
     Py_BEGIN_ALLOW_THREADS
-    st = cuda ? fsc_gpu_adamw_step(&t[0], &t[1], &t[2], &t[3], &hp, stream)
-              : fsc_cpu_adamw_step(&t[0], &t[1], &t[2], &t[3], &hp);
+    st = cuda ? fsc_gpu_adamw_step(t[0], t[1], t[2], t[3], &hp, stream)
+              : fsc_cpu_adamw_step(t[0], t[1], t[2], t[3], &hp);
     Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
+    return fsc_py_imports_finish(module, &im, st);
 }
 
 static PyObject *py_cuda_adamw(PyObject *module, PyObject *args, PyObject *kwargs) {
@@ -209,383 +185,30 @@ static PyObject *py_cpu_adamw(PyObject *module, PyObject *args, PyObject *kwargs
     return adamw(module, args, kwargs, 0);
 }
 
-/* ---- NCCL ------------------------------------------------------------------------------------ */
-
-/* nccl_load(paths=()) -> int: load libnccl (see fsc_nccl_load) and return its version code. */
-static PyObject *py_nccl_load(PyObject *module, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"paths", NULL};
-    PyObject *paths_obj = NULL, *seq = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:nccl_load", kwlist, &paths_obj)) return NULL;
-    const char *paths[16];
-    Py_ssize_t n = 0;
-    if (paths_obj != NULL && paths_obj != Py_None) {
-        seq = PySequence_Fast(paths_obj, "argument 'paths': expected a sequence of str");
-        if (seq == NULL) return NULL;
-        n = PySequence_Fast_GET_SIZE(seq);
-        if (n > 16) {
-            Py_DECREF(seq);
-            PyErr_Format(PyExc_ValueError, "argument 'paths': at most 16 candidates, got %zd", n);
-            return NULL;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            paths[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
-            if (paths[i] == NULL) {
-                Py_DECREF(seq);
-                return NULL;
-            }
-        }
-    }
-    fsc_status_t st;
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_load(paths, (size_t)n);
-    Py_END_ALLOW_THREADS
-    Py_XDECREF(seq);
-    if (st != FSC_OK) return fsc_py_raise(module, st);
-    return PyLong_FromLong(fsc_nccl_version());
-}
-
-static PyObject *py_nccl_unique_id(PyObject *module, PyObject *Py_UNUSED(args)) {
-    unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES];
-    fsc_status_t st;
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_get_unique_id(id);
-    Py_END_ALLOW_THREADS
-    if (st != FSC_OK) return fsc_py_raise(module, st);
-    return PyBytes_FromStringAndSize((const char *)id, FSC_NCCL_UNIQUE_ID_BYTES);
-}
-
-typedef struct {
-    PyObject_HEAD fsc_nccl_comm_t *comm;
-} NcclCommObject;
-
-/* The module object (borrowed) for an instance's methods. */
-static PyObject *comm_module(PyObject *self) {
-    return PyType_GetModuleByDef(Py_TYPE(self), &fsc_module_def);
-}
-
-static PyObject *comm_new(PyTypeObject *tp, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"unique_id", "rank", "size", "device", "timeout", NULL};
-    Py_buffer uid;
-    int rank, size, device;
-    double timeout = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*iii|d:NcclComm", kwlist, &uid, &rank, &size, &device, &timeout))
-        return NULL;
-    if (uid.len != FSC_NCCL_UNIQUE_ID_BYTES) {
-        PyErr_Format(PyExc_ValueError,
-                     "NcclComm: argument 'unique_id' must be %d bytes (from nccl_unique_id()), got %zd",
-                     FSC_NCCL_UNIQUE_ID_BYTES, uid.len);
-        PyBuffer_Release(&uid);
-        return NULL;
-    }
-    unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES];
-    memcpy(id, uid.buf, sizeof(id));
-    PyBuffer_Release(&uid);
-    PyObject *module = PyType_GetModuleByDef(tp, &fsc_module_def);
-    if (module == NULL) return NULL;
-    fsc_nccl_comm_t *comm = NULL;
-    fsc_status_t st;
-    /* Blocks until every rank has joined: the other ranks' Python threads must keep running. */
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_comm_init(id, rank, size, device, timeout, &comm);
-    Py_END_ALLOW_THREADS
-    if (st != FSC_OK) return fsc_py_raise(module, st);
-    NcclCommObject *self = (NcclCommObject *)tp->tp_alloc(tp, 0);
-    if (self == NULL) {
-        fsc_nccl_comm_free(comm);
-        return NULL;
-    }
-    self->comm = comm;
-    return (PyObject *)self;
-}
-
-static void comm_dealloc(PyObject *obj) {
-    NcclCommObject *self = (NcclCommObject *)obj;
-    PyTypeObject *tp = Py_TYPE(obj);
-    fsc_nccl_comm_free(self->comm); /* aborts a communicator nobody destroyed */
-    tp->tp_free(obj);
-    Py_DECREF(tp);
-}
-
-/* all_gather(output, input, stream) */
-static PyObject *comm_all_gather(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"output", "input", "stream", NULL};
-    PyObject *module = comm_module(self), *out_obj, *in_obj;
-    fsc_stream_t stream;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t out, in;
-    fsc_status_t st;
-    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:all_gather", kwlist, &out_obj, &in_obj,
-                                                       fsc_py_stream_converter, &stream))
-        return NULL;
-    if (import_arg(&im, module, out_obj, "output", 1, 0, stream, &out) < 0 ||
-        import_arg(&im, module, in_obj, "input", 0, 0, stream, &in) < 0)
-        return import_failed(&im);
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_all_gather(c, &out, &in, stream);
-    Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
-}
-
-/* reduce_scatter(output, input, op, stream) */
-static PyObject *comm_reduce_scatter(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"output", "input", "op", "stream", NULL};
-    PyObject *module = comm_module(self), *out_obj, *in_obj;
-    const char *opname;
-    fsc_reduce_op_t op;
-    fsc_stream_t stream;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t out, in;
-    fsc_status_t st;
-    if (module == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "OOsO&:reduce_scatter", kwlist, &out_obj, &in_obj, &opname,
-                                     fsc_py_stream_converter, &stream) ||
-        fsc_py_parse_redop(module, opname, &op) < 0)
-        return NULL;
-    if (import_arg(&im, module, out_obj, "output", 1, 0, stream, &out) < 0 ||
-        import_arg(&im, module, in_obj, "input", 0, 0, stream, &in) < 0)
-        return import_failed(&im);
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_reduce_scatter(c, &out, &in, op, stream);
-    Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
-}
-
-/* all_reduce(tensor, op, stream) and reduce(tensor, op, root, stream) */
-static PyObject *reduce_common(PyObject *self, PyObject *args, PyObject *kwargs, int with_root) {
-    static char *kwlist_ar[] = {"tensor", "op", "stream", NULL};
-    static char *kwlist_r[] = {"tensor", "op", "root", "stream", NULL};
-    PyObject *module = comm_module(self), *obj;
-    const char *opname;
-    int root = 0;
-    fsc_reduce_op_t op;
-    fsc_stream_t stream;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t t;
-    fsc_status_t st;
-    if (module == NULL) return NULL;
-    int ok = with_root ? PyArg_ParseTupleAndKeywords(args, kwargs, "OsiO&:reduce", kwlist_r, &obj, &opname, &root,
-                                                     fsc_py_stream_converter, &stream)
-                       : PyArg_ParseTupleAndKeywords(args, kwargs, "OsO&:all_reduce", kwlist_ar, &obj, &opname,
-                                                     fsc_py_stream_converter, &stream);
-    if (!ok || fsc_py_parse_redop(module, opname, &op) < 0) return NULL;
-    if (import_arg(&im, module, obj, "tensor", 1, 0, stream, &t) < 0) return import_failed(&im);
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS
-    st = with_root ? fsc_nccl_reduce(c, &t, op, root, stream) : fsc_nccl_all_reduce(c, &t, op, stream);
-    Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
-}
-
-static PyObject *comm_all_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return reduce_common(self, args, kwargs, 0);
-}
-
-static PyObject *comm_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return reduce_common(self, args, kwargs, 1);
-}
-
-typedef enum { RANKED_BROADCAST, RANKED_SEND, RANKED_RECV } ranked_op_t;
-
-/* broadcast(tensor, root, stream), send(tensor, peer, stream), recv(tensor, peer, stream) */
-static PyObject *ranked_common(PyObject *self, PyObject *args, PyObject *kwargs, ranked_op_t kind) {
-    static char *kwlist_root[] = {"tensor", "root", "stream", NULL};
-    static char *kwlist_peer[] = {"tensor", "peer", "stream", NULL};
-    static const char *formats[] = {"OiO&:broadcast", "OiO&:send", "OiO&:recv"};
-    PyObject *module = comm_module(self), *obj;
-    int who;
-    fsc_stream_t stream;
-    imports_t im = {{0}, 0};
-    fsc_tensor_t t;
-    fsc_status_t st;
-    if (module == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, formats[kind], kind == RANKED_BROADCAST ? kwlist_root : kwlist_peer,
-                                     &obj, &who, fsc_py_stream_converter, &stream))
-        return NULL;
-    if (import_arg(&im, module, obj, "tensor", kind != RANKED_SEND, 0, stream, &t) < 0) return import_failed(&im);
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS
-    switch (kind) {
-        case RANKED_BROADCAST: st = fsc_nccl_broadcast(c, &t, who, stream); break;
-        case RANKED_SEND: st = fsc_nccl_send(c, &t, who, stream); break;
-        default: st = fsc_nccl_recv(c, &t, who, stream); break;
-    }
-    Py_END_ALLOW_THREADS
-    return finish(module, &im, st);
-}
-
-static PyObject *comm_broadcast(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return ranked_common(self, args, kwargs, RANKED_BROADCAST);
-}
-
-static PyObject *comm_send(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return ranked_common(self, args, kwargs, RANKED_SEND);
-}
-
-static PyObject *comm_recv(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return ranked_common(self, args, kwargs, RANKED_RECV);
-}
-
-/* wait(stream, timeout=0.0): block (GIL released) until `stream`'s work is done. */
-static PyObject *comm_wait(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"stream", "timeout", NULL};
-    PyObject *module = comm_module(self);
-    fsc_stream_t stream;
-    double timeout = 0.0;
-    fsc_status_t st;
-    if (module == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "O&|d:wait", kwlist, fsc_py_stream_converter, &stream, &timeout))
-        return NULL;
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_wait(c, stream, timeout);
-    Py_END_ALLOW_THREADS
-    if (st != FSC_OK) return fsc_py_raise(module, st);
-    Py_RETURN_NONE;
-}
-
-/* batch(ops, stream): the ops (fsc_py_parse_calls' format) enqueued as one NCCL group. */
-static PyObject *comm_batch(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"ops", "stream", NULL};
-    PyObject *module = comm_module(self), *ops_obj;
-    fsc_stream_t stream;
-    fsc_py_calls_t c;
-    if (module == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO&:batch", kwlist, &ops_obj, fsc_py_stream_converter, &stream))
-        return NULL;
-    if (fsc_py_parse_calls(&c, module, ops_obj, FSC_NCCL_MAX_BATCH, FSC_IMPORT_CONTIGUOUS, (intptr_t)stream) < 0)
-        return NULL;
-    fsc_nccl_comm_t *comm = ((NcclCommObject *)self)->comm;
-    fsc_status_t st;
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_batch(comm, c.calls, c.ncalls, stream);
-    Py_END_ALLOW_THREADS
-    fsc_py_calls_clear(&c); /* NCCL has the pointers; the caller keeps the tensors alive */
-    if (st != FSC_OK) return fsc_py_raise(module, st);
-    Py_RETURN_NONE;
-}
-
-static PyObject *comm_abort(PyObject *self, PyObject *Py_UNUSED(args)) {
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS
-    fsc_nccl_comm_abort(c);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-static PyObject *comm_destroy(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"timeout", NULL};
-    PyObject *module = comm_module(self);
-    double timeout = 0.0;
-    fsc_status_t st;
-    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "|d:destroy", kwlist, &timeout)) return NULL;
-    fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
-    Py_BEGIN_ALLOW_THREADS
-    st = fsc_nccl_comm_destroy(c, timeout);
-    Py_END_ALLOW_THREADS
-    if (st != FSC_OK) return fsc_py_raise(module, st);
-    Py_RETURN_NONE;
-}
-
-static PyObject *comm_get_rank(PyObject *self, void *Py_UNUSED(c)) {
-    return PyLong_FromLong(fsc_nccl_comm_rank(((NcclCommObject *)self)->comm));
-}
-
-static PyObject *comm_get_size(PyObject *self, void *Py_UNUSED(c)) {
-    return PyLong_FromLong(fsc_nccl_comm_size(((NcclCommObject *)self)->comm));
-}
-
-static PyObject *comm_get_device(PyObject *self, void *Py_UNUSED(c)) {
-    return PyLong_FromLong(fsc_nccl_comm_device(((NcclCommObject *)self)->comm));
-}
-
-static PyObject *comm_get_version(PyObject *self, void *Py_UNUSED(c)) {
-    (void)self;
-    return PyLong_FromLong(fsc_nccl_version());
-}
-
-#define KW_METHOD(name, fn, doc) \
-    { name, (PyCFunction)(void (*)(void))fn, METH_VARARGS | METH_KEYWORDS, doc }
-
-static PyMethodDef comm_methods[] = {
-    KW_METHOD("all_gather", comm_all_gather,
-              "all_gather(output, input, stream): output (size * input.numel) = every rank's input, rank order."),
-    KW_METHOD("reduce_scatter", comm_reduce_scatter,
-              "reduce_scatter(output, input, op, stream): output = this rank's block of the reduction of input."),
-    KW_METHOD("all_reduce", comm_all_reduce, "all_reduce(tensor, op, stream): in-place reduction on every rank."),
-    KW_METHOD("broadcast", comm_broadcast, "broadcast(tensor, root, stream): tensor = root's tensor."),
-    KW_METHOD("reduce", comm_reduce, "reduce(tensor, op, root, stream): root's tensor = the reduction."),
-    KW_METHOD("send", comm_send, "send(tensor, peer, stream)."),
-    KW_METHOD("recv", comm_recv, "recv(tensor, peer, stream)."),
-    KW_METHOD("batch", comm_batch,
-              "batch(ops, stream): enqueue several operations as one NCCL group; ops are tuples like "
-              "('all_gather', output, input), ('reduce_scatter', output, input, op), ('all_reduce', tensor, op), "
-              "('broadcast', tensor, root), ('reduce', tensor, op, root), ('send', tensor, peer), "
-              "('recv', tensor, peer)."),
-    KW_METHOD("wait", comm_wait,
-              "wait(stream, timeout=0.0): block until stream's work is done, polling NCCL errors; aborts on "
-              "error or timeout (0 = FAIRSCALE_C_TIMEOUT)."),
-    {"abort", comm_abort, METH_NOARGS, "abort(): stop pending work and free the communicator now."},
-    KW_METHOD("destroy", comm_destroy, "destroy(timeout=0.0): orderly teardown (finalize + destroy)."),
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef comm_getset[] = {
-    {"rank", comm_get_rank, NULL, "This rank in the communicator.", NULL},
-    {"size", comm_get_size, NULL, "Number of ranks.", NULL},
-    {"device", comm_get_device, NULL, "CUDA device index the communicator is bound to.", NULL},
-    {"version", comm_get_version, NULL, "NCCL_VERSION_CODE of the loaded libnccl (e.g. 22703).", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyType_Slot comm_slots[] = {
-    {Py_tp_new, comm_new},
-    {Py_tp_dealloc, comm_dealloc},
-    {Py_tp_methods, comm_methods},
-    {Py_tp_getset, comm_getset},
-    {Py_tp_doc,
-     "NcclComm(unique_id, rank, size, device, timeout=0.0): one rank's NCCL communicator. Blocks "
-     "until all ranks joined. Collectives take DLPack CUDA tensors and an int cudaStream_t and are "
-     "enqueued without waiting."},
-    {0, NULL},
-};
-
-static PyType_Spec comm_spec = {
-    .name = "fairscale_c._C.NcclComm",
-    .basicsize = sizeof(NcclCommObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
-    .slots = comm_slots,
-};
-
 static PyMethodDef gpu_functions[] = {
     {"gpu_info", py_gpu_info, METH_NOARGS,
      "gpu_info() -> dict: CUDA driver/runtime found and versions, kernels built, device count, NCCL loaded."},
-    KW_METHOD("cuda_cast", py_cuda_cast,
-              "cuda_cast(dst, src, stream): float32 <-> float16/bfloat16 cast kernel (round to nearest even)."),
-    KW_METHOD("cuda_unscale_inf_check", py_cuda_unscale,
-              "cuda_unscale_inf_check(buf, inv_scale, found_inf, stream): buf *= inv_scale; found_inf = 1 if any "
-              "element was non-finite."),
-    KW_METHOD("cuda_sq_norm", py_cuda_sq_norm,
-              "cuda_sq_norm(out, x, workspace, stream, absmax=False): out[0] = sum(x**2) (or max|x|)."),
-    KW_METHOD("cuda_adamw_step", py_cuda_adamw,
-              "cuda_adamw_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, "
-              "stream): fused AdamW on flat float32 shards."),
-    KW_METHOD("cpu_unscale_inf_check", py_cpu_unscale,
-              "cpu_unscale_inf_check(buf, inv_scale, found_inf): CPU reference of cuda_unscale_inf_check."),
-    KW_METHOD("cpu_sq_norm", py_cpu_sq_norm, "cpu_sq_norm(x, absmax=False) -> float: CPU reference of cuda_sq_norm."),
-    KW_METHOD("cpu_adamw_step", py_cpu_adamw,
-              "cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step): CPU "
-              "reference of cuda_adamw_step."),
-    KW_METHOD("nccl_load", py_nccl_load, "nccl_load(paths=()) -> int: load libnccl, return its version code."),
-    {"nccl_unique_id", py_nccl_unique_id, METH_NOARGS, "nccl_unique_id() -> bytes: a fresh 128-byte ncclUniqueId."},
+    FSC_PY_KW_METHOD("cuda_cast", py_cuda_cast,
+                     "cuda_cast(dst, src, stream): float32 <-> float16/bfloat16 cast kernel (round to nearest even)."),
+    FSC_PY_KW_METHOD(
+        "cuda_unscale_inf_check", py_cuda_unscale,
+        "cuda_unscale_inf_check(buf, inv_scale, found_inf, stream): buf *= inv_scale; found_inf = 1 if any "
+        "element was non-finite."),
+    FSC_PY_KW_METHOD("cuda_sq_norm", py_cuda_sq_norm,
+                     "cuda_sq_norm(out, x, workspace, stream, absmax=False): out[0] = sum(x**2) (or max|x|)."),
+    FSC_PY_KW_METHOD("cuda_adamw_step", py_cuda_adamw,
+                     "cuda_adamw_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, "
+                     "stream): fused AdamW on flat float32 shards."),
+    FSC_PY_KW_METHOD("cpu_unscale_inf_check", py_cpu_unscale,
+                     "cpu_unscale_inf_check(buf, inv_scale, found_inf): CPU reference of cuda_unscale_inf_check."),
+    FSC_PY_KW_METHOD("cpu_sq_norm", py_cpu_sq_norm,
+                     "cpu_sq_norm(x, absmax=False) -> float: CPU reference of cuda_sq_norm."),
+    FSC_PY_KW_METHOD("cpu_adamw_step", py_cpu_adamw,
+                     "cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step): CPU "
+                     "reference of cuda_adamw_step."),
     {NULL, NULL, 0, NULL},
 };
 
 int fsc_py_gpu_exec(PyObject *module) {
-    fsc_module_state *state = fsc_py_state(module);
-    state->NcclCommType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &comm_spec, NULL);
-    if (state->NcclCommType == NULL) return -1;
-    if (PyModule_AddType(module, state->NcclCommType) < 0) return -1;
     return PyModule_AddFunctions(module, gpu_functions);
 }

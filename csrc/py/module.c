@@ -80,6 +80,9 @@ static int module_exec(PyObject *module) {
 #ifdef FSC_HAVE_GPU
     if (fsc_py_gpu_exec(module) < 0) return -1;
 #endif
+#ifdef FSC_HAVE_NCCL
+    if (fsc_py_nccl_exec(module) < 0) return -1;
+#endif
     return 0;
 }
 

@@ -140,29 +140,6 @@ EXPORT int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsign
         (void)extra;
     return R_CU_NOT_SUPPORTED;
 }
-EXPORT int cuStreamCreate(void **s, unsigned int flags) {
-    (void)flags;
-    static stream_t pool[64];
-    static int next;
-    pthread_mutex_lock(&mu);
-    int i = next++ % 64;
-    pthread_mutex_unlock(&mu);
-    memset(&pool[i], 0, sizeof(pool[i]));
-    *s = &pool[i];
-    return R_OK;
-}
-EXPORT int cuStreamDestroy_v2(void *s) {
-    (void)s;
-    return R_OK;
-}
-EXPORT int cuStreamWaitEvent(void *s, void *ev, unsigned int flags) {
-    (void)flags;
-    pthread_mutex_lock(&mu);
-    event_t *e = ev;
-    if (blocked(e->blocked_by)) stream_of(s)->blocked_by = e->blocked_by;
-    pthread_mutex_unlock(&mu);
-    return R_OK;
-}
 /* Blocks while a hung collective is on the stream (at most 30 s, so a broken watchdog fails
  * the test instead of hanging it). */
 EXPORT int cuStreamSynchronize(void *s) {
@@ -175,12 +152,6 @@ EXPORT int cuStreamSynchronize(void *s) {
         struct timespec nap = {0, 1000000};
         nanosleep(&nap, NULL);
     }
-}
-EXPORT int cuStreamQuery(void *s) {
-    pthread_mutex_lock(&mu);
-    int b = blocked(stream_of(s)->blocked_by);
-    pthread_mutex_unlock(&mu);
-    return b ? R_CU_NOT_READY : R_OK;
 }
 EXPORT int cuEventCreate(void **ev, unsigned int flags) {
     (void)flags;

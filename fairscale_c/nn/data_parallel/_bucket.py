@@ -11,7 +11,7 @@ over mid-backward would make offloaded gradients (``move_grads_to_cpu`` on CUDA)
 a device-to-host copy once per layer."""
 
 from collections import deque
-from typing import Any, Deque, Dict, List, Tuple
+from typing import Any, Deque, Dict, List, NamedTuple
 
 import torch
 
@@ -29,6 +29,54 @@ _ALONE_BYTES = 1 << 20
 _MAX_IN_FLIGHT = 2
 
 
+class PendingReduce(NamedTuple):
+    """One flat parameter's part of a reduce-scatter in flight (``_Handle.pending``)."""
+
+    out: torch.Tensor  # its shard of the reduced gradient: a view of the collective's output
+    input: torch.Tensor  # the collective's input (the full gradient or the packed bucket), alive until retired
+    averaged: bool  # reduced with "avg"; a sum is divided by the gradient factors in `drain`
+
+
+class _Member(NamedTuple):
+    """A flat parameter (its instance and handle) whose gradient one reduce-scatter reduces."""
+
+    fsdp: Any
+    handle: Any
+
+
+class _BucketKey(NamedTuple):
+    """What the gradients sharing a bucket have in common."""
+
+    group: int  # id() of the reduce-scatter group
+    device: torch.device
+    dtype: torch.dtype
+    op: str
+
+
+class _Queued(NamedTuple):
+    """A flat gradient waiting in a bucket."""
+
+    fsdp: Any
+    handle: Any
+    grad: torch.Tensor
+
+
+class _InFlight(NamedTuple):
+    """An issued reduce-scatter: its work and the members whose ``pending`` it fills."""
+
+    work: Any
+    members: List[_Member]
+
+
+class _Reduced(NamedTuple):
+    """A retired reduce-scatter's shard for one flat parameter, handed to ``.grad`` in `drain`."""
+
+    fsdp: Any
+    handle: Any
+    out: torch.Tensor
+    averaged: bool
+
+
 class ReduceScatterBucket:
     """One per root instance. Gradients of the same process group, device, dtype and reduction
     share a bucket; a bucket is sent when it reaches the cap, and whatever is left at the end of
@@ -37,12 +85,9 @@ class ReduceScatterBucket:
 
     def __init__(self, cap_mb: float):
         self.cap_bytes = int(cap_mb * 2**20)
-        self.buckets: Dict[Tuple, List] = {}
-        # (work, [(fsdp, handle)]) in issue order; each handle's ``pending`` holds its result view,
-        # the collective's input and whether it was averaged
-        self.in_flight: Deque[Tuple[Any, List]] = deque()
-        # (fsdp, handle, reduced shard, averaged) of retired reduce-scatters, until `drain`
-        self.reduced: List[Tuple[Any, Any, torch.Tensor, bool]] = []
+        self.buckets: Dict[_BucketKey, List[_Queued]] = {}
+        self.in_flight: Deque[_InFlight] = deque()  # in issue order
+        self.reduced: List[_Reduced] = []  # retired, until `drain`
 
     def add(self, fsdp, h, grad: torch.Tensor, average: bool) -> None:
         """Start (or queue) the reduce-scatter of `grad`; its shard reaches the parameter's
@@ -52,10 +97,10 @@ class ReduceScatterBucket:
         if fsdp.comm_rs.size == 1 or nbytes >= self.cap_bytes or (not grad.is_cuda and nbytes >= _ALONE_BYTES):
             self._send_alone(fsdp, h, grad, op, average)
         else:
-            key = (id(fsdp.comm_rs), grad.device, grad.dtype, op)
+            key = _BucketKey(id(fsdp.comm_rs), grad.device, grad.dtype, op)
             bucket = self.buckets.setdefault(key, [])
-            bucket.append((fsdp, h, grad))
-            if sum(g.numel() * g.element_size() for _, _, g in bucket) >= self.cap_bytes:
+            bucket.append(_Queued(fsdp, h, grad))
+            if sum(q.grad.numel() * q.grad.element_size() for q in bucket) >= self.cap_bytes:
                 self._send(key)
         self._retire(_MAX_IN_FLIGHT)
 
@@ -65,22 +110,22 @@ class ReduceScatterBucket:
         for key in list(self.buckets):
             self._send(key)
         self._retire(0)
-        for fsdp, h, out, average in self.reduced:
-            if not average:
-                out.div_(fsdp.gradient_predivide_factor * fsdp.gradient_postdivide_factor)
-            fsdp._accumulate_grad(h, out)
+        for r in self.reduced:
+            if not r.averaged:
+                r.out.div_(r.fsdp.gradient_predivide_factor * r.fsdp.gradient_postdivide_factor)
+            r.fsdp._accumulate_grad(r.handle, r.out)
         self.reduced.clear()
 
     def _retire(self, keep: int) -> None:
         """Retire finished reduce-scatters, and the oldest ones until at most `keep` remain: wait
         (on CUDA the compute stream waits; the host does not) and release the input."""
-        while self.in_flight and (len(self.in_flight) > keep or self.in_flight[0][0].is_completed()):
-            work, members = self.in_flight.popleft()
-            work.wait()
-            for fsdp, h in members:
-                out, _, average = h.pending
-                h.pending = None
-                self.reduced.append((fsdp, h, out, average))
+        while self.in_flight and (len(self.in_flight) > keep or self.in_flight[0].work.is_completed()):
+            issued = self.in_flight.popleft()
+            issued.work.wait()
+            for m in issued.members:
+                pending = m.handle.pending
+                m.handle.pending = None
+                self.reduced.append(_Reduced(m.fsdp, m.handle, pending.out, pending.averaged))
 
     def _send_alone(self, fsdp, h, grad: torch.Tensor, op: str, average: bool) -> None:
         # On CUDA `out` is allocated on the compute stream, like `grad`, and the collective runs on
@@ -88,27 +133,26 @@ class ReduceScatterBucket:
         # stream waits for it), so their memory is reused only after it (events, no record_stream).
         out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
         work = fsdp.comm_rs.reduce_scatter(out, grad, op=op, async_op=True)
-        h.pending = (out, grad, average)
-        self.in_flight.append((work, [(fsdp, h)]))
+        h.pending = PendingReduce(out, grad, average)
+        self.in_flight.append(_InFlight(work, [_Member(fsdp, h)]))
 
-    def _send(self, key: Tuple) -> None:
+    def _send(self, key: _BucketKey) -> None:
         entries = self.buckets.pop(key)
-        fsdp = entries[0][0]
+        fsdp = entries[0].fsdp
         world = fsdp.world_size
-        grads = [g for _, _, g in entries]
-        device, op = key[1], key[3]
-        packed = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=device)
-        out = torch.empty(packed.numel() // world, dtype=packed.dtype, device=device)
-        if device.type == "cuda":
+        grads = [q.grad for q in entries]
+        packed = torch.empty(sum(g.numel() for g in grads), dtype=key.dtype, device=key.device)
+        out = torch.empty(packed.numel() // world, dtype=key.dtype, device=key.device)
+        if key.device.type == "cuda":
             # Packed on the compute stream (as FSDP2 copies in), so the gradients can be freed as
             # soon as this returns; `packed` and `out` stay alive in h.pending until retired.
-            _C.pack_blocks(packed, grads, world, torch.cuda.current_stream(device).cuda_stream)
+            _C.pack_blocks(packed, grads, world, torch.cuda.current_stream(key.device).cuda_stream)
         else:
             _C.pack_blocks(packed, grads, world)
-        work = fsdp.comm_rs.reduce_scatter(out, packed, op=op, async_op=True)
+        work = fsdp.comm_rs.reduce_scatter(out, packed, op=key.op, async_op=True)
         offset = 0
-        for _, h, g in entries:
-            n = g.numel() // world
-            h.pending = (out[offset : offset + n], packed, op == "avg")
+        for q in entries:
+            n = q.grad.numel() // world
+            q.handle.pending = PendingReduce(out[offset : offset + n], packed, key.op == "avg")
             offset += n
-        self.in_flight.append((work, [(m, h) for m, h, _ in entries]))
+        self.in_flight.append(_InFlight(work, [_Member(q.fsdp, q.handle) for q in entries]))

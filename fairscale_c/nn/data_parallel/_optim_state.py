@@ -12,11 +12,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 
-def _flat_entries(root) -> List[Tuple[Any, Any]]:
-    """(instance, handle) for every flat parameter under `root`, in parameters() order."""
-    from .fully_sharded_data_parallel import get_fsdp_instances
-
-    return [(m, h) for m in get_fsdp_instances(root) for h in m._handles]
+def _flat_entries(instances: List[Any]) -> List[Tuple[Any, Any]]:
+    """(instance, handle) for every flat parameter of `instances` (in module order), in parameters() order."""
+    return [(m, h) for m in instances for h in m._handles]
 
 
 def _local_ids(optim: torch.optim.Optimizer, entries) -> List[Optional[int]]:
@@ -34,9 +32,10 @@ def _is_singleton(x: Any) -> bool:
 
 
 @torch.no_grad()
-def gather_full(root, optim: torch.optim.Optimizer) -> Optional[Dict[str, Any]]:
+def gather_full(root, instances: List[Any], optim: torch.optim.Optimizer) -> Optional[Dict[str, Any]]:
+    """`root`'s gather_full_optim_state_dict; `instances`: its FSDP instances (itself included)."""
     root._lazy_init()
-    entries = _flat_entries(root)
+    entries = _flat_entries(instances)
     local_ids = _local_ids(optim, entries)
     osd = optim.state_dict()
     state: Dict[int, Dict[str, Any]] = {}
@@ -87,8 +86,9 @@ def gather_full(root, optim: torch.optim.Optimizer) -> Optional[Dict[str, Any]]:
 
 
 @torch.no_grad()
-def shard_from_full(root, full_osd: Dict[str, Any]) -> Dict[str, Any]:
-    entries = _flat_entries(root)
+def shard_from_full(instances: List[Any], full_osd: Dict[str, Any]) -> Dict[str, Any]:
+    """get_shard_from_optim_state_dict of the root of `instances` (its FSDP instances, itself included)."""
+    entries = _flat_entries(instances)
     for key in ("state", "param_groups", "param_id_map"):
         if key not in full_osd:
             raise ValueError(f"get_shard_from_optim_state_dict: argument 'full_optim_state_dict' has no '{key}'")

@@ -2,10 +2,12 @@
 local-metadata format and offline consolidation."""
 
 import contextlib
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
+
+from fairscale_c.distributed import local_copy
 
 WRAPPED = "_fsdp_wrapped_module"
 _HIDDEN = {WRAPPED, "_fpw_module"}
@@ -94,12 +96,10 @@ def summon(fsdp) -> List[torch.Tensor]:
 @torch.no_grad()
 def unsummon(fsdp, fulls: List[torch.Tensor], write_back: bool) -> None:
     """Undo summon(); with write_back, this rank's slice of each full parameter goes to its shard."""
-    from .fully_sharded_data_parallel import _copy
-
     for h, full in zip(fsdp._handles, fulls):
         if write_back:
             n = h.layout.shard_numel
-            _copy(h.param.detach(), full[h.layout.rank * n : (h.layout.rank + 1) * n])
+            local_copy(h.param.detach(), full[h.layout.rank * n : (h.layout.rank + 1) * n])
         for slot in h.layout.slots:
             slot.module._parameters.pop(slot.attr, None)
         for shared in h.layout.shared:
@@ -124,17 +124,10 @@ def detach_to(sd: Dict[str, Any], device: torch.device, to_fp32: bool) -> Dict[s
     return out
 
 
-def instance_paths(root: nn.Module):
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    for path, m in root.named_modules():
-        if isinstance(m, FullyShardedDataParallel):
-            yield clean_path(path), m
-
-
-def check_local_shapes(root: nn.Module, instances, state_dict: Dict[str, Any]) -> None:
-    """A local state saved at another world size has other shard sizes: say so before loading."""
-    for path, m in instance_paths(root):
+def check_local_shapes(named_instances: List[Tuple[str, Any]], state_dict: Dict[str, Any]) -> None:
+    """A local state saved at another world size has other shard sizes: say so before loading.
+    `named_instances`: (clean path, instance) of every FSDP instance of the model."""
+    for path, m in named_instances:
         for h in m._handles:
             key = f"{path}.{h.backing_name}" if path else h.backing_name
             if key in state_dict and state_dict[key].numel() != h.layout.shard_numel:
@@ -145,9 +138,10 @@ def check_local_shapes(root: nn.Module, instances, state_dict: Dict[str, Any]) -
                 )
 
 
-def local_metadata(root: nn.Module) -> Dict[str, Any]:
+def local_metadata(root: nn.Module, named_instances: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    """FairScale's local metadata of `root` and its FSDP instances ((clean path, instance) pairs)."""
     param_metadata = []
-    for path, m in instance_paths(root):
+    for path, m in named_instances:
         param_metadata.append(
             {
                 "fsdp_path": path,

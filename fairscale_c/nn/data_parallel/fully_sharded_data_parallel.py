@@ -16,7 +16,7 @@ gradient released); at the end of backward the root retires the rest, casts to f
 import contextlib
 import functools
 from enum import Enum, auto
-from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Generator, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -25,8 +25,8 @@ from fairscale_c import _C
 from fairscale_c import distributed as fdist
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
-from . import _state_dict
-from ._bucket import ReduceScatterBucket
+from . import _optim_state, _state_dict
+from ._bucket import PendingReduce, ReduceScatterBucket
 from .flat_param import FlatLayout, collect_params
 
 
@@ -62,6 +62,13 @@ def _alloc_storage(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
+class _Gathering(NamedTuple):
+    """An all-gather of one flat parameter started ahead of use (``_Handle.gathering``)."""
+
+    work: Any  # the collective's Work: wait() before the full buffer is read
+    shard: torch.Tensor  # its input (the shard, or its cast in the full buffer), alive until then
+
+
 class _Handle:
     """Run-time state of one flat parameter."""
 
@@ -72,8 +79,8 @@ class _Handle:
         pad = layout.padded_numel - layout.numel
         self.split_sizes = [s.numel for s in layout.slots] + ([pad] if pad else [])
         self.has_full = False
-        self.gathering = None  # (work, source shard) while a prefetch all-gather runs
-        self.pending = None  # (reduced shard, reduce input, averaged) while a reduce-scatter runs
+        self.gathering: Optional[_Gathering] = None  # while an all-gather started ahead runs
+        self.pending: Optional[PendingReduce] = None  # while its gradient's reduce-scatter runs
         self.backing_name = ""  # "flat_param_<i>", or the parameter's name when not flattened
 
     def new_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -121,11 +128,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("fp32_reduce_scatter requires mixed_precision=True")
         if compute_dtype is not None and compute_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"argument 'compute_dtype' must be float32, float16 or bfloat16, got {compute_dtype}")
-        self.comm = fdist.group_for(process_group)  # the engine group of the torch group (None: default)
-        self.process_group = self.comm.process_group
-        self.comm_rs = self._reduce_scatter_comm(process_group_reduce_scatter)
-        self.process_group_reduce_scatter = self.comm_rs.process_group
-        self.rank, self.world_size = self.comm.rank, self.comm.size
+        self._init_groups(process_group, process_group_reduce_scatter)
         self.reshard_after_forward = reshard_after_forward
         self.disable_reshard_on_root = disable_reshard_on_root
         self.mixed_precision = mixed_precision
@@ -146,40 +149,63 @@ class FullyShardedDataParallel(nn.Module):
             self.world_size
         )
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
+        self._init_shards(module, compute_device, state_dict_device)
+        self._init_state()
 
+    # ---------------------------------------------------------------- construction helpers
+
+    def _init_groups(self, process_group: Optional[Any], process_group_reduce_scatter: Any) -> None:
+        """The engine groups for all-gathers (`process_group`'s; None: the default group) and for
+        reduce-scatters (see _reduce_scatter_comm), and this rank's place in them."""
+        self.comm = fdist.group_for(process_group)
+        self.process_group = self.comm.process_group
+        self.comm_rs = self._reduce_scatter_comm(process_group_reduce_scatter)
+        self.process_group_reduce_scatter = self.comm_rs.process_group
+        self.rank, self.world_size = self.comm.rank, self.comm.size
+
+    def _init_shards(
+        self, module: nn.Module, compute_device: Optional[torch.device], state_dict_device: Optional[torch.device]
+    ) -> None:
+        """Lay out the parameters this instance owns (not those of nested instances) in flat buffers,
+        keep this rank's shard of each as a registered Parameter, and leave shaped views of the
+        (freed) full buffers under the original names."""
         first = next((p for p in module.parameters() if not _is_managed(p)), None)
         self.compute_device = torch.device(
             compute_device if compute_device is not None else (first.device if first is not None else "cpu")
         )
         self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
         shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
-
-        layouts, self._shared_pairs = collect_params(module, _is_managed, flatten_parameters)
+        layouts, self._shared_pairs = collect_params(module, _is_managed, self.flatten_parameters)
         self._check_dtypes(layouts)
         self._fsdp_wrapped_module = module
-        self._handles: List[_Handle] = []
-        for i, layout in enumerate(layouts):
-            layout.world_size, layout.rank = self.world_size, self.rank
-            shard = self._make_shard(layout, shard_device)
-            param = nn.Parameter(shard, requires_grad=layout.requires_grad)
-            param._fsc_fsdp_managed = True
-            param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
-            handle = _Handle(layout, param, self.compute_dtype, self.compute_device)
-            if flatten_parameters:
-                handle.backing_name = f"flat_param_{i}"
-                self.register_parameter(handle.backing_name, param)
-            else:
-                # As in FairScale: the shard stays registered under the original name.
-                handle.backing_name = layout.slots[0].name
-                layout.slots[0].module.register_parameter(layout.slots[0].attr, param)
-            self._handles.append(handle)
-            self._hook_full(handle)
+        self._handles: List[_Handle] = [self._new_handle(i, layout, shard_device) for i, layout in enumerate(layouts)]
         self.numel_padded_per_param = [h.layout.padding for h in self._handles]
         with torch.no_grad():
-            if flatten_parameters:
+            if self.flatten_parameters:
                 self._use_full_params()  # shaped views while the buffers still have storage
         for h in self._handles:
             _free_storage(h.full.detach())
+
+    def _new_handle(self, i: int, layout: FlatLayout, shard_device: torch.device) -> _Handle:
+        """Shard the `i`-th layout and register its shard: as ``flat_param_<i>``, or, as in
+        FairScale, under the original name when not flattening."""
+        layout.world_size, layout.rank = self.world_size, self.rank
+        shard = self._make_shard(layout, shard_device)
+        param = nn.Parameter(shard, requires_grad=layout.requires_grad)
+        param._fsc_fsdp_managed = True
+        param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
+        handle = _Handle(layout, param, self.compute_dtype, self.compute_device)
+        if self.flatten_parameters:
+            handle.backing_name = f"flat_param_{i}"
+            self.register_parameter(handle.backing_name, param)
+        else:
+            handle.backing_name = layout.slots[0].name
+            layout.slots[0].module.register_parameter(layout.slots[0].attr, param)
+        self._hook_full(handle)
+        return handle
+
+    def _init_state(self) -> None:
+        """The state between steps, until the first forward finds the root, and the state-dict hooks."""
         self._is_root: Optional[bool] = None
         self._fsdp_instances: List["FullyShardedDataParallel"] = []
         self._require_backward_grad_sync = True
@@ -188,8 +214,6 @@ class FullyShardedDataParallel(nn.Module):
         self.training_state = TrainingState.IDLE
         self._register_state_dict_hook(_state_dict.post_state_dict_hook)
         self._register_load_state_dict_pre_hook(functools.partial(_state_dict.pre_load_state_dict_hook, self))
-
-    # ---------------------------------------------------------------- construction helpers
 
     def _hook_full(self, h: _Handle) -> None:
         """Reduce-scatter the full buffer's gradient once autograd has accumulated all of it."""
@@ -462,7 +486,7 @@ class FullyShardedDataParallel(nn.Module):
                 mine = full[self.rank * n : (self.rank + 1) * n]
                 _copy(mine, shard)
                 shard = mine
-            h.gathering = (self.comm.all_gather(full, shard, async_op=True), shard)
+            h.gathering = _Gathering(self.comm.all_gather(full, shard, async_op=True), shard)
 
     @torch.no_grad()
     def _rebuild_full_params(self) -> None:
@@ -470,7 +494,7 @@ class FullyShardedDataParallel(nn.Module):
         self._start_gather()
         for h in self._handles:
             if h.gathering is not None:
-                h.gathering[0].wait()
+                h.gathering.work.wait()
                 h.gathering = None
                 h.has_full = True
 
@@ -521,7 +545,7 @@ class FullyShardedDataParallel(nn.Module):
     def _free_full_params(self) -> None:
         for h in self._handles:
             if h.gathering is not None:  # a prefetch nobody used: finish it before freeing
-                h.gathering[0].wait()
+                h.gathering.work.wait()
                 h.gathering = None
                 h.has_full = True
             if h.has_full:
@@ -687,7 +711,7 @@ class FullyShardedDataParallel(nn.Module):
         """Load a local (sharded) state dict saved by local_state_dict() at the same world size."""
         self.assert_state(TrainingState.IDLE)
         instances = get_fsdp_instances(self)
-        _state_dict.check_local_shapes(self, instances, state_dict)
+        _state_dict.check_local_shapes(_named_instances(self), state_dict)
         with _state_dict.local_mode(instances):
             result = super().load_state_dict(state_dict, strict)
         for m in instances:
@@ -696,7 +720,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def local_metadata_dict(self) -> Dict[str, Any]:
         """What consolidate_shard_weights needs to rebuild full weights offline (FairScale's format)."""
-        return _state_dict.local_metadata(self)
+        return _state_dict.local_metadata(self, _named_instances(self))
 
     @staticmethod
     def consolidate_shard_weights(
@@ -711,15 +735,11 @@ class FullyShardedDataParallel(nn.Module):
     def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[Dict[str, Any]]:
         """Collective: rank 0 gets the optimizer state unsharded and keyed like the unwrapped model's
         parameters; other ranks get None."""
-        from . import _optim_state
-
-        return _optim_state.gather_full(self, optim)
+        return _optim_state.gather_full(self, get_fsdp_instances(self), optim)
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's shard of a state from gather_full_optim_state_dict(), for optim.load_state_dict."""
-        from . import _optim_state
-
-        return _optim_state.shard_from_full(self, full_optim_state_dict)
+        return _optim_state.shard_from_full(get_fsdp_instances(self), full_optim_state_dict)
 
 
 def _local_norm_term(grads: List[torch.Tensor], norm_type: float) -> float:
@@ -741,6 +761,11 @@ def _local_norm_term(grads: List[torch.Tensor], norm_type: float) -> float:
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:
     """Every FSDP instance in `mod` (itself included), in module order."""
     return [m for m in mod.modules() if isinstance(m, FullyShardedDataParallel) and not (skip_empty and not m._handles)]
+
+
+def _named_instances(root: nn.Module) -> List[Tuple[str, FullyShardedDataParallel]]:
+    """(path without wrapper names, instance) for every FSDP instance in `root`, in module order."""
+    return [(_state_dict.clean_path(p), m) for p, m in root.named_modules() if isinstance(m, FullyShardedDataParallel)]
 
 
 def _apply_to_tensors(fn, obj: Any) -> Any:
