@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from dist_utils import run_ranks, shm_segments
+from dist_utils import run_ranks, orphaned_segments
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8]
 SIZES = [1, 1001, 300_007]  # one element, odd, several pipeline chunks
@@ -18,9 +18,9 @@ OPS = ["sum", "avg", "max", "min"]
 
 @pytest.fixture(autouse=True)
 def clean_dev_shm():
-    before = shm_segments()
+    before = orphaned_segments()
     yield
-    assert shm_segments() - before == set(), "shared-memory segments left in /dev/shm"
+    assert orphaned_segments() - before == set(), "shared-memory segments left in /dev/shm"
 
 
 def _data(rank: int, n: int, dtype: torch.dtype, salt: int) -> torch.Tensor:

@@ -10,16 +10,16 @@ import time
 import pytest
 import torch
 
-from dist_utils import free_port, run_ranks, shm_segments
+from dist_utils import free_port, run_ranks, orphaned_segments
 
 FAST = {"FAIRSCALE_C_TIMEOUT": "3"}
 
 
 @pytest.fixture(autouse=True)
 def clean_dev_shm():
-    before = shm_segments()
+    before = orphaned_segments()
     yield
-    assert shm_segments() - before == set(), "shared-memory segments left in /dev/shm"
+    assert orphaned_segments() - before == set(), "shared-memory segments left in /dev/shm"
 
 
 def _expect_error(fn, *needles):

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_ranks, shm_segments
+from dist_utils import run_ranks, orphaned_segments
 
 FAST = {"FAIRSCALE_C_TIMEOUT": "30"}
 SMALL = 1000  # elements: one p2p chunk, so a send completes without its receiver
@@ -20,9 +20,9 @@ ORDERS = ["send_first", "recv_first", "by_rank"]
 
 @pytest.fixture(autouse=True)
 def _no_leaked_segments():
-    before = shm_segments()
+    before = orphaned_segments()
     yield
-    assert shm_segments() - before == set(), "shared-memory segments left in /dev/shm"
+    assert orphaned_segments() - before == set(), "shared-memory segments left in /dev/shm"
 
 
 def _ring_job(rank, world, cases):

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from dist_utils import run_ranks, shm_segments
+from dist_utils import run_ranks, orphaned_segments
 from test_collectives import _check, _data, _reference
 
 # Sizes straddle the 1 MiB pipeline chunk for every dtype (262144 float32 elements per chunk).
@@ -25,9 +25,9 @@ MAX_IN_FLIGHT = 4
 
 @pytest.fixture(autouse=True)
 def clean_dev_shm():
-    before = shm_segments()
+    before = orphaned_segments()
     yield
-    assert shm_segments() - before == set(), "shared-memory segments left in /dev/shm"
+    assert orphaned_segments() - before == set(), "shared-memory segments left in /dev/shm"
 
 
 def _schedule(seed: int, world: int):
