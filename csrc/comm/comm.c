@@ -57,6 +57,19 @@ double fsc_comm_timeout_s(void) {
     return v;
 }
 
+fsc_status_t fsc_comm_check_blocks(const char *op, const char *whole_name, int64_t whole, const char *part_name,
+                                   int64_t part, int size) {
+    int64_t want;
+    if (size > 0 && part >= 0 && !__builtin_mul_overflow(part, (int64_t)size, &want) && want == whole) return FSC_OK;
+    if (size > 0 && part >= 0 && !__builtin_mul_overflow(part, (int64_t)size, &want))
+        return fsc_error(FSC_ERR_VALUE,
+                         "%s: %s has %lld elements; expected group size (%d) x %s elements (%lld) = %lld", op,
+                         whole_name, (long long)whole, size, part_name, (long long)part, (long long)want);
+    return fsc_error(FSC_ERR_VALUE,
+                     "%s: %s has %lld elements; expected group size (%d) x %s elements (%lld), which overflows int64",
+                     op, whole_name, (long long)whole, size, part_name, (long long)part);
+}
+
 double fsc_comm_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

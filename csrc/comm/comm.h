@@ -52,6 +52,13 @@ fsc_status_t fsc_reduce_op_parse(const char *name, fsc_reduce_op_t *out);
  * can change it. An unparsable value falls back to the default with a warning. */
 double fsc_comm_timeout_s(void);
 
+/* FSC_OK when `whole` == `size` x `part`: the element counts of an all_gather's output and input,
+ * or of a reduce_scatter's input and output. The product is not formed, so counts whose product
+ * overflows int64 are refused instead of wrapping onto a small `whole`. Otherwise FSC_ERR_VALUE:
+ * "<op>: <whole_name> has W elements; expected group size (S) x <part_name> elements (P) = ...". */
+fsc_status_t fsc_comm_check_blocks(const char *op, const char *whole_name, int64_t whole, const char *part_name,
+                                   int64_t part, int size);
+
 /* Monotonic clock in seconds. */
 double fsc_comm_now(void);
 

@@ -595,10 +595,7 @@ static fsc_status_t check_all_gather(const fsc_nccl_comm_t *c, const fsc_tensor_
     if (input->dtype != output->dtype)
         return fsc_error(FSC_ERR_VALUE, "all_gather: output dtype %s differs from input dtype %s",
                          fsc_dtype_name(output->dtype), fsc_dtype_name(input->dtype));
-    if (output->numel != input->numel * c->nranks)
-        return fsc_error(FSC_ERR_VALUE, "all_gather: output must have size * input.numel = %lld elements, got %lld",
-                         (long long)(input->numel * c->nranks), (long long)output->numel);
-    return FSC_OK;
+    return fsc_comm_check_blocks("all_gather", "output", output->numel, "input", input->numel, c->nranks);
 }
 
 static fsc_status_t check_reduce_scatter(const fsc_nccl_comm_t *c, const fsc_tensor_t *output,
@@ -609,10 +606,7 @@ static fsc_status_t check_reduce_scatter(const fsc_nccl_comm_t *c, const fsc_ten
     if (input->dtype != output->dtype)
         return fsc_error(FSC_ERR_VALUE, "reduce_scatter: output dtype %s differs from input dtype %s",
                          fsc_dtype_name(output->dtype), fsc_dtype_name(input->dtype));
-    if (input->numel != output->numel * c->nranks)
-        return fsc_error(FSC_ERR_VALUE, "reduce_scatter: input must have size * output.numel = %lld elements, got %lld",
-                         (long long)(output->numel * c->nranks), (long long)input->numel);
-    return FSC_OK;
+    return fsc_comm_check_blocks("reduce_scatter", "input", input->numel, "output", output->numel, c->nranks);
 }
 
 /* Check one operation as the engine's API promises (FSC_ERR_VALUE naming the argument); sets its
