@@ -5,6 +5,7 @@ and nothing left in /dev/shm."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -413,3 +414,19 @@ def test_rank_leaves_promptly_while_its_peer_is_absent(tmp_path, mode):
         assert "RuntimeError: boom" in err, err[-2000:]
     if mode == "exit":
         assert rank0.returncode == 0, err[-2000:]
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "1e400", "-1", "0", "5s"])
+def test_invalid_timeout_is_a_value_error(monkeypatch, value):
+    import fairscale_c.distributed as fdist
+    from fairscale_c import _C
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("FAIRSCALE_C_TIMEOUT", value)
+    needle = f"FAIRSCALE_C_TIMEOUT='{value}'"
+    for build in (fdist.init_group, fdist.timeout_s, lambda: _C.ShmGroup("t", 0, 1)):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            build()
+    monkeypatch.setenv("FAIRSCALE_C_TIMEOUT", "2.5")
+    assert fdist.timeout_s() == 2.5

@@ -1,6 +1,7 @@
 /* comm.c — op names, header comparison and the timeout setting shared by all backends. */
 #include "comm/comm.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,15 +46,28 @@ fsc_status_t fsc_reduce_op_parse(const char *name, fsc_reduce_op_t *out) {
     return fsc_error(FSC_ERR_VALUE, "op: expected one of 'sum', 'avg', 'max', 'min', got '%s'", name ? name : "(null)");
 }
 
-double fsc_comm_timeout_s(void) {
+fsc_status_t fsc_comm_timeout_get(double *out) {
     const char *s = getenv("FAIRSCALE_C_TIMEOUT");
-    if (s == NULL || *s == '\0') return 600.0;
-    char *end = NULL;
-    double v = strtod(s, &end);
-    if (end == s || *end != '\0' || !(v > 0.0)) {
-        FSC_WARN("comm", "FAIRSCALE_C_TIMEOUT='%s' is not a positive number of seconds; using 600", s);
-        return 600.0;
+    if (s == NULL || *s == '\0') {
+        *out = FSC_COMM_TIMEOUT_DEFAULT_S;
+        return FSC_OK;
     }
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    /* !(v > 0) also refuses NaN; ERANGE is an overflow to HUGE_VAL or an underflow to ~0. */
+    if (end == s || *end != '\0' || errno == ERANGE || !(v > 0.0) || v > FSC_COMM_TIMEOUT_MAX_S)
+        return fsc_error(FSC_ERR_VALUE,
+                         "FAIRSCALE_C_TIMEOUT='%.64s' is not a valid timeout: expected a finite number of seconds "
+                         "> 0 and <= 1e9 (default %g when unset)",
+                         s, FSC_COMM_TIMEOUT_DEFAULT_S);
+    *out = v;
+    return FSC_OK;
+}
+
+double fsc_comm_timeout_s(void) {
+    double v = FSC_COMM_TIMEOUT_DEFAULT_S;
+    if (fsc_comm_timeout_get(&v) != FSC_OK) FSC_WARN("comm", "%s; using %g", fsc_last_error(), v);
     return v;
 }
 

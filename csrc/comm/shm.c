@@ -283,8 +283,8 @@ fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, in
     g->rank = rank;
     g->size = size;
     g->owner_pid = (int)getpid();
-    g->timeout = fsc_comm_timeout_s();
     g->unlinked = 0;
+    FSC_CHECK_GOTO(fsc_comm_timeout_get(&g->timeout), st, fail);
     g->send_seq = calloc((size_t)size, sizeof(uint64_t));
     g->recv_seq = calloc((size_t)size, sizeof(uint64_t));
     if (g->send_seq == NULL || g->recv_seq == NULL) {

@@ -43,8 +43,8 @@ typedef struct {
  * before creating the segment therefore leaves nothing behind if the creator dies while any
  * peer is alive. `group_name` appears in every error message. Sizes come from
  * FAIRSCALE_C_SHM_CHUNK (bytes per pipeline chunk, default 1 MiB) read by the creator. The
- * timeout for rendezvous and for every op is FAIRSCALE_C_TIMEOUT, read here. On success *out is
- * owned by the caller (fsc_shm_group_close). */
+ * timeout for rendezvous and for every op is FAIRSCALE_C_TIMEOUT, read here (FSC_ERR_VALUE when
+ * invalid). On success *out is owned by the caller (fsc_shm_group_close). */
 fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, int create, int creator_pid, int rank,
                                 int size, fsc_shm_group_t **out);
 

@@ -58,6 +58,7 @@ def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] 
     RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (as set by torchrun) are used with a TCPStore.
     The first group built becomes the default for the module-level functions."""
     global _default
+    timeout_s()  # an invalid FAIRSCALE_C_TIMEOUT is a ValueError here, before any exchange
     if dist.is_available() and dist.is_initialized():
         pg = pg if pg is not None else dist.group.WORLD
         ranks = tuple(dist.get_process_group_ranks(pg))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ._rendezvous import Exchange, ProcessGroupExchange, StoreExchange
+from ._rendezvous import Exchange, ProcessGroupExchange, StoreExchange, timeout_s
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
@@ -125,6 +125,7 @@ class Group:
 
     # ------------------------------------------------------------------ setup / teardown
     def _rendezvous(self) -> None:
+        timeout_s()  # an invalid FAIRSCALE_C_TIMEOUT is a ValueError before anything is exchanged
         # Rank 0 publishes the segment's name before creating it: if it dies at any point, the
         # peers know the name and remove whatever it left (see fsc_shm_group_open).
         segment = f"/fsc-{os.getpid()}-{secrets.token_hex(4)}" if self.rank == 0 else None

@@ -18,13 +18,9 @@ from .. import _C
 
 
 def timeout_s() -> float:
-    """FAIRSCALE_C_TIMEOUT in seconds (default 600)."""
-    raw = os.environ.get("FAIRSCALE_C_TIMEOUT", "")
-    try:
-        value = float(raw) if raw else 600.0
-    except ValueError:
-        value = 600.0
-    return value if value > 0 else 600.0
+    """FAIRSCALE_C_TIMEOUT in seconds (default 600), parsed by the C core's one parser: a finite
+    number in (0, 1e9]; anything else is a ValueError naming the variable and its value."""
+    return _C._comm_timeout_s()
 
 
 class Exchange:
@@ -148,6 +144,7 @@ def env_store() -> "dist.Store":
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    t = timeout_s()  # a ValueError of its own, not "cannot reach the TCPStore"
     try:
         # wait_for_workers=False: a rank that never comes is reported by the first exchange,
         # which can name it, rather than by the store's constructor
@@ -156,11 +153,11 @@ def env_store() -> "dist.Store":
             port,
             world,
             is_master=(rank == 0 and not agent),
-            timeout=datetime.timedelta(seconds=timeout_s()),
+            timeout=datetime.timedelta(seconds=t),
             wait_for_workers=False,
         )
     except Exception as exc:
         raise _C.DistributedError(
             f"rendezvous (rank {rank} of {world}): cannot reach the TCPStore at {addr}:{port} within "
-            f"FAIRSCALE_C_TIMEOUT={timeout_s():g} s ({exc.__class__.__name__}: {exc})"
+            f"FAIRSCALE_C_TIMEOUT={t:g} s ({exc.__class__.__name__}: {exc})"
         ) from None

@@ -1,0 +1,23 @@
+/* rendezvous.c — what fairscale_c.distributed's rendezvous takes from the core: the one parser
+ * of FAIRSCALE_C_TIMEOUT. */
+#include "binding.h"
+#include "comm/comm.h"
+
+/* _comm_timeout_s() -> float: FAIRSCALE_C_TIMEOUT in seconds (600 when unset); ValueError naming
+ * the variable and its value when it is not a finite number in (0, 1e9]. */
+static PyObject *py_comm_timeout_s(PyObject *module, PyObject *Py_UNUSED(args)) {
+    double t = 0;
+    fsc_status_t st = fsc_comm_timeout_get(&t);
+    if (st != FSC_OK) return fsc_py_raise(module, st);
+    return PyFloat_FromDouble(t);
+}
+
+static PyMethodDef rendezvous_functions[] = {
+    {"_comm_timeout_s", py_comm_timeout_s, METH_NOARGS,
+     "_comm_timeout_s() -> float: FAIRSCALE_C_TIMEOUT in seconds (600 when unset); ValueError when invalid."},
+    {NULL, NULL, 0, NULL},
+};
+
+int fsc_py_rendezvous_exec(PyObject *module) {
+    return PyModule_AddFunctions(module, rendezvous_functions);
+}
