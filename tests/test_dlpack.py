@@ -497,7 +497,7 @@ def _all_reduce_into(cap):
         g.close()
 
 
-def _recv_into(cap):
+def _all_gather_into(cap):
     g = _group_of_one()
     try:
         g.all_gather(cap, torch.zeros(4))
@@ -505,11 +505,13 @@ def _recv_into(cap):
         g.close()
 
 
-I64_MAX = 2**63 - 1
+# fmt: off
 MALFORMED = [
     # (id, capsule factory, call, exception, message)
-    ("ndim>0 with NULL shape", lambda: Raw(shape=(2, 2), null_shape=True).capsule(), _C.clone, BufferError, "NULL shape"),
-    ("legacy, NULL shape", lambda: Raw(null_shape=True, versioned=False).capsule(), _C.clone, BufferError, "NULL shape"),
+    ("ndim>0 with NULL shape", lambda: Raw(shape=(2, 2), null_shape=True).capsule(), _C.clone, BufferError,
+     "NULL shape"),
+    ("legacy, NULL shape", lambda: Raw(null_shape=True, versioned=False).capsule(), _C.clone, BufferError,
+     "NULL shape"),
     ("negative ndim", lambda: Raw(ndim=-1).capsule(), _C.clone, BufferError, "ndim -1"),
     ("ndim above 16", lambda: Raw(shape=(1,) * 17).capsule(), _C.clone, BufferError, "ndim 17"),
     ("negative extent", lambda: Raw(shape=(-3,)).capsule(), _C.clone, BufferError, "negative extent"),
@@ -546,9 +548,10 @@ MALFORMED = [
      lambda c: _C.pack_blocks(c, [torch.zeros(4)], 1), ValueError, "argument 'dst'.*read-only"),
     ("read-only as all_reduce tensor", lambda: Raw(readonly=True).capsule(), _all_reduce_into, ValueError,
      "argument 'tensor'.*read-only"),
-    ("read-only as all_gather output", lambda: Raw(readonly=True).capsule(), _recv_into, ValueError,
+    ("read-only as all_gather output", lambda: Raw(readonly=True).capsule(), _all_gather_into, ValueError,
      "argument 'output'.*read-only"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("make, call, exc, match", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
