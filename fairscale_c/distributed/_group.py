@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import secrets
 import socket
 import weakref
 from typing import Any, Optional, Sequence
@@ -127,8 +126,10 @@ class Group:
     def _rendezvous(self) -> None:
         timeout_s()  # an invalid FAIRSCALE_C_TIMEOUT is a ValueError before anything is exchanged
         # Rank 0 publishes the segment's name before creating it: if it dies at any point, the
-        # peers know the name and remove whatever it left (see fsc_shm_group_open).
-        segment = f"/fsc-{os.getpid()}-{secrets.token_hex(4)}" if self.rank == 0 else None
+        # peers know the name and remove whatever it left (see fsc_shm_group_open). The name
+        # carries rank 0's pid and pid namespace, so a later group can sweep it if every rank
+        # is killed before it was removed.
+        segment = _C._shm_segment_name() if self.rank == 0 else None
         shm = None
         try:
             me = {"host": hostname(), "pid": os.getpid(), "segment": segment}
