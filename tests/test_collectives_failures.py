@@ -609,6 +609,21 @@ def test_segments_of_ranks_killed_during_rendezvous_are_swept():
     assert not left & shm_segments(), f"{left} left in /dev/shm after a new group was built"
 
 
+def _dies_before_attaching_job(rank, world):
+    import fairscale_c.distributed as fdist
+    from fairscale_c import _C
+
+    if rank == 1:
+        _C.ShmGroup = lambda *a, **k: os._exit(0)  # dies between the exchange and the attach
+    msg, elapsed = _expect_error(lambda: fdist.init_group(name="deserted"), "'deserted'", "rank 1 (pid")
+    return elapsed
+
+
+def test_rank_that_dies_before_attaching_is_named_at_once():
+    elapsed, _ = run_ranks(_dies_before_attaching_job, 2, env={"FAIRSCALE_C_TIMEOUT": "40"}, may_die=[1])
+    assert elapsed < 10, f"found after {elapsed:.1f} s; expected about a second, not the 40 s timeout"
+
+
 @pytest.mark.parametrize("value", ["abc", "nan", "inf", "1e400", "-1", "0", "5s"])
 def test_invalid_timeout_is_a_value_error(monkeypatch, value):
     import fairscale_c.distributed as fdist

@@ -144,10 +144,28 @@ class Group:
                     )
                 self._torch_cpu = _TorchCPU(self._pg, self.size)
                 return
-            if self.rank == 0:
-                shm = _C.ShmGroup(self.name, 0, self.size, segment, create=True)
-            else:
-                shm = _C.ShmGroup(self.name, self.rank, self.size, infos[0]["segment"], creator_pid=infos[0]["pid"])
+            error = None
+            try:
+                if self.rank == 0:
+                    shm = _C.ShmGroup(self.name, 0, self.size, segment, create=True)
+                else:
+                    shm = _C.ShmGroup(self.name, self.rank, self.size, infos[0]["segment"], creator_pid=infos[0]["pid"])
+            except Exception as exc:  # reported to the peers below, then raised
+                error = exc
+            # Every rank says whether it attached. The pids are known now, so a rank that died
+            # since the first exchange is named within a fraction of a second instead of at the
+            # timeout, and one that could not attach is named with its reason.
+            pids = {r: int(i["pid"]) for r, i in enumerate(infos)}
+            report = {"error": None if error is None else f"{type(error).__name__}: {error}"}
+            reports = [json.loads(b) for b in self._exchange.all_gather(json.dumps(report).encode(), pids)]
+            if error is not None:
+                raise error
+            failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"] is not None]
+            if failed:
+                raise _C.DistributedError(
+                    f"rendezvous of group '{self.name}' (rank {self.rank} of {self.size}): "
+                    + "; ".join(f"rank {r} could not open the shared memory ({why})" for r, why in failed)
+                )
             shm.join()
             self._shm = shm
         except BaseException:
