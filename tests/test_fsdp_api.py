@@ -231,6 +231,18 @@ def test_local_state_dict_round_trip_and_consolidate():
         FSDP.consolidate_shard_weights([local], [])
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float16, torch.float64], ids=str)
+def test_local_shards_of_another_dtype_are_refused(dtype):
+    m = FSDP(mlp())
+    local = m.local_state_dict()
+    before = m.flat_param_0.detach().clone()
+    with pytest.raises(TypeError, match=rf"'flat_param_0' is {dtype} but this rank's shard is torch.float32"):
+        m.load_local_state_dict({k: v.to(dtype) for k, v in local.items()})
+    assert torch.equal(m.flat_param_0.detach(), before)  # nothing was cast in
+    metadata = m.local_metadata_dict()
+    assert metadata["rank"] == 0 and metadata["world_size"] == 1
+
+
 def test_state_dict_round_trip_into_plain_model():
     m = FSDP(mlp())
     plain = mlp()

@@ -690,7 +690,7 @@ class FullyShardedDataParallel(nn.Module):
         """Load a local (sharded) state dict saved by local_state_dict() at the same world size."""
         self.assert_state(TrainingState.IDLE)
         instances = get_fsdp_instances(self)
-        _state_dict.check_local_shapes(self, instances, state_dict)
+        _state_dict.check_local_shards(self, instances, state_dict)
         with _state_dict.local_mode(instances):
             result = super().load_state_dict(state_dict, strict)
         for m in instances:
@@ -698,7 +698,8 @@ class FullyShardedDataParallel(nn.Module):
         return result
 
     def local_metadata_dict(self) -> Dict[str, Any]:
-        """What consolidate_shard_weights needs to rebuild full weights offline (FairScale's format)."""
+        """What consolidate_shard_weights needs to rebuild full weights offline: FairScale's format,
+        plus top-level ``rank`` and ``world_size`` (FairScale's readers ignore them)."""
         return _state_dict.local_metadata(self)
 
     @staticmethod
@@ -708,7 +709,11 @@ class FullyShardedDataParallel(nn.Module):
         with_module_buffers: bool = True,
         strict: bool = True,
     ) -> Dict[str, torch.Tensor]:
-        """Rebuild a full state dict from every rank's local_state_dict() and local_metadata_dict()."""
+        """Rebuild a full state dict from every rank's local_state_dict() and local_metadata_dict().
+        Shards whose metadata carry ``rank`` / ``world_size`` (ours) are put in rank order, whatever
+        order they come in, and a set with a missing, duplicate or out-of-range rank, mixed world
+        sizes or inconsistent metadata is a ValueError; FairScale's shards are taken in the order
+        given."""
         return _state_dict.consolidate(shard_weights, shard_metadata, with_module_buffers, strict)
 
     def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[Dict[str, Any]]:
