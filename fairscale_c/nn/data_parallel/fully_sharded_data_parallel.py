@@ -24,6 +24,7 @@ from torch import nn
 from fairscale_c import _C
 
 from . import _state_dict
+from ._args import check_fsdp_args
 from ._bucket import ReduceScatterBucket
 from ._comm import Comm, _on_side_stream, _StreamWork
 from ._comm import _local_copy as _copy  # copies/casts that keep autograd's version counters
@@ -114,13 +115,8 @@ class FullyShardedDataParallel(nn.Module):
         gradient_predivide_factor: Optional[float] = None,
         allow_reset_parameters: bool = False,
     ):
+        check_fsdp_args(locals())
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"FullyShardedDataParallel: argument 'module' must be an nn.Module, got {type(module)}")
-        if fp32_reduce_scatter and not mixed_precision:
-            raise ValueError("fp32_reduce_scatter requires mixed_precision=True")
-        if compute_dtype is not None and compute_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"argument 'compute_dtype' must be float32, float16 or bfloat16, got {compute_dtype}")
         self.comm = Comm(process_group)
         self.process_group = self.comm.process_group
         self.comm_rs = self._reduce_scatter_comm(process_group_reduce_scatter)
@@ -142,8 +138,10 @@ class FullyShardedDataParallel(nn.Module):
         self.verbose = verbose
         self.state_dict_on_rank_0_only = state_dict_on_rank_0_only
         self.allow_reset_parameters = allow_reset_parameters
-        self.gradient_predivide_factor = gradient_predivide_factor or self._get_gradient_predivide_factor(
-            self.world_size
+        self.gradient_predivide_factor = float(
+            gradient_predivide_factor
+            if gradient_predivide_factor is not None
+            else self._get_gradient_predivide_factor(self.world_size)
         )
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
 
@@ -250,13 +248,7 @@ class FullyShardedDataParallel(nn.Module):
         import torch.distributed as dist
 
         if isinstance(pg, str) and not isinstance(pg, ProcessGroupName):
-            try:
-                pg = ProcessGroupName(pg)
-            except ValueError:
-                raise ValueError(
-                    "argument 'process_group_reduce_scatter' must be a process group, None or a "
-                    f"ProcessGroupName ('default' or 'reduce_scatter'), got {pg!r}"
-                ) from None
+            pg = ProcessGroupName(pg)  # check_fsdp_args admitted only its values
         if pg is None or pg == ProcessGroupName.default or self.comm.world_size == 1:
             return self.comm
         if pg == ProcessGroupName.reduce_scatter:
