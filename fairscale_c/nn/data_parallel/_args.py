@@ -50,6 +50,8 @@ def _check_process_group(name: str, value: Any, names: Any) -> None:
 
     if value is None or (dist.is_available() and isinstance(value, dist.ProcessGroup)):
         return
+    if names is not None and dist.is_available() and value is dist.GroupMember.NON_GROUP_MEMBER:
+        return  # what new_group() gives a rank outside it; FairScale's rule then uses process_group
     if names is not None and isinstance(value, str):
         if value in {n.value for n in names}:
             return
