@@ -128,8 +128,6 @@ BAD_ARGS = [
     (dict(compute_dtype=torch.int8), ValueError, "'compute_dtype' must be float32, float16 or bfloat16"),
     (dict(buffer_dtype=torch.int64), ValueError, "'buffer_dtype' must be a floating dtype"),
     (dict(compute_device=3.5), TypeError, "'compute_device' must be None, a torch.device"),
-    (dict(compute_device="gpu7"), ValueError, "'compute_device' is not a device: 'gpu7'"),
-    (dict(state_dict_device="nowhere"), ValueError, "'state_dict_device' is not a device"),
     (dict(process_group="world"), TypeError, "'process_group' must be a process group or None, got str"),
     (dict(process_group_reduce_scatter="fast"), ValueError, "'process_group_reduce_scatter' must be a process group"),
     (dict(process_group_reduce_scatter=3), TypeError, "'process_group_reduce_scatter' must be a process group"),
@@ -145,6 +143,15 @@ def test_constructor_arguments_are_checked(kwargs, exc, match):
     with pytest.raises(exc, match=re.escape(match) if "(" in match else match):
         FSDP(module, **kwargs)
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # nothing was sharded
+
+
+def test_device_arguments_must_parse():
+    # Separate from the table: torch refuses these strings by throwing a C++ exception, which
+    # ASan's __cxa_throw interceptor cannot handle inside libtorch (`make asan` leaves this out).
+    with pytest.raises(ValueError, match="'compute_device' is not a device: 'gpu7'"):
+        FSDP(mlp(), compute_device="gpu7")
+    with pytest.raises(ValueError, match="'state_dict_device' is not a device: 'nowhere'"):
+        FSDP(mlp(), state_dict_device="nowhere")
 
 
 def test_accepted_argument_forms():
