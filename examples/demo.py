@@ -2,7 +2,8 @@
 
 Each rank holds 1/world of the parameters, gradients and AdamW state; parameters are
 all-gathered and gradients reduce-scattered through fairscale_c's C collective engine (shared
-memory on CPU). At the end the sharded checkpoint is saved atomically, reloaded into a freshly
+memory on CPU). At the end the sharded checkpoint is saved all-or-nothing across ranks
+(fairscale_c.utils.checkpoint: every rank's file, then one manifest), reloaded into a freshly
 built model, checked to give identical outputs, and consolidated into full weights.
 
     python examples/demo.py [--world 2] [--steps 20] [--device auto|cpu|cuda] [--out DIR]
@@ -80,12 +81,6 @@ def batches(rank, world, steps, batch=8, seq=64, vocab=256):
         yield idx[:, :-1], idx[:, 1:]
 
 
-def atomic_save(obj, path):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -130,29 +125,34 @@ def run(rank, world, steps, device_kind, out_dir, init_file):
         for r, (secs, mib) in enumerate(stats):
             print(f"rank {r}: {steps} steps in {secs:.1f}s, peak {kind} {mib:.0f} MiB", flush=True)
 
-    # Checkpoint: sharded weights + metadata per rank, written atomically; then reload and check.
+    # Checkpoint: every rank's shard (weights, metadata, optimizer), committed together by one
+    # manifest; then reload on every rank and check, and consolidate offline on rank 0.
+    from fairscale_c.utils.checkpoint import load_all_shards, load_sharded, save_sharded
+
     probe = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(7)).to(device)
     with torch.no_grad():
         expected = model(probe).cpu()
-    path = os.path.join(out_dir, f"rank{rank}_model.pt")
-    atomic_save({"weights": model.local_state_dict(), "metadata": model.local_metadata_dict()}, path)
-    dist.barrier()
+    ckpt = os.path.join(out_dir, "checkpoint")
+    state = {"weights": model.local_state_dict(), "metadata": model.local_metadata_dict(), "optim": opt.state_dict()}
+    save_sharded(state, ckpt, step=steps)
     fresh = build(device)
-    fresh.load_local_state_dict(torch.load(path)["weights"])
+    fresh.load_local_state_dict(load_sharded(ckpt, map_location=device)["weights"])
     with torch.no_grad():
         got = fresh(probe).cpu()
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     if rank == 0:
-        shards = [torch.load(os.path.join(out_dir, f"rank{r}_model.pt")) for r in range(world)]
+        shards = load_all_shards(ckpt)
         full = FSDP.consolidate_shard_weights([s["weights"] for s in shards], [s["metadata"] for s in shards])
         plain = GPT()
         plain.load_state_dict(full)
         with torch.no_grad():
             torch.testing.assert_close(plain(probe.cpu()), expected, rtol=1e-5, atol=1e-5)
-        atomic_save(full, os.path.join(out_dir, "consolidated.pt"))
+        torch.save(full, os.path.join(out_dir, "consolidated.pt.tmp"))
+        os.replace(os.path.join(out_dir, "consolidated.pt.tmp"), os.path.join(out_dir, "consolidated.pt"))
         print(
-            f"checkpoint saved to {out_dir}, reloaded on every rank with identical outputs, and "
-            f"consolidated into {len(full)} full tensors (matches an unwrapped model)"
+            f"checkpoint of step {steps} committed to {ckpt} ({world} shards + manifest), reloaded on every "
+            f"rank with identical outputs, and consolidated into {len(full)} full tensors (matches an unwrapped "
+            "model)"
         )
     dist.destroy_process_group()
 

@@ -38,6 +38,9 @@ def gpu_info() -> Dict[str, Union[bool, int, str, None, Dict[str, Any]]]: ...
 
 # --- collective engine, shared-memory backend (CPU tensors) -----------------------------------
 
+def _comm_timeout_s() -> float: ...
+def _shm_segment_name() -> str: ...
+
 class Work:
     """Handle of an async collective; ops complete in issue order."""
 

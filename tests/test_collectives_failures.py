@@ -5,12 +5,14 @@ and nothing left in /dev/shm."""
 from __future__ import annotations
 
 import os
+import re
+import struct
 import time
 
 import pytest
 import torch
 
-from dist_utils import free_port, run_ranks, orphaned_segments
+from dist_utils import free_port, orphaned_segments, run_ranks, shm_segments
 
 FAST = {"FAIRSCALE_C_TIMEOUT": "3"}
 
@@ -137,8 +139,9 @@ def test_rank0_dies_while_setting_up_the_segment():
     from fairscale_c import _C
 
     pid, name = _dead_pid(), _segment_name()
-    with open("/dev/shm" + name, "wb") as f:
-        f.write(bytes(1 << 16))
+    fd = os.open("/dev/shm" + name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)  # as the creator makes it
+    os.write(fd, bytes(1 << 16))
+    os.close(fd)
     _expect_error(lambda: _C.ShmGroup("half", 1, 2, name, creator_pid=pid), "did not finish setting up")
     assert not os.path.exists("/dev/shm" + name)
 
@@ -414,3 +417,225 @@ def test_rank_leaves_promptly_while_its_peer_is_absent(tmp_path, mode):
         assert "RuntimeError: boom" in err, err[-2000:]
     if mode == "exit":
         assert rank0.returncode == 0, err[-2000:]
+
+
+# ---------------------------------------------------------------- shared-memory trust
+# A segment is attached only when it is this user's and private to it, and only after its layout
+# has been checked; a planted or corrupted one is a DistributedError, never a crash or a hang.
+
+_HEADER = struct.Struct("<QIiQQQQQQQQ")  # magic, version, size, chunk, p2p_chunk, total, off_ranks..off_p2p
+_FIELDS = ("magic", "version", "size", "chunk", "p2p_chunk", "total", "off_ranks", "off_chans", "off_slots",
+           "off_result", "off_p2p")  # fmt: skip
+
+
+def _genuine_segment(size=2):
+    """The bytes of a real segment of `size` ranks just after its creator set it up."""
+    from fairscale_c import _C
+
+    name = _C._shm_segment_name()
+    g = _C.ShmGroup("genuine", 0, size, name, create=True)
+    try:
+        with open("/dev/shm" + name, "rb") as f:
+            data = bytearray(f.read())
+    finally:
+        g.close()  # removes the name
+    data[128:132] = bytes(4)  # nattached: nobody yet
+    return data
+
+
+def _plant(data, mode=0o600, **fields):
+    """Write `data` (header fields replaced by `fields`) as a new segment; returns its name."""
+    from fairscale_c import _C
+
+    values = dict(zip(_FIELDS, _HEADER.unpack_from(data)))
+    values.update(fields)
+    data = bytearray(data)
+    _HEADER.pack_into(data, 0, *(values[f] for f in _FIELDS))
+    name = _C._shm_segment_name()
+    fd = os.open("/dev/shm" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.write(fd, data)
+    os.fchmod(fd, mode)
+    os.close(fd)
+    return name
+
+
+def _unlink(name):
+    try:
+        os.unlink("/dev/shm" + name)
+    except FileNotFoundError:
+        pass
+
+
+def test_segment_open_to_other_users_is_refused():
+    from fairscale_c import _C
+
+    name = _plant(_genuine_segment(), mode=0o666)
+    try:
+        _expect_error(
+            lambda: _C.ShmGroup("planted", 1, 2, name, creator_pid=os.getpid()),
+            "'planted'",
+            f"belongs to uid {os.geteuid()}",
+            "mode 0666",
+            "refusing to attach",
+        )
+    finally:
+        _unlink(name)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting a segment of another uid needs root")
+def test_segment_of_another_user_is_refused():
+    from fairscale_c import _C
+
+    name = _plant(_genuine_segment())
+    os.chown("/dev/shm" + name, 65534, 65534)  # a private segment, but of nobody
+    try:
+        _expect_error(
+            lambda: _C.ShmGroup("planted", 1, 2, name, creator_pid=os.getpid()),
+            "belongs to uid 65534",
+            "mode 0600",
+            f"expected this process's uid {os.geteuid()}",
+        )
+    finally:
+        _unlink(name)
+
+
+# Each case attaches both ranks of a planted 2-rank segment in one process and, if that succeeds,
+# runs an all_reduce and a send/recv between them. Before the layout was validated these
+# crashed (SIGSEGV, SIGFPE) or spun forever; now each is refused at attach.
+_PLANTED_SCRIPT = """
+import json, os, sys
+import torch
+from fairscale_c import _C
+for case, name in json.loads(sys.argv[1]).items():
+    try:
+        g0 = _C.ShmGroup("planted", 0, 2, name, create=False, creator_pid=os.getpid())
+        g1 = _C.ShmGroup("planted", 1, 2, name, creator_pid=os.getpid())
+    except _C.DistributedError as exc:
+        print(case, "refused:", exc, flush=True)
+        continue
+    g0.join(); g1.join()
+    a, b = torch.ones(1000), torch.ones(1000)
+    w = [g0.all_reduce(a, async_op=True), g1.all_reduce(b, async_op=True)]
+    w += [g0.send(a, 1, async_op=True), g1.recv(b, 0, async_op=True)]
+    for x in w:
+        x.wait(10)
+    print(case, "attached and ran", flush=True)
+    g0.close(); g1.close()
+"""
+
+
+def test_planted_segment_layout_is_refused():
+    import json
+    import subprocess
+    import sys
+
+    real = _genuine_segment()
+    header = dict(zip(_FIELDS, _HEADER.unpack_from(real)))
+    cases = {
+        "chunk 0": dict(chunk=0),
+        "chunk smaller than an item": dict(chunk=1),
+        "chunk not a multiple of 4096": dict(chunk=header["chunk"] + 8),
+        "p2p_chunk 0": dict(p2p_chunk=0),
+        "off_ranks outside the mapping": dict(off_ranks=1 << 50),
+        "off_slots outside the mapping": dict(off_slots=1 << 50),
+        "off_p2p overlapping the slots": dict(off_p2p=header["off_slots"]),
+        "total larger than the file": dict(total=header["total"] + 4096),
+        "made for another world size": dict(size=3),
+    }
+    names = {case: _plant(real, **fields) for case, fields in cases.items()}
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", _PLANTED_SCRIPT, json.dumps(names)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, FAIRSCALE_C_TIMEOUT="10"),
+        )
+    finally:
+        for name in names.values():
+            _unlink(name)
+    lines = {line.split(" refused:")[0]: line for line in r.stdout.splitlines() if " refused:" in line}
+    assert r.returncode == 0, f"exit status {r.returncode}: {r.stdout[-2000:]} {r.stderr[-2000:]}"
+    for case in cases:
+        assert case in lines, f"{case}: not refused: {r.stdout[-3000:]}"
+        assert "refusing to attach" in lines[case] and "'planted'" in lines[case], lines[case]
+
+
+# Every rank killed (SIGTERM) while rank 0 waits for its peer to attach: nothing can remove the
+# segment's name then, so the next group built on this host sweeps it (its creator has exited).
+_DOOMED_SCRIPT = """
+import time
+import fairscale_c.distributed as fdist
+from fairscale_c import _C
+if fdist._rendezvous.os.environ["RANK"] == "1":
+    _C.ShmGroup = lambda *a, **k: time.sleep(600)  # takes part in the exchange, never attaches
+fdist.init_group(name="doomed")
+"""
+
+
+def test_segments_of_ranks_killed_during_rendezvous_are_swept():
+    import signal
+    import subprocess
+    import sys
+
+    from fairscale_c import _C
+
+    before = shm_segments()
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env["FAIRSCALE_C_TIMEOUT"] = "120"
+        procs.append(subprocess.Popen([sys.executable, "-c", _DOOMED_SCRIPT], env=env, stderr=subprocess.PIPE))
+    try:
+        deadline = time.monotonic() + 120
+        while not any(n.startswith(f"fsc-{procs[0].pid}-") for n in shm_segments() - before):
+            assert time.monotonic() < deadline, "rank 0 never created its segment"
+            assert procs[0].poll() is None, procs[0].stderr.read().decode()[-2000:]
+            time.sleep(0.05)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.stderr.close()
+    left = {n for n in shm_segments() - before if n.startswith(f"fsc-{procs[0].pid}-")}
+    assert left, "the killed rank 0 left no segment (nothing to sweep)"
+    g = _C.ShmGroup("sweeper", 0, 1)  # building any group sweeps
+    g.close()
+    assert not left & shm_segments(), f"{left} left in /dev/shm after a new group was built"
+
+
+def _dies_before_attaching_job(rank, world):
+    import fairscale_c.distributed as fdist
+    from fairscale_c import _C
+
+    if rank == 1:
+        _C.ShmGroup = lambda *a, **k: os._exit(0)  # dies between the exchange and the attach
+    msg, elapsed = _expect_error(lambda: fdist.init_group(name="deserted"), "'deserted'", "rank 1 (pid")
+    return elapsed
+
+
+def test_rank_that_dies_before_attaching_is_named_at_once():
+    elapsed, _ = run_ranks(_dies_before_attaching_job, 2, env={"FAIRSCALE_C_TIMEOUT": "40"}, may_die=[1])
+    assert elapsed < 10, f"found after {elapsed:.1f} s; expected about a second, not the 40 s timeout"
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "1e400", "-1", "0", "5s"])
+def test_invalid_timeout_is_a_value_error(monkeypatch, value):
+    import fairscale_c.distributed as fdist
+    from fairscale_c import _C
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("FAIRSCALE_C_TIMEOUT", value)
+    needle = f"FAIRSCALE_C_TIMEOUT='{value}'"
+    for build in (fdist.init_group, fdist.timeout_s, lambda: _C.ShmGroup("t", 0, 1)):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            build()
+    monkeypatch.setenv("FAIRSCALE_C_TIMEOUT", "2.5")
+    assert fdist.timeout_s() == 2.5

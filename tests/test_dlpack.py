@@ -426,3 +426,161 @@ def test_pack_blocks_interleaves_rank_blocks():
         _C.pack_blocks(out, [a, b], 2, stream=0)
     with pytest.raises(TypeError, match="argument 'stream' must be None or a non-negative int"):
         _C.pack_blocks(out, [a, b], 2, stream=-1)
+
+
+# --- malformed capsules: every case a Python exception naming the argument, never a crash ----
+
+
+class Raw:
+    """A hand-built capsule with every field under the test's control; `data` is an address (the
+    memory is never touched when the import is refused, as it must be)."""
+
+    def __init__(
+        self,
+        shape=(4,),
+        strides=None,
+        data=None,
+        ndim=None,
+        null_shape=False,
+        byte_offset=0,
+        dtype=(2, 32, 1),
+        device=1,
+        versioned=True,
+        readonly=False,
+    ):
+        self.array = np.arange(16, dtype=np.float32)
+        ndim = len(shape) if ndim is None else ndim
+        self.shape = None if null_shape else (ctypes.c_int64 * max(1, len(shape)))(*shape)
+        self.strides = None if strides is None else (ctypes.c_int64 * max(1, len(strides)))(*strides)
+        t = DLTensor(
+            data=self.array.ctypes.data if data is None else data,
+            device=DLDevice(device, 0),
+            ndim=ndim,
+            dtype=DLDataType(*dtype),
+            shape=self.shape,
+            strides=self.strides,
+            byte_offset=byte_offset,
+        )
+        self.deleter = (VersionedDeleter if versioned else LegacyDeleter)(lambda _p: None)
+        if versioned:
+            self.managed = DLManagedTensorVersioned(
+                version=DLPackVersion(1, 0), deleter=self.deleter, flags=1 if readonly else 0, dl_tensor=t
+            )
+            self.name = b"dltensor_versioned"
+        else:
+            self.managed = DLManagedTensor(dl_tensor=t, deleter=self.deleter)
+            self.name = b"dltensor"
+
+    def capsule(self):
+        self.cap = PyCapsule_New(ctypes.addressof(self.managed), self.name, None)
+        return self
+
+
+class Used(Raw):
+    def capsule(self):
+        super().capsule()
+        _C.describe(self.cap)
+        return self
+
+
+def _group_of_one():
+    g = _C.ShmGroup("dlpack-test", 0, 1)
+    g.join()
+    return g
+
+
+def _all_reduce_into(cap):
+    g = _group_of_one()
+    try:
+        g.all_reduce(cap)
+    finally:
+        g.close()
+
+
+def _all_gather_into(cap):
+    g = _group_of_one()
+    try:
+        g.all_gather(cap, torch.zeros(4))
+    finally:
+        g.close()
+
+
+# fmt: off
+MALFORMED = [
+    # (id, capsule factory, call, exception, message)
+    ("ndim>0 with NULL shape", lambda: Raw(shape=(2, 2), null_shape=True).capsule(), _C.clone, BufferError,
+     "NULL shape"),
+    ("legacy, NULL shape", lambda: Raw(null_shape=True, versioned=False).capsule(), _C.clone, BufferError,
+     "NULL shape"),
+    ("negative ndim", lambda: Raw(ndim=-1).capsule(), _C.clone, BufferError, "ndim -1"),
+    ("ndim above 16", lambda: Raw(shape=(1,) * 17).capsule(), _C.clone, BufferError, "ndim 17"),
+    ("negative extent", lambda: Raw(shape=(-3,)).capsule(), _C.clone, BufferError, "negative extent"),
+    ("element count overflows int64", lambda: Raw(shape=(2**40, 2**40), strides=(0, 0)).capsule(), _C.clone,
+     BufferError, "element count"),
+    # 2^61 + 1 float64 elements through stride 0: numel fits int64, numel * 8 bytes does not
+    ("stride 0, bytes overflow", lambda: Raw(shape=(2**61 + 1,), strides=(0,), dtype=(2, 64, 1)).capsule(), _C.clone,
+     BufferError, "do not fit"),
+    ("bytes above PTRDIFF_MAX", lambda: Raw(shape=(2**62,), dtype=(2, 32, 1)).capsule(), _C.describe, BufferError,
+     "do not fit"),
+    ("strides reach beyond the address space", lambda: Raw(shape=(2, 2), strides=(2**62, 1)).capsule(), _C.clone,
+     BufferError, "extent"),
+    ("stride INT64_MIN", lambda: Raw(shape=(2,), strides=(-(2**63),)).capsule(), _C.clone, BufferError, "extent"),
+    ("end wraps around the address space", lambda: Raw(shape=(8,), data=2**64 - 16).capsule(), _C.clone,
+     BufferError, "extent"),
+    ("negative stride below address 0", lambda: Raw(shape=(8,), strides=(-1,), data=16).capsule(), _C.clone,
+     BufferError, "extent"),
+    ("byte_offset wraps the pointer", lambda: Raw(byte_offset=2**64 - 8).capsule(), _C.clone, BufferError,
+     "byte_offset"),
+    ("byte_offset above PTRDIFF_MAX", lambda: Raw(byte_offset=2**63).capsule(), _C.describe, BufferError,
+     "byte_offset"),
+    ("NULL data with elements", lambda: Raw(data=0).capsule(), _C.clone, BufferError, "NULL data"),
+    ("lanes != 1", lambda: Raw(dtype=(2, 32, 4)).capsule(), _C.clone, TypeError, "4 lanes"),
+    ("float of 8 bits", lambda: Raw(dtype=(2, 8, 1)).capsule(), _C.clone, TypeError, "unsupported dtype"),
+    ("unknown dtype code", lambda: Raw(dtype=(99, 32, 1)).capsule(), _C.clone, TypeError, "unsupported dtype"),
+    ("unknown device (ROCm)", lambda: Raw(device=10).capsule(), _C.clone, ValueError, "unsupported device"),
+    ("unknown device type 999", lambda: Raw(device=999).capsule(), _C.clone, ValueError, "unsupported device"),
+    ("CUDA tensor where CPU is required", lambda: Raw(device=2).capsule(), _C.clone, ValueError, "CPU tensor"),
+    ("already consumed (versioned)", lambda: Used().capsule(), _C.clone, BufferError, "already consumed"),
+    ("already consumed (legacy)", lambda: Used(versioned=False).capsule(), _C.clone, BufferError, "already consumed"),
+    ("read-only as copy_ dst", lambda: Raw(readonly=True).capsule(), lambda c: _C.copy_(c, torch.zeros(4)),
+     ValueError, "argument 'dst'.*read-only"),
+    ("read-only as pack_blocks dst", lambda: Raw(readonly=True).capsule(),
+     lambda c: _C.pack_blocks(c, [torch.zeros(4)], 1), ValueError, "argument 'dst'.*read-only"),
+    ("read-only as all_reduce tensor", lambda: Raw(readonly=True).capsule(), _all_reduce_into, ValueError,
+     "argument 'tensor'.*read-only"),
+    ("read-only as all_gather output", lambda: Raw(readonly=True).capsule(), _all_gather_into, ValueError,
+     "argument 'output'.*read-only"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize("make, call, exc, match", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+def test_malformed_capsule_is_a_python_exception(make, call, exc, match):
+    raw = make()  # keeps the managed tensor alive while the capsule is in use
+    with pytest.raises(exc, match=match) as info:
+        call(raw.cap)
+    assert "argument '" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("versioned", [False, True], ids=["legacy", "versioned"])
+def test_well_formed_edge_capsules_still_import(versioned):
+    # NULL strides mean compact row-major; byte_offset moves the start; stride 0 repeats.
+    r = Raw(shape=(2, 3), byte_offset=8, versioned=versioned)
+    np.testing.assert_array_equal(np.from_dlpack(_C.clone(r.capsule().cap)), r.array[2:8].reshape(2, 3))
+    r = Raw(shape=(3, 2), strides=(0, 1), versioned=versioned)
+    np.testing.assert_array_equal(np.from_dlpack(_C.clone(r.capsule().cap)), np.tile(r.array[:2], (3, 1)))
+    r = Raw(shape=(4,), strides=(-2,), data=np.arange(16, dtype=np.float32).ctypes.data, versioned=versioned)
+    r.array = np.arange(16, dtype=np.float32)
+    r.managed.dl_tensor.data = r.array.ctypes.data + 6 * 4
+    np.testing.assert_array_equal(np.from_dlpack(_C.clone(r.capsule().cap)), r.array[6::-2][:4])
+    r = Raw(shape=(0, 2**62), versioned=versioned)  # no elements: any shape that fits int64 is empty
+    assert _C.describe(r.capsule().cap)["numel"] == 0
+
+
+def test_pack_blocks_refuses_counts_that_overflow():
+    # Four sources of 2^62 bytes sum to 2^64 elements, which wraps to 0 in int64: an empty dst
+    # must not "match" them (the copy would write 2^64 bytes into it).
+    srcs = [Raw(shape=(2**62,), dtype=(1, 8, 1)).capsule() for _ in range(4)]
+    dst = Raw(shape=(0,), dtype=(1, 8, 1)).capsule()
+    with pytest.raises(ValueError, match="overflows int64"):
+        _C.pack_blocks(dst.cap, [s.cap for s in srcs], 1)

@@ -30,15 +30,22 @@ def test_fsdp_matches_pytorch(world):
     spawn(world, ALL)
 
 
-def test_checkpoints_across_world_sizes(tmp_path):
+@pytest.fixture(scope="module")
+def world2_checkpoint(tmp_path_factory):
+    """The files of state_save at world 2 (full, local shards + metadata, optimizer), made once."""
+    ckpt = str(tmp_path_factory.mktemp("world2"))
+    spawn(2, ["state_save"], extra=(ckpt,))
+    return ckpt
+
+
+def test_checkpoints_across_world_sizes(world2_checkpoint):
     """Full state saved at world 2 loads at 1 and 4 with identical outputs; local shards consolidate;
     optimizer state gathers and shards back; a local state refuses another world size."""
     import torch
 
     from fairscale_c.nn import FullyShardedDataParallel as FSDP
 
-    ckpt = str(tmp_path)
-    spawn(2, ["state_save"], extra=(ckpt,))
+    ckpt = world2_checkpoint
     for world in (1, 4):
         spawn(world, ["state_load"], extra=(ckpt,))
     shards = [torch.load(os.path.join(ckpt, f"rank{r}_local.pt")) for r in range(2)]
@@ -51,6 +58,50 @@ def test_checkpoints_across_world_sizes(tmp_path):
     osd = torch.load(os.path.join(ckpt, "optim_full.pt"))
     names = [n for n in merged if n != "head.weight"]
     assert len(osd["state"]) == len(names) and all("exp_avg" in s for s in osd["state"].values())
+
+
+def test_consolidation_orders_shards_by_rank_and_refuses_bad_sets(world2_checkpoint):
+    """Worker files listed out of order (an unsorted glob: worker1 before worker0) consolidate to
+    the same weights, not permuted ones; a set with a missing, duplicate or out-of-range rank,
+    mixed world sizes or metadata whose names and numels disagree is a ValueError."""
+    import copy
+
+    import torch
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    ckpt = world2_checkpoint
+    shards = [torch.load(os.path.join(ckpt, f"rank{r}_local.pt")) for r in range(2)]
+    full = torch.load(os.path.join(ckpt, "full.pt"))
+    weights, metas = [s["weights"] for s in shards], [s["metadata"] for s in shards]
+    assert [m["rank"] for m in metas] == [0, 1] and all(m["world_size"] == 2 for m in metas)
+    merged = FSDP.consolidate_shard_weights(weights[::-1], metas[::-1])
+    for k in full:
+        torch.testing.assert_close(merged[k], full[k], atol=0, rtol=0, msg=k)
+
+    def edited(i, **changes):
+        m = copy.deepcopy(metas)
+        m[i].update(changes)
+        return m
+
+    cases = [
+        ([weights[0], weights[0]], [metas[0], metas[0]], r"rank\(s\) \[0\] appear more than once.*\[1\] are missing"),
+        ([weights[0]], [metas[0]], r"rank\(s\) \[1\] are missing"),
+        (weights, edited(1, rank=2), "rank 2; expected 0 <= rank < world_size"),
+        (weights, edited(1, world_size=4), r"different world sizes \[2, 4\]"),
+        (weights, [metas[0], {k: v for k, v in metas[1].items() if k != "rank"}], "carry no 'rank'"),
+    ]
+    short = copy.deepcopy(metas)
+    for m in short:
+        info = m["param_metadata"][0]["params"]["flat_param_0"]
+        info["names"] = info["names"][:-1]  # one name fewer than numels: a parameter would be dropped
+    cases.append((weights, short, "names, .* shapes and .* numels; expected one of each"))
+    foreign = copy.deepcopy(metas)
+    foreign[1]["param_metadata"][0]["params"]["flat_param_0"]["numels"][0] += 1
+    cases.append((weights, foreign, "shard 1 describes other parameters than shard 0"))
+    for w, m, match in cases:
+        with pytest.raises(ValueError, match=match):
+            FSDP.consolidate_shard_weights(w, m)
 
 
 def test_tango_style_engine_resumes_exactly(tmp_path):

@@ -1,6 +1,7 @@
 """FSDP's API surface and bad input, in one process (world size 1, no process group needed)."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -105,6 +106,58 @@ def test_bad_module_and_compute_dtype():
         FSDP(lambda x: x)
     with pytest.raises(ValueError, match="argument 'compute_dtype'"):
         FSDP(mlp(), compute_dtype=torch.int8)
+
+
+# fmt: off
+BAD_ARGS = [
+    # (keyword arguments, exception, message naming the argument)
+    (dict(bucket_cap_mb="x"), TypeError, "'bucket_cap_mb' must be a number of MiB, got str"),
+    (dict(bucket_cap_mb=True), TypeError, "'bucket_cap_mb' must be a number of MiB, got bool"),
+    (dict(bucket_cap_mb=-1), ValueError, "'bucket_cap_mb' must be a finite number >= 0"),
+    (dict(bucket_cap_mb=float("nan")), ValueError, "'bucket_cap_mb' must be a finite number >= 0"),
+    (dict(bucket_cap_mb=float("inf")), ValueError, "'bucket_cap_mb' must be a finite number >= 0"),
+    (dict(gradient_predivide_factor=0), ValueError, "'gradient_predivide_factor' must be a finite number > 0"),
+    (dict(gradient_predivide_factor=-2.0), ValueError, "'gradient_predivide_factor' must be a finite number > 0"),
+    (dict(gradient_predivide_factor="2"), TypeError, "'gradient_predivide_factor' must be a number or None"),
+    (dict(reshard_after_forward="no"), TypeError, "'reshard_after_forward' must be a bool, got str"),
+    (dict(mixed_precision=1), TypeError, "'mixed_precision' must be a bool, got int"),
+    (dict(flatten_parameters=None), TypeError, "'flatten_parameters' must be a bool, got NoneType"),
+    (dict(move_grads_to_cpu="yes"), TypeError, "'move_grads_to_cpu' must be a bool or None"),
+    (dict(no_broadcast_optim_state=0), TypeError, "'no_broadcast_optim_state' must be a bool or None"),
+    (dict(compute_dtype="float16"), TypeError, "'compute_dtype' must be a torch.dtype or None, got str"),
+    (dict(compute_dtype=torch.int8), ValueError, "'compute_dtype' must be float32, float16 or bfloat16"),
+    (dict(buffer_dtype=torch.int64), ValueError, "'buffer_dtype' must be a floating dtype"),
+    (dict(compute_device=3.5), TypeError, "'compute_device' must be None, a torch.device"),
+    (dict(process_group="world"), TypeError, "'process_group' must be a process group or None, got str"),
+    (dict(process_group_reduce_scatter="fast"), ValueError, "'process_group_reduce_scatter' must be a process group"),
+    (dict(process_group_reduce_scatter=3), TypeError, "'process_group_reduce_scatter' must be a process group"),
+    (dict(fp32_reduce_scatter=True), ValueError, "fp32_reduce_scatter requires mixed_precision=True"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize("kwargs, exc, match", BAD_ARGS, ids=[repr(a[0]) for a in BAD_ARGS])
+def test_constructor_arguments_are_checked(kwargs, exc, match):
+    module = mlp()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(exc, match=re.escape(match) if "(" in match else match):
+        FSDP(module, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # nothing was sharded
+
+
+def test_device_arguments_must_parse():
+    # Separate from the table: torch refuses these strings by throwing a C++ exception, which
+    # ASan's __cxa_throw interceptor cannot handle inside libtorch (`make asan` leaves this out).
+    with pytest.raises(ValueError, match="'compute_device' is not a device: 'gpu7'"):
+        FSDP(mlp(), compute_device="gpu7")
+    with pytest.raises(ValueError, match="'state_dict_device' is not a device: 'nowhere'"):
+        FSDP(mlp(), state_dict_device="nowhere")
+
+
+def test_accepted_argument_forms():
+    m = FSDP(mlp(), bucket_cap_mb=0.5, gradient_predivide_factor=2, compute_device="cpu", state_dict_device=None)
+    assert m.gradient_predivide_factor == 2.0 and m.gradient_postdivide_factor == 0.5
+    assert FSDP(mlp(), process_group_reduce_scatter="default", move_grads_to_cpu=None).bucket_cap_mb == 25
 
 
 def test_summon_full_params_inside_forward_raises():
@@ -229,6 +282,18 @@ def test_local_state_dict_round_trip_and_consolidate():
     assert all(torch.equal(other.state_dict()[k], full[k]) for k in full)
     with pytest.raises(ValueError, match="one metadata dict per shard"):
         FSDP.consolidate_shard_weights([local], [])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float16, torch.float64], ids=str)
+def test_local_shards_of_another_dtype_are_refused(dtype):
+    m = FSDP(mlp())
+    local = m.local_state_dict()
+    before = m.flat_param_0.detach().clone()
+    with pytest.raises(TypeError, match=rf"'flat_param_0' is {dtype} but this rank's shard is torch.float32"):
+        m.load_local_state_dict({k: v.to(dtype) for k, v in local.items()})
+    assert torch.equal(m.flat_param_0.detach(), before)  # nothing was cast in
+    metadata = m.local_metadata_dict()
+    assert metadata["rank"] == 0 and metadata["world_size"] == 1
 
 
 def test_state_dict_round_trip_into_plain_model():

@@ -185,7 +185,8 @@ fsc_status_t fsc_tensor_pack_check(const fsc_tensor_t *dst, const fsc_tensor_t *
         if (s->numel % world != 0)
             return fsc_error(FSC_ERR_VALUE, "%s: srcs[%d] has %lld elements, not a multiple of world=%d", op, i,
                              (long long)s->numel, world);
-        total += s->numel;
+        if (__builtin_add_overflow(total, s->numel, &total))
+            return fsc_error(FSC_ERR_VALUE, "%s: the element count of srcs[0..%d] together overflows int64", op, i);
     }
     if (total != dst->numel)
         return fsc_error(FSC_ERR_VALUE, "%s: 'dst' has %lld elements, the sources %lld; expected equal", op,

@@ -1,6 +1,7 @@
 /* comm.c — op names, header comparison and the timeout setting shared by all backends. */
 #include "comm/comm.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,16 +46,42 @@ fsc_status_t fsc_reduce_op_parse(const char *name, fsc_reduce_op_t *out) {
     return fsc_error(FSC_ERR_VALUE, "op: expected one of 'sum', 'avg', 'max', 'min', got '%s'", name ? name : "(null)");
 }
 
-double fsc_comm_timeout_s(void) {
+fsc_status_t fsc_comm_timeout_get(double *out) {
     const char *s = getenv("FAIRSCALE_C_TIMEOUT");
-    if (s == NULL || *s == '\0') return 600.0;
-    char *end = NULL;
-    double v = strtod(s, &end);
-    if (end == s || *end != '\0' || !(v > 0.0)) {
-        FSC_WARN("comm", "FAIRSCALE_C_TIMEOUT='%s' is not a positive number of seconds; using 600", s);
-        return 600.0;
+    if (s == NULL || *s == '\0') {
+        *out = FSC_COMM_TIMEOUT_DEFAULT_S;
+        return FSC_OK;
     }
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    /* !(v > 0) also refuses NaN; ERANGE is an overflow to HUGE_VAL or an underflow to ~0. */
+    if (end == s || *end != '\0' || errno == ERANGE || !(v > 0.0) || v > FSC_COMM_TIMEOUT_MAX_S)
+        return fsc_error(FSC_ERR_VALUE,
+                         "FAIRSCALE_C_TIMEOUT='%.64s' is not a valid timeout: expected a finite number of seconds "
+                         "> 0 and <= 1e9 (default %g when unset)",
+                         s, FSC_COMM_TIMEOUT_DEFAULT_S);
+    *out = v;
+    return FSC_OK;
+}
+
+double fsc_comm_timeout_s(void) {
+    double v = FSC_COMM_TIMEOUT_DEFAULT_S;
+    if (fsc_comm_timeout_get(&v) != FSC_OK) FSC_WARN("comm", "%s; using %g", fsc_last_error(), v);
     return v;
+}
+
+fsc_status_t fsc_comm_check_blocks(const char *op, const char *whole_name, int64_t whole, const char *part_name,
+                                   int64_t part, int size) {
+    int64_t want;
+    if (size > 0 && part >= 0 && !__builtin_mul_overflow(part, (int64_t)size, &want) && want == whole) return FSC_OK;
+    if (size > 0 && part >= 0 && !__builtin_mul_overflow(part, (int64_t)size, &want))
+        return fsc_error(FSC_ERR_VALUE,
+                         "%s: %s has %lld elements; expected group size (%d) x %s elements (%lld) = %lld", op,
+                         whole_name, (long long)whole, size, part_name, (long long)part, (long long)want);
+    return fsc_error(FSC_ERR_VALUE,
+                     "%s: %s has %lld elements; expected group size (%d) x %s elements (%lld), which overflows int64",
+                     op, whole_name, (long long)whole, size, part_name, (long long)part);
 }
 
 double fsc_comm_now(void) {
@@ -157,11 +184,7 @@ static fsc_status_t check_blocks(const char *op, const fsc_tensor_t *big, const 
         return fsc_error(FSC_ERR_VALUE, "%s: output has dtype %s but input has dtype %s; expected the same dtype", op,
                          fsc_dtype_name(!strcmp(big_arg, "output") ? big->dtype : small->dtype),
                          fsc_dtype_name(!strcmp(big_arg, "output") ? small->dtype : big->dtype));
-    if (small->numel > INT64_MAX / size || big->numel != (int64_t)size * small->numel)
-        return fsc_error(FSC_ERR_VALUE,
-                         "%s: %s has %lld elements; expected group size (%d) x %s elements (%lld) = %lld", op, big_arg,
-                         (long long)big->numel, size, small_arg, (long long)small->numel,
-                         (long long)size * (long long)small->numel);
+    FSC_CHECK(fsc_comm_check_blocks(op, big_arg, big->numel, small_arg, small->numel, size));
     size_t nb_small = fsc_tensor_nbytes(small), nb_big = fsc_tensor_nbytes(big);
     const uint8_t *own = (const uint8_t *)big->data + (size_t)rank * nb_small;
     if (overlaps(big->data, nb_big, small->data, nb_small) && (const uint8_t *)small->data != own)

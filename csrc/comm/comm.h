@@ -48,9 +48,28 @@ const char *fsc_reduce_op_name(fsc_reduce_op_t op);
  * otherwise. */
 fsc_status_t fsc_reduce_op_parse(const char *name, fsc_reduce_op_t *out);
 
-/* FAIRSCALE_C_TIMEOUT in seconds (a positive number; default 600), read on every call so tests
- * can change it. An unparsable value falls back to the default with a warning. */
+/* Bounds of FAIRSCALE_C_TIMEOUT: the default, and the largest value accepted (about 31 years;
+ * larger ones would overflow the time types the waits convert to). */
+#define FSC_COMM_TIMEOUT_DEFAULT_S 600.0
+#define FSC_COMM_TIMEOUT_MAX_S 1e9
+
+/* The one parser of FAIRSCALE_C_TIMEOUT, read on every call so tests can change it: unset or
+ * empty gives the default; otherwise a finite number of seconds in (0, FSC_COMM_TIMEOUT_MAX_S]
+ * (strtod syntax, nothing after it). Anything else ("abc", "nan", "inf", "1e400", "-1", "0") is
+ * FSC_ERR_VALUE naming the variable and its value, and *out is left unchanged. Python reads it
+ * through _C._comm_timeout_s(). */
+fsc_status_t fsc_comm_timeout_get(double *out);
+
+/* fsc_comm_timeout_get for callers that cannot fail: an invalid value (which building a group
+ * has already refused) gives the default with a warning. */
 double fsc_comm_timeout_s(void);
+
+/* FSC_OK when `whole` == `size` x `part`: the element counts of an all_gather's output and input,
+ * or of a reduce_scatter's input and output. The product is not formed, so counts whose product
+ * overflows int64 are refused instead of wrapping onto a small `whole`. Otherwise FSC_ERR_VALUE:
+ * "<op>: <whole_name> has W elements; expected group size (S) x <part_name> elements (P) = ...". */
+fsc_status_t fsc_comm_check_blocks(const char *op, const char *whole_name, int64_t whole, const char *part_name,
+                                   int64_t part, int size);
 
 /* Monotonic clock in seconds. */
 double fsc_comm_now(void);

@@ -1,9 +1,12 @@
 /* shm.c — shm segment lifecycle (create, attach, join, unlink) and the wait/post primitives:
  * spin briefly, then futex slices that check the deadline and the peer's liveness. */
+#include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <pwd.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -23,6 +26,9 @@
 #define FSC_SHM_YIELDS 50        /* sched_yield calls before sleeping in futex */
 #define FSC_SHM_SLICE_NS 2000000 /* futex sleep slice: 2 ms */
 #define FSC_SHM_LIVENESS_S 0.05  /* how often a sleeping waiter checks the peer's pid */
+#define FSC_SHM_MIN_CHUNK ((size_t)4096)
+#define FSC_SHM_MAX_CHUNK ((size_t)1 << 30)
+#define FSC_SHM_MAX_GRACE_S 1e9 /* a longer close() grace is no grace: wait for the queued ops */
 
 static size_t round_up(size_t x, size_t a) {
     return (x + a - 1) / a * a;
@@ -45,11 +51,23 @@ static size_t chunk_from_env(void) {
     if (s == NULL || *s == '\0') return def;
     char *end = NULL;
     unsigned long long v = strtoull(s, &end, 10);
-    if (end == s || *end != '\0' || v < 4096 || v > ((size_t)1 << 30)) {
+    if (end == s || *end != '\0' || v < FSC_SHM_MIN_CHUNK || v > FSC_SHM_MAX_CHUNK) {
         FSC_WARN("shm", "FAIRSCALE_C_SHM_CHUNK='%s' must be a byte count in [4096, 2^30]; using %zu", s, def);
         return def;
     }
-    return round_up((size_t)v, 4096);
+    return round_up((size_t)v, FSC_SHM_MIN_CHUNK);
+}
+
+/* Bytes per send/recv buffer for a given slot chunk (the creator's rule; attachers check it). */
+static size_t p2p_chunk_for(size_t chunk) {
+    return chunk / 4 < 65536 ? 65536 : chunk / 4;
+}
+
+/* The pid namespace of this process (the inode of /proc/self/ns/pid), 0 when unknown. Segment
+ * names carry it, so a sweep judges a creator's pid only in the namespace it belongs to. */
+static unsigned long long pid_namespace(void) {
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (unsigned long long)st.st_ino : 0;
 }
 
 /* 1 when `pid` no longer runs: gone (ESRCH) or a zombie nobody has reaped yet. */
@@ -191,6 +209,81 @@ static size_t layout(fsc_shm_seg_t *s, int size, size_t chunk, size_t p2p_chunk)
     return off;
 }
 
+/* Point the group at the regions of layout `l` (computed by this rank, or validated by
+ * check_layout): from here on the offsets are never read from shared memory again. */
+static void use_layout(fsc_shm_group_t *g, const fsc_shm_seg_t *l) {
+    g->chunk = (size_t)l->chunk;
+    g->p2p_chunk = (size_t)l->p2p_chunk;
+    g->off_slots = (size_t)l->off_slots;
+    g->off_result = (size_t)l->off_result;
+    g->off_p2p = (size_t)l->off_p2p;
+    g->ranks = (fsc_shm_rank_ctrl_t *)(g->base + l->off_ranks);
+    g->chans = (fsc_shm_chan_t *)(g->base + l->off_chans);
+}
+
+static fsc_status_t bad_layout(const fsc_shm_group_t *g, const char *what) {
+    return fsc_error(FSC_ERR_COMM,
+                     "group '%s' (rank %d of %d): shared memory %s has an invalid layout (%s); refusing to attach",
+                     g->name, g->rank, g->size, g->seg_name, what);
+}
+
+/* Attaching side: the creator's header, copied once into `out` (a peer could rewrite the shared
+ * one at any time) and checked against the layout this group's size and the header's chunk sizes
+ * imply: every region inside the mapping, nothing overlapping, chunks the algorithms can step
+ * through. A planted or corrupted header is an error here instead of a crash later. */
+static fsc_status_t check_layout(const fsc_shm_group_t *g, fsc_shm_seg_t *out) {
+    char what[192];
+    fsc_shm_seg_t h, want;
+    memcpy(&h, (const void *)g->seg, sizeof(h));
+    if (atomic_load_explicit(&g->seg->magic, memory_order_acquire) != FSC_SHM_MAGIC || h.version != FSC_SHM_VERSION) {
+        snprintf(what, sizeof(what), "version %u, expected a fairscale_c segment of version %u", (unsigned)h.version,
+                 FSC_SHM_VERSION);
+        return bad_layout(g, what);
+    }
+    if (h.size != g->size) {
+        snprintf(what, sizeof(what), "made for %d ranks, expected %d", (int)h.size, g->size);
+        return bad_layout(g, what);
+    }
+    if (h.chunk < FSC_SHM_MIN_CHUNK || h.chunk > FSC_SHM_MAX_CHUNK || h.chunk % FSC_SHM_MIN_CHUNK != 0 ||
+        h.p2p_chunk != p2p_chunk_for((size_t)h.chunk)) {
+        snprintf(what, sizeof(what),
+                 "chunk=%llu, p2p_chunk=%llu bytes; expected a chunk that is a multiple of 4096 in [4096, 2^30] and "
+                 "p2p_chunk=max(chunk/4, 65536)",
+                 (unsigned long long)h.chunk, (unsigned long long)h.p2p_chunk);
+        return bad_layout(g, what);
+    }
+    layout(&want, g->size, (size_t)h.chunk, (size_t)h.p2p_chunk);
+    if (h.off_ranks != want.off_ranks || h.off_chans != want.off_chans || h.off_slots != want.off_slots ||
+        h.off_result != want.off_result || h.off_p2p != want.off_p2p || h.total != want.total) {
+        snprintf(what, sizeof(what), "region offsets or total size differ from the layout of %d ranks with chunk=%llu",
+                 g->size, (unsigned long long)h.chunk);
+        return bad_layout(g, what);
+    }
+    if (want.total > g->bytes) {
+        snprintf(what, sizeof(what), "%zu bytes, the layout needs %llu", g->bytes, (unsigned long long)want.total);
+        return bad_layout(g, what);
+    }
+    *out = want;
+    return FSC_OK;
+}
+
+/* Attach only to a segment this user made for this purpose: owned by our effective uid, with no
+ * group or other permission bits (the creator makes it O_EXCL with 0600). Anything else was
+ * planted, or is another user's: FSC_ERR_COMM naming the owner. */
+static fsc_status_t check_owner(const fsc_shm_group_t *g, const struct stat *sb) {
+    if (sb->st_uid == geteuid() && (sb->st_mode & 077) == 0 && S_ISREG(sb->st_mode)) return FSC_OK;
+    char who[64] = "";
+    struct passwd pw, *found = NULL;
+    char pwbuf[1024];
+    if (getpwuid_r(sb->st_uid, &pw, pwbuf, sizeof(pwbuf), &found) == 0 && found != NULL)
+        snprintf(who, sizeof(who), " (%s)", found->pw_name);
+    return fsc_error(FSC_ERR_COMM,
+                     "group '%s' (rank %d of %d): shared memory %s belongs to uid %u%s with mode %04o; expected this "
+                     "process's uid %u and mode 0600 (no group or other access): refusing to attach",
+                     g->name, g->rank, g->size, g->seg_name, (unsigned)sb->st_uid, who, (unsigned)(sb->st_mode & 07777),
+                     (unsigned)geteuid());
+}
+
 /* Attaching side: wait (up to the timeout, 1 ms naps) until the creator has made the segment
  * and published its layout, i.e. until it is at least header-sized and carries the magic. A
  * creator that exits first (its pid is known from the rendezvous) ends the wait at once; either
@@ -201,9 +294,27 @@ static fsc_status_t attach_when_ready(fsc_shm_group_t *g, pid_t creator_pid, int
     const char *why = "did not create";
     for (;;) {
         int fd = shm_open(g->seg_name, O_RDWR, 0600);
+        if (fd < 0 && errno == EACCES) { /* someone else's: say whose */
+            char path[96];
+            struct stat sb;
+            snprintf(path, sizeof(path), "/dev/shm%s", g->seg_name);
+            if (stat(path, &sb) == 0) return check_owner(g, &sb);
+            errno = EACCES;
+        }
         if (fd >= 0) {
             struct stat sb;
-            if (fstat(fd, &sb) == 0 && (size_t)sb.st_size >= sizeof(fsc_shm_seg_t)) {
+            if (fstat(fd, &sb) != 0) {
+                fsc_status_t st =
+                    fsc_error(FSC_ERR_SYSTEM, "group '%s': fstat(%s): %s", g->name, g->seg_name, strerror(errno));
+                close(fd);
+                return st;
+            }
+            fsc_status_t st = check_owner(g, &sb);
+            if (st != FSC_OK) {
+                close(fd);
+                return st;
+            }
+            if ((size_t)sb.st_size >= sizeof(fsc_shm_seg_t)) {
                 fsc_shm_seg_t *hdr = mmap(NULL, sizeof(fsc_shm_seg_t), PROT_READ, MAP_SHARED, fd, 0);
                 int ready = hdr != MAP_FAILED && atomic_load_explicit(&hdr->magic, memory_order_acquire) != 0;
                 if (hdr != MAP_FAILED) munmap(hdr, sizeof(fsc_shm_seg_t));
@@ -242,16 +353,11 @@ static fsc_status_t map_segment(fsc_shm_group_t *g, int create, pid_t creator_pi
     int fd = -1;
     fsc_status_t st = FSC_OK;
     if (create) {
-        if (g->seg_name[0] == '\0') {
-            uint32_t rnd = 0;
-            if (getrandom(&rnd, sizeof(rnd), GRND_NONBLOCK) != (ssize_t)sizeof(rnd))
-                rnd = (uint32_t)time(NULL) ^ (uint32_t)(uintptr_t)g;
-            snprintf(g->seg_name, sizeof(g->seg_name), "/fsc-%d-%08x", (int)getpid(), rnd);
-        }
+        if (g->seg_name[0] == '\0') fsc_shm_segment_name(g->seg_name, sizeof(g->seg_name));
         fsc_shm_seg_t tmp;
         memset(&tmp, 0, sizeof(tmp));
         g->chunk = chunk_from_env();
-        g->p2p_chunk = g->chunk / 4 < 65536 ? 65536 : g->chunk / 4;
+        g->p2p_chunk = p2p_chunk_for(g->chunk);
         g->bytes = layout(&tmp, g->size, g->chunk, g->p2p_chunk);
         fd = shm_open(g->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd < 0) return fsc_error(FSC_ERR_SYSTEM, "shm_open(%s): %s", g->seg_name, strerror(errno));
@@ -278,23 +384,19 @@ exit:
 }
 
 static fsc_status_t init_or_check(fsc_shm_group_t *g, int create) {
-    fsc_shm_seg_t *s = g->seg;
+    fsc_shm_seg_t l;
+    memset(&l, 0, sizeof(l));
     if (create) {
+        fsc_shm_seg_t *s = g->seg;
+        layout(&l, g->size, g->chunk, g->p2p_chunk);
         layout(s, g->size, g->chunk, g->p2p_chunk);
         s->version = FSC_SHM_VERSION;
         atomic_store(&s->nattached, 0);
         atomic_store_explicit(&s->magic, FSC_SHM_MAGIC, memory_order_release);
-    } else if (atomic_load_explicit(&s->magic, memory_order_acquire) != FSC_SHM_MAGIC ||
-               s->version != FSC_SHM_VERSION || s->size != g->size || s->total > g->bytes) {
-        return fsc_error(FSC_ERR_COMM,
-                         "group '%s': shared memory %s does not match (expected %d ranks, "
-                         "segment has %d; version %u vs %u)",
-                         g->name, g->seg_name, g->size, (int)s->size, (unsigned)s->version, FSC_SHM_VERSION);
+    } else {
+        FSC_CHECK(check_layout(g, &l));
     }
-    g->chunk = s->chunk;
-    g->p2p_chunk = s->p2p_chunk;
-    g->ranks = (fsc_shm_rank_ctrl_t *)(g->base + s->off_ranks);
-    g->chans = (fsc_shm_chan_t *)(g->base + s->off_chans);
+    use_layout(g, &l);
     return FSC_OK;
 }
 
@@ -317,8 +419,9 @@ fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, in
     g->rank = rank;
     g->size = size;
     g->owner_pid = (int)getpid();
-    g->timeout = fsc_comm_timeout_s();
     g->unlinked = 0;
+    FSC_CHECK_GOTO(fsc_comm_timeout_get(&g->timeout), st, fail);
+    if (create) fsc_shm_sweep_stale();
     g->send_seq = calloc((size_t)size, sizeof(uint64_t));
     g->recv_seq = calloc((size_t)size, sizeof(uint64_t));
     g->send_next = calloc((size_t)size, sizeof(uint32_t));
@@ -375,6 +478,53 @@ void fsc_shm_group_unlink(fsc_shm_group_t *g) {
         FSC_WARN("shm", "shm_unlink(%s): %s", g->seg_name, strerror(errno));
 }
 
+void fsc_shm_segment_name(char *buf, size_t cap) {
+    uint32_t rnd = 0;
+    if (getrandom(&rnd, sizeof(rnd), GRND_NONBLOCK) != (ssize_t)sizeof(rnd))
+        rnd = (uint32_t)time(NULL) ^ (uint32_t)(uintptr_t)buf ^ ((uint32_t)getpid() << 16);
+    snprintf(buf, cap, "/fsc-%d-%llx-%08x", (int)getpid(), pid_namespace(), rnd);
+}
+
+/* "fsc-<pid>-<pid namespace, hex>-<8 hex digits>" (a /dev/shm entry): 1 and its fields, or 0 when
+ * the name has another form (another program's, or one made before names carried the namespace). */
+static int parse_segment_name(const char *name, long *pid, unsigned long long *ns) {
+    char *end;
+    if (strncmp(name, "fsc-", 4) != 0 || !isdigit((unsigned char)name[4])) return 0;
+    errno = 0;
+    long p = strtol(name + 4, &end, 10);
+    if (errno != 0 || *end != '-' || p <= 0 || p > INT_MAX || !isxdigit((unsigned char)end[1])) return 0;
+    unsigned long long n = strtoull(end + 1, &end, 16);
+    if (errno != 0 || *end != '-' || strlen(end + 1) != 8 || strspn(end + 1, "0123456789abcdef") != 8) return 0;
+    *pid = p;
+    *ns = n;
+    return 1;
+}
+
+int fsc_shm_sweep_stale(void) {
+    unsigned long long mine = pid_namespace();
+    DIR *d = mine != 0 ? opendir("/dev/shm") : NULL;
+    if (d == NULL) return 0;
+    int removed = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        long pid;
+        unsigned long long ns;
+        struct stat st;
+        char path[300];
+        if (!parse_segment_name(e->d_name, &pid, &ns) || ns != mine || pid == (long)getpid()) continue;
+        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+            st.st_uid != geteuid() || !pid_dead((pid_t)pid))
+            continue;
+        snprintf(path, sizeof(path), "/%s", e->d_name);
+        if (shm_unlink(path) == 0) {
+            removed++;
+            FSC_INFO("shm", "removed %s, left by pid %ld, which has exited", path, pid);
+        }
+    }
+    closedir(d);
+    return removed;
+}
+
 fsc_status_t fsc_shm_group_join(fsc_shm_group_t *g) {
     double deadline = fsc_comm_now() + g->timeout;
     while (atomic_load(&g->seg->nattached) < (uint32_t)g->size) {
@@ -400,6 +550,8 @@ fsc_status_t fsc_shm_group_join(fsc_shm_group_t *g) {
 
 void fsc_shm_group_close(fsc_shm_group_t *g, double grace_s) {
     if (g == NULL) return;
+    /* NaN, infinite or astronomically long: no grace (the conversion to time_t would be undefined) */
+    if (!(grace_s <= FSC_SHM_MAX_GRACE_S)) grace_s = -1;
     fsc_shm_engine_stop(g, grace_s);
     if (g->base != NULL) munmap(g->base, g->bytes);
     free(g->send_seq);

@@ -39,16 +39,32 @@ typedef struct {
  * under a fresh "/fsc-<pid>-<hex>" when seg_name is NULL (the caller then sends
  * fsc_shm_group_segment_name() to the other ranks). Without `create` the named segment is
  * attached, waiting until the creator has set it up: up to the timeout, or until `creator_pid`
- * (0: unknown) has exited, after which the half-made name is removed. Publishing the name
+ * (0: unknown) has exited, after which the half-made name is removed. A segment is attached only
+ * when it belongs to this process's effective uid and has no group/other permission bits, and
+ * its header is validated once against the layout `size` implies (FSC_ERR_COMM otherwise); the
+ * offsets are then kept privately and never read from shared memory again. Publishing the name
  * before creating the segment therefore leaves nothing behind if the creator dies while any
  * peer is alive. `group_name` appears in every error message. Sizes come from
  * FAIRSCALE_C_SHM_CHUNK (bytes per pipeline chunk, default 1 MiB) read by the creator. The
- * timeout for rendezvous and for every op is FAIRSCALE_C_TIMEOUT, read here. On success *out is
+ * timeout for rendezvous and for every op is FAIRSCALE_C_TIMEOUT, read here (FSC_ERR_VALUE when
+ * invalid). Creating a segment first sweeps stale ones (fsc_shm_sweep_stale). On success *out is
  * owned by the caller (fsc_shm_group_close). */
 fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, int create, int creator_pid, int rank,
                                 int size, fsc_shm_group_t **out);
 
-/* The segment's name ("/fsc-<pid>-<hex>"); valid while the group is open. */
+/* A fresh segment name, "/fsc-<pid>-<pid namespace>-<8 random hex digits>", for a creator to
+ * publish before it creates the segment. The pid and namespace let fsc_shm_sweep_stale judge
+ * whether the creator still runs. `cap` >= 64. */
+void fsc_shm_segment_name(char *buf, size_t cap);
+
+/* Remove the /dev/shm segments that processes of this uid, in this pid namespace, created and
+ * left behind when they died before the name could be removed (e.g. every rank killed during
+ * rendezvous). Segments of other users, of other pid namespaces (whose pids mean nothing here),
+ * of live processes, and names of any other form are left alone. Returns how many were removed.
+ * fsc_shm_group_open calls it whenever it creates a segment. */
+int fsc_shm_sweep_stale(void);
+
+/* The segment's name ("/fsc-<pid>-<pidns>-<hex>"); valid while the group is open. */
 const char *fsc_shm_group_segment_name(const fsc_shm_group_t *g);
 
 /* Block until every rank has attached, then remove the segment's name so nothing is left in
@@ -64,7 +80,8 @@ void fsc_shm_group_unlink(fsc_shm_group_t *g);
  * no-op. With grace_s < 0 it blocks at most about one timeout. With grace_s >= 0, an op still
  * waiting for a peer grace_s seconds after the call is abandoned: it fails with FSC_ERR_COMM
  * ("abandoned"), as do the ops queued behind it, so closing takes about grace_s at most (the
- * path for interpreter exit and error unwinding, where a peer may never come). */
+ * path for interpreter exit and error unwinding, where a peer may never come). A grace_s that is
+ * NaN, infinite or above 1e9 s counts as no grace (< 0). */
 void fsc_shm_group_close(fsc_shm_group_t *g, double grace_s);
 
 /* Run one op on the calling thread and block until it completes. Every rank must issue the

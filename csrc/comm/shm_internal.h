@@ -90,6 +90,9 @@ struct fsc_shm_group {
     fsc_shm_rank_ctrl_t *ranks;
     fsc_shm_chan_t *chans; /* [src * size + dst] */
     size_t chunk, p2p_chunk;
+    /* private copies of the segment's offsets, validated once at attach: a peer that rewrites
+     * the header afterwards cannot move this rank's reads and writes */
+    size_t off_slots, off_result, off_p2p;
     int unlinked;
     /* protocol state (the thread running ops owns it) */
     uint32_t epoch;
@@ -118,11 +121,11 @@ struct fsc_shm_group {
 };
 
 static inline uint8_t *fsc_shm_slot(fsc_shm_group_t *g, int r, uint64_t step) {
-    return g->base + g->seg->off_slots + ((size_t)r * 2 + (size_t)(step & 1)) * g->chunk;
+    return g->base + g->off_slots + ((size_t)r * 2 + (size_t)(step & 1)) * g->chunk;
 }
 
 static inline uint8_t *fsc_shm_result(fsc_shm_group_t *g, uint64_t step) {
-    return g->base + g->seg->off_result + (size_t)(step & 1) * g->chunk;
+    return g->base + g->off_result + (size_t)(step & 1) * g->chunk;
 }
 
 static inline fsc_shm_chan_t *fsc_shm_chan(fsc_shm_group_t *g, int src, int dst) {
@@ -131,7 +134,7 @@ static inline fsc_shm_chan_t *fsc_shm_chan(fsc_shm_group_t *g, int src, int dst)
 
 static inline uint8_t *fsc_shm_p2p_buf(fsc_shm_group_t *g, int src, int dst, uint32_t k) {
     size_t pair = (size_t)src * (size_t)g->size + (size_t)dst;
-    return g->base + g->seg->off_p2p + (pair * 2 + (k & 1)) * g->p2p_chunk;
+    return g->base + g->off_p2p + (pair * 2 + (k & 1)) * g->p2p_chunk;
 }
 
 /* Publish `value` in `word` and wake its sleepers. */

@@ -127,6 +127,7 @@ int fsc_py_errors_exec(PyObject *module);
 int fsc_py_dlpack_exec(PyObject *module);
 int fsc_py_buffer_exec(PyObject *module); /* called by fsc_py_dlpack_exec */
 int fsc_py_comm_exec(PyObject *module);
+int fsc_py_rendezvous_exec(PyObject *module); /* with comm: timeout parsing, segment names */
 int fsc_py_gpu_exec(PyObject *module);
 int fsc_py_nccl_exec(PyObject *module);
 

@@ -3,6 +3,7 @@
  * waits release the GIL and wake up periodically to honour Ctrl-C. */
 #include "binding.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "comm/comm.h"
@@ -73,7 +74,11 @@ static int parse_seconds(PyObject *args, PyObject *kwds, const char *method, cha
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (*out < 0) { /* PyErr_Format has no %g: show the object */
+    if (isinf(*out) && *out > 0) { /* an infinite limit is no limit */
+        *out = -1;
+        return 0;
+    }
+    if (!(*out >= 0)) { /* negative or NaN; PyErr_Format has no %g: show the object */
         PyErr_Format(PyExc_ValueError, "%s: %s must be >= 0 or None, got %R", method, name, obj);
         return -1;
     }

@@ -1,4 +1,6 @@
 /* dlpack.c — importing any DLPack producer (torch, numpy, capsules) as an fsc_tensor_t view. */
+#include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "base/dlpack.h"
@@ -7,15 +9,23 @@
 #define OWNER_CAPSULE "fairscale_c.dlpack_owner"
 #define OWNER_CAPSULE_LEGACY "fairscale_c.dlpack_owner_legacy"
 
-/* The consumer side of a capsule we renamed: calls the producer's deleter exactly once. */
+/* The consumer side of a capsule we renamed: calls the producer's deleter exactly once. Owners
+ * are often released on an error path, with an exception set; a deleter may run Python code
+ * (ctypes producers do), which must not see it, so the error indicator is set aside meanwhile. */
 static void owner_destructor(PyObject *capsule) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
     DLManagedTensorVersioned *v = PyCapsule_GetPointer(capsule, OWNER_CAPSULE);
     if (v != NULL && v->deleter != NULL) v->deleter(v);
+    PyErr_Restore(type, value, tb);
 }
 
 static void owner_destructor_legacy(PyObject *capsule) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
     DLManagedTensor *m = PyCapsule_GetPointer(capsule, OWNER_CAPSULE_LEGACY);
     if (m != NULL && m->deleter != NULL) m->deleter(m);
+    PyErr_Restore(type, value, tb);
 }
 
 static int dtype_from_dl(DLDataType dt, fsc_dtype_t *out) {
@@ -59,6 +69,64 @@ static int dtype_from_dl(DLDataType dt, fsc_dtype_t *out) {
     }
 }
 
+/* The bytes a view spans must be addressable: every byte count and offset below fits in
+ * ptrdiff_t, so no later `numel * itemsize`, pointer offset or strided walk can wrap. On success
+ * fills out->numel and out->data; otherwise raises BufferError naming `argname`. */
+static int check_extent(const DLTensor *t, const char *argname, fsc_tensor_t *out) {
+    int64_t esz = (int64_t)fsc_dtype_size(out->dtype);
+    int64_t numel = 1;
+    for (int i = 0; i < out->ndim; i++) {
+        int64_t n = out->shape[i];
+        if (n != 0 && numel > INT64_MAX / n) {
+            PyErr_Format(PyExc_BufferError, "argument '%s': element count overflows int64 (shape has %d dims)", argname,
+                         out->ndim);
+            return -1;
+        }
+        numel *= n;
+    }
+    if (numel > PTRDIFF_MAX / esz) {
+        PyErr_Format(PyExc_BufferError,
+                     "argument '%s': %lld elements of %lld bytes do not fit in the address space; expected at most "
+                     "%lld bytes",
+                     argname, (long long)numel, (long long)esz, (long long)PTRDIFF_MAX);
+        return -1;
+    }
+    out->numel = numel;
+    if (t->byte_offset > (uint64_t)PTRDIFF_MAX ||
+        (t->data != NULL && (uintptr_t)t->data > UINTPTR_MAX - (uintptr_t)t->byte_offset)) {
+        PyErr_Format(PyExc_BufferError,
+                     "argument '%s': byte_offset %llu moves the data pointer out of the address space", argname,
+                     (unsigned long long)t->byte_offset);
+        return -1;
+    }
+    out->data = t->data == NULL ? NULL : (char *)t->data + t->byte_offset;
+    if (numel == 0) return 0;
+    if (out->data == NULL) {
+        PyErr_Format(PyExc_BufferError, "argument '%s': NULL data pointer for a tensor of %lld elements", argname,
+                     (long long)numel);
+        return -1;
+    }
+    /* Elements reachable above (hi) and below (lo) the first one, through the strides. */
+    int64_t hi = 0, lo = 0;
+    for (int i = 0; i < out->ndim; i++) {
+        int64_t s = out->strides[i], reach;
+        if (s == INT64_MIN || __builtin_mul_overflow(out->shape[i] - 1, s < 0 ? -s : s, &reach) ||
+            __builtin_add_overflow(s < 0 ? lo : hi, reach, s < 0 ? &lo : &hi))
+            goto too_far;
+    }
+    int64_t span;
+    if (__builtin_add_overflow(hi, lo, &span) || span >= PTRDIFF_MAX / esz) goto too_far;
+    uintptr_t start = (uintptr_t)out->data, below = (uintptr_t)(lo * esz), above = (uintptr_t)((hi + 1) * esz);
+    if (start < below || start > UINTPTR_MAX - above) goto too_far;
+    return 0;
+too_far:
+    PyErr_Format(PyExc_BufferError,
+                 "argument '%s': the strides reach outside the address space (extent of %lld elements of %lld "
+                 "bytes from the data pointer); expected a view that fits in ptrdiff_t",
+                 argname, (long long)numel, (long long)esz);
+    return -1;
+}
+
 /* Fill `out` from a DLTensor; sets an exception naming `argname` and returns -1 on failure. */
 static int view_from_dl(const DLTensor *t, int readonly, const char *argname, int flags, fsc_tensor_t *out) {
     memset(out, 0, sizeof(*out));
@@ -88,8 +156,12 @@ static int view_from_dl(const DLTensor *t, int readonly, const char *argname, in
         PyErr_Format(PyExc_BufferError, "argument '%s': ndim %d outside [0, %d]", argname, (int)t->ndim, FSC_MAX_NDIM);
         return -1;
     }
+    if (t->ndim > 0 && t->shape == NULL) {
+        PyErr_Format(PyExc_BufferError, "argument '%s': DLPack tensor has ndim %d but a NULL shape", argname,
+                     (int)t->ndim);
+        return -1;
+    }
     out->ndim = t->ndim;
-    int64_t numel = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
         int64_t n = t->shape[i];
         if (n < 0) {
@@ -97,22 +169,20 @@ static int view_from_dl(const DLTensor *t, int readonly, const char *argname, in
             return -1;
         }
         out->shape[i] = n;
-        /* NULL strides mean compact row-major; strides count elements. */
-        out->strides[i] =
-            t->strides != NULL ? t->strides[i] : (i == t->ndim - 1 ? 1 : out->strides[i + 1] * out->shape[i + 1]);
-        if (n != 0 && numel > INT64_MAX / n) {
-            PyErr_Format(PyExc_BufferError, "argument '%s': element count overflows int64", argname);
-            return -1;
+    }
+    /* NULL strides mean compact row-major; strides count elements. A size-0 dim makes every
+     * stride irrelevant; otherwise each compact stride is a product of later extents, which
+     * check_extent bounds by the element count. */
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        if (t->strides != NULL) {
+            out->strides[i] = t->strides[i];
+        } else if (i == t->ndim - 1) {
+            out->strides[i] = 1;
+        } else if (__builtin_mul_overflow(out->strides[i + 1], out->shape[i + 1], &out->strides[i])) {
+            out->strides[i] = 0; /* only reachable with an element count that check_extent refuses */
         }
-        numel *= n;
     }
-    out->numel = numel;
-    out->data = t->data == NULL ? NULL : (char *)t->data + t->byte_offset;
-    if (numel > 0 && out->data == NULL) {
-        PyErr_Format(PyExc_BufferError, "argument '%s': NULL data pointer for a tensor of %lld elements", argname,
-                     (long long)numel);
-        return -1;
-    }
+    if (check_extent(t, argname, out) < 0) return -1;
     out->readonly = readonly;
     if ((flags & FSC_IMPORT_WRITABLE) && readonly) {
         PyErr_Format(PyExc_ValueError, "argument '%s': the tensor is read-only; expected writable memory", argname);

@@ -76,6 +76,7 @@ static int module_exec(PyObject *module) {
     if (fsc_py_dlpack_exec(module) < 0) return -1;
 #ifdef FSC_HAVE_COMM
     if (fsc_py_comm_exec(module) < 0) return -1;
+    if (fsc_py_rendezvous_exec(module) < 0) return -1;
 #endif
 #ifdef FSC_HAVE_GPU
     if (fsc_py_gpu_exec(module) < 0) return -1;

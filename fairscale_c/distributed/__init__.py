@@ -91,6 +91,7 @@ def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] 
 
 def _build(pg: Optional["dist.ProcessGroup"], name: Optional[str], role: str = "default") -> Group:
     global _default
+    timeout_s()  # an invalid FAIRSCALE_C_TIMEOUT is a ValueError here, before any exchange
     if dist.is_available() and dist.is_initialized():
         pg = pg if pg is not None else dist.group.WORLD
         ranks = tuple(dist.get_process_group_ranks(pg))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import secrets
 import socket
 import weakref
 from typing import Any, Optional, Sequence
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ._rendezvous import Exchange, ProcessGroupExchange, StoreExchange
+from ._rendezvous import Exchange, ProcessGroupExchange, StoreExchange, timeout_s
 from ._work import CompletedWork, CudaWork, local_copy
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
@@ -132,9 +131,12 @@ class Group:
 
     # ------------------------------------------------------------------ setup / teardown
     def _rendezvous(self) -> None:
+        timeout_s()  # an invalid FAIRSCALE_C_TIMEOUT is a ValueError before anything is exchanged
         # Rank 0 publishes the segment's name before creating it: if it dies at any point, the
-        # peers know the name and remove whatever it left (see fsc_shm_group_open).
-        segment = f"/fsc-{os.getpid()}-{secrets.token_hex(4)}" if self.rank == 0 else None
+        # peers know the name and remove whatever it left (see fsc_shm_group_open). The name
+        # carries rank 0's pid and pid namespace, so a later group can sweep it if every rank
+        # is killed before it was removed.
+        segment = _C._shm_segment_name() if self.rank == 0 else None
         shm = None
         try:
             me = {"host": hostname(), "pid": os.getpid(), "segment": segment}
@@ -149,10 +151,28 @@ class Group:
                     )
                 self._torch_cpu = _TorchCPU(self._pg, self.size)
                 return
-            if self.rank == 0:
-                shm = _C.ShmGroup(self.name, 0, self.size, segment, create=True)
-            else:
-                shm = _C.ShmGroup(self.name, self.rank, self.size, infos[0]["segment"], creator_pid=infos[0]["pid"])
+            error = None
+            try:
+                if self.rank == 0:
+                    shm = _C.ShmGroup(self.name, 0, self.size, segment, create=True)
+                else:
+                    shm = _C.ShmGroup(self.name, self.rank, self.size, infos[0]["segment"], creator_pid=infos[0]["pid"])
+            except Exception as exc:  # reported to the peers below, then raised
+                error = exc
+            # Every rank says whether it attached. The pids are known now, so a rank that died
+            # since the first exchange is named within a fraction of a second instead of at the
+            # timeout, and one that could not attach is named with its reason.
+            pids = {r: int(i["pid"]) for r, i in enumerate(infos)}
+            report = {"error": None if error is None else f"{type(error).__name__}: {error}"}
+            reports = [json.loads(b) for b in self._exchange.all_gather(json.dumps(report).encode(), pids)]
+            if error is not None:
+                raise error
+            failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"] is not None]
+            if failed:
+                raise _C.DistributedError(
+                    f"rendezvous of group '{self.name}' (rank {self.rank} of {self.size}): "
+                    + "; ".join(f"rank {r} could not open the shared memory ({why})" for r, why in failed)
+                )
             shm.join()
             self._shm = shm
         except BaseException:

@@ -10,21 +10,37 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
 from .. import _C
 
+# How often a rendezvous wait checks whether the ranks it waits for still run.
+_LIVENESS_S = 0.05
+
 
 def timeout_s() -> float:
-    """FAIRSCALE_C_TIMEOUT in seconds (default 600)."""
-    raw = os.environ.get("FAIRSCALE_C_TIMEOUT", "")
+    """FAIRSCALE_C_TIMEOUT in seconds (default 600), parsed by the C core's one parser: a finite
+    number in (0, 1e9]; anything else is a ValueError naming the variable and its value."""
+    return _C._comm_timeout_s()
+
+
+def pid_exited(pid: int) -> bool:
+    """True when process ``pid`` (of this host and pid namespace) no longer runs: gone, or a
+    zombie nobody has reaped yet (the C engine's rule for peers)."""
     try:
-        value = float(raw) if raw else 600.0
-    except ValueError:
-        value = 600.0
-    return value if value > 0 else 600.0
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
 
 
 class Exchange:
@@ -34,7 +50,9 @@ class Exchange:
     rank: int
     size: int
 
-    def all_gather(self, data: bytes) -> List[bytes]:
+    def all_gather(self, data: bytes, pids: Optional[Dict[int, int]] = None) -> List[bytes]:
+        """Every rank's ``data``, in rank order. With ``pids`` (rank -> pid, ranks on this host),
+        a rank whose process has exited is reported at once instead of at the timeout."""
         raise NotImplementedError
 
     def broadcast(self, data: Optional[bytes]) -> bytes:
@@ -52,13 +70,19 @@ class StoreExchange(Exchange):
         self._round = 0
         self._subs = 0
 
-    def _wait(self, keys: List[str], what: str, ranks: List[int]) -> None:
+    def _wait(self, keys: List[str], what: str, ranks: List[int], pids: Optional[Dict[int, int]] = None) -> None:
         # Poll rather than store.wait(): at the deadline we then know exactly which ranks are
         # missing without asking a store whose host may already have gone.
         t = timeout_s()
-        deadline, pause = time.monotonic() + t, 0.001
+        deadline, pause, checked = time.monotonic() + t, 0.001, time.monotonic()
         pending = dict(zip(ranks, keys))
         while True:
+            # pids known: a missing rank whose process has exited is reported now, not at the
+            # deadline (its key is checked again after its death was seen)
+            dead = []
+            if pids and time.monotonic() - checked > _LIVENESS_S:
+                checked = time.monotonic()
+                dead = [r for r in pending if r in pids and pid_exited(pids[r])]
             try:
                 pending = {r: k for r, k in pending.items() if not self.store.check([k])}
             except Exception as exc:
@@ -69,20 +93,27 @@ class StoreExchange(Exchange):
                 ) from None
             if not pending:
                 return
+            dead = [r for r in dead if r in pending]
+            if dead:
+                raise _C.DistributedError(
+                    f"rendezvous ({what}) of group '{self.name}' (rank {self.rank} of {self.size}): "
+                    + ", ".join(f"rank {r} (pid {pids[r]})" for r in dead)  # type: ignore[index]
+                    + " exited before taking part"
+                )
             if time.monotonic() > deadline:
                 raise _C.DistributedError(
                     f"rendezvous ({what}) of group '{self.name}' (rank {self.rank} of {self.size}): "
                     f"rank(s) {', '.join(map(str, pending))} did not join within FAIRSCALE_C_TIMEOUT={t:g} s"
                 )
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, _LIVENESS_S)
 
-    def all_gather(self, data: bytes) -> List[bytes]:
+    def all_gather(self, data: bytes, pids: Optional[Dict[int, int]] = None) -> List[bytes]:
         base = f"{self.prefix}/ag{self._round}"
         self._round += 1
         self.store.set(f"{base}/{self.rank}", data)
         keys = [f"{base}/{r}" for r in range(self.size)]
-        self._wait(keys, "all_gather", list(range(self.size)))
+        self._wait(keys, "all_gather", list(range(self.size)), pids)
         return [bytes(self.store.get(k)) for k in keys]
 
     def broadcast(self, data: Optional[bytes]) -> bytes:
@@ -112,7 +143,8 @@ class ProcessGroupExchange(Exchange):
         self.pg, self.name = pg, name
         self.rank, self.size = dist.get_rank(pg), dist.get_world_size(pg)
 
-    def all_gather(self, data: bytes) -> List[bytes]:
+    def all_gather(self, data: bytes, pids: Optional[Dict[int, int]] = None) -> List[bytes]:
+        # torch's collective notices a peer that exits (its connection closes) on its own
         out: List[Optional[bytes]] = [None] * self.size
         dist.all_gather_object(out, data, group=self.pg)
         return [bytes(x) for x in out]  # type: ignore[arg-type]
@@ -148,6 +180,7 @@ def env_store() -> "dist.Store":
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    t = timeout_s()  # a ValueError of its own, not "cannot reach the TCPStore"
     try:
         # wait_for_workers=False: a rank that never comes is reported by the first exchange,
         # which can name it, rather than by the store's constructor
@@ -156,11 +189,11 @@ def env_store() -> "dist.Store":
             port,
             world,
             is_master=(rank == 0 and not agent),
-            timeout=datetime.timedelta(seconds=timeout_s()),
+            timeout=datetime.timedelta(seconds=t),
             wait_for_workers=False,
         )
     except Exception as exc:
         raise _C.DistributedError(
             f"rendezvous (rank {rank} of {world}): cannot reach the TCPStore at {addr}:{port} within "
-            f"FAIRSCALE_C_TIMEOUT={timeout_s():g} s ({exc.__class__.__name__}: {exc})"
+            f"FAIRSCALE_C_TIMEOUT={t:g} s ({exc.__class__.__name__}: {exc})"
         ) from None

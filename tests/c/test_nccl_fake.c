@@ -103,6 +103,30 @@ static void test_ops_and_wait(void) {
     EXPECT(fake_live_events() == 0, "%d events leaked", fake_live_events());
 }
 
+/* Block counts whose product with the group size overflows int64 are refused, not wrapped: at 4
+ * ranks an input of 2^62 float32 elements would "match" an empty output (4 x 2^62 wraps to 0),
+ * and the copy would write 2^64 bytes into it. */
+static void test_block_count_overflow(void) {
+    unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES];
+    fsc_nccl_comm_t *c = NULL;
+    EXPECT(fsc_nccl_get_unique_id(id) == FSC_OK && fsc_nccl_comm_init(id, 0, 4, 0, 1.0, &c) == FSC_OK,
+           "init at 4 ranks: %s", fsc_last_error());
+    if (c == NULL) return;
+    float x[4] = {0};
+    fsc_tensor_t huge = cuda_view(x, (int64_t)1 << 62), empty = cuda_view(x, 0);
+    EXPECT(fsc_nccl_all_gather(c, &empty, &huge, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "overflows int64"),
+           "all_gather with a wrapping output count: %s", fsc_last_error());
+    EXPECT(fsc_nccl_reduce_scatter(c, &huge, &empty, FSC_RED_SUM, 0) == FSC_ERR_VALUE &&
+               strstr(fsc_last_error(), "overflows int64"),
+           "reduce_scatter with a wrapping input count: %s", fsc_last_error());
+    EXPECT(fsc_comm_check_blocks("all_gather", "output", 12, "input", 3, 4) == FSC_OK, "12 = 4 x 3 refused");
+    EXPECT(fsc_comm_check_blocks("all_gather", "output", 11, "input", 3, 4) == FSC_ERR_VALUE &&
+               strstr(fsc_last_error(), "output has 11 elements; expected group size (4) x input elements (3) = 12"),
+           "message: %s", fsc_last_error());
+    fsc_nccl_comm_abort(c);
+    fsc_nccl_comm_free(c);
+}
+
 /* fsc_gpu_pack_blocks: the CPU layout (block r of every source, in order, for r = 0..world-1),
  * one 2D copy per non-empty source, and the CPU version's argument checks. */
 static void test_pack_blocks(void) {
@@ -242,6 +266,7 @@ int main(void) {
     EXPECT(fsc_nccl_version() == 23102, "version %d", fsc_nccl_version());
     EXPECT(fsc_gpu_load() == FSC_OK, "driver: %s", fsc_last_error());
     test_pack_blocks();
+    test_block_count_overflow();
     test_ops_and_wait();
     test_watchdog_timeout();
     test_watchdog_async_error();

@@ -2,16 +2,19 @@
  * few dtypes/sizes at 2, 3 and 4 ranks, async ordering, mismatches, dead and missing peers,
  * float16/bfloat16 conversions, and an empty /dev/shm afterwards. Exit status 0 = all passed. */
 #include <dirent.h>
+#include <fcntl.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "base/half.h"
-#include "comm/shm.h"
+#include "comm/shm_internal.h"
 #include "comm/shm_reduce.h"
 #include "expect.h"
 
@@ -361,6 +364,91 @@ static int rank_close_with_grace(fsc_shm_group_t *g, void *ctx) {
     _exit(ok ? 0 : 1); /* the group is closed: skip the harness's close */
 }
 
+/* A peer that rewrites the segment's header after joining (offsets far outside the mapping, a
+ * chunk smaller than an element) moves nothing: each rank uses the layout it validated at attach. */
+static int rank_rewritten_header(fsc_shm_group_t *g, void *ctx) {
+    (void)ctx;
+    if (g == NULL) return 5;
+    int rank = fsc_shm_group_rank(g);
+    fsc_shm_args_t bar = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL};
+    if (rank == 1) {
+        g->seg->off_slots = g->seg->off_result = g->seg->off_p2p = (uint64_t)1 << 60;
+        g->seg->chunk = g->seg->p2p_chunk = 1;
+    }
+    if (fsc_shm_run(g, &bar) != FSC_OK) return 2;
+    enum { N = 100001 };
+    static float buf[N];
+    for (size_t i = 0; i < N; i++) buf[i] = (float)(i % 7) + (float)rank;
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, N, buf, buf};
+    fsc_shm_args_t p2p = {rank == 0 ? FSC_OP_SEND : FSC_OP_RECV, FSC_RED_SUM, 1 - rank, FSC_FLOAT32, N, buf, buf};
+    if (fsc_shm_run(g, &a) != FSC_OK || fsc_shm_run(g, &p2p) != FSC_OK) {
+        fprintf(stderr, "rank %d: %s\n", rank, fsc_last_error());
+        return 1;
+    }
+    for (size_t i = 0; i < N; i++)
+        if (buf[i] != 2.0f * (float)(i % 7) + 1.0f) return 1;
+    return 0;
+}
+
+/* close() with a grace too long (or not a number) to convert to a time: no grace, so the late
+ * peer's op completes (instead of being abandoned at once). */
+static int rank_close_with_huge_grace(fsc_shm_group_t *g, void *ctx) {
+    double grace = *(double *)ctx;
+    float buf[4] = {1, 2, 3, 4};
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf};
+    if (fsc_shm_group_rank(g) == 1) {
+        usleep(300000);
+        return fsc_shm_run(g, &a) == FSC_OK ? 0 : 1;
+    }
+    fsc_shm_work_t *w = NULL;
+    if (fsc_shm_engine_start(g) != FSC_OK || fsc_shm_submit(g, &a, 1, &w) != FSC_OK) _exit(5);
+    fsc_shm_group_close(g, grace);
+    fsc_status_t st = fsc_shm_work_wait(w, 0);
+    int ok = st == FSC_OK && buf[3] == 8.0f;
+    if (!ok) fprintf(stderr, "close(grace=%g): st=%d: %s\n", grace, st, fsc_last_error());
+    fsc_shm_work_release(w);
+    _exit(ok ? 0 : 1);
+}
+
+static int dev_shm_has(const char *name) {
+    char path[128];
+    snprintf(path, sizeof(path), "/dev/shm%s", name);
+    return access(path, F_OK) == 0;
+}
+
+/* Segments of dead creators of this uid and pid namespace are swept; those of live processes,
+ * of other pid namespaces and of other name forms stay. */
+static void test_sweep(void) {
+    int fds[2];
+    char name[64] = "";
+    if (pipe(fds) != 0) return;
+    pid_t pid = fork();
+    if (pid == 0) { /* creates a 2-rank segment nobody joins, then dies without cleaning up */
+        fsc_shm_group_t *g = NULL;
+        if (fsc_shm_group_open("sweep", NULL, 1, 0, 0, 2, &g) != FSC_OK) _exit(2);
+        snprintf(name, sizeof(name), "%s", fsc_shm_group_segment_name(g));
+        if (write(fds[1], name, sizeof(name)) != (ssize_t)sizeof(name)) _exit(2);
+        _exit(0);
+    }
+    EXPECT(read(fds[0], name, sizeof(name)) == (ssize_t)sizeof(name), "no name from the child");
+    close(fds[0]);
+    close(fds[1]);
+    waitpid(pid, NULL, 0);
+    char other_ns[64], old_form[64], live[64];
+    snprintf(other_ns, sizeof(other_ns), "/fsc-%d-1-0badc0de", (int)pid);
+    snprintf(old_form, sizeof(old_form), "/fsc-%d-0badc0de", (int)pid);
+    fsc_shm_segment_name(live, sizeof(live)); /* this process: alive */
+    const char *keep[] = {other_ns, old_form, live};
+    for (int i = 0; i < 3; i++) close(shm_open(keep[i], O_CREAT | O_RDWR, 0600));
+    EXPECT(dev_shm_has(name), "the dead creator's segment %s is not there to sweep", name);
+    EXPECT(fsc_shm_sweep_stale() >= 1, "nothing swept");
+    EXPECT(!dev_shm_has(name), "%s of exited pid %d was not swept", name, (int)pid);
+    for (int i = 0; i < 3; i++) {
+        EXPECT(dev_shm_has(keep[i]), "%s was swept", keep[i]);
+        shm_unlink(keep[i]);
+    }
+}
+
 /* ---- conversions ---- */
 static void test_half(void) {
     for (uint32_t h = 0; h < 65536; h++) {
@@ -406,6 +494,11 @@ int main(void) {
     double late = 0.3, never = -1;
     EXPECT(spawn(2, 2, rank_close_with_grace, &late) == 0, "close with a grace period lets a late peer finish");
     EXPECT(spawn(2, 2, rank_close_with_grace, &never) == 0, "close with a grace period abandons a missing peer");
+    double huge[] = {1e300, INFINITY, NAN};
+    for (int i = 0; i < 3; i++)
+        EXPECT(spawn(2, 2, rank_close_with_huge_grace, &huge[i]) == 0, "close(grace=%g) waits for the op", huge[i]);
+    EXPECT(spawn(2, 2, rank_rewritten_header, NULL) == 0, "a header rewritten after joining moves nothing");
+    test_sweep();
     setenv("FAIRSCALE_C_TIMEOUT", "1", 1);
     EXPECT(spawn(3, 2, rank_missing, NULL) == 0, "rank that never joins reported");
     EXPECT(spawn(2, 2, rank_timeout, NULL) == 0, "stalled peer times out");

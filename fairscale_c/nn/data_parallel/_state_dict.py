@@ -124,15 +124,26 @@ def detach_to(sd: Dict[str, Any], device: torch.device, to_fp32: bool) -> Dict[s
     return out
 
 
-def check_local_shapes(named_instances: List[Tuple[str, Any]], state_dict: Dict[str, Any]) -> None:
-    """A local state saved at another world size has other shard sizes: say so before loading.
-    `named_instances`: (clean path, instance) of every FSDP instance of the model."""
+def check_local_shards(named_instances: List[Tuple[str, Any]], state_dict: Dict[str, Any]) -> None:
+    """A local state saved at another world size has other shard sizes, and one of another dtype
+    would be cast silently by nn.Module: say so before loading anything. `named_instances`: (clean
+    path, instance) of every FSDP instance of the model."""
     for path, m in named_instances:
         for h in m._handles:
             key = f"{path}.{h.backing_name}" if path else h.backing_name
-            if key in state_dict and state_dict[key].numel() != h.layout.shard_numel:
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if not torch.is_tensor(value):
+                raise TypeError(f"load_local_state_dict: '{key}' is a {type(value).__name__}; expected a tensor")
+            if value.dtype != h.param.dtype:
+                raise TypeError(
+                    f"load_local_state_dict: '{key}' is {value.dtype} but this rank's shard is {h.param.dtype}; "
+                    "expected the dtype the shard was saved with (shards are not cast on load)"
+                )
+            if value.numel() != h.layout.shard_numel:
                 raise ValueError(
-                    f"load_local_state_dict: '{key}' has {state_dict[key].numel()} elements but this rank's shard "
+                    f"load_local_state_dict: '{key}' has {value.numel()} elements but this rank's shard "
                     f"has {h.layout.shard_numel} (world size {m.world_size}); a local state dict loads only at the "
                     f"world size it was saved with — rebuild it with consolidate_shard_weights() and load_state_dict()"
                 )
@@ -151,16 +162,93 @@ def local_metadata(root: nn.Module, named_instances: List[Tuple[str, Any]]) -> D
             }
         )
     buffer_names = [clean_path(n) for n, _ in root.named_buffers(recurse=True)]
-    return {"param_metadata": param_metadata, "buffer_names": buffer_names}
+    # rank and world_size: extra top-level keys (FairScale's readers ignore them) that let
+    # consolidation order shards by rank and refuse incomplete or mixed sets
+    return {
+        "param_metadata": param_metadata,
+        "buffer_names": buffer_names,
+        "rank": root.rank,
+        "world_size": root.world_size,
+    }
 
 
 def _unpad(shard: torch.Tensor, pad: int) -> torch.Tensor:
     return shard[: shard.numel() - pad] if pad > 0 else shard
 
 
+def _order_by_rank(shard_weights, shard_metadata):
+    """Shards in rank order, when their metadata carry rank and world_size (ours do; FairScale's
+    do not, and are taken in the order given, as FairScale does). A set with a missing,
+    duplicate or out-of-range rank, or of mixed world sizes, is refused: merging it would give
+    permuted or foreign weights without an error."""
+    where = "consolidate_shard_weights"
+    tagged = ["rank" in m and "world_size" in m for m in shard_metadata]
+    if not any(tagged):
+        return list(shard_weights), list(shard_metadata)
+    if not all(tagged):
+        untagged = [i for i, t in enumerate(tagged) if not t]
+        raise ValueError(
+            f"{where}: shard_metadata {untagged} carry no 'rank' / 'world_size' but the others do; "
+            "expected one set of shards written together"
+        )
+    worlds = sorted({m["world_size"] for m in shard_metadata})
+    if len(worlds) > 1:
+        raise ValueError(f"{where}: the shards were written at different world sizes {worlds}; expected one set")
+    world = worlds[0]
+    ranks = [m["rank"] for m in shard_metadata]
+    for i, r in enumerate(ranks):
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world:
+            raise ValueError(f"{where}: shard_metadata[{i}] has rank {r!r}; expected 0 <= rank < world_size ({world})")
+    duplicates = sorted({r for r in ranks if ranks.count(r) > 1})
+    missing = sorted(set(range(world)) - set(ranks))
+    if duplicates or missing:
+        raise ValueError(
+            f"{where}: the shards of a world of {world} need each rank once; "
+            + (f"rank(s) {duplicates} appear more than once" if duplicates else "")
+            + ("; " if duplicates and missing else "")
+            + (f"rank(s) {missing} are missing" if missing else "")
+        )
+    order = sorted(range(len(ranks)), key=lambda i: ranks[i])
+    return [shard_weights[i] for i in order], [shard_metadata[i] for i in order]
+
+
+def _check_layouts(shard_metadata) -> None:
+    """Every shard must describe the same parameters (only the padding differs per rank), and each
+    flat parameter's names, shapes and numels must line up (a shorter list dropped a parameter)."""
+    where = "consolidate_shard_weights"
+    first = shard_metadata[0]["param_metadata"]
+    for meta in first:
+        for backing, info in meta["params"].items():
+            lengths = {k: len(info[k]) for k in ("names", "shapes", "numels")}
+            if len(set(lengths.values())) != 1:
+                raise ValueError(
+                    f"{where}: '{meta['fsdp_path']}' {backing} lists {lengths['names']} names, {lengths['shapes']} "
+                    f"shapes and {lengths['numels']} numels; expected one of each per parameter"
+                )
+    for i, sm in enumerate(shard_metadata[1:], start=1):
+        other = sm["param_metadata"]
+        same = len(other) == len(first) and all(
+            a["fsdp_path"] == b["fsdp_path"]
+            and list(a["params"]) == list(b["params"])
+            and all(
+                list(a["params"][k]["names"]) == list(b["params"][k]["names"])
+                and list(a["params"][k]["numels"]) == list(b["params"][k]["numels"])
+                for k in a["params"]
+            )
+            for a, b in zip(first, other)
+        )
+        if not same:
+            raise ValueError(
+                f"{where}: shard {i} describes other parameters than shard 0 (different wrapping, names or "
+                "sizes); expected the shards of one model"
+            )
+
+
 def consolidate(shard_weights, shard_metadata, with_module_buffers: bool, strict: bool) -> Dict[str, torch.Tensor]:
     if len(shard_weights) != len(shard_metadata) or not shard_weights:
         raise ValueError("consolidate_shard_weights: need one metadata dict per shard, and at least one shard")
+    shard_weights, shard_metadata = _order_by_rank(shard_weights, shard_metadata)
+    _check_layouts(shard_metadata)
     out: Dict[str, torch.Tensor] = {}
     for idx, meta in enumerate(shard_metadata[0]["param_metadata"]):
         path = meta["fsdp_path"]

@@ -26,6 +26,7 @@ from fairscale_c import distributed as fdist
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
 from . import _optim_state, _state_dict
+from ._args import check_fsdp_args
 from ._bucket import PendingReduce, ReduceScatterBucket
 from .flat_param import FlatLayout, collect_params
 
@@ -121,13 +122,8 @@ class FullyShardedDataParallel(nn.Module):
         gradient_predivide_factor: Optional[float] = None,
         allow_reset_parameters: bool = False,
     ):
+        check_fsdp_args(locals())
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"FullyShardedDataParallel: argument 'module' must be an nn.Module, got {type(module)}")
-        if fp32_reduce_scatter and not mixed_precision:
-            raise ValueError("fp32_reduce_scatter requires mixed_precision=True")
-        if compute_dtype is not None and compute_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"argument 'compute_dtype' must be float32, float16 or bfloat16, got {compute_dtype}")
         self._init_groups(process_group, process_group_reduce_scatter)
         self.reshard_after_forward = reshard_after_forward
         self.disable_reshard_on_root = disable_reshard_on_root
@@ -145,8 +141,10 @@ class FullyShardedDataParallel(nn.Module):
         self.verbose = verbose
         self.state_dict_on_rank_0_only = state_dict_on_rank_0_only
         self.allow_reset_parameters = allow_reset_parameters
-        self.gradient_predivide_factor = gradient_predivide_factor or self._get_gradient_predivide_factor(
-            self.world_size
+        self.gradient_predivide_factor = float(
+            gradient_predivide_factor
+            if gradient_predivide_factor is not None
+            else self._get_gradient_predivide_factor(self.world_size)
         )
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
         self._init_shards(module, compute_device, state_dict_device)
@@ -274,13 +272,7 @@ class FullyShardedDataParallel(nn.Module):
         import torch.distributed as dist
 
         if isinstance(pg, str) and not isinstance(pg, ProcessGroupName):
-            try:
-                pg = ProcessGroupName(pg)
-            except ValueError:
-                raise ValueError(
-                    "argument 'process_group_reduce_scatter' must be a process group, None or a "
-                    f"ProcessGroupName ('default' or 'reduce_scatter'), got {pg!r}"
-                ) from None
+            pg = ProcessGroupName(pg)  # check_fsdp_args admitted only its values
         if pg is None or pg == ProcessGroupName.default or self.comm.size == 1:
             return self.comm
         if pg == ProcessGroupName.reduce_scatter:
@@ -711,7 +703,7 @@ class FullyShardedDataParallel(nn.Module):
         """Load a local (sharded) state dict saved by local_state_dict() at the same world size."""
         self.assert_state(TrainingState.IDLE)
         instances = get_fsdp_instances(self)
-        _state_dict.check_local_shapes(_named_instances(self), state_dict)
+        _state_dict.check_local_shards(_named_instances(self), state_dict)
         with _state_dict.local_mode(instances):
             result = super().load_state_dict(state_dict, strict)
         for m in instances:
@@ -719,7 +711,8 @@ class FullyShardedDataParallel(nn.Module):
         return result
 
     def local_metadata_dict(self) -> Dict[str, Any]:
-        """What consolidate_shard_weights needs to rebuild full weights offline (FairScale's format)."""
+        """What consolidate_shard_weights needs to rebuild full weights offline: FairScale's format,
+        plus top-level ``rank`` and ``world_size`` (FairScale's readers ignore them)."""
         return _state_dict.local_metadata(self, _named_instances(self))
 
     @staticmethod
@@ -729,7 +722,11 @@ class FullyShardedDataParallel(nn.Module):
         with_module_buffers: bool = True,
         strict: bool = True,
     ) -> Dict[str, torch.Tensor]:
-        """Rebuild a full state dict from every rank's local_state_dict() and local_metadata_dict()."""
+        """Rebuild a full state dict from every rank's local_state_dict() and local_metadata_dict().
+        Shards whose metadata carry ``rank`` / ``world_size`` (ours) are put in rank order, whatever
+        order they come in, and a set with a missing, duplicate or out-of-range rank, mixed world
+        sizes or inconsistent metadata is a ValueError; FairScale's shards are taken in the order
+        given."""
         return _state_dict.consolidate(shard_weights, shard_metadata, with_module_buffers, strict)
 
     def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[Dict[str, Any]]:

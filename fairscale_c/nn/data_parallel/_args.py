@@ -1,0 +1,113 @@
+"""Argument checks of FullyShardedDataParallel's constructor: each FairScale 0.4.13 argument gets
+a type and range check whose message names it, before anything is built."""
+
+import math
+import numbers
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+_BOOLS = (
+    "reshard_after_forward",
+    "disable_reshard_on_root",
+    "mixed_precision",
+    "fp32_reduce_scatter",
+    "flatten_parameters",
+    "move_params_to_cpu",
+    "clear_autocast_cache",
+    "force_input_to_fp32",
+    "verbose",
+    "cpu_offload",
+    "state_dict_on_rank_0_only",
+    "allow_reset_parameters",
+)
+_OPTIONAL_BOOLS = ("move_grads_to_cpu", "no_broadcast_optim_state")
+_COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_WHERE = "FullyShardedDataParallel"
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_device(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
+        raise TypeError(
+            f"{_WHERE}: argument '{name}' must be None, a torch.device, a device string or a CUDA index, "
+            f"got {type(value).__name__}"
+        )
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"{_WHERE}: argument '{name}' is not a device: {value!r} ({exc})") from None
+
+
+def _check_process_group(name: str, value: Any, names: Any) -> None:
+    import torch.distributed as dist
+
+    if value is None or (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        return
+    if names is not None and dist.is_available() and value is dist.GroupMember.NON_GROUP_MEMBER:
+        return  # what new_group() gives a rank outside it; FairScale's rule then uses process_group
+    if names is not None and isinstance(value, str):
+        if value in {n.value for n in names}:
+            return
+        raise ValueError(
+            f"{_WHERE}: argument '{name}' must be a process group, None or a ProcessGroupName "
+            f"('default' or 'reduce_scatter'), got {value!r}"
+        )
+    expected = "a process group, None or a ProcessGroupName" if names is not None else "a process group or None"
+    raise TypeError(f"{_WHERE}: argument '{name}' must be {expected}, got {type(value).__name__}")
+
+
+def check_fsdp_args(args: Dict[str, Any]) -> None:
+    """Check FullyShardedDataParallel.__init__'s arguments (its ``locals()`` on entry). TypeError
+    for a wrong type, ValueError for a value out of range, each naming the argument."""
+    from .fully_sharded_data_parallel import ProcessGroupName
+
+    if not isinstance(args["module"], nn.Module):
+        raise TypeError(f"{_WHERE}: argument 'module' must be an nn.Module, got {type(args['module']).__name__}")
+    for name in _BOOLS:
+        if not isinstance(args[name], bool):
+            raise TypeError(f"{_WHERE}: argument '{name}' must be a bool, got {type(args[name]).__name__}")
+    for name in _OPTIONAL_BOOLS:
+        if args[name] is not None and not isinstance(args[name], bool):
+            raise TypeError(f"{_WHERE}: argument '{name}' must be a bool or None, got {type(args[name]).__name__}")
+    _check_process_group("process_group", args["process_group"], None)
+    _check_process_group("process_group_reduce_scatter", args["process_group_reduce_scatter"], ProcessGroupName)
+    for name in ("compute_dtype", "buffer_dtype"):
+        value = args[name]
+        if value is not None and not isinstance(value, torch.dtype):
+            raise TypeError(f"{_WHERE}: argument '{name}' must be a torch.dtype or None, got {type(value).__name__}")
+    if args["compute_dtype"] is not None and args["compute_dtype"] not in _COMPUTE_DTYPES:
+        raise ValueError(
+            f"{_WHERE}: argument 'compute_dtype' must be float32, float16 or bfloat16, got {args['compute_dtype']}"
+        )
+    if args["buffer_dtype"] is not None and not args["buffer_dtype"].is_floating_point:
+        raise ValueError(
+            f"{_WHERE}: argument 'buffer_dtype' must be a floating dtype (floating buffers are cast to it), "
+            f"got {args['buffer_dtype']}"
+        )
+    cap = args["bucket_cap_mb"]
+    if not isinstance(cap, numbers.Real) or isinstance(cap, bool):
+        raise TypeError(f"{_WHERE}: argument 'bucket_cap_mb' must be a number of MiB, got {type(cap).__name__}")
+    if not _number(cap) or cap < 0:
+        raise ValueError(f"{_WHERE}: argument 'bucket_cap_mb' must be a finite number >= 0 (0: no buckets), got {cap}")
+    factor = args["gradient_predivide_factor"]
+    if factor is not None:
+        if not isinstance(factor, numbers.Real) or isinstance(factor, bool):
+            raise TypeError(
+                f"{_WHERE}: argument 'gradient_predivide_factor' must be a number or None, got {type(factor).__name__}"
+            )
+        if not _number(factor) or factor <= 0:
+            raise ValueError(
+                f"{_WHERE}: argument 'gradient_predivide_factor' must be a finite number > 0 or None (None: the "
+                f"power of 2 near sqrt(world size)), got {factor}"
+            )
+    _check_device("compute_device", args["compute_device"])
+    _check_device("state_dict_device", args["state_dict_device"])
+    if args["fp32_reduce_scatter"] and not args["mixed_precision"]:
+        raise ValueError(f"{_WHERE}: fp32_reduce_scatter requires mixed_precision=True")

@@ -1,0 +1,140 @@
+"""fairscale_c.utils.checkpoint: sharded saves are all-or-nothing across ranks. A rank killed at any
+point of a save leaves the previous checkpoint whole; a set mixed from two saves, a damaged
+shard or another world size is refused on load."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from fairscale_c.utils.checkpoint import CheckpointError, load_all_shards, load_sharded, read_manifest, save_sharded
+
+
+def _state(step, rank=0):
+    return {"step": step, "w": torch.full((1000,), 10.0 * step + rank), "meta": {"shapes": [torch.Size([1000])]}}
+
+
+def test_round_trip_and_the_manifest(tmp_path):
+    d = str(tmp_path)
+    path = save_sharded(_state(1), d, step=1)
+    m = read_manifest(d)
+    assert m["step"] == 1 and m["world_size"] == 1 and [s["rank"] for s in m["shards"]] == [0]
+    assert os.path.basename(path) == m["shards"][0]["file"] and m["shards"][0]["bytes"] == os.path.getsize(path)
+    got = load_sharded(d)
+    assert got["step"] == 1 and torch.equal(got["w"], _state(1)["w"]) and got["meta"]["shapes"] == [torch.Size([1000])]
+    save_sharded(_state(2), d, step=2)
+    assert sorted(os.listdir(d)) == sorted(["manifest.json", read_manifest(d)["shards"][0]["file"]])  # old shard gone
+    assert load_all_shards(d)[0]["step"] == 2
+
+
+def test_mixed_damaged_and_missing_shards_are_refused(tmp_path):
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    save_sharded(_state(1), old, step=1)
+    save_sharded(_state(2), new, step=2)
+    name = read_manifest(new)["shards"][0]["file"]
+    target = os.path.join(new, name)
+    # the shard of another save under this checkpoint's name: a mixed set
+    shutil.copy(os.path.join(old, read_manifest(old)["shards"][0]["file"]), target)
+    with pytest.raises(CheckpointError, match="checksum"):
+        load_sharded(new)
+    manifest = read_manifest(new)
+    manifest["shards"][0]["bytes"] = os.path.getsize(target)
+    with open(os.path.join(new, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(CheckpointError, match="mixed from two saves"):
+        load_sharded(new, verify=False)
+    with open(target, "r+b") as f:  # damaged: cut short
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match="has 100 bytes, the manifest says"):
+        load_all_shards(new)
+    os.unlink(target)
+    with pytest.raises(CheckpointError, match="named by the manifest is missing"):
+        load_sharded(new)
+    with pytest.raises(FileNotFoundError):
+        load_sharded(str(tmp_path / "never-saved"))
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
+    d = str(tmp_path)
+    save_sharded(_state(1), d, step=1)
+    with pytest.raises(CheckpointError, match="rank 0 could not write its shard.*previous checkpoint is unchanged"):
+        save_sharded({"unpicklable": lambda: None}, d, step=2)
+    assert read_manifest(d)["step"] == 1 and load_sharded(d)["step"] == 1
+    assert [n for n in os.listdir(d) if n.endswith(".tmp")] == []
+    with pytest.raises(TypeError, match="argument 'step'"):
+        save_sharded(_state(3), d, step="3")
+
+
+# ---------------------------------------------------------------- a rank killed during a save
+
+
+def _kill_during_save(where):
+    """Make this rank SIGKILL itself at `where` in the next save."""
+    import signal
+
+    from fairscale_c.utils import checkpoint
+
+    real_replace = os.replace
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "mid-write":
+
+        def partial_save(obj, f):  # half a file, then gone
+            f.write(b"\0" * 4096)
+            f.flush()
+            die()
+
+        checkpoint.torch.save = partial_save
+    elif where == "after-write":
+
+        def replace_then_die(src, dst):  # its new shard is complete and in place
+            real_replace(src, dst)
+            die()
+
+        checkpoint.os.replace = replace_then_die
+    elif where == "while-committing":
+
+        def die_before_manifest(src, dst):
+            if dst.endswith("manifest.json"):
+                die()
+            real_replace(src, dst)
+
+        checkpoint.os.replace = die_before_manifest
+
+
+def _save_twice_job(rank, world, directory, victim, where):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    save_sharded(_state(1, rank), directory, step=1)
+    if rank == victim:
+        _kill_during_save(where)
+    try:
+        save_sharded(_state(2, rank), directory, step=2)
+    except Exception as exc:  # the survivor: torch reports the dead peer
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+@pytest.mark.parametrize(
+    "victim, where", [(1, "mid-write"), (1, "after-write"), (0, "while-committing")], ids=lambda v: str(v)
+)
+def test_rank_killed_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path, victim, where):
+    d = str(tmp_path)
+    results = run_ranks(_save_twice_job, 2, d, victim, where, timeout=240, may_die=[victim])
+    survivor = results[1 - victim]
+    assert survivor is not None and survivor != "saved", survivor
+    manifest = read_manifest(d)
+    assert manifest["step"] == 1 and manifest["world_size"] == 2
+    shards = load_all_shards(d)
+    for rank, state in enumerate(shards):
+        assert state["step"] == 1 and torch.equal(state["w"], _state(1, rank)["w"]), (rank, state["step"])
+    with pytest.raises(CheckpointError, match="saved by 2 ranks and is loaded by 1"):
+        load_sharded(d)
