@@ -127,7 +127,6 @@ static void run_p2p_items(fsc_shm_group_t *g) {
 
 static void *progress_main(void *arg) {
     fsc_shm_group_t *g = arg;
-    pthread_setname_np(pthread_self(), "fsc_progress"); /* names it in /proc, top -H, gdb */
     fsc_log_set_rank(g->rank);
     pthread_mutex_lock(&g->qmu);
     for (;;) {
@@ -152,6 +151,8 @@ fsc_status_t fsc_shm_engine_start(fsc_shm_group_t *g) {
         return fsc_error(FSC_ERR_SYSTEM, "shm group '%s': cannot create progress thread sync objects", g->name);
     int rc = pthread_create(&g->thread, NULL, progress_main, g);
     if (rc != 0) return fsc_error(FSC_ERR_SYSTEM, "shm group '%s': pthread_create: %s", g->name, strerror(rc));
+    /* named by its creator, so it carries the name as soon as this returns (/proc, top -H, gdb) */
+    pthread_setname_np(g->thread, "fsc_progress");
     g->engine_started = 1;
     return FSC_OK;
 }
