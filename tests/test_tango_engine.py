@@ -113,7 +113,7 @@ def _worker(rank: int, world: int, engine: str, workdir: str, resume: bool, amp:
     return {
         "losses": {s: float(v) for s, v in losses.items()},
         "val": None if val is None else float(val),
-        "compute_dtype": str(eng.model.compute_dtype),
+        "compute_dtype": str(getattr(eng.model, "compute_dtype", None)),  # FSDP only
         "weights": weights,
     }
 
