@@ -133,7 +133,14 @@ def group_for(process_group: Any = None, role: str = "default", *, device: Any =
     collective a local copy). Features share these: FSDP takes ``"default"`` for its all-gathers
     and ``"reduce_scatter"`` for gradient reductions (a communicator of its own, so the two run
     side by side, as with FairScale's separate reduce-scatter group). ``device``: create the NCCL
-    communicator now (Pipe and OSS ask for it)."""
+    communicator now (Pipe and OSS ask for it).
+
+    As in FairScale, ``process_group`` may also be any object with ``rank()`` and ``size()`` (a
+    stand-in for a torch process group): of size 1 it gets a :class:`LocalGroup` and needs no
+    torch.distributed at all; of a larger size it is a ValueError, since only a torch process
+    group can carry collectives across processes."""
+    if process_group is not None and not _is_torch_group(process_group):
+        return _stand_in_group(process_group, role)
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return LocalGroup()
@@ -151,6 +158,34 @@ def group_for(process_group: Any = None, role: str = "default", *, device: Any =
     if device is not None and not isinstance(group, LocalGroup):
         group.init_nccl(device)
     return group
+
+
+def _is_torch_group(pg: Any) -> bool:
+    return dist.is_available() and isinstance(pg, dist.ProcessGroup)
+
+
+def _stand_in_group(pg: Any, role: str) -> LocalGroup:
+    """The engine group of a process-group stand-in (an object with rank() and size())."""
+    what = f"argument 'process_group' ({type(pg).__name__})"
+    if not (callable(getattr(pg, "rank", None)) and callable(getattr(pg, "size", None))):
+        raise TypeError(
+            f"group_for: {what} must be a torch.distributed process group, None, or an object with rank() and size()"
+        )
+    rank, size = pg.rank(), pg.size()
+    if (
+        not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, size))
+        or size < 1
+        or not 0 <= rank < size
+    ):
+        raise ValueError(
+            f"group_for: {what} reports rank()={rank!r}, size()={size!r}; expected ints with 0 <= rank < size"
+        )
+    if size != 1:
+        raise ValueError(
+            f"group_for: {what} is not a torch.distributed process group and has size {size}; such a stand-in "
+            "is usable only at size 1 (collectives across processes need a torch.distributed process group)"
+        )
+    return LocalGroup(pg, name=f"local/{role}")  # stateless: not kept in the registry
 
 
 def _release_destroyed_groups() -> None:

@@ -50,6 +50,8 @@ def _check_process_group(name: str, value: Any, names: Any) -> None:
 
     if value is None or (dist.is_available() and isinstance(value, dist.ProcessGroup)):
         return
+    if callable(getattr(value, "rank", None)) and callable(getattr(value, "size", None)):
+        return  # a stand-in, as FairScale accepts: fairscale_c.distributed.group_for checks its size
     if names is not None and dist.is_available() and value is dist.GroupMember.NON_GROUP_MEMBER:
         return  # what new_group() gives a rank outside it; FairScale's rule then uses process_group
     if names is not None and isinstance(value, str):
@@ -59,7 +61,9 @@ def _check_process_group(name: str, value: Any, names: Any) -> None:
             f"{_WHERE}: argument '{name}' must be a process group, None or a ProcessGroupName "
             f"('default' or 'reduce_scatter'), got {value!r}"
         )
-    expected = "a process group, None or a ProcessGroupName" if names is not None else "a process group or None"
+    expected = "a process group, an object with rank() and size(), " + (
+        "None or a ProcessGroupName" if names is not None else "or None"
+    )
     raise TypeError(f"{_WHERE}: argument '{name}' must be {expected}, got {type(value).__name__}")
 
 

@@ -277,9 +277,11 @@ class FullyShardedDataParallel(nn.Module):
             return self.comm
         if pg == ProcessGroupName.reduce_scatter:
             return fdist.group_for(self.process_group, role="reduce_scatter")
-        if pg is dist.GroupMember.NON_GROUP_MEMBER or dist.get_process_group_ranks(pg) != dist.get_process_group_ranks(
-            self.process_group
-        ):
+        if pg is dist.GroupMember.NON_GROUP_MEMBER:
+            return self.comm
+        if not isinstance(pg, dist.ProcessGroup):  # a stand-in with rank() and size(): FairScale compares sizes
+            return fdist.group_for(pg) if pg.size() == self.comm.size else self.comm
+        if dist.get_process_group_ranks(pg) != dist.get_process_group_ranks(self.process_group):
             return self.comm
         return fdist.group_for(pg)
 

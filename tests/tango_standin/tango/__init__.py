@@ -1,0 +1,1 @@
+"""Stand-in for AI2 Tango (see ../README.md)."""

@@ -1,0 +1,6 @@
+class ConfigurationError(Exception):
+    pass
+
+
+class IntegrationMissingError(ImportError):
+    pass
