@@ -21,12 +21,13 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue
 import socket
 import statistics
 import sys
 import time
 import warnings
-from typing import Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -89,7 +90,7 @@ def _time_op(fn, barrier, iters: int) -> float:
     return statistics.median(samples)
 
 
-def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, q, device: str = "cpu") -> None:
+def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, device: str, q) -> None:
     """One rank: every op and size on fairscale_c's group and on torch.distributed, same tensors.
     On CUDA the comparison is torch's NCCL process group, and each timed call ends with a device
     synchronisation (both libraries only enqueue)."""
@@ -170,20 +171,53 @@ def _memcpy_bw(nbytes: int, quick: bool, device: str = "cpu") -> float:
     return n / t
 
 
-def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu") -> Dict:
+def _spawn_ranks(target: Callable, world: int, args: tuple, timeout_s: float) -> Any:
+    """Run target(rank, world, port, *args, q) in `world` spawned processes and return what rank 0
+    puts on q. Raises if a rank exits with an error or no result comes within timeout_s; the ranks
+    are ended in every case (terminated, then killed, if they do not exit by themselves)."""
     ctx = mp.get_context("spawn")
-    rows = []
-    for world in worlds:
-        q = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, quick, q, device)) for r in range(world)]
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
+    ok = False
+    try:
         for p in procs:
             p.start()
-        rows += q.get(timeout=3600)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                result = q.get(timeout=1.0)
+                ok = True
+                return result
+            except queue.Empty:
+                pass
+            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"world {world}: rank {failed[0][0]} exited with code {failed[0][1]}")
+            if all(p.exitcode == 0 for p in procs) and q.empty():
+                raise RuntimeError(f"world {world}: the ranks exited without a result")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"world {world}: no result within {timeout_s:.0f} s")
+    finally:
         for p in procs:
-            p.join()
+            if p.pid is not None:
+                p.join(timeout=30 if ok else 0)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        q.close()
+
+
+def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu") -> Dict:
+    rows = []
+    for world in worlds:
+        rows += _spawn_ranks(_rank_main, world, (sizes, quick, device), timeout_s=3600)
     memcpy = {n: _memcpy_bw(n, quick, device) for n in sizes}
     for r in rows:
         n = r["bytes"]
