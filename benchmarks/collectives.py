@@ -479,14 +479,15 @@ def _lat_rank_main(rank: int, world: int, port: int, sizes: List[int], iters: La
 def _pingpong_floor(round_trips: int) -> Dict[str, Any]:
     """Builds benchmarks/pingpong.c with the system cc (cached under build/, keyed by the source's
     hash) and runs it: round-trip time of one cache line between two unpinned processes."""
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        return {"skipped": "no C compiler (cc) on PATH"}
     with open(PINGPONG_SRC, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
     build = os.path.join(os.path.dirname(os.path.dirname(PINGPONG_SRC)), "build")
     exe = os.path.join(build, f"pingpong-{digest}")
     if not os.path.exists(exe):
+        name = os.environ.get("CC", "cc")
+        cc = shutil.which(name)
+        if cc is None:
+            return {"skipped": f"no C compiler ({name}) on PATH to build benchmarks/pingpong.c"}
         os.makedirs(build, exist_ok=True)
         tmp = f"{exe}.{os.getpid()}.tmp"
         res = subprocess.run(
