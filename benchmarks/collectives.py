@@ -476,9 +476,10 @@ def _lat_rank_main(rank: int, world: int, port: int, sizes: List[int], iters: La
         dist.destroy_process_group()
 
 
-def _pingpong_floor(round_trips: int) -> Dict[str, Any]:
+def _pingpong_floor(round_trips: int, mode: str = "spin") -> Dict[str, Any]:
     """Builds benchmarks/pingpong.c with the system cc (cached under build/, keyed by the source's
-    hash) and runs it: round-trip time of one cache line between two unpinned processes."""
+    hash) and runs it: round-trip time of one cache line between two unpinned processes, both
+    spinning ("spin") or both sleeping in FUTEX_WAIT until woken ("futex")."""
     with open(PINGPONG_SRC, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
     build = os.path.join(os.path.dirname(os.path.dirname(PINGPONG_SRC)), "build")
@@ -496,11 +497,11 @@ def _pingpong_floor(round_trips: int) -> Dict[str, Any]:
         if res.returncode != 0:
             return {"skipped": f"{cc} failed: {res.stderr.strip()[-300:]}"}
         os.replace(tmp, exe)
-    res = subprocess.run([exe, str(round_trips)], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([exe, str(round_trips), mode], capture_output=True, text=True, timeout=120)
     if res.returncode != 0:
         return {"skipped": f"pingpong failed: {res.stderr.strip()[-300:]}"}
     fields = dict(kv.split("=") for kv in res.stdout.split()[1:])
-    return {"rtt_median_ns": float(fields["median"]), "rtt_p90_ns": float(fields["p90"]), "n": int(fields["n"])}
+    return {f"rtt_{k}_ns": float(fields[k]) for k in ("median", "p10", "p90", "min")} | {"n": int(fields["n"])}
 
 
 def _cpu_times() -> Dict[str, float]:
@@ -535,12 +536,13 @@ def run_latency(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
     rows, floors, probes, iters, load = [], {}, {}, {}, {}
     for world in worlds:
         before = _cpu_times()
-        floors[world] = _pingpong_floor(5000 if quick else 20000)
+        floors[world] = {"spin": _pingpong_floor(5000 if quick else 20000, "spin")}
+        floors[world]["futex"] = _pingpong_floor(1000 if quick else 5000, "futex")
         iters[world] = _lat_iters(world, quick)
         got = _spawn_ranks(_lat_rank_main, world, (sizes, iters[world]), timeout_s=900)
         load[world] = _load_during(before)
         probes[world] = got["probes"]
-        floor_ns = floors[world].get("rtt_median_ns", float("nan"))
+        floor_ns = floors[world]["spin"].get("rtt_median_ns", float("nan"))
         for r in got["rows"]:
             med = r["ours"]["median_ns"]
             r["rest_ns"] = med - r["import_ns"]
@@ -653,14 +655,19 @@ def _lat_notes(lat: Dict) -> List[str]:
         "size = the full buffer (all_gather's output, reduce_scatter's input: each rank's block is size / world)",
         "DLPack import = median of Tensor.__dlpack__(max_version=(1, 1)) per tensor, summed over the n tensors the "
         "call imports, measured in the same processes; rest = median - import (engine + Python dispatch)",
-        "floor RTT = median round trip of one cache line between two processes (benchmarks/pingpong.c); "
+        "floor RTT = median round trip of one cache line between two processes spinning on it (benchmarks/pingpong.c); "
         "nothing is pinned, neither the ranks nor the ping-pong",
     ]
-    for w, f in lat["floor"].items():
-        if "skipped" in f:
-            notes.append(f"world {w}: floor skipped: {f['skipped']}")
-        else:
-            notes.append(f"world {w}: floor RTT median {f['rtt_median_ns']:.0f} ns, p90 {f['rtt_p90_ns']:.0f} ns")
+    for w, floors in lat["floor"].items():
+        for mode, f in floors.items():
+            what = "floor RTT (spin)" if mode == "spin" else "futex wake-up RTT (each side sleeps until woken)"
+            if "skipped" in f:
+                notes.append(f"world {w}: {what} skipped: {f['skipped']}")
+            else:
+                notes.append(
+                    f"world {w}: {what}: median {f['rtt_median_ns'] / 1e3:.2f} us, p10 {f['rtt_p10_ns'] / 1e3:.2f}, "
+                    f"p90 {f['rtt_p90_ns'] / 1e3:.2f}"
+                )
     for w, x in lat["load"].items():
         others = x["others_cpu_s"]  # busy time (/proc/stat ticks) less ours (rusage): slightly < 0 when idle
         notes.append(
@@ -710,7 +717,7 @@ def plot_latency(lat: Dict, path: str) -> None:
             if w == 2:
                 target = [(r["import_ns"] + LAT_TARGET_NS) / 1e3 for r in rows]
                 ax.plot(x, target, "g-.", label=f"target: import + {LAT_TARGET_NS / 1e3:g} us")
-            floor = lat["floor"].get(str(w), {}).get("rtt_median_ns")
+            floor = lat["floor"].get(str(w), {}).get("spin", {}).get("rtt_median_ns")
             if floor:
                 ax.axhline(floor / 1e3, color="grey", linestyle=":", label="floor (ping-pong RTT)")
             ax.set_xscale("log", base=2)
