@@ -660,7 +660,7 @@ def _lat_notes(lat: Dict) -> List[str]:
     ]
     for w, floors in lat["floor"].items():
         for mode, f in floors.items():
-            what = "floor RTT (spin)" if mode == "spin" else "futex wake-up RTT (each side sleeps until woken)"
+            what = "floor RTT (spin)" if mode == "spin" else "futex RTT (a waiter sleeps in FUTEX_WAIT)"
             if "skipped" in f:
                 notes.append(f"world {w}: {what} skipped: {f['skipped']}")
             else:

@@ -1,8 +1,8 @@
 /* pingpong.c — the latency floor for the shm engine: two processes (fork) bounce a counter on one
  * cache line of a MAP_SHARED | MAP_ANONYMOUS mapping and each round trip is timed on its own.
  * "spin" mode: both sides spin on the line (the floor of any shared-memory handshake). "futex"
- * mode: each side sleeps in FUTEX_WAIT until the other wakes it (what a handshake costs once a
- * waiter has gone to sleep). Nothing is pinned (the engine's ranks are not either), so the
+ * mode: a side whose answer has not arrived sleeps in FUTEX_WAIT until the other wakes it (what a
+ * handshake costs once a waiter goes to sleep). Nothing is pinned (the engine's ranks are not either), so the
  * scheduler places the two processes as it places two ranks.
  *
  * Built and run by benchmarks/collectives.py --latency (cc -O2, cached under build/):
