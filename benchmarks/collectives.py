@@ -11,22 +11,38 @@ and writes JSON.
     python benchmarks/collectives.py --quick         # a few sizes, about a minute
     python benchmarks/collectives.py --plot out.png  # also plot (needs matplotlib)
     python benchmarks/collectives.py --device cuda   # NCCL backend vs torch's NCCL (not yet run)
+    python benchmarks/collectives.py --latency       # small-message latency, 8 B .. 64 KiB
+    python benchmarks/collectives.py --latency --markdown   # ... and the table as docs/benchmarks.md has it
+
+--latency times each synchronous call on its own (time.perf_counter_ns) for all_reduce, all_gather,
+reduce_scatter, broadcast and barrier, on fairscale_c and on gloo in the same processes, and measures
+in the same run what torch's Tensor.__dlpack__ costs for the tensors each call imports, and the round
+trip of one cache line between two processes (benchmarks/pingpong.c, built with cc) as the floor.
+It prints a verdict against the world-2 target (median - import <= 5 us, p90 <= 2x median) and
+writes the table to the JSON file under the "latency" key (in place of the bandwidth rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import datetime
+import gc
+import hashlib
 import json
 import multiprocessing as mp
 import os
 import platform
+import queue
+import resource
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import time
 import warnings
-from typing import Dict, List
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 import torch
 
@@ -89,7 +105,7 @@ def _time_op(fn, barrier, iters: int) -> float:
     return statistics.median(samples)
 
 
-def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, q, device: str = "cpu") -> None:
+def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, device: str, q) -> None:
     """One rank: every op and size on fairscale_c's group and on torch.distributed, same tensors.
     On CUDA the comparison is torch's NCCL process group, and each timed call ends with a device
     synchronisation (both libraries only enqueue)."""
@@ -170,20 +186,62 @@ def _memcpy_bw(nbytes: int, quick: bool, device: str = "cpu") -> float:
     return n / t
 
 
-def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu") -> Dict:
+def _spawn_ranks(target: Callable, world: int, args: tuple, timeout_s: float) -> Any:
+    """Run target(rank, world, port, *args, q) in `world` spawned processes and return what rank 0
+    puts on q. Raises if a rank exits with an error or no result comes within timeout_s; the ranks
+    are ended in every case (terminated, then killed, if they do not exit by themselves)."""
     ctx = mp.get_context("spawn")
-    rows = []
-    for world in worlds:
-        q = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, quick, q, device)) for r in range(world)]
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
+    ok = False
+    try:
         for p in procs:
             p.start()
-        rows += q.get(timeout=3600)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                result = q.get(timeout=1.0)
+                ok = True
+                return result
+            except queue.Empty:
+                pass
+            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"world {world}: rank {failed[0][0]} exited with code {failed[0][1]}")
+            if all(p.exitcode == 0 for p in procs) and q.empty():
+                raise RuntimeError(f"world {world}: the ranks exited without a result")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"world {world}: no result within {timeout_s:.0f} s")
+    finally:
         for p in procs:
-            p.join()
+            if p.pid is not None:
+                p.join(timeout=30 if ok else 0)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        q.close()
+
+
+def _machine() -> Dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu") -> Dict:
+    rows = []
+    for world in worlds:
+        rows += _spawn_ranks(_rank_main, world, (sizes, quick, device), timeout_s=3600)
     memcpy = {n: _memcpy_bw(n, quick, device) for n in sizes}
     for r in rows:
         n = r["bytes"]
@@ -200,12 +258,7 @@ def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu") -
             r["traffic_busbw"] = _traffic_busbw(r["op"], r["world"], r["memcpy_all_gbps"])
             r["vs_traffic"] = r["busbw_ours"] / r["traffic_busbw"]
     return {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "python": sys.version.split()[0],
-        },
+        "machine": _machine(),
         "dtype": "float32",
         "device": device,
         "baseline": "torch nccl" if device == "cuda" else "torch gloo",
@@ -276,9 +329,437 @@ def plot(result: Dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+# ---------------------------------------------------------------------- small-message latency
+LAT_OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+LAT_SIZES = [8, 64, 512, 4 * KiB, 32 * KiB, 64 * KiB]  # S = the full buffer, as in the bandwidth mode
+LAT_TARGET_NS = 5000  # world 2: median minus the DLPack import of the op's tensors
+LAT_P90_FACTOR = 2.0  # world 2: p90 <= this x median
+DLPACK_MAX_VERSION = (1, 1)  # what the binding passes to __dlpack__ (csrc/py/dlpack.c, call_dlpack)
+PINGPONG_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pingpong.c")
+
+
+class LatencyIters(NamedTuple):
+    ours: int  # timed calls per op and size, in all
+    gloo: int
+    imports: int  # timed __dlpack__ calls per tensor
+    warmup: int  # untimed calls before each timed series
+    rounds: int  # the series are split into this many rounds over all the ops and sizes
+
+
+def _lat_iters(world: int, quick: bool) -> LatencyIters:
+    if quick:
+        return LatencyIters(400, 200, 400, 20, 2) if world <= 2 else LatencyIters(100, 40, 200, 5, 2)
+    return LatencyIters(2000, 2000, 2000, 50, 4) if world <= 2 else LatencyIters(500, 200, 1000, 10, 4)
+
+
+def _fmt_bytes(n: int) -> str:
+    if n < KiB:
+        return f"{n} B"
+    return f"{n / MiB:g} MiB" if n >= MiB else f"{n / KiB:g} KiB"
+
+
+def _call_ns(fn: Callable, args: tuple, iters: int, warmup: int) -> List[int]:
+    """Nanoseconds of each of `iters` calls fn(*args), timed one by one after `warmup` calls."""
+    for _ in range(warmup):
+        fn(*args)
+    out = [0] * iters
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        t0 = clock()
+        fn(*args)
+        out[i] = clock() - t0
+    return out
+
+
+def _dlpack_ns(x: torch.Tensor, iters: int, warmup: int) -> List[int]:
+    """x.__dlpack__ as the binding calls it, capsule released at once (torch's deleter runs too, as
+    it does when the engine lets go of a tensor)."""
+    v = DLPACK_MAX_VERSION
+    for _ in range(warmup):
+        x.__dlpack__(max_version=v)
+    out = [0] * iters
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        t0 = clock()
+        x.__dlpack__(max_version=v)
+        out[i] = clock() - t0
+    return out
+
+
+def _stats(samples: List[int]) -> Dict[str, float]:
+    s = sorted(samples)
+    pct = lambda q: float(s[min(len(s) - 1, int(q * len(s)))])  # noqa: E731
+    return {"median_ns": float(statistics.median(s)), "p10_ns": pct(0.1), "p90_ns": pct(0.9)}
+
+
+def _lat_case(op: str, numel: int, world: int, group: Any, dist: Any) -> Tuple[tuple, tuple, list]:
+    """(ours fn, *args), (gloo fn, *args) and the tensors our binding imports through DLPack."""
+    if op == "all_reduce":
+        t = torch.randn(numel)
+        return (group.all_reduce, t), (dist.all_reduce, t), [t]
+    if op == "broadcast":
+        t = torch.randn(numel)
+        return (group.broadcast, t, 0), (dist.broadcast, t, 0), [t]
+    if op == "all_gather":
+        out, inp = torch.empty(numel), torch.randn(numel // world)
+        return (group.all_gather, out, inp), (dist.all_gather_into_tensor, out, inp), [out, inp]
+    out, inp = torch.empty(numel // world), torch.randn(numel)
+    return (group.reduce_scatter, out, inp), (dist.reduce_scatter_tensor, out, inp), [out, inp]
+
+
+def _lat_rank_main(rank: int, world: int, port: int, sizes: List[int], iters: LatencyIters, q) -> None:
+    """One rank: per op and size, our call, gloo's call and __dlpack__ of our call's tensors, each
+    timed call by call; both libraries on the same tensors in the same processes."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.setdefault("FAIRSCALE_C_TIMEOUT", "60")  # a stuck peer is an error, not an hour's wait
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    group = fdist.init_group()
+    try:
+        gc.disable()  # as timeit does: no collector pauses inside the timed calls
+        cases = [(op, n) for n in sizes for op in LAT_OPS] + [("barrier", 0)]
+        built, samples = [], []
+        for op, nbytes in cases:
+            numel = max(world, nbytes // 4) // world * world
+            if op == "barrier":
+                built.append(((group.barrier,), (dist.barrier,), []))
+            else:
+                built.append(_lat_case(op, numel, world, group, dist))
+            samples.append({"ours": [], "gloo": [], "imports": [[] for _ in built[-1][2]]})
+        # Rounds over every case, so that a change of the machine's state during the run (the
+        # scheduler moving threads, a neighbour's load) lands on every op and size alike.
+        n = lambda total: max(1, total // iters.rounds)  # noqa: E731
+        for _ in range(iters.rounds):
+            for (ours, gloo, imported), got in zip(built, samples):
+                group.barrier()
+                dist.barrier()
+                got["ours"] += _call_ns(ours[0], ours[1:], n(iters.ours), iters.warmup)
+                dist.barrier()
+                got["gloo"] += _call_ns(gloo[0], gloo[1:], n(iters.gloo), iters.warmup)
+                group.barrier()  # both ranks import at once, as they do in an op
+                for x, into in zip(imported, got["imports"]):
+                    into += _dlpack_ns(x, n(iters.imports), iters.warmup)
+        rows = [
+            {
+                "op": op,
+                "world": world,
+                "bytes": 0 if op == "barrier" else max(world, nbytes // 4) // world * world * 4,
+                "ours": _stats(got["ours"]),
+                "gloo": _stats(got["gloo"]),
+                "import_ns": float(sum(statistics.median(x) for x in got["imports"])),
+                "tensors_imported": len(got["imports"]),
+            }
+            for (op, nbytes), got in zip(cases, samples)
+        ]
+        # Per-tensor protocol calls and the timer itself, for the "where the time goes" notes.
+        t = torch.randn(2)
+        probes = {
+            "timer_and_call_ns": statistics.median(_call_ns(lambda: None, (), iters.imports, iters.warmup)),
+            "dlpack_ns": statistics.median(_dlpack_ns(t, iters.imports, iters.warmup)),
+            "dlpack_device_ns": statistics.median(_call_ns(t.__dlpack_device__, (), iters.imports, iters.warmup)),
+        }
+        gc.enable()
+        medians = [r["ours"]["median_ns"] for r in rows]
+        every = [None] * world
+        dist.all_gather_object(every, medians)
+        for i, r in enumerate(rows):
+            r["ours"]["max_rank_median_ns"] = max(m[i] for m in every)
+        if rank == 0:
+            q.put({"rows": rows, "probes": probes})
+    finally:
+        gc.enable()
+        group.destroy()
+        dist.destroy_process_group()
+
+
+def _pingpong_floor(round_trips: int, mode: str = "spin") -> Dict[str, Any]:
+    """Builds benchmarks/pingpong.c with the system cc (cached under build/, keyed by the source's
+    hash) and runs it: round-trip time of one cache line between two unpinned processes, both
+    spinning ("spin") or both sleeping in FUTEX_WAIT until woken ("futex")."""
+    with open(PINGPONG_SRC, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    build = os.path.join(os.path.dirname(os.path.dirname(PINGPONG_SRC)), "build")
+    exe = os.path.join(build, f"pingpong-{digest}")
+    if not os.path.exists(exe):
+        name = os.environ.get("CC", "cc")
+        cc = shutil.which(name)
+        if cc is None:
+            return {"skipped": f"no C compiler ({name}) on PATH to build benchmarks/pingpong.c"}
+        os.makedirs(build, exist_ok=True)
+        tmp = f"{exe}.{os.getpid()}.tmp"
+        res = subprocess.run(
+            [cc, "-std=c11", "-O2", "-o", tmp, PINGPONG_SRC], capture_output=True, text=True, timeout=120
+        )
+        if res.returncode != 0:
+            return {"skipped": f"{cc} failed: {res.stderr.strip()[-300:]}"}
+        os.replace(tmp, exe)
+    res = subprocess.run([exe, str(round_trips), mode], capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        return {"skipped": f"pingpong failed: {res.stderr.strip()[-300:]}"}
+    fields = dict(kv.split("=") for kv in res.stdout.split()[1:])
+    return {f"rtt_{k}_ns": float(fields[k]) for k in ("median", "p10", "p90", "min")} | {"n": int(fields["n"])}
+
+
+def _cpu_times() -> Dict[str, float]:
+    """Seconds: wall clock, the machine's busy and stolen CPU time (/proc/stat; NaN elsewhere), and
+    the CPU time of this process and its waited-for children (the ranks, the ping-pong)."""
+    busy = steal = float("nan")
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, stolen = (int(x) for x in f.readline().split()[1:9])
+        tick = os.sysconf("SC_CLK_TCK")
+        busy, steal = (user + nice + system + irq + softirq) / tick, stolen / tick
+    except (OSError, ValueError):
+        pass
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    ours = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return {"wall": time.monotonic(), "busy": busy, "steal": steal, "ours": ours}
+
+
+def _load_during(before: Dict[str, float]) -> Dict[str, float]:
+    """What the machine did besides this benchmark since `before` (CPU-seconds)."""
+    after = _cpu_times()
+    d = {k: after[k] - before[k] for k in after}
+    return {
+        "wall_s": d["wall"],
+        "others_cpu_s": d["busy"] - d["ours"],
+        "steal_cpu_s": d["steal"],
+        "ours_cpu_s": d["ours"],
+    }
+
+
+def run_latency(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
+    rows, floors, probes, iters, load = [], {}, {}, {}, {}
+    for world in worlds:
+        before = _cpu_times()
+        floors[world] = {"spin": _pingpong_floor(5000 if quick else 20000, "spin")}
+        floors[world]["futex"] = _pingpong_floor(1000 if quick else 5000, "futex")
+        iters[world] = _lat_iters(world, quick)
+        got = _spawn_ranks(_lat_rank_main, world, (sizes, iters[world]), timeout_s=900)
+        load[world] = _load_during(before)
+        probes[world] = got["probes"]
+        floor_ns = floors[world]["spin"].get("rtt_median_ns", float("nan"))
+        for r in got["rows"]:
+            med = r["ours"]["median_ns"]
+            r["rest_ns"] = med - r["import_ns"]
+            r["gloo_over_ours"] = r["gloo"]["median_ns"] / med
+            r["floor_rtt_ns"] = floor_ns
+            r["verdict"] = _lat_verdict(r, world)
+            rows.append(r)
+    return {
+        "rows": rows,
+        "floor": {str(w): f for w, f in floors.items()},
+        "probes": {str(w): p for w, p in probes.items()},
+        "load": {str(w): x for w, x in load.items()},
+        "iters": {str(w): it._asdict() for w, it in iters.items()},
+        "target": {"world": 2, "rest_ns_max": LAT_TARGET_NS, "p90_over_median_max": LAT_P90_FACTOR},
+        "pinned": False,
+        "timer": "time.perf_counter_ns around each synchronous call; gc disabled while timing",
+    }
+
+
+def _lat_verdict(r: Dict, world: int) -> str:
+    if r["op"] not in LAT_OPS:
+        return ""
+    if world != 2:
+        cpus = os.cpu_count() or 0
+        return f"no target ({world} ranks on {cpus} CPUs)" if world > cpus else "no target"
+    med, p90 = r["ours"]["median_ns"], r["ours"]["p90_ns"]
+    misses = []
+    if r["rest_ns"] > LAT_TARGET_NS:
+        misses.append(f"rest {r['rest_ns'] / 1e3:.1f} > {LAT_TARGET_NS / 1e3:g} us")
+    if p90 > LAT_P90_FACTOR * med:
+        misses.append(f"p90 {p90 / med:.1f}x median")
+    return "met" if not misses else "NOT met: " + ", ".join(misses)
+
+
+def _git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        run_git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, timeout=10)  # noqa: E731
+        sha = run_git("rev-parse", "--short", "HEAD").stdout.strip()
+        dirty = run_git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return (sha + (" (with uncommitted changes)" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+LAT_COLUMNS = [
+    "op",
+    "world",
+    "size",
+    "median",
+    "p10",
+    "p90",
+    "max-rank median",
+    "DLPack import (n)",
+    "rest",
+    "gloo median",
+    "gloo ÷ ours",
+    "floor RTT",
+    "verdict",
+]
+
+
+def _lat_cells(r: Dict) -> List[str]:
+    us = lambda ns: f"{ns / 1e3:.2f}"  # noqa: E731
+    o = r["ours"]
+    floor = r["floor_rtt_ns"]
+    return [
+        r["op"],
+        str(r["world"]),
+        "—" if r["op"] == "barrier" else _fmt_bytes(r["bytes"]),
+        us(o["median_ns"]),
+        us(o["p10_ns"]),
+        us(o["p90_ns"]),
+        us(o["max_rank_median_ns"]),
+        f"{us(r['import_ns'])} ({r['tensors_imported']})",
+        us(r["rest_ns"]),
+        us(r["gloo"]["median_ns"]),
+        f"{r['gloo_over_ours']:.1f}",
+        "—" if floor != floor else us(floor),
+        r["verdict"],
+    ]
+
+
+def print_latency(lat: Dict, markdown: bool = False) -> None:
+    rows = [_lat_cells(r) for r in lat["rows"]]
+    if markdown:
+        print(f"Measured {datetime.date.today().isoformat()} at commit {_git_commit()}.")
+        print()
+        print("| " + " | ".join(LAT_COLUMNS) + " |")
+        print("|" + "---|" * len(LAT_COLUMNS))
+        for cells in rows:
+            print("| " + " | ".join(cells) + " |")
+        print()
+    else:
+        widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(LAT_COLUMNS)]
+        line = lambda cells: "  ".join(  # noqa: E731
+            c.ljust(w) if i in (0, len(cells) - 1) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
+        print(line(LAT_COLUMNS))
+        print("-" * len(line(LAT_COLUMNS)))
+        for cells in rows:
+            print(line(cells))
+    for line_ in _lat_notes(lat):
+        print(line_ if not markdown else f"- {line_}")
+
+
+def _lat_notes(lat: Dict) -> List[str]:
+    notes = [
+        "microseconds per call, rank 0's median, p10 and p90 (max-rank median: the largest of the ranks' medians); "
+        "size = the full buffer (all_gather's output, reduce_scatter's input: each rank's block is size / world)",
+        "DLPack import = median of Tensor.__dlpack__(max_version=(1, 1)) per tensor, summed over the n tensors the "
+        "call imports, measured in the same processes; rest = median - import (engine + Python dispatch)",
+        "floor RTT = median round trip of one cache line between two processes spinning on it (benchmarks/pingpong.c); "
+        "nothing is pinned, neither the ranks nor the ping-pong",
+    ]
+    for w, floors in lat["floor"].items():
+        for mode, f in floors.items():
+            what = "floor RTT (spin)" if mode == "spin" else "futex RTT (a waiter sleeps in FUTEX_WAIT)"
+            if "skipped" in f:
+                notes.append(f"world {w}: {what} skipped: {f['skipped']}")
+            else:
+                notes.append(
+                    f"world {w}: {what}: median {f['rtt_median_ns'] / 1e3:.2f} us, p10 {f['rtt_p10_ns'] / 1e3:.2f}, "
+                    f"p90 {f['rtt_p90_ns'] / 1e3:.2f}"
+                )
+    for w, x in lat["load"].items():
+        others = x["others_cpu_s"]  # busy time (/proc/stat ticks) less ours (rusage): slightly < 0 when idle
+        notes.append(
+            f"world {w}: while it ran ({x['wall_s']:.0f} s), other processes used {max(0.0, others):.1f} CPU-s "
+            f"({max(0.0, others) / x['wall_s']:.2f} CPUs on average), the hypervisor stole {x['steal_cpu_s']:.1f} "
+            f"and this benchmark used {x['ours_cpu_s']:.1f}"
+        )
+    for w, p in lat["probes"].items():
+        it = lat["iters"][w]
+        notes.append(
+            f"world {w}: per call, timer + empty call {p['timer_and_call_ns']:.0f} ns, Tensor.__dlpack__ "
+            f"{p['dlpack_ns']:.0f} ns, Tensor.__dlpack_device__ {p['dlpack_device_ns']:.0f} ns; timed calls per "
+            f"op and size: ours {it['ours']}, gloo {it['gloo']}, __dlpack__ {it['imports']} "
+            f"per tensor, in {it['rounds']} rounds over all ops and sizes, each series after {it['warmup']} untimed"
+        )
+    judged = [r for r in lat["rows"] if r["world"] == 2 and r["op"] in LAT_OPS]
+    if judged:
+        met = sum(r["verdict"] == "met" for r in judged)
+        notes.append(
+            f"world 2 target (median - import <= {LAT_TARGET_NS / 1e3:g} us and p90 <= "
+            f"{LAT_P90_FACTOR:g}x median): met by {met} of {len(judged)} op/size pairs"
+        )
+    over = sorted({r["world"] for r in lat["rows"] if r["world"] > (os.cpu_count() or 0)})
+    if over:
+        notes.append(f"world {', '.join(map(str, over))}: more ranks than CPUs ({os.cpu_count()}), no target")
+    return notes
+
+
+def plot_latency(lat: Dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r["world"] for r in lat["rows"]})
+    fig, axes = plt.subplots(len(worlds), len(LAT_OPS), figsize=(4.5 * len(LAT_OPS), 3.4 * len(worlds)), squeeze=False)
+    for i, w in enumerate(worlds):
+        for j, op in enumerate(LAT_OPS):
+            rows = [r for r in lat["rows"] if r["world"] == w and r["op"] == op]
+            x = [r["bytes"] for r in rows]
+            ax = axes[i][j]
+            ax.plot(x, [r["ours"]["median_ns"] / 1e3 for r in rows], "o-", label="fairscale_c median")
+            ax.plot(x, [r["ours"]["p90_ns"] / 1e3 for r in rows], "o:", label="fairscale_c p90")
+            ax.plot(x, [r["ours"]["p10_ns"] / 1e3 for r in rows], "o--", label="fairscale_c p10")
+            ax.plot(x, [r["gloo"]["median_ns"] / 1e3 for r in rows], "s-", label="torch gloo median")
+            ax.plot(x, [r["import_ns"] / 1e3 for r in rows], "k--", label="DLPack import")
+            if w == 2:
+                target = [(r["import_ns"] + LAT_TARGET_NS) / 1e3 for r in rows]
+                ax.plot(x, target, "g-.", label=f"target: import + {LAT_TARGET_NS / 1e3:g} us")
+            floor = lat["floor"].get(str(w), {}).get("spin", {}).get("rtt_median_ns")
+            if floor:
+                ax.axhline(floor / 1e3, color="grey", linestyle=":", label="floor (ping-pong RTT)")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{op}, world {w}")
+            ax.set_xlabel("bytes (full buffer)")
+            ax.set_ylabel("us per call")
+            ax.grid(True, alpha=0.3)
+            if j == 0:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _main_latency(args: argparse.Namespace) -> None:
+    lat = run_latency(args.worlds, args.sizes or LAT_SIZES, args.quick)
+    print_latency(lat)
+    if args.markdown:
+        print()
+        print_latency(lat, markdown=True)
+    result = {
+        "machine": _machine(),
+        "dtype": "float32",
+        "device": "cpu",
+        "baseline": "torch gloo",
+        "shm_chunk_bytes": int(os.environ.get("FAIRSCALE_C_SHM_CHUNK", MiB)),
+        "latency": lat,
+    }
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.json}")
+    if args.plot:
+        plot_latency(lat, args.plot)
+        print(f"wrote {args.plot}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="sizes 4 KiB, 1 MiB, 16 MiB; fewer iterations")
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer iterations (and for bandwidth, sizes 4 KiB, 1 MiB, 16 MiB)"
+    )
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--sizes", type=_parse_size, nargs="+", help="buffer sizes (e.g. 16M 64M); overrides --quick's")
     ap.add_argument("--json", default="benchmarks/results/collectives.json")
@@ -291,9 +772,28 @@ def main() -> None:
         "the roofline (ranks share GPUs when there are fewer than the world size: NCCL >= 2.30 and "
         "NCCL_MULTI_RANK_GPU_ENABLE=1)",
     )
+    ap.add_argument(
+        "--latency",
+        action="store_true",
+        help="small-message latency instead of bandwidth: us per call (median, p10, p90) for 8 B .. 64 KiB against "
+        "gloo, the DLPack import share and a C ping-pong floor, with a verdict at world 2 (CPU only)",
+    )
+    ap.add_argument("--markdown", action="store_true", help="with --latency: also print the table as markdown")
     args = ap.parse_args()
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib (pip install matplotlib)")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False")
+    if args.latency:
+        if args.device != "cpu":
+            ap.error("--latency measures the CPU engine only")
+        _main_latency(args)
+        return
+    if args.markdown:
+        ap.error("--markdown goes with --latency")
     sizes = [4 * KiB, MiB, 16 * MiB] if args.quick else [4 * KiB * 4**i for i in range(9)]  # 4 KiB .. 256 MiB
     if args.sizes:
         sizes = args.sizes
