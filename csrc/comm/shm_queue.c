@@ -238,7 +238,9 @@ fsc_status_t fsc_shm_try_inline(fsc_shm_group_t *g, const fsc_shm_args_t *a, siz
         if (st != FSC_OK) snprintf(msg, sizeof(msg), "%s", fsc_last_error());
         pthread_mutex_lock(&g->qmu);
         g->inline_running = 0;
-        pthread_cond_broadcast(&g->qcv);
+        /* Wake the progress thread only for work queued meanwhile: a wake-up with nothing to do
+         * would put it on a CPU beside the ranks, which the next op's peer is waiting for. */
+        if (g->qhead != NULL || g->stop) pthread_cond_broadcast(&g->qcv);
         pthread_mutex_unlock(&g->qmu);
         if (st != FSC_OK) fsc_error(st, "%s", msg);
     }
