@@ -290,6 +290,30 @@ def print_table(result: Dict) -> None:
             "traffic = busbw if the bytes no implementation can avoid (each rank reads its input once, writes its"
             " output once) moved at memcpy/all's rate; meaningful for buffers larger than the caches"
         )
+        for line in bandwidth_verdict(result["rows"]):
+            print(line)
+
+
+# World-2 bandwidth targets: share of the traffic estimate from 64 MiB / at 16 MiB, and x gloo from 16 MiB.
+BW_TRAFFIC_TARGETS = ((64 * MiB, 0.9), (16 * MiB, 0.8))
+BW_GLOO_TARGET = 3.0
+
+
+def bandwidth_verdict(rows: List[Dict]) -> List[str]:
+    """One line per world-2 row of 16 MiB or more: which of the targets it meets."""
+    lines = []
+    for r in rows:
+        if r["world"] != 2 or r["bytes"] < 16 * MiB or "vs_traffic" not in r:
+            continue
+        need = next(share for size, share in BW_TRAFFIC_TARGETS if r["bytes"] >= size)
+        misses = []
+        if r["vs_traffic"] < need:
+            misses.append(f"{r['vs_traffic']:.2f} of traffic < {need}")
+        if r["vs_gloo"] < BW_GLOO_TARGET:
+            misses.append(f"{r['vs_gloo']:.1f}x gloo < {BW_GLOO_TARGET:g}x")
+        verdict = "met" if not misses else "NOT met: " + ", ".join(misses)
+        lines.append(f"target {r['op']} {_fmt_size(r['bytes'])}: {verdict}")
+    return lines
 
 
 def plot(result: Dict, path: str) -> None:
