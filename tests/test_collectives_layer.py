@@ -182,3 +182,18 @@ def _cuda_work_job(rank, world):
         return problems
     finally:
         dist.destroy_process_group()
+
+
+def test_local_group_batch_and_point_to_point():
+    import fairscale_c.distributed as fdist
+
+    g = fdist.LocalGroup()
+    out, inp = torch.zeros(4), torch.arange(4.0)
+    assert g.batch([("all_gather", out, inp), ("all_reduce", out, "sum")], async_op=True).is_completed()
+    assert torch.equal(out, inp)
+    with pytest.raises(ValueError, match="one rank, so there is no peer to send"):
+        g.send(inp, 0)
+    with pytest.raises(ValueError, match="no peer to recv"):
+        g.batch([fdist.P2POp("recv", out, 0)])
+    with pytest.raises(TypeError, match="argument 'ops' must be a sequence of P2POp or tuples"):
+        g.batch(5)

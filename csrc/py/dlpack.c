@@ -352,7 +352,7 @@ static const DLPackExchangeAPI *exchange_api_of(fsc_module_state *st, PyTypeObje
 }
 
 /* A host tensor of a producer with an exchange API (torch): a non-owning view, no capsule, no
- * Python-level __dlpack__ call (a tenth of the cost); the owner is the tensor itself. Returns 1
+ * Python-level __dlpack__ call; the owner is the tensor itself. Returns 1
  * when it handled `obj` (*rc: 0, or -1 with an exception set), 0 to take the __dlpack__ path (no
  * API, or device memory, whose producer must first order its work before the consumer's stream). */
 static int import_exchange(PyObject *module, PyObject *obj, const char *argname, int flags, fsc_tensor_t *out,

@@ -359,7 +359,7 @@ class Group:
         ``("all_reduce", t, "sum")``, ...). Sends and receives move at once (NCCL: one group), so
         a ring exchange issued in any order on the ranks completes; collectives of the batch run
         in list order. Returns one Work when ``async_op``."""
-        items = [op.as_tuple() if isinstance(op, P2POp) else tuple(op) for op in ops]
+        items = _batch_items(ops)
         if not items:
             raise ValueError("batch: argument 'ops' is empty; expected at least one op")
         named = [(f"ops[{i}]", a) for i, item in enumerate(items) for a in item[1:] if hasattr(a, "__dlpack__")]
@@ -374,6 +374,16 @@ class Group:
         if self._nccl is not None:
             self._nccl.barrier()
         return work
+
+
+def _batch_items(ops: Any) -> list:
+    """A batch's ops as tuples (name, *args); TypeError naming what was given otherwise."""
+    try:
+        return [op.as_tuple() if isinstance(op, P2POp) else tuple(op) for op in ops]
+    except TypeError:
+        raise TypeError(
+            f"batch: argument 'ops' must be a sequence of P2POp or tuples (name, *args), got {type(ops).__name__}"
+        ) from None
 
 
 class P2POp:
@@ -439,6 +449,34 @@ class LocalGroup:
         return self.broadcast(tensor, root, async_op)
 
     def barrier(self, async_op: bool = False) -> Any:
+        return self._done(async_op)
+
+    def _no_peer(self, op: str) -> None:
+        raise ValueError(f"{op}: group '{self.name}' has one rank, so there is no peer to {op} with")
+
+    def send(self, tensor: Any, dst: int, async_op: bool = False) -> Any:
+        self._no_peer("send")
+
+    def recv(self, tensor: Any, src: int, async_op: bool = False) -> Any:
+        self._no_peer("recv")
+
+    def batch(self, ops: Sequence[Any], async_op: bool = False) -> Any:
+        """The collectives of the batch in list order (a send or recv has no peer here)."""
+        items = _batch_items(ops)
+        if not items:
+            raise ValueError("batch: argument 'ops' is empty; expected at least one op")
+        for name, *args in items:
+            if name in ("send", "recv"):
+                self._no_peer(name)
+            if name == "reduce":  # tuple order: (tensor, op, root)
+                self.reduce(args[0], root=args[2], op=args[1])
+            elif name in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
+                getattr(self, name)(*args)
+            else:
+                raise ValueError(
+                    f"batch: '{name}' is not an op; expected all_gather, reduce_scatter, all_reduce, "
+                    "broadcast, reduce, send or recv"
+                )
         return self._done(async_op)
 
     def destroy(self) -> None:
