@@ -4,3 +4,6 @@ lives in fairscale_c.optim.grad_scaler, as in FairScale, and is not re-exported 
 from .grad_scaler import GradScaler
 
 __all__ = ["GradScaler"]
+from .adascale import AdaScale, AdaScaleWrapper  # noqa: E402
+
+__all__ += ["AdaScale", "AdaScaleWrapper"]
