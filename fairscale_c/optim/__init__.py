@@ -2,8 +2,9 @@
 lives in fairscale_c.optim.grad_scaler, as in FairScale, and is not re-exported here)."""
 
 from .grad_scaler import GradScaler
+from .oss import OSS
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "OSS"]
 from .adascale import AdaScale, AdaScaleWrapper  # noqa: E402
 
 __all__ += ["AdaScale", "AdaScaleWrapper"]
