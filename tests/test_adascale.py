@@ -1,7 +1,8 @@
 """AdaScale (fairscale_c.optim.adascale): the gain against its definition, computed here from the
 micro-batch gradients (world 1 with gradient accumulation in-process; world 2 with DDP in one
 spawned job), FairScale 0.4.13's AdaScale step for step when fairscale is importable, the learning
-rate scaling, state dict round trips, AdaScaleWrapper's arguments and bad input."""
+rate scaling, state dict round trips, AdaScale over OSS at world 2, AdaScaleWrapper's arguments and
+bad input."""
 
 from __future__ import annotations
 
@@ -348,7 +349,7 @@ def test_bad_input() -> None:
 def _world2_job(rank: int, world: int) -> Dict[str, Any]:
     """DDP on gloo at world 2: our AdaScale against the definition (no accumulation; then 2
     accumulation passes with an unscaled loss under no_sync) and against FairScale's AdaScale on
-    an identical DDP model. Assertions run here; the gains come back."""
+    an identical DDP model; then AdaScale over OSS. Assertions run here; the gains come back."""
     import datetime
 
     import torch.distributed as dist
@@ -412,6 +413,7 @@ def _world2_job(rank: int, world: int) -> Dict[str, Any]:
                         torch.testing.assert_close(p, q, **PARAM_TOL)
             out[f"gains_accum{accum}"] = gains
             opt.unhook()
+        out["oss_max_param_diff"] = _adascale_over_oss(rank, world)
         # world_size must match the group the statistics are reduced over
         try:
             AdaScale(torch.optim.SGD(make_model().parameters(), lr=LR), world_size=4)
@@ -420,6 +422,33 @@ def _world2_job(rank: int, world: int) -> Dict[str, Any]:
     finally:
         dist.destroy_process_group()
     return out
+
+
+def _adascale_over_oss(rank: int, world: int) -> float:
+    """AdaScale(OSS(SGD)) (FairScale's recommended order) trains like AdaScale(SGD) under DDP:
+    the same gains and parameters. Returns the largest parameter difference."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fairscale_c.optim import OSS
+
+    plain_model, oss_model = make_model(), make_model()
+    plain_ddp, oss_ddp = DDP(plain_model), DDP(oss_model)
+    plain = AdaScale(torch.optim.SGD(param_groups(plain_model), momentum=0.9))
+    sharded = AdaScale(OSS(param_groups(oss_model), optim=torch.optim.SGD, momentum=0.9))
+    worst = 0.0
+    for step in range(3):
+        for o, m in ((plain, plain_ddp), (sharded, oss_ddp)):
+            o.zero_grad()
+            loss_fn(m, batch(step, rank)).backward()
+        torch.testing.assert_close(sharded.gain(), plain.gain(), rtol=1e-6, atol=0.0)
+        plain.step()
+        sharded.step()
+        for p, q in zip(plain_model.parameters(), oss_model.parameters()):
+            torch.testing.assert_close(q, p, **PARAM_TOL)
+            worst = max(worst, float((p - q).abs().max()))
+    plain.unhook()
+    sharded.unhook()
+    return worst
 
 
 def test_world2_ddp() -> None:
@@ -432,4 +461,5 @@ def test_world2_ddp() -> None:
     assert all(g > 1.0 for g in results[0]["gains_accum1"] + results[0]["gains_accum2"])
     assert "'world_size' (4)" in results[0]["mismatch_error"]
     assert results[0]["fairscale"] == HAVE_FAIRSCALE
+    assert results[0]["oss_max_param_diff"] <= 1e-6
     assert orphaned_segments() - before == set()
