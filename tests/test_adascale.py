@@ -242,6 +242,26 @@ def test_matches_fairscale_world1() -> None:
         np.testing.assert_allclose(ours_state[k], their_state[k], rtol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_cuda_matches_cpu() -> None:
+    """On CUDA the statistics live on the gradients' device; gains and parameters match the CPU run."""
+    runs = []
+    for device in ("cpu", "cuda"):
+        model = make_model().to(device)
+        opt = AdaScale(torch.optim.SGD(param_groups(model)), num_gradients_to_accumulate=2)
+        gains = []
+        for step in range(3):
+            opt.zero_grad()
+            accumulate(model, [tuple(t.to(device) for t in batch(step, i)) for i in range(2)], scaled_loss=True)
+            gains.append(opt.gain())
+            opt.step()
+        runs.append((gains, [p.detach().cpu() for p in model.parameters()]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=0.0)
+    for p, q in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(p, q, **PARAM_TOL)
+
+
 # ------------------------------------------------------------------ state dicts, wrapper
 
 
