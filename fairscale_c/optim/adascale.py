@@ -287,7 +287,8 @@ class AdaScale(Optimizer):
         if self._local_grad_sqr is None:
             self._local_grad_sqr = torch.zeros(len(self._optimizer.param_groups), device=grad.device)
         g = grad.to_dense() if grad.is_sparse else grad
-        self._local_grad_sqr[pg_idx] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        with torch.no_grad():  # a backward with create_graph=True must not record this
+            self._local_grad_sqr[pg_idx] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         task = torch._C._current_graph_task_id()
         if task != self._callback_task:
             self._callback_task = task
