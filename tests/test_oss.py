@@ -101,6 +101,21 @@ def scenario_matches_unsharded(rank, world, tmp):
         scheds = (torch.optim.lr_scheduler.StepLR(opt, 2, 0.5), torch.optim.lr_scheduler.StepLR(ref_opt, 2, 0.5))
         _train_pair(model, ref, opt, ref_opt, 5, scheds=scheds, **extra)
         assert opt.optim.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == kw["lr"] * 0.25
+    # both exchange forms: one in-place all-gather of padded blocks, one broadcast per rank
+    from fairscale_c.optim import oss as oss_module
+
+    saved = oss_module._MAX_GATHER_PADDING
+    try:
+        for padding, gather in ((1e9, world > 1), (-1.0, False)):
+            oss_module._MAX_GATHER_PADDING = padding
+            for fp16 in (False, True):
+                model, ref = _make()
+                opt = OSS(_core(model), optim=torch.optim.SGD, broadcast_fp16=fp16, lr=0.05, momentum=0.9)
+                assert [b.stride is not None for b in opt.buckets] == [gather], (padding, opt.buckets)
+                ref_opt = torch.optim.SGD(_core(ref), lr=0.05, momentum=0.9)
+                _train_pair(model, ref, opt, ref_opt, 2, fp16=fp16)
+    finally:
+        oss_module._MAX_GATHER_PADDING = saved
     # float16 on the wire: every rank (the owner too) holds the float16-rounded parameters
     model, ref = _make()
     opt = OSS(_core(model), optim=torch.optim.SGD, broadcast_fp16=True, lr=0.05, momentum=0.9)
