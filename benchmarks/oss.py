@@ -169,26 +169,27 @@ def train(model: nn.Module, opt: Any, batches: List[tuple], framework: str) -> T
     the wrapper's own ``zero_grad()`` (FairScale's documented loop): FairScale's keeps the bucketed
     gradients as views of its buckets, and the optimizer's ``zero_grad(set_to_none=True)`` (torch's
     default since 2.0) detaches them, after which its second step trains on stale gradients.
-    Returns per step: the step's seconds, the optimizer step's seconds (for OSS including the
-    parameter broadcast), the loss."""
+    Returns per step: the step's seconds; the seconds of (zero_grad + forward, backward, optimizer
+    step; for OSS the step includes the parameter exchange); the loss."""
     if framework in ("fairscale_c", "fairscale"):
         zero = model.zero_grad
     else:
         zero = lambda: opt.zero_grad(set_to_none=True)  # noqa: E731
-    times, opt_times, losses = [], [], []
+    times, phases, losses = [], [], []
     for x, y in batches:
         t0 = time.perf_counter()
         zero()
         loss = model(x, y)
+        tf = time.perf_counter()
         loss.backward()
         t1 = time.perf_counter()
         opt.step()
         t2 = time.perf_counter()
         lv = loss.item()
         times.append(time.perf_counter() - t0)
-        opt_times.append(t2 - t1)
+        phases.append((tf - t0, t1 - tf, t2 - t1))
         losses.append(lv)
-    return times, opt_times, losses
+    return times, phases, losses
 
 
 def rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], profile: Optional[str]) -> Dict:
@@ -204,7 +205,7 @@ def rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], p
     torch.manual_seed(cfg.seed)
     model, opt = BUILDERS[framework](base.GPT(cfg), cfg)
     after_wrap = mem.read()
-    times, opt_times, losses = train(model, opt, batches[: cfg.warmup], framework)
+    times, phases, losses = train(model, opt, batches[: cfg.warmup], framework)
     mem.reset_peak()
     prof = None
     if profile and rank == 0:
@@ -212,7 +213,7 @@ def rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], p
 
         prof = cProfile.Profile()
         prof.enable()
-    t, ot, lo = train(model, opt, batches[cfg.warmup :], framework)
+    t, ph, lo = train(model, opt, batches[cfg.warmup :], framework)
     if prof is not None:
         prof.disable()
         prof.dump_stats(profile)
@@ -223,7 +224,7 @@ def rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], p
     dist.destroy_process_group()
     return {
         "times": times + t,
-        "opt_times": opt_times + ot,
+        "phases": phases + ph,
         "losses": losses + lo,
         "peak_mib": (end["VmHWM"] - mem.base_kib) / 1024,
         "after_wrap_mib": (after_wrap["VmRSS"] - mem.base_kib) / 1024,
@@ -251,7 +252,8 @@ def loss_diff(a: Dict, b: Dict) -> Tuple[float, float]:
 
 def print_table(rows: List[Dict], floor: Dict, ref: Optional[Dict]) -> None:
     head = (
-        f"{'framework':<13}{'step ms':>9}{'opt ms':>8}{'own ms':>8}{'step/floor':>11}{'own/FS':>8}"
+        f"{'framework':<13}{'step ms':>9}{'fwd ms':>8}{'bwd ms':>8}{'opt ms':>8}{'own ms':>8}{'step/floor':>11}"
+        f"{'own/FS':>8}"
         f"  {'optim state MiB per rank':<26}{'peak RSS MiB per rank':<23}{'max |dloss| vs FS':>18}"
     )
     print(head)
@@ -273,7 +275,8 @@ def print_table(rows: List[Dict], floor: Dict, ref: Optional[Dict]) -> None:
         skip = r is floor or r is ref or not ref or math.isnan(r["own_over_fairscale"])
         ratio = "-" if skip else f"{r['own_over_fairscale']:.2f}"
         print(
-            f"{r['framework']:<13}{r['step_ms']:>9.1f}{r['opt_ms']:>8.1f}{own_s:>8}{r['step_over_floor']:>11.3f}{ratio:>8}"
+            f"{r['framework']:<13}{r['step_ms']:>9.1f}{r['fwd_ms']:>8.1f}{r['bwd_ms']:>8.1f}{r['opt_ms']:>8.1f}"
+            f"{own_s:>8}{r['step_over_floor']:>11.3f}{ratio:>8}"
             f"  {state:<26}{peak:<23}{dl:>18}"
         )
 
@@ -330,34 +333,68 @@ def verdicts(rows: Dict[str, Dict], cfg: base.Config) -> Dict[str, Any]:
     return out
 
 
-def run_cpu(cfg: base.Config, frameworks: List[str], profile: Optional[str]) -> Dict[str, Any]:
-    rows: Dict[str, Dict] = {}
+def _row(fw: str, runs: List[List[Dict]], cfg: base.Config) -> Dict[str, Any]:
+    """One framework's row from its runs (each a list of rank results): the step and phase times
+    are medians over the timed steps of all runs (per step the slowest rank counts); memory is the
+    largest over runs; losses are the first run's (every run trains the same steps)."""
+    timed = range(cfg.warmup, cfg.warmup + cfg.steps)
+    row = base.summarize(fw, runs[0], cfg)
+    row["runs"] = len(runs)
+    steps = [max(r["times"][i] for r in ranks) for ranks in runs for i in timed]
+    row["step_ms"] = statistics.median(steps) * 1e3
+    row["step_ms_each"] = [t * 1e3 for t in steps]
+    row["step_ms_per_run"] = [
+        statistics.median(max(r["times"][i] for r in ranks) for i in timed) * 1e3 for ranks in runs
+    ]
+    row["tokens_per_s"] = cfg.world * cfg.batch * cfg.seq / (row["step_ms"] / 1e3)
+    for k, name in enumerate(("fwd_ms", "bwd_ms", "opt_ms")):
+        row[name] = statistics.median(max(r["phases"][i][k] for r in ranks) for ranks in runs for i in timed) * 1e3
+    for key in ("peak_mib", "after_wrap_mib", "shmem_mib"):
+        row[key] = [max(ranks[rank][key] for ranks in runs) for rank in range(cfg.world)]
+    for key in ("state_bytes", "largest_param_numel", "param_numel"):
+        row[key] = [r[key] for r in runs[0]]
+    row["hwm_reset"] = all(r["hwm_reset"] for ranks in runs for r in ranks)
+    return row
+
+
+def run_cpu(cfg: base.Config, frameworks: List[str], profile: Optional[str], repeats: int = 1) -> Dict[str, Any]:
+    """Every framework once per round, `repeats` rounds (interleaved, so that a burst of load on
+    the machine falls on one run of each framework rather than on all runs of one)."""
+    runs: Dict[str, List[List[Dict]]] = {}
     skipped: Dict[str, str] = {}
     for fw in frameworks:
         why = unavailable(fw)
         if why is not None:
             skipped[fw] = why
             print(f"[cpu] {fw}: SKIPPED, {why}", flush=True)
-            continue
-        t0 = time.perf_counter()
-        ranks = base.spawn(rank_main, cfg.world, fw, asdict(cfg), profile if fw == "fairscale_c" else None)
-        row = base.summarize(fw, ranks, cfg)
-        for key in ("state_bytes", "largest_param_numel", "param_numel"):
-            row[key] = [r[key] for r in ranks]
-        timed = range(cfg.warmup, cfg.warmup + cfg.steps)
-        row["opt_ms"] = statistics.median(max(r["opt_times"][i] for r in ranks) for i in timed) * 1e3
-        rows[fw] = row
-        print(f"[cpu] {fw}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    for rnd in range(repeats):
+        for fw in frameworks:
+            if fw in skipped:
+                continue
+            t0 = time.perf_counter()
+            prof = profile if fw == "fairscale_c" and rnd == repeats - 1 else None
+            ranks = base.spawn(rank_main, cfg.world, fw, asdict(cfg), prof)
+            runs.setdefault(fw, []).append(ranks)
+            print(f"[cpu] round {rnd + 1}/{repeats} {fw}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = {fw: _row(fw, r, cfg) for fw, r in runs.items()}
     n = base.n_params(cfg)
     print(
         f"\nCPU, world {cfg.world} (gloo; fairscale_c on its shared-memory engine), fp32 AdamW, "
         f"{cfg.threads} thread(s) per rank, {n / 1e6:.2f}M params, median of {cfg.steps} steps after "
-        f"{cfg.warmup} warm-up; floor = local (each rank trains an unsharded copy, no communication)"
+        f"{cfg.warmup} warm-up x {repeats} run(s) per framework, interleaved; floor = local (each rank trains "
+        "an unsharded copy, no communication)"
     )
     if "local" not in rows:
         raise RuntimeError("the local row (the compute floor) is required")
     order = [rows[f] for f in frameworks if f in rows]
     print_table(order, rows["local"], rows.get(REFERENCE))
+    if repeats > 1:
+        for r in order:
+            print(
+                f"  {r['framework']}: median step per run "
+                + ", ".join(f"{t:.1f}" for t in r["step_ms_per_run"])
+                + " ms"
+            )
     for fw, why in skipped.items():
         print(f"{fw}: skipped ({why})")
     if "ddp" in rows and REFERENCE in rows:
@@ -395,7 +432,10 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
         default=",".join(FRAMEWORKS),
         help=f"comma-separated subset of {','.join(FRAMEWORKS)} (local is always run)",
     )
-    p.add_argument("--profile", metavar="FILE", help="cProfile rank 0 of fairscale_c's timed steps into FILE")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of runs (every framework once per round)")
+    p.add_argument(
+        "--profile", metavar="FILE", help="cProfile rank 0 of fairscale_c's timed steps (last round) into FILE"
+    )
     p.add_argument("--out", default=RESULTS, help="JSON results path")
     a = p.parse_args(argv)
     cfg = base.quick_config() if a.quick else d
@@ -408,6 +448,8 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
         p.error("--d-model must be a multiple of --heads")
     if cfg.world < 2:
         p.error("--world must be at least 2")
+    if a.repeats < 1:
+        p.error("--repeats must be at least 1")
     fws = [f.strip() for f in a.frameworks.split(",") if f.strip()]
     bad = [f for f in fws if f not in FRAMEWORKS]
     if bad:
@@ -439,7 +481,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         import fairscale
 
         result["fairscale"] = fairscale.__version__
-    result["cpu"] = run_cpu(cfg, frameworks, args.profile)
+    result["cpu"] = run_cpu(cfg, frameworks, args.profile, args.repeats)
     try:
         result["load_avg_at_end"] = os.getloadavg()
     except OSError:
