@@ -236,6 +236,34 @@ def rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], p
     }
 
 
+def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dict[str, Any]) -> Dict:
+    """Timing only: every framework's model and optimizer in one process per rank, trained in
+    turn, one step each, the order rotating from step to step. Load from elsewhere on the machine
+    then falls on every framework alike, where separate runs minutes apart see different loads.
+    (Memory cannot be told apart here: rank_main measures it.)"""
+    cfg = base.Config(**cfg_dict)
+    torch.set_num_threads(cfg.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    batches = base.make_batches(cfg, rank, torch.device("cpu"))
+    built = {}
+    for fw in frameworks:
+        for name in MODULES[fw]:
+            importlib.import_module(name)
+        torch.manual_seed(cfg.seed)
+        built[fw] = BUILDERS[fw](base.GPT(cfg), cfg)
+    out: Dict[str, Dict[str, list]] = {fw: {"times": [], "phases": [], "losses": []} for fw in frameworks}
+    for i, xy in enumerate(batches):
+        k = i % len(frameworks)
+        for fw in frameworks[k:] + frameworks[:k]:
+            t, ph, lo = train(*built[fw], [xy], fw)
+            out[fw]["times"] += t
+            out[fw]["phases"] += ph
+            out[fw]["losses"] += lo
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
 # ---------------------------------------------------------------- reporting
 
 
@@ -357,9 +385,32 @@ def _row(fw: str, runs: List[List[Dict]], cfg: base.Config) -> Dict[str, Any]:
     return row
 
 
-def run_cpu(cfg: base.Config, frameworks: List[str], profile: Optional[str], repeats: int = 1) -> Dict[str, Any]:
+def _apply_paired(rows: Dict[str, Dict], ranks: List[Dict[str, Dict]], cfg: base.Config) -> None:
+    """Replace the rows' times by the paired run's (keeping the separate runs' as *_separate) and
+    add each framework's median per-step ratio to the floor's step."""
+    timed = range(cfg.warmup, cfg.warmup + cfg.steps)
+    floor_steps = [max(r["local"]["times"][i] for r in ranks) for i in timed]
+    for fw, row in rows.items():
+        for key in ("step_ms", "fwd_ms", "bwd_ms", "opt_ms", "step_ms_each"):
+            row[key + "_separate"] = row[key]
+        steps = [max(r[fw]["times"][i] for r in ranks) for i in timed]
+        row["step_ms"] = statistics.median(steps) * 1e3
+        row["step_ms_each"] = [t * 1e3 for t in steps]
+        row["tokens_per_s"] = cfg.world * cfg.batch * cfg.seq / (row["step_ms"] / 1e3)
+        for k, name in enumerate(("fwd_ms", "bwd_ms", "opt_ms")):
+            row[name] = statistics.median(max(r[fw]["phases"][i][k] for r in ranks) for i in timed) * 1e3
+        row["paired_step_ratio_to_floor"] = statistics.median(a / b for a, b in zip(steps, floor_steps))
+        row["paired_losses_equal_separate"] = [r[fw]["losses"] for r in ranks] == row["losses"]
+        row["timing"] = "paired"
+
+
+def run_cpu(
+    cfg: base.Config, frameworks: List[str], profile: Optional[str], repeats: int = 1, paired: bool = True
+) -> Dict[str, Any]:
     """Every framework once per round, `repeats` rounds (interleaved, so that a burst of load on
-    the machine falls on one run of each framework rather than on all runs of one)."""
+    the machine falls on one run of each framework rather than on all runs of one): memory,
+    optimizer state, losses and (without `paired`) times. With `paired`, the times come from one
+    more run in which every framework trains in turn in the same processes (rank_main_paired)."""
     runs: Dict[str, List[List[Dict]]] = {}
     skipped: Dict[str, str] = {}
     for fw in frameworks:
@@ -377,17 +428,38 @@ def run_cpu(cfg: base.Config, frameworks: List[str], profile: Optional[str], rep
             runs.setdefault(fw, []).append(ranks)
             print(f"[cpu] round {rnd + 1}/{repeats} {fw}: done in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = {fw: _row(fw, r, cfg) for fw, r in runs.items()}
+    if paired:
+        t0 = time.perf_counter()
+        fws = [fw for fw in frameworks if fw in rows]
+        ranks = base.spawn(rank_main_paired, cfg.world, fws, asdict(cfg))
+        print(f"[cpu] paired timing run ({', '.join(fws)} in turn): done in {time.perf_counter() - t0:.1f} s")
+        _apply_paired(rows, ranks, cfg)
     n = base.n_params(cfg)
     print(
         f"\nCPU, world {cfg.world} (gloo; fairscale_c on its shared-memory engine), fp32 AdamW, "
         f"{cfg.threads} thread(s) per rank, {n / 1e6:.2f}M params, median of {cfg.steps} steps after "
-        f"{cfg.warmup} warm-up x {repeats} run(s) per framework, interleaved; floor = local (each rank trains "
-        "an unsharded copy, no communication)"
+        f"{cfg.warmup} warm-up; "
+        + (
+            "times from one run training every framework in turn, step by step, in the same processes; "
+            f"memory from {repeats} separate run(s) per framework"
+            if paired
+            else f"{repeats} separate run(s) per framework, interleaved"
+        )
+        + "; floor = local (each rank trains an unsharded copy, no communication)"
     )
     if "local" not in rows:
         raise RuntimeError("the local row (the compute floor) is required")
     order = [rows[f] for f in frameworks if f in rows]
     print_table(order, rows["local"], rows.get(REFERENCE))
+    if paired:
+        print(
+            "paired: median per-step ratio to the floor's step: "
+            + ", ".join(f"{r['framework']} {r['paired_step_ratio_to_floor']:.3f}" for r in order)
+        )
+        print(
+            "separate runs' medians (ms), for comparison: "
+            + ", ".join(f"{r['framework']} {r['step_ms_separate']:.1f}" for r in order)
+        )
     if repeats > 1:
         for r in order:
             print(
@@ -432,7 +504,12 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
         default=",".join(FRAMEWORKS),
         help=f"comma-separated subset of {','.join(FRAMEWORKS)} (local is always run)",
     )
-    p.add_argument("--repeats", type=int, default=1, help="rounds of runs (every framework once per round)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of separate runs (every framework once per round)")
+    p.add_argument(
+        "--no-paired",
+        action="store_true",
+        help="take times from the separate runs instead of a run that trains every framework in turn",
+    )
     p.add_argument(
         "--profile", metavar="FILE", help="cProfile rank 0 of fairscale_c's timed steps (last round) into FILE"
     )
@@ -481,7 +558,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         import fairscale
 
         result["fairscale"] = fairscale.__version__
-    result["cpu"] = run_cpu(cfg, frameworks, args.profile, args.repeats)
+    result["cpu"] = run_cpu(cfg, frameworks, args.profile, args.repeats, paired=not args.no_paired)
     try:
         result["load_avg_at_end"] = os.getloadavg()
     except OSError:
