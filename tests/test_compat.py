@@ -160,9 +160,9 @@ def test_alias_shadows_an_installed_but_unimported_fairscale(tmp_path):
 
 
 def test_alias_reaches_child_processes(tmp_path):
-    # A spawned worker unpickles its arguments before any code of the program runs (Tango's
-    # workers look up the "fairscale" engine there): the alias must already be in place, and an
-    # installed FairScale (the stand-in below) must not be what the worker gets.
+    # A spawned worker runs none of the __main__ code that installed the alias (Tango's workers
+    # import tango.integrations.fairscale to find the "fairscale" engine): it must have the alias
+    # all the same, and an installed FairScale (the stand-in below) must not be what it gets.
     pkg = tmp_path / "fairscale"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("raise SystemExit('the real fairscale was imported')\n")

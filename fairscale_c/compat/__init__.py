@@ -120,8 +120,10 @@ def install() -> None:
     Child Python processes get the alias too (``multiprocessing`` and
     ``torch.multiprocessing.spawn`` workers, ``subprocess``): install() puts the folder of a
     ``fairscale`` module that installs it on ``PYTHONPATH`` and ``sys.path`` (:data:`SHIM_DIR`;
-    uninstall() takes it off). A spawned worker unpickles its arguments before running any code of the program, and
-    Tango's workers, for example, look up the ``"fairscale"`` engine there.
+    uninstall() takes it off). A spawned worker runs no code of the program's ``__main__``:
+    Tango's workers, for example, resolve the ``"fairscale"`` engine by importing
+    ``tango.integrations.fairscale`` (which imports ``fairscale``) and, without the alias, silently
+    find no such engine.
 
     RuntimeError when the real FairScale package is already imported in this process: its
     modules and classes would then be mixed with fairscale_c's (install() before anything imports
