@@ -180,7 +180,7 @@ def test_alias_reaches_child_processes(tmp_path):
         compat.install()
         import probe
         with multiprocessing.get_context("spawn").Pool(1) as pool:
-            print(pool.apply(probe.probe))
+            print(pool.apply_async(probe.probe).get(timeout=60))  # a worker that dies loses the task
         code = "import fairscale.nn, fairscale_c.nn; print(fairscale.__version__, fairscale.nn is fairscale_c.nn)"
         print(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
         compat.uninstall()
