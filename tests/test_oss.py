@@ -170,6 +170,30 @@ def scenario_param_groups(rank, world, tmp):
     assert {id(p) for p in owned} == {id(p) for p in opt.optim.state}
 
 
+def scenario_ranks_without_parameters(rank, world, tmp):
+    """Two parameters over up to four ranks, and an empty first group: some ranks own nothing."""
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ref = copy.deepcopy(model)
+    opt = OSS([{"params": []}, {"params": list(model.parameters())}], optim=torch.optim.Adam, lr=0.1)
+    ref_opt = torch.optim.Adam([{"params": []}, {"params": list(ref.parameters())}], lr=0.1)
+    sdp = ShardedDataParallel(model, opt)
+    x = torch.randn(world * 2, 3, generator=torch.Generator().manual_seed(7))
+    for _ in range(3):
+        sdp(x[rank * 2 : rank * 2 + 2]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sum(ref(x[r * 2 : r * 2 + 2]).square().mean() for r in range(world)).div(world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _close_params(model, ref, "tiny model", tol=dict(atol=1e-6, rtol=1e-6))
+    opt.consolidate_state_dict(recipient_rank=-1)
+    assert sorted(opt.state_dict()["state"]) == [0, 1]
+
+
 def scenario_frozen_then_unfrozen(rank, world, tmp):
     from fairscale_c.optim import OSS
 
@@ -407,7 +431,14 @@ def _run(world, names, tmp):
     return [r for r, _ in results]
 
 
-NUMERICS = ["matches_unsharded", "param_groups", "frozen_then_unfrozen", "partition_matches_fairscale", "bad_input"]
+NUMERICS = [
+    "matches_unsharded",
+    "param_groups",
+    "frozen_then_unfrozen",
+    "ranks_without_parameters",
+    "partition_matches_fairscale",
+    "bad_input",
+]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,9 @@ FP32 = dict(atol=1e-5, rtol=1e-5)
 FP16_WIRE = dict(atol=2e-3, rtol=2e-3)
 BF16 = dict(atol=3e-2, rtol=3e-2)
 LOCAL = 4
+# Where the scenarios run: "cpu", or "cuda" (rank r on GPU r % count) when the spawning test sets
+# FAIRSCALE_C_TEST_DEVICE=cuda (test_sdp_on_cuda below).
+DEVICE = {"device": torch.device("cpu")}
 
 
 class Net(nn.Module):
@@ -41,7 +44,8 @@ class Net(nn.Module):
 
 def _global_batch(step, world, micro=0):
     g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randn(world * LOCAL, 12, generator=g), torch.randn(world * LOCAL, 3, generator=g)
+    dev = DEVICE["device"]
+    return torch.randn(world * LOCAL, 12, generator=g).to(dev), torch.randn(world * LOCAL, 3, generator=g).to(dev)
 
 
 def _slice(t, r):
@@ -53,7 +57,7 @@ def _ref_backward(ref, world, x, y, scale, autocast):
     total = 0.0
     kept = None
     for r in range(world):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
             out = ref(_slice(x, r))
         total = total + F.mse_loss(out.float(), _slice(y, r)) / world * scale
         if r == 0:
@@ -102,9 +106,9 @@ def train(
 
     okw = okw or dict(lr=0.05, momentum=0.9)
     torch.manual_seed(rank)  # different starting weights: sync_models_at_startup must fix them
-    model = Net(bn)
+    model = Net(bn).to(DEVICE["device"])
     torch.manual_seed(0)
-    ref = Net(bn)
+    ref = Net(bn).to(DEVICE["device"])
     if rank == 0:
         model.load_state_dict(ref.state_dict())
     opt = OSS(model.parameters(), optim=optim, **okw)
@@ -123,7 +127,7 @@ def train(
             last = j == micro - 1
             ctx = sdp.no_sync() if (not last and accumulate == "no_sync") else _Null()
             with ctx:
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
                     out = sdp(_slice(x, rank))
                 (F.mse_loss(out.float(), _slice(y, rank)) / micro).backward()
             _ref_backward(ref, world, x, y, 1.0 / micro, autocast)
@@ -218,7 +222,7 @@ def scenario_grad_scaler_skips_everywhere(rank, world):
     from fairscale_c.optim.grad_scaler import ShardedGradScaler
 
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE["device"])
     opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
     sdp = ShardedDataParallel(model, opt)
     scaler = ShardedGradScaler(init_scale=1024.0)
@@ -257,6 +261,9 @@ ALL = sorted(SCENARIOS)
 
 def _job(rank, world, names):
     torch.set_num_threads(1)
+    if os.environ.get("FAIRSCALE_C_TEST_DEVICE") == "cuda":
+        DEVICE["device"] = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(DEVICE["device"])
     dist.init_process_group("gloo")
     failures = []
     try:
@@ -335,3 +342,21 @@ def test_exports():
     from fairscale_c.nn.data_parallel.sharded_ddp import ShardedDataParallel
 
     assert fairscale_c.nn.ShardedDataParallel is fairscale_c.nn.data_parallel.ShardedDataParallel is ShardedDataParallel
+
+
+CUDA_SCENARIOS = ["matches_ddp", "accumulation", "reduce_fp16", "grad_scaler_skips_everywhere"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("world", [1, 2])
+def test_sdp_on_cuda(world):
+    """The numerics scenarios with model, data and reference on the GPU (NCCL underneath)."""
+    from test_cuda import _nccl_devices
+
+    env = {"FAIRSCALE_C_TIMEOUT": "120", "FAIRSCALE_C_TEST_DEVICE": "cuda"}
+    if world == 2:
+        env.update(_nccl_devices()[1])  # skips when two ranks can neither have a GPU each nor share one
+    results = run_ranks(_job, world, CUDA_SCENARIOS, env=env, timeout=300)
+    failures = [f for fs in results for f in fs]
+    assert not failures, "\n\n".join(failures)

@@ -301,7 +301,8 @@ class OSS(Optimizer):
         """Step this rank's partition (extra keyword arguments go to the inner optimizer), then
         refresh every rank's copy of the updated parameters. Collective: every rank calls it."""
         OSS._sync_param_groups(self.param_groups, self.optim.param_groups)
-        if self._default_device.type != self.param_groups[0]["params"][0].device.type or not self._buffers_current():
+        first = next(p for g in self.param_groups for p in g["params"])
+        if self._default_device.type != first.device.type or not self._buffers_current():
             _log.info("OSS: parameters moved since the buffers were built; rebuilding them")
             self._device_params = {}  # owners stay; only the device grouping and buffers are rebuilt
             self.refresh_trainable()
