@@ -215,6 +215,38 @@ def scenario_manual_reduce_and_api(rank, world):
         sdp.to("meta")
 
 
+def scenario_param_group_added(rank, world):
+    """A layer that joins the optimizer mid-training (add_param_group) has its gradient reduced
+    from the next forward on."""
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    late = lambda m: list(m.head.parameters())  # noqa: E731
+    early = lambda m: [p for p in m.parameters() if all(p is not q for q in late(m))]  # noqa: E731
+    opt = OSS(early(model), optim=torch.optim.SGD, lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(early(ref), lr=0.05, momentum=0.9)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=100)
+    for step in range(4):
+        if step == 2:
+            opt.add_param_group({"params": late(model), "lr": 0.1})
+            ref_opt.add_param_group({"params": late(ref), "lr": 0.1})
+        x, y = _global_batch(step, world)
+        F.mse_loss(sdp(_slice(x, rank)), _slice(y, rank)).backward()
+        _ref_backward(ref, world, x, y, 1.0, False)
+        if step >= 2:
+            _check_grads(sdp, opt, ref, rank, FP32)
+        opt.step()
+        ref_opt.step()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            for p in late(m):  # the layer's gradients before it joined stay out of the comparison
+                p.grad = None
+        _compare(sdp, ref, FP32, f"step {step}")
+
+
 def scenario_grad_scaler_skips_everywhere(rank, world):
     """An inf in one gradient, seen by its owner only: every rank skips the step and backs off."""
     from fairscale_c.nn import ShardedDataParallel

@@ -117,7 +117,7 @@ class OSS(Optimizer):
 
         self._optim_defaults = default
         self._optim_constructor = optim
-        self.group = group
+        self.group = dist.group.WORLD if group is None and dist.is_available() and dist.is_initialized() else group
         self.rank, self.world_size = _group_rank_size(group)
         self.comm = fdist.group_for(group)
         self.global_rank = (

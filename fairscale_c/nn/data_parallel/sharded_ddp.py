@@ -120,9 +120,8 @@ class ShardedDataParallel(nn.Module):
             )
         self.device_type = device_types.pop() if device_types else "cpu"
         self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
-        self._all_params: List[nn.Parameter] = [
-            p for o in optims for lists in o.per_device_params.values() for params in lists for p in params
-        ]
+        self._all_params: List[nn.Parameter] = self._optimized_params()
+        self._known_count = self._param_count()
         known = {id(p) for p in self._all_params}
         missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in known]
         if missing:
@@ -130,9 +129,7 @@ class ShardedDataParallel(nn.Module):
                 "ShardedDataParallel: parameters %s are in no sharded optimizer; their gradients are not reduced",
                 missing,
             )
-        self._buffer_max_size = (
-            0 if self._world_size == 1 else min(reduce_buffer_size, sum(p.numel() for p in self._all_params))
-        )
+        self._buffer_max_size = 0 if self._world_size == 1 else reduce_buffer_size
         self._reference_trainable_mask = [p.requires_grad for p in self._all_params]
         self._trainable_params: List[nn.Parameter] = []
         self._trainable_param_to_rank: Dict[nn.Parameter, int] = {}
@@ -157,6 +154,7 @@ class ShardedDataParallel(nn.Module):
         needs_setup = not self._buckets and self.training
         if self._auto_refresh_trainable:
             needs_setup |= self._detect_train_change()
+            needs_setup |= self._param_count() != self._known_count  # a param group was added
         if needs_setup:
             self.refresh_trainable()
         if self._enable_broadcast_buffers and not self._should_accumulate_grads:
@@ -194,6 +192,18 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ trainability
 
+    def _optimized_params(self) -> List[nn.Parameter]:
+        return [
+            p
+            for o in self._sharded_optimizers
+            for lists in o.per_device_params.values()
+            for params in lists
+            for p in params
+        ]
+
+    def _param_count(self) -> int:
+        return sum(len(g["params"]) for o in self._sharded_optimizers for g in o.param_groups)
+
     def _detect_train_change(self) -> bool:
         mask = [p.requires_grad for p in self._all_params]
         changed = mask != self._reference_trainable_mask
@@ -211,6 +221,8 @@ class ShardedDataParallel(nn.Module):
                 "ShardedDataParallel.refresh_trainable: gradients were waiting to be reduced "
                 "(use no_sync() to accumulate)"
             )
+        self._all_params = self._optimized_params()
+        self._known_count = self._param_count()
         self._trainable_params = [p for p in self._all_params if p.requires_grad]
         self._trainable_param_to_rank = {}
         for o in self._sharded_optimizers:
