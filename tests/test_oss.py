@@ -284,6 +284,7 @@ def scenario_checkpoint_save(rank, world, tmp):
             {"model": model.state_dict(), "optim": everywhere, "sched": sched.state_dict()},
             os.path.join(tmp, "ckpt.pt"),
         )
+    torch.save(opt.local_state_dict(), os.path.join(tmp, f"shard{rank}.pt"))  # no communication
     _train_pair(model, ref, opt, ref_opt, 3, start=3, scheds=(sched, ref_sched))
     if rank == 0:
         torch.save(model.state_dict(), os.path.join(tmp, "final.pt"))
@@ -298,10 +299,23 @@ def scenario_checkpoint_load(rank, world, tmp):
     if not os.path.exists(path):
         return "no checkpoint"
     ckpt = torch.load(path)
+    shards = [torch.load(os.path.join(tmp, f"shard{r}.pt")) for r in range(2)]
+    with pytest.raises(ValueError, match="pass the list of all 2 shards"):
+        OSS(_core(_make(5)[0]), optim=torch.optim.AdamW, lr=1.0).load_state_dict(shards[1])
+    with pytest.raises(ValueError, match="not one complete set"):
+        OSS(_core(_make(5)[0]), optim=torch.optim.AdamW, lr=1.0).load_state_dict([shards[1], shards[1]])
+    for optim_state in (ckpt["optim"], shards[::-1]):  # consolidated; every rank's shard, in any order
+        _continue_from(rank, world, tmp, ckpt, optim_state)
+    return "continued"
+
+
+def _continue_from(rank, world, tmp, ckpt, optim_state):
+    from fairscale_c.optim import OSS
+
     model, _ = _make(5)
     model.load_state_dict(ckpt["model"])
     opt = OSS(_core(model), optim=torch.optim.AdamW, lr=1.0)
-    opt.load_state_dict(ckpt["optim"])
+    opt.load_state_dict(optim_state)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
     sched.load_state_dict(ckpt["sched"])
     owned = {id(p) for p, r in opt.param_to_rank.items() if r == rank}
@@ -315,7 +329,6 @@ def scenario_checkpoint_load(rank, world, tmp):
     final = torch.load(os.path.join(tmp, "final.pt"))
     for k, v in final.items():
         torch.testing.assert_close(model.state_dict()[k], v, **TOL, msg=lambda m, k=k: f"{k} after loading: {m}")
-    return "continued"
 
 
 def scenario_state_memory(rank, world, tmp):
