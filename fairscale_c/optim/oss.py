@@ -54,6 +54,7 @@ class _ParamBuffer:
     lengths: List[int]
     stride: Optional[int]
     params: List[torch.Tensor] = field(default_factory=list)
+    half: Optional[torch.Tensor] = None  # the float16 wire buffer of broadcast_fp16
 
     def block(self, t: torch.Tensor, rank: int) -> torch.Tensor:
         return t[self.starts[rank] : self.starts[rank] + self.lengths[rank]]
@@ -318,7 +319,9 @@ class OSS(Optimizer):
         for b in self.buckets:
             wire = b.flat
             if self.broadcast_fp16 and b.dtype == torch.float32:
-                wire = torch.empty(b.flat.numel(), dtype=torch.float16, device=b.device)
+                if b.half is None:  # kept between steps: a fresh one costs its page faults every step
+                    b.half = torch.empty(b.flat.numel(), dtype=torch.float16, device=b.device)
+                wire = b.half
                 b.block(wire, self.rank).copy_(b.block(b.flat, self.rank))
             wires.append(wire)
             if self.world_size == 1:
