@@ -99,6 +99,7 @@ def train(
     autocast=False,
     clip=None,
     freeze_at=None,
+    zero_before_backward=False,
     **sdp_kw,
 ):
     from fairscale_c.nn import ShardedDataParallel
@@ -129,6 +130,8 @@ def train(
             with ctx:
                 with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
                     out = sdp(_slice(x, rank))
+                if zero_before_backward and j == 0:  # the common `out = model(x); opt.zero_grad()` order
+                    opt.zero_grad()
                 (F.mse_loss(out.float(), _slice(y, rank)) / micro).backward()
             _ref_backward(ref, world, x, y, 1.0 / micro, autocast)
         _check_grads(sdp, opt, ref, rank, tol)
@@ -138,7 +141,8 @@ def train(
             torch.testing.assert_close(norm, ref_norm, **tol)
         opt.step()
         ref_opt.step()
-        opt.zero_grad()
+        if not zero_before_backward:
+            opt.zero_grad()
         ref_opt.zero_grad()
         _compare(sdp, ref, tol, f"step {step}")
     return sdp, opt
@@ -169,6 +173,8 @@ def scenario_accumulation(rank, world):
     train(rank, world, micro=3, accumulate="no_sync")
     # without no_sync: every backward reduces, and the sum of the reductions is what DDP would give
     train(rank, world, micro=2, accumulate="every_backward", reduce_buffer_size=200)
+    train(rank, world, micro=2, accumulate="every_backward", zero_before_backward=True)
+    train(rank, world, zero_before_backward=True)
 
 
 def scenario_reduce_fp16(rank, world):

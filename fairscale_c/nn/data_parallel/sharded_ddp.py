@@ -13,6 +13,7 @@ is None. The optimizer then steps (OSS broadcasts the updated parameters).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generator, List, Optional, Union
@@ -272,19 +273,13 @@ class ShardedDataParallel(nn.Module):
         for p in self._trainable_params:
             if p.grad is not None and p.grad.requires_grad:
                 raise RuntimeError("ShardedDataParallel only works with gradients that do not require grad")
+            self._grad_hooks.append(p.register_hook(functools.partial(self._before_accumulate, p)))
             self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     # ------------------------------------------------------------------ gradient path
 
     def _arm(self) -> None:
-        """A training forward: the next backward reduces every trainable gradient once. Reduced
-        gradients still held from an earlier backward are set aside and added back after the
-        next reduction, so that they are not averaged over the ranks a second time."""
-        for p, g in self._reduced.items():
-            if p.grad is g:
-                self._saved[p] = g if p not in self._saved else self._saved[p] + g
-                p.grad = None
-        self._reduced = {}
+        """A training forward: the next backward reduces every trainable gradient once."""
         for b in self._buckets:
             b.reset()
         self._pending = sum(len(b.params) for b in self._buckets)
@@ -292,6 +287,15 @@ class ShardedDataParallel(nn.Module):
         self._next_launch = 0
         self._armed = True
         self._callback_queued = False
+
+    def _before_accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """A new gradient is about to be added to ``p.grad``: if that still holds what the last
+        reduction gave this owner (accumulation without no_sync), set it aside and add it back
+        after the next reduction, so that it is not averaged over the ranks a second time."""
+        g = self._reduced.pop(p, None)
+        if g is not None and p.grad is g:
+            self._saved[p] = g
+            p.grad = None
 
     @torch.no_grad()
     def _grad_ready(self, p: nn.Parameter) -> None:
@@ -393,6 +397,7 @@ class ShardedDataParallel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero (or drop, with ``set_to_none``) the gradients of the trainable parameters."""
+        self._saved.clear()
         for p in self._trainable_params:
             if set_to_none:
                 p.grad = None
