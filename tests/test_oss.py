@@ -194,6 +194,33 @@ def scenario_ranks_without_parameters(rank, world, tmp):
     assert sorted(opt.state_dict()["state"]) == [0, 1]
 
 
+def scenario_subgroups(rank, world, tmp):
+    """World 4 as two OSS groups of two ranks, each training on its own data: steps, the
+    parameter exchange and clip_grad_norm stay within the group (FairScale reduces the norm over
+    the world group)."""
+    from fairscale_c.optim import OSS
+
+    if world != 4:
+        return "skipped"
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    pair = rank // 2
+    model, ref = _make(10 + pair)
+    opt = OSS(_core(model), optim=torch.optim.SGD, group=groups[pair], lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(_core(ref), lr=0.05, momentum=0.9)
+    assert (opt.rank, opt.world_size) == (rank % 2, 2)
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            _loss(m, 10 * pair + step).backward()
+        norm = opt.clip_grad_norm(0.2)
+        ref_norm = torch.nn.utils.clip_grad_norm_(_core(ref), 0.2)
+        torch.testing.assert_close(norm, ref_norm, atol=1e-5, rtol=1e-6)
+        opt.step()
+        ref_opt.step()
+        _close_params(model, ref, f"pair {pair} step {step}")
+    return "compared"
+
+
 def scenario_frozen_then_unfrozen(rank, world, tmp):
     from fairscale_c.optim import OSS
 
@@ -470,9 +497,10 @@ def test_oss_world2(world2_checkpoint):
 @pytest.mark.parametrize("world", [1, 4])
 def test_oss_other_worlds_and_loading(world, world2_checkpoint):
     tmp, _ = world2_checkpoint
-    names = NUMERICS + ["checkpoint_load", "state_memory"] + (["consolidate_peak"] if world == 4 else [])
+    names = NUMERICS + ["checkpoint_load", "state_memory"] + (["consolidate_peak", "subgroups"] if world == 4 else [])
     results = _run(world, names, tmp)
     assert all(r["checkpoint_load"] == "continued" for r in results)
+    assert world != 4 or all(r["subgroups"] == "compared" for r in results)
     print(f"world {world}:", results)
 
 
