@@ -1,11 +1,12 @@
 """fairscale_c.nn — mirrors fairscale.nn."""
 
 from .checkpoint import checkpoint_wrapper
-from .data_parallel import FullyShardedDataParallel
+from .data_parallel import FullyShardedDataParallel, ShardedDataParallel
 from .wrap import auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap
 
 __all__ = [
     "FullyShardedDataParallel",
+    "ShardedDataParallel",
     "checkpoint_wrapper",
     "auto_wrap",
     "config_auto_wrap_policy",

@@ -2,5 +2,6 @@
 lives in fairscale_c.optim.grad_scaler, as in FairScale, and is not re-exported here)."""
 
 from .grad_scaler import GradScaler
+from .oss import OSS
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "OSS"]

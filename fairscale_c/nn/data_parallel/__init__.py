@@ -8,6 +8,7 @@ from .fully_sharded_data_parallel import (
     get_fsdp_instances,
 )
 from ._state_dict import no_pre_load_state_dict_hook
+from .sharded_ddp import ShardedDataParallel
 
 __all__ = [
     "FullyShardedDataParallel",
@@ -16,4 +17,5 @@ __all__ = [
     "auto_wrap_bn",
     "get_fsdp_instances",
     "no_pre_load_state_dict_hook",
+    "ShardedDataParallel",
 ]

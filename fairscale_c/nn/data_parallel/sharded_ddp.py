@@ -1,0 +1,459 @@
+"""ShardedDataParallel: data parallelism whose gradients reduce only to the rank that owns them
+(ZeRO-2 with :class:`fairscale_c.optim.OSS`), FairScale 0.4.13's API.
+
+During backward each trainable parameter's gradient is copied, as soon as autograd has accumulated
+it, into the flat buffer of its bucket (parameters of one owner rank, device and dtype, up to
+``reduce_buffer_size`` elements) and dropped; a full bucket is averaged onto its owner with one
+asynchronous ``reduce`` through ``fairscale_c.distributed``, so the reduction overlaps the rest of
+backward. Buckets are launched in a fixed order on every rank. At the end of backward every
+reduction is waited for: the owner's ``p.grad`` is a view of the reduced bucket, every other rank's
+is None. The optimizer then steps (OSS broadcasts the updated parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, Generator, List, Optional, Union
+
+import torch
+from torch import nn
+
+from fairscale_c import distributed as fdist
+from fairscale_c.optim.oss import OSS
+
+__all__ = ["ShardedDataParallel"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Bucket:
+    """Gradients of ``params`` (one owner, device and dtype) reduced together; ``offsets[i]`` is
+    where params[i] sits in ``flat``. Per-backward state: ``flat``, ``pending``, ``work``."""
+
+    owner: int
+    device: torch.device
+    dtype: torch.dtype
+    wire_dtype: torch.dtype
+    params: List[nn.Parameter]
+    offsets: List[int]
+    numel: int
+    flat: Optional[torch.Tensor] = None
+    pending: int = 0
+    work: Any = None
+    checked_in: List[bool] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.flat, self.work = None, None
+        self.pending = len(self.params)
+        self.checked_in = [False] * len(self.params)
+
+
+class ShardedDataParallel(nn.Module):
+    """Wrap ``module`` for data-parallel training with the sharded optimizer(s) that own its
+    parameters::
+
+        opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+        model = ShardedDataParallel(model, opt)
+        loss = model(x).sum(); loss.backward(); opt.step()
+
+    ``sharded_optimizer``: an :class:`~fairscale_c.optim.OSS` or a list of them (anything else is a
+    TypeError). ``process_group``: as OSS's ``group`` (default: the world); it must have OSS's
+    ranks. ``broadcast_buffers``: buffers come from rank 0 before every forward (outside
+    ``no_sync``). ``sync_models_at_startup``: rank 0's parameters and buffers are sent to all ranks
+    now. ``reduce_buffer_size``: elements per gradient bucket (0: one reduction per parameter).
+    ``reduce_fp16``: float32 gradients travel as float16 (with or without buckets; FairScale
+    ignores it with buckets). ``auto_refresh_trainable``: a change of ``requires_grad`` is picked up
+    at the next forward (else call :meth:`refresh_trainable`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sharded_optimizer: Union[OSS, List[OSS]],
+        process_group: Any = None,
+        broadcast_buffers: bool = True,
+        sync_models_at_startup: bool = True,
+        reduce_buffer_size: int = 2**23,
+        auto_refresh_trainable: bool = True,
+        reduce_fp16: bool = False,
+        warn_on_trainable_params_changed: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"ShardedDataParallel: argument 'module' must be a torch.nn.Module, got {type(module).__name__}"
+            )
+        optims = list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
+        bad = [type(o).__name__ for o in optims if not isinstance(o, OSS)]
+        if bad or not optims:
+            raise TypeError(
+                "ShardedDataParallel: argument 'sharded_optimizer' must be a fairscale_c.optim.OSS (or a list of "
+                f"them), got {', '.join(bad) or 'an empty list'}; wrap it: OSS(params, optim=<its class>, ...)"
+            )
+        if not isinstance(reduce_buffer_size, int) or reduce_buffer_size < 0:
+            raise ValueError(
+                "ShardedDataParallel: argument 'reduce_buffer_size' must be an int >= 0 (elements), "
+                f"got {reduce_buffer_size!r}"
+            )
+        self.module = module
+        self._sharded_optimizers = optims
+        self._enable_broadcast_buffers = bool(broadcast_buffers)
+        self._auto_refresh_trainable = bool(auto_refresh_trainable)
+        self._reduce_fp16 = bool(reduce_fp16)
+        self._warn_on_trainable_params_changed = bool(warn_on_trainable_params_changed)
+        self._process_group = process_group
+        self.comm = fdist.group_for(process_group)
+        self._rank, self._world_size = self.comm.rank, self.comm.size
+        for o in optims:
+            if o.world_size != self._world_size or o.rank != self._rank:
+                raise ValueError(
+                    f"ShardedDataParallel: the OSS optimizer's group (rank {o.rank} of {o.world_size}) and argument "
+                    f"'process_group' (rank {self._rank} of {self._world_size}) must be the same ranks"
+                )
+        device_types = {p.device.type for p in module.parameters()}
+        if len(device_types) > 1:
+            raise ValueError(
+                f"ShardedDataParallel: the module's parameters must be on one device type, found {sorted(device_types)}"
+            )
+        self.device_type = device_types.pop() if device_types else "cpu"
+        self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
+        self._all_params: List[nn.Parameter] = self._optimized_params()
+        self._known_count = self._param_count()
+        known = {id(p) for p in self._all_params}
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in known]
+        if missing:
+            _log.warning(
+                "ShardedDataParallel: parameters %s are in no sharded optimizer; their gradients are not reduced",
+                missing,
+            )
+        self._buffer_max_size = 0 if self._world_size == 1 else reduce_buffer_size
+        self._reference_trainable_mask = [p.requires_grad for p in self._all_params]
+        self._trainable_params: List[nn.Parameter] = []
+        self._trainable_param_to_rank: Dict[nn.Parameter, int] = {}
+        self._buckets: List[_Bucket] = []
+        self._where: Dict[nn.Parameter, tuple] = {}  # param -> (bucket index, position)
+        self._grad_hooks: List[Any] = []
+        self._should_accumulate_grads = False
+        self._armed = False  # a training forward ran: the next backward reduces
+        self._callback_queued = False
+        self._next_launch = 0
+        self._pending = 0  # gradients of this backward not yet checked in
+        self._overlapped = 0  # buckets of the last backward sent while gradients were still to come
+        self._buffer_works: List[Any] = []
+        self._reduced: Dict[nn.Parameter, torch.Tensor] = {}  # owner gradients set by the last reduction
+        self._saved: Dict[nn.Parameter, torch.Tensor] = {}  # ... set aside while the next is accumulated
+        if sync_models_at_startup:
+            self._sync_params_and_buffers()
+
+    # ------------------------------------------------------------------ module plumbing
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        needs_setup = not self._buckets and self.training
+        if self._auto_refresh_trainable:
+            needs_setup |= self._detect_train_change()
+            needs_setup |= self._param_count() != self._known_count  # a param group was added
+        if needs_setup:
+            self.refresh_trainable()
+        if self._enable_broadcast_buffers and not self._should_accumulate_grads:
+            self.sync_buffers(blocking=True)
+        self._wait_buffer_works()
+        if self.training:
+            self._arm()
+        return self.module(*inputs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes missing here come from the wrapped module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+    def to(
+        self, device: Any = None, dtype: Optional[torch.dtype] = None, non_blocking: bool = False
+    ) -> "ShardedDataParallel":  # type: ignore[override]
+        """Cast (and move within the device type) the module; the sharded optimizers' buffers follow.
+        A change of device type is a ValueError: the optimizers' state would be left behind."""
+        if isinstance(device, str):
+            device = torch.device(device)
+        if device is not None and device.type != self.device_type:
+            raise ValueError(
+                f"ShardedDataParallel.to: argument 'device' ({device}) changes the device type from "
+                f"'{self.device_type}'; build the model on its device before wrapping it (the optimizer state "
+                "would be left behind)"
+            )
+        if device is not None and self.is_multi_device_module:
+            raise ValueError("ShardedDataParallel.to: the module spans several devices; it cannot be moved to one")
+        self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
+        self.refresh_trainable()
+        return self
+
+    # ------------------------------------------------------------------ trainability
+
+    def _optimized_params(self) -> List[nn.Parameter]:
+        return [
+            p
+            for o in self._sharded_optimizers
+            for lists in o.per_device_params.values()
+            for params in lists
+            for p in params
+        ]
+
+    def _param_count(self) -> int:
+        return sum(len(g["params"]) for o in self._sharded_optimizers for g in o.param_groups)
+
+    def _detect_train_change(self) -> bool:
+        mask = [p.requires_grad for p in self._all_params]
+        changed = mask != self._reference_trainable_mask
+        if changed:
+            if self._warn_on_trainable_params_changed:
+                _log.warning("ShardedDataParallel: the trainable parameters changed; refreshing the reduction plan")
+            self._reference_trainable_mask = mask
+        return changed
+
+    def refresh_trainable(self) -> None:
+        """Rebuild buckets and hooks (and the optimizers' buffers) for the current ``requires_grad``
+        flags. Every rank calls it."""
+        if self._armed and any(b.pending < len(b.params) for b in self._buckets):
+            _log.warning(
+                "ShardedDataParallel.refresh_trainable: gradients were waiting to be reduced "
+                "(use no_sync() to accumulate)"
+            )
+        self._all_params = self._optimized_params()
+        self._known_count = self._param_count()
+        self._trainable_params = [p for p in self._all_params if p.requires_grad]
+        self._trainable_param_to_rank = {}
+        for o in self._sharded_optimizers:
+            o.refresh_trainable()
+            owner = o.param_to_rank
+            for p in self._trainable_params:
+                if p in owner:
+                    self._trainable_param_to_rank[p] = owner[p]
+        self._reference_trainable_mask = [p.requires_grad for p in self._all_params]
+        self._setup_buckets()
+        self._setup_backward_hooks()
+
+    def _setup_buckets(self) -> None:
+        """Buckets in the order gradients usually arrive (reverse registration order), per
+        (owner, device, dtype), each at most ``reduce_buffer_size`` elements (a larger parameter
+        gets a bucket of its own)."""
+        module_order = {id(p): i for i, p in enumerate(self.module.parameters())}
+        order = sorted(self._trainable_params, key=lambda p: -module_order.get(id(p), -1))
+        open_buckets: Dict[tuple, _Bucket] = {}
+        buckets: List[_Bucket] = []
+        for p in order:
+            owner = self._trainable_param_to_rank[p]
+            key = (owner, p.device, p.dtype)
+            wire = torch.float16 if self._reduce_fp16 and p.dtype == torch.float32 else p.dtype
+            b = open_buckets.get(key)
+            if b is None or b.numel + p.numel() > max(self._buffer_max_size, 1):
+                b = _Bucket(owner, p.device, p.dtype, wire, [], [], 0)
+                buckets.append(b)
+                open_buckets[key] = b
+            b.params.append(p)
+            b.offsets.append(b.numel)
+            b.numel += p.numel()
+        # A bucket is complete when its last parameter's gradient comes: launch them in that order.
+        position = {id(p): i for i, p in enumerate(order)}
+        buckets.sort(key=lambda b: position[id(b.params[-1])])
+        self._buckets = buckets
+        self._where = {p: (i, j) for i, b in enumerate(buckets) for j, p in enumerate(b.params)}
+        for b in buckets:
+            b.reset()
+        self._next_launch = 0
+
+    def _setup_backward_hooks(self) -> None:
+        while self._grad_hooks:
+            self._grad_hooks.pop().remove()
+        if self._world_size == 1:
+            return  # nothing to reduce: gradients stay where autograd puts them
+        for p in self._trainable_params:
+            if p.grad is not None and p.grad.requires_grad:
+                raise RuntimeError("ShardedDataParallel only works with gradients that do not require grad")
+            self._grad_hooks.append(p.register_hook(functools.partial(self._before_accumulate, p)))
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    # ------------------------------------------------------------------ gradient path
+
+    def _arm(self) -> None:
+        """A training forward: the next backward reduces every trainable gradient once."""
+        for b in self._buckets:
+            b.reset()
+        self._pending = sum(len(b.params) for b in self._buckets)
+        self._overlapped = 0
+        self._next_launch = 0
+        self._armed = True
+        self._callback_queued = False
+
+    def _before_accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """A new gradient is about to be added to ``p.grad``: if that still holds what the last
+        reduction gave this owner (accumulation without no_sync), set it aside and add it back
+        after the next reduction, so that it is not averaged over the ranks a second time."""
+        g = self._reduced.pop(p, None)
+        if g is not None and p.grad is g:
+            self._saved[p] = g
+            p.grad = None
+
+    @torch.no_grad()
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        if self._should_accumulate_grads or not self._armed:
+            return
+        where = self._where.get(p)
+        if where is None:
+            return
+        i, j = where
+        b = self._buckets[i]
+        if b.checked_in[j]:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._check_in(b, j, p.grad)
+        p.grad = None
+        self._launch_ready()
+
+    def _check_in(self, b: _Bucket, j: int, grad: Optional[torch.Tensor]) -> None:
+        if b.flat is None:
+            b.flat = torch.empty(b.numel, dtype=b.wire_dtype, device=b.device)
+        view = b.flat[b.offsets[j] : b.offsets[j] + b.params[j].numel()]
+        if grad is None:
+            view.zero_()  # no gradient here (unused on this rank): contributes zeros
+        else:
+            view.copy_(grad.reshape(-1))
+        b.checked_in[j] = True
+        b.pending -= 1
+        self._pending -= 1
+
+    def _launch_ready(self) -> None:
+        """Start the reductions of the complete buckets, in bucket order (the same on every rank)."""
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            b = self._buckets[self._next_launch]
+            b.work = self.comm.reduce(b.flat, root=b.owner, op="avg", async_op=True)
+            self._next_launch += 1
+            self._overlapped += self._pending > 0
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        """End of backward: send what is left (zeros for gradients that never came), wait for every
+        reduction, hand owners their gradients."""
+        self._callback_queued = False
+        self._flush()
+
+    def _flush(self) -> None:
+        for b in self._buckets[self._next_launch :]:
+            for j, done in enumerate(b.checked_in):
+                if not done:
+                    self._check_in(b, j, None)
+        self._launch_ready()
+        try:
+            for b in self._buckets:
+                if b.work is not None:
+                    b.work.wait()
+        finally:
+            self._armed = False
+        for b in self._buckets:
+            if b.owner == self._rank and b.flat is not None:
+                flat = b.flat if b.wire_dtype == b.dtype else b.flat.to(b.dtype)
+                for p, off in zip(b.params, b.offsets):
+                    g = flat[off : off + p.numel()].view_as(p)
+                    saved = self._saved.pop(p, None)
+                    if saved is not None:
+                        g = g.add_(saved)
+                    p.grad = g
+                    self._reduced[p] = g
+            b.flat, b.work = None, None
+
+    def reduce(self) -> None:
+        """Reduce the gradients now (normally automatic in backward); e.g. after backward passes
+        under no_sync(). Every rank calls it."""
+        if not any(not all(b.checked_in) for b in self._buckets) or not self._buckets:
+            raise RuntimeError(
+                "ShardedDataParallel.reduce: no gradients are waiting to be reduced (called twice, or no backward "
+                "since the last forward?)"
+            )
+        with torch.no_grad():
+            for b in self._buckets:
+                for j, p in enumerate(b.params):
+                    if not b.checked_in[j]:
+                        self._check_in(b, j, p.grad)
+                        p.grad = None
+            self._flush()
+
+    # ------------------------------------------------------------------ gradient accumulation, zero_grad
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator:
+        """Backward passes inside accumulate local gradients without communication; the first
+        backward outside reduces the accumulated sum."""
+        old = self._should_accumulate_grads
+        self._should_accumulate_grads = True
+        try:
+            yield
+        finally:
+            self._should_accumulate_grads = old
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero (or drop, with ``set_to_none``) the gradients of the trainable parameters."""
+        self._saved.clear()
+        for p in self._trainable_params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
+    # ------------------------------------------------------------------ buffers and start-up sync
+
+    @torch.no_grad()
+    def sync_buffers(self, blocking: bool = False) -> None:
+        """Send rank 0's buffers (e.g. batch-norm statistics) to every rank. Collective. Without
+        ``blocking`` the broadcasts complete before the next forward."""
+        if self._world_size == 1:
+            return
+        for buf in self.module.buffers(recurse=True):
+            self._buffer_works.append(self.comm.broadcast(_wire_view(buf), root=0, async_op=True))
+        if blocking:
+            self._wait_buffer_works()
+
+    def _wait_buffer_works(self) -> None:
+        works, self._buffer_works = self._buffer_works, []
+        for w in works:
+            w.wait()
+
+    @torch.no_grad()
+    def _sync_params_and_buffers(self) -> None:
+        if self._world_size == 1:
+            return
+        works = [
+            self.comm.broadcast(_wire_view(t), root=0, async_op=True)
+            for t in _unique(self.module.state_dict().values())
+        ]
+        for w in works:
+            w.wait()
+
+
+def _unique(tensors: Any) -> List[torch.Tensor]:
+    """Non-empty tensors, each memory region once (tied weights appear once)."""
+    seen, out = set(), []
+    for t in tensors:
+        key = (t.data_ptr(), t.numel(), t.dtype) if torch.is_tensor(t) else None
+        if key is not None and t.numel() and key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def _wire_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor the engine sends (bools as bytes); must be contiguous."""
+    if not t.is_contiguous():
+        raise ValueError(
+            f"ShardedDataParallel: module state of shape {tuple(t.shape)} is not contiguous; "
+            "cannot broadcast it in place"
+        )
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
