@@ -86,6 +86,10 @@ def test_alias_gives_the_same_module_objects():
             import fairscale
         except ImportError:
             print("gone")
+        else:  # the real FairScale, installed next to us: what `import fairscale` finds without the alias
+            assert not fairscale.__version__.endswith("fairscale_c.0.1.0"), fairscale.__version__
+            assert "fairscale_c" not in fairscale.__file__, fairscale.__file__
+            print("gone")
         """)
     )
     assert out.split() == ["0.4.13+fairscale_c.0.1.0", "(0,", "4,", "13)", "gone"]
