@@ -121,9 +121,7 @@ class PipelineSchedule:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ driving
-    def step(
-        self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True
-    ) -> Any:
+    def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True) -> Any:
         """One training step over the whole batch. Stage 0 is given the batch (positional Tensors
         split along dimension 0); other stages' positional arguments are ignored. The last stage
         is given ``target`` (split the same way) and, optionally, a list ``losses`` that receives

@@ -334,9 +334,7 @@ class PipelineStage:
     def recv_gradient_ops(self, mb: int) -> List[fdist.P2POp]:
         """Receives of the gradients of micro-batch ``mb``'s floating outputs from the next stage."""
         assert self.output_meta is not None
-        bufs = tuple(
-            torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in self.output_meta if m.floating
-        )
+        bufs = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in self.output_meta if m.floating)
         self._grads[mb] = bufs
         return [fdist.P2POp("recv", b, self.next) for b in bufs]
 
