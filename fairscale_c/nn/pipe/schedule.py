@@ -32,7 +32,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from .stage import PipelineStage, as_tuple, metas_of, resolve_group, _describe
+from .stage import PipelineStage, as_tuple, metas_of, resolve_group, describe
 
 
 @dataclass(frozen=True)
@@ -156,8 +156,8 @@ class PipelineSchedule:
             got = metas_of(mbs[0], "step: the micro-batch")
             if got != stage.input_meta:
                 raise ValueError(
-                    f"{name}.step: stage 0's micro-batch is {_describe(got)} but the pipeline was set up for "
-                    f"{_describe(stage.input_meta or ())}; every step must have the same shapes"
+                    f"{name}.step: stage 0's micro-batch is {describe(got)} but the pipeline was set up for "
+                    f"{describe(stage.input_meta or ())}; every step must have the same shapes"
                 )
         stage.clear()
         mb_losses: List[torch.Tensor] = []

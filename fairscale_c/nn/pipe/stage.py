@@ -51,7 +51,7 @@ class TensorMeta:
         return self.dtype.is_floating_point
 
 
-def _describe(metas: Sequence[TensorMeta]) -> str:
+def describe(metas: Sequence[TensorMeta]) -> str:
     return "(" + ", ".join(str(m) for m in metas) + ")"
 
 
@@ -243,7 +243,7 @@ class PipelineStage:
             source = "its micro-batch is" if self.is_first else f"stage {self.prev} sends"
             err = (
                 f"shape mismatch between stages: stage {self.stage_index} was built with input_args "
-                f"{_describe(self.declared_inputs)} but {source} {_describe(metas)}"
+                f"{describe(self.declared_inputs)} but {source} {describe(metas)}"
             )
         out_metas = None
         if upstream_ok and not err:
@@ -276,7 +276,7 @@ class PipelineStage:
                 out = self._sample_forward(metas, sample)
             except Exception as e:  # noqa: BLE001 - reported to every rank by setup()
                 return None, (
-                    f"stage {self.stage_index}'s module raised {type(e).__name__} on inputs {_describe(metas)}: "
+                    f"stage {self.stage_index}'s module raised {type(e).__name__} on inputs {describe(metas)}: "
                     f"{str(e).splitlines()[0] if str(e) else ''}"
                 )
         outs = as_tuple(out)
