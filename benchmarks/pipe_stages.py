@@ -2,7 +2,7 @@
 Schedule1F1B) vs torch.distributed.pipelining (gloo), 2 stages on CPU, same model, same data,
 same micro-batch counts, in the same processes.
 
-    PYTHONPATH=. python benchmarks/pipe_stages.py           # d=512, 4 layers per stage, m = 4, 8, 16
+    PYTHONPATH=. python benchmarks/pipe_stages.py           # d=512, 4 layers per stage, batch 480, m = 4, 8, 12, 16
     PYTHONPATH=. python benchmarks/pipe_stages.py --quick   # small model, few steps (about a minute)
 
 The model: 2 stages of `--layers` x (Linear(d, d), ReLU) each; MSE loss on the last stage; SGD.
@@ -59,8 +59,8 @@ STAGES = 2
 class Config:
     d: int = 512
     layers: int = 4  # (Linear, ReLU) pairs per stage
-    batch: int = 512
-    microbatches: List[int] = field(default_factory=lambda: [4, 8, 16])
+    batch: int = 480
+    microbatches: List[int] = field(default_factory=lambda: [4, 8, 12, 16])
     steps: int = 8  # timed steps per configuration per round
     rounds: int = 3
     warmup: int = 2
@@ -70,7 +70,7 @@ class Config:
 
 
 def quick_config() -> Config:
-    return Config(d=128, layers=2, batch=64, microbatches=[4, 8, 16], steps=4, rounds=2, warmup=1, memory_steps=1)
+    return Config(d=128, layers=2, batch=48, microbatches=[4, 8, 12, 16], steps=4, rounds=2, warmup=1, memory_steps=1)
 
 
 # ---------------------------------------------------------------- instrumentation (both frameworks)
@@ -371,7 +371,7 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     p.add_argument("--d", type=int, default=None, help=f"layer width (default {d.d})")
     p.add_argument("--layers", type=int, default=None, help=f"(Linear, ReLU) pairs per stage (default {d.layers})")
     p.add_argument("--batch", type=int, default=None, help=f"samples per step (default {d.batch})")
-    p.add_argument("--microbatches", type=int, nargs="+", default=None, help="micro-batch counts (default 4 8 16)")
+    p.add_argument("--microbatches", type=int, nargs="+", default=None, help="micro-batch counts (default 4 8 12 16)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per configuration per round")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--out", default=RESULTS, help="JSON results path")

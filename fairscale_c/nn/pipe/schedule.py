@@ -32,7 +32,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from .stage import PipelineStage, as_tuple, metas_of, resolve_group, describe
+from .stage import PipelineStage, as_tuple, describe, metas_of, resolve_group
 
 
 @dataclass(frozen=True)
@@ -208,27 +208,20 @@ class PipelineSchedule:
     ) -> Tuple[float, float]:
         stage, group = self._stage, self._stage.group
         divisor = self._n_microbatches if self.scale_grads else 1
-        order = self.order(has_backward)
-        pending: Dict[Action, Any] = {}  # action -> Work of the batch that receives its inputs
-        inflight: Deque[Any] = deque()  # Works not yet known to be finished, oldest first
+        inflight: Deque[Any] = deque()  # Works of sends not yet known to be finished, oldest first
         compute_s = wait_s = 0.0
-
-        def issue(ops: list, receives_for: Optional[Action]) -> None:
-            if not ops:
-                return
-            work = group.batch(ops, async_op=True)
-            inflight.append(work)
-            if receives_for is not None:
-                pending[receives_for] = work
-
-        first_recv = self._receives(order[0])
-        issue(first_recv, order[0] if first_recv else None)
-        for k, action in enumerate(order):
-            work = pending.pop(action, None)
-            if work is not None:
+        sends: list = []  # the previous action's messages, not yet issued
+        for action in self.order(has_backward):
+            recvs = self._receives(action)
+            if recvs:
+                # needed now: one batch with the previous action's messages, then wait for it
                 t = time.perf_counter()
-                work.wait()
+                group.batch(sends + recvs, async_op=True).wait()
                 wait_s += time.perf_counter() - t
+            elif sends:
+                inflight.append(group.batch(sends, async_op=True))  # overlaps the next computation
+            while inflight and inflight[0].is_completed():
+                inflight.popleft().wait()  # releases its tensors; raises if it failed
             t = time.perf_counter()
             if action.kind == "F":
                 out = stage.forward_one(action.mb, mbs[action.mb] if mbs is not None else None, has_backward)
@@ -243,12 +236,9 @@ class PipelineSchedule:
             sends = self._sends(action)
             if action.kind == "F" and not has_backward:
                 stage.drop_forward_state(action.mb)
-            nxt = order[k + 1] if k + 1 < len(order) else None
-            recvs = self._receives(nxt) if nxt is not None else []
-            issue(sends + recvs, nxt if recvs else None)
-            while inflight and inflight[0].is_completed():
-                inflight.popleft().wait()  # releases its tensors; raises if it failed
         t = time.perf_counter()
+        if sends:
+            group.batch(sends)
         while inflight:
             inflight.popleft().wait()
         wait_s += time.perf_counter() - t
