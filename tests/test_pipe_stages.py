@@ -60,6 +60,11 @@ class Tail(nn.Module):
         return self.fc(h + self.emb(idx))
 
 
+class _ToBool(nn.Module):
+    def forward(self, x):
+        return x > 0
+
+
 def batch(step: int, n: int, device: str = "cpu"):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(n, 8, generator=g).to(device), torch.randn(n, 4, generator=g).to(device)
@@ -199,6 +204,17 @@ def _bad_input(rank, group):
         )
     )
 
+    # a dtype the collectives layer does not move
+    boolish = _ToBool() if rank == 0 else mod
+    msgs.append(
+        _raises(
+            ValueError,
+            "stage 0's output[0] has dtype torch.bool; tensors passed between stages must be one of",
+            _first_step,
+            ScheduleGPipe(PipelineStage(boolish, group=group), 4, F.mse_loss),
+        )
+    )
+
     # a later step with other shapes (stage 0 only: local)
     good = ScheduleGPipe(PipelineStage(mod, group=group, input_args=(2, 8) if rank == 0 else (2, 16)), 4, F.mse_loss)
     _first_step(good)
@@ -306,7 +322,7 @@ def test_two_stages_match_single_process_and_reject_bad_input():
     done, msgs = results[0]
     assert len(done) == 7, done
     assert results[0][1] == results[1][1], "set-up errors must be the same on every stage"
-    assert len(msgs) == 3
+    assert len(msgs) == 4
     assert orphaned_segments() <= before
 
 

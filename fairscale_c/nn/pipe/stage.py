@@ -247,8 +247,6 @@ class PipelineStage:
             )
         out_metas = None
         if upstream_ok and not err:
-            err = _check_passable(metas, f"stage {self.stage_index}'s input")
-        if upstream_ok and not err:
             out_metas, err = self._infer_outputs(metas, first_microbatch)
         if not err and out_metas is not None and not self.is_last:
             err = _check_passable(out_metas, f"stage {self.stage_index}'s output")
