@@ -16,10 +16,11 @@ Both are driven the same way (the shape of ``torch.distributed.pipelining``'s)::
     out = schedule.step()                              # the stages between
     optimizer.step()
 
-After each action the messages it produced (its outputs forward, its input gradients backward)
-and those the next action needs are issued together as one asynchronous point-to-point batch of
-the pipeline group, so sends overlap the next computation and no order of issue across stages
-can deadlock. Every wait is bounded by FAIRSCALE_C_TIMEOUT: a stage that dies makes the others
+Before each action, the messages the previous one produced (its outputs forward, its input
+gradients backward) and the receives this one needs go out together as one point-to-point batch
+of the pipeline group (no order of issue across stages can deadlock): synchronously when there is
+something to receive (on the calling thread when nothing is queued before it), else
+asynchronously, so the sends overlap the computation. Every wait is bounded by FAIRSCALE_C_TIMEOUT: a stage that dies makes the others
 raise ``fairscale_c.DistributedError`` instead of hanging.
 """
 
@@ -214,9 +215,11 @@ class PipelineSchedule:
         for action in self.order(has_backward):
             recvs = self._receives(action)
             if recvs:
-                # needed now: one batch with the previous action's messages, then wait for it
+                # needed now: one synchronous batch with the previous action's messages. When
+                # nothing is queued before it, it runs on this thread: no hand-off to the group's
+                # progress thread and back on the critical path between the stages
                 t = time.perf_counter()
-                group.batch(sends + recvs, async_op=True).wait()
+                group.batch(sends + recvs)
                 wait_s += time.perf_counter() - t
             elif sends:
                 inflight.append(group.batch(sends, async_op=True))  # overlaps the next computation
