@@ -20,8 +20,9 @@ Before each action, the messages the previous one produced (its outputs forward,
 gradients backward) and the receives this one needs go out together as one point-to-point batch
 of the pipeline group (no order of issue across stages can deadlock): synchronously when there is
 something to receive (on the calling thread when nothing is queued before it), else
-asynchronously, so the sends overlap the computation. Every wait is bounded by FAIRSCALE_C_TIMEOUT: a stage that dies makes the others
-raise ``fairscale_c.DistributedError`` instead of hanging.
+asynchronously, so the sends overlap the computation. Every wait is bounded by
+FAIRSCALE_C_TIMEOUT: a stage that dies makes the others raise ``fairscale_c.DistributedError``
+instead of hanging.
 """
 
 from __future__ import annotations

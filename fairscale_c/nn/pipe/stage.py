@@ -16,9 +16,10 @@ learns every stage's verdict, so a shape mismatch or a module that fails on its 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,28 @@ def resolve_group(group: Any, role: str, what: str) -> Any:
     )
 
 
+@contextlib.contextmanager
+def _on_meta(module: nn.Module) -> Iterator[None]:
+    """Within the block, ``module``'s parameters and buffers are meta tensors of the same shapes
+    (tied ones stay tied); the originals are put back afterwards, whatever happens."""
+    swapped: List[Tuple[Dict[str, Any], str, torch.Tensor]] = []
+    metas: Dict[int, torch.Tensor] = {}
+    try:
+        for mod in module.modules():
+            for store in (mod._parameters, mod._buffers):
+                for name, t in list(store.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in metas:
+                        metas[id(t)] = torch.empty_like(t, device="meta")
+                    swapped.append((store, name, t))
+                    store[name] = metas[id(t)]
+        yield
+    finally:
+        for store, name, t in reversed(swapped):
+            store[name] = t
+
+
 class PipelineStage:
     """This process's stage of a multi-process pipeline (one stage per rank).
 
@@ -265,10 +288,9 @@ class PipelineStage:
         (parameters and buffers replaced by meta tensors, so nothing is computed or changed), else
         by running it once without gradients (RNG state and buffers restored afterwards)."""
         try:
-            fake = {n: torch.empty_like(t, device="meta") for n, t in self.module.state_dict(keep_vars=True).items()}
             args = tuple(torch.empty(m.shape, dtype=m.dtype, device="meta") for m in metas)
-            with torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad():
-                out = torch.func.functional_call(self.module, fake, args, strict=False)
+            with torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad(), _on_meta(self.module):
+                out = self.module(*args)
         except Exception:  # noqa: BLE001 - a module the meta device cannot run: run it for real
             try:
                 out = self._sample_forward(metas, sample)
