@@ -249,6 +249,15 @@ def job_world2(rank, world, device):
         if rank == 1:
             torch.testing.assert_close(out, make_model()(batch(0, 8)[0]).detach(), **TOL)
         assert all(p.grad is None for p in full.parameters())
+        # set-up runs the module on the meta device: buffers and RNG state as if it had not run
+        bn = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16)) if rank == 0 else nn.Linear(16, 4)
+        params = [id(p) for p in bn.parameters()]
+        rng = torch.random.get_rng_state()
+        ScheduleGPipe(PipelineStage(bn), 4, F.mse_loss).eval(batch(0, 8)[0])
+        assert torch.equal(rng, torch.random.get_rng_state())
+        assert params == [id(p) for p in bn.parameters()] and all(p.device.type == "cpu" for p in bn.parameters())
+        if rank == 0:
+            assert int(bn[1].num_batches_tracked) == 4  # the four micro-batches, not the set-up
     dist.destroy_process_group()
     return done, msgs
 
