@@ -147,6 +147,38 @@ def _first_step(schedule):
     return schedule.step(x, target=y)
 
 
+def _train_interleaved(rank, world, chunks, n_micro):
+    """ScheduleInterleaved1F1B with `chunks` stages per rank against the whole model."""
+    from fairscale_c.nn.pipe import PipelineStage, ScheduleInterleaved1F1B
+
+    torch.manual_seed(2)
+    n = world * chunks
+    full = nn.Sequential(*[layer for _ in range(n) for layer in (nn.Linear(8, 8), nn.Tanh())])
+    ref = copy.deepcopy(full)
+    mine = list(range(rank, n, world))
+    stages = [PipelineStage(full[2 * k : 2 * k + 2], k, n) for k in mine]
+    schedule = ScheduleInterleaved1F1B(stages, n_micro, F.mse_loss)
+    params = [p for st in stages for p in st.module.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, _ = batch(step, 16)
+        y = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        out = schedule.step(x, target=y)
+        opt.step()
+        ref_opt.zero_grad()
+        ref_out = ref(x)
+        F.mse_loss(ref_out, y).backward()
+        ref_opt.step()
+        if out is not None:
+            torch.testing.assert_close(out, ref_out.detach(), **TOL)
+    for k, st in zip(mine, stages):
+        for p, q in zip(st.module.parameters(), ref[2 * k : 2 * k + 2].parameters()):
+            torch.testing.assert_close(p, q, **TOL)
+    return f"ScheduleInterleaved1F1B(v={chunks}, m={n_micro})"
+
+
 def _raises(exc, text, fn, *args, **kwargs) -> str:
     try:
         fn(*args, **kwargs)
@@ -158,7 +190,7 @@ def _raises(exc, text, fn, *args, **kwargs) -> str:
 
 def _bad_input(rank, group):
     """Each error a user can make, raised before anything is sent, or (set-up) on every stage."""
-    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     mod = make_model()[CUTS[2][rank] : CUTS[2][rank + 1]]
     _raises(ValueError, f"stage_index={1 - rank} but this process is rank {rank}", PipelineStage, mod, 1 - rank)
@@ -169,6 +201,10 @@ def _bad_input(rank, group):
     _raises(ValueError, "n_microbatches must be >= 1, got 0", ScheduleGPipe, stage, 0, F.mse_loss)
     _raises(TypeError, "n_microbatches must be an int", Schedule1F1B, stage, 2.0, F.mse_loss)
     _raises(TypeError, "loss_fn must be callable", ScheduleGPipe, stage, 2, "mse")
+    two = [PipelineStage(mod, k, 4, group=group) for k in (rank, rank + 2)]
+    _raises(ValueError, "one stage per rank", ScheduleGPipe, two[0], 4, F.mse_loss)
+    _raises(ValueError, "n_microbatches=3 must be a multiple", ScheduleInterleaved1F1B, two, 3, F.mse_loss)
+    _raises(ValueError, f"must hold stages [{rank}, {rank + 2}]", ScheduleInterleaved1F1B, two[:1], 4, F.mse_loss)
     schedule = ScheduleGPipe(stage, 4, F.mse_loss)
     x, y = batch(0, 10)
     if rank == 0:  # local checks of the batch: nothing is sent, stage 1 does not take part
@@ -238,6 +274,8 @@ def job_world2(rank, world, device):
     for cls in (ScheduleGPipe, Schedule1F1B):
         for m in (1, 4, 8):
             done.append(_train_and_compare(rank, None, 2, cls, m, 8, device))
+    if device == "cpu":
+        done.append(_train_interleaved(rank, 2, 2, 4))
     world_group = fdist.init_group()  # a fairscale_c Group as the pipeline group
     done.append(_train_and_compare(rank, world_group, 2, Schedule1F1B, 2, 8, device))
     if device == "cpu":
@@ -272,6 +310,7 @@ def job_world4(rank, world, schedule_name):
     done = []
     for cls in (ScheduleGPipe, Schedule1F1B):
         done.append(_train_and_compare(rank, None, 4, cls, 4, 8))
+    done.append(_train_interleaved(rank, 4, 2, 8))
     # pipeline groups {0,1}, {2,3}; data-parallel groups {0,2}, {1,3} (every rank makes every group)
     pp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -329,7 +368,7 @@ def test_two_stages_match_single_process_and_reject_bad_input():
     before = orphaned_segments()
     results = run_ranks(job_world2, 2, "cpu", timeout=240, env={"FAIRSCALE_C_TIMEOUT": "60"})
     done, msgs = results[0]
-    assert len(done) == 7, done
+    assert len(done) == 8, done
     assert results[0][1] == results[1][1], "set-up errors must be the same on every stage"
     assert len(msgs) == 4
     assert orphaned_segments() <= before
@@ -344,7 +383,7 @@ def test_four_stages_pipeline_by_data_parallel_and_a_killed_stage(schedule_name)
     assert results[1] is None  # the killed stage
     for rank in (0, 2, 3):
         done, (kind, msg, seconds) = results[rank]
-        assert len(done) == 4, done
+        assert len(done) == 5, done
         assert kind == "DistributedError", (rank, kind, msg)
         # the dead stage's neighbours see its exit; stage 3 sees stage 2 give up and exit, or times out
         assert seconds < DEAD_TIMEOUT_S + 5, (rank, seconds, msg)

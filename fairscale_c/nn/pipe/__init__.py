@@ -4,7 +4,15 @@ Multi-process pipelines (one stage per rank): :class:`PipelineStage` with the sc
 :class:`ScheduleGPipe` and :class:`Schedule1F1B`; see docs/pipe_stages.md.
 """
 
-from .schedule import PipelineSchedule, Schedule1F1B, ScheduleGPipe, StepStats
+from .schedule import PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, StepStats
 from .stage import PipelineStage, TensorMeta
 
-__all__ = ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "StepStats", "TensorMeta"]
+__all__ = [
+    "PipelineSchedule",
+    "PipelineStage",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "StepStats",
+    "TensorMeta",
+]

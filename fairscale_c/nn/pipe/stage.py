@@ -202,19 +202,23 @@ class PipelineStage:
         for name, value in (("stage_index", stage_index), ("num_stages", num_stages)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f"PipelineStage: {name} must be an int, got {type(value).__name__}")
-        if num_stages is not None and num_stages != size:
+        num_stages = size if num_stages is None else num_stages
+        if num_stages < size or num_stages % size:
             raise ValueError(
-                f"PipelineStage: num_stages={num_stages} but the pipeline group has {size} ranks; "
-                "expected one stage per rank (num_stages == group size)"
+                f"PipelineStage: num_stages={num_stages} but the pipeline group has {size} ranks; expected the "
+                "group size (one stage per rank) or, for ScheduleInterleaved1F1B, a multiple of it"
             )
-        if stage_index is not None and stage_index != rank:
+        stage_index = rank if stage_index is None else stage_index
+        if not 0 <= stage_index < num_stages or stage_index % size != rank:
             raise ValueError(
                 f"PipelineStage: stage_index={stage_index} but this process is rank {rank} of the pipeline "
-                f"group; stage i runs on group rank i (expected stage_index={rank})"
+                f"group; stage i runs on group rank i % {size} (expected one of {list(range(rank, num_stages, size))})"
             )
         self.module = module
-        self.stage_index, self.num_stages = rank, size
-        self.is_first, self.is_last = rank == 0, rank == size - 1
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        # gradients travel on this group; ScheduleInterleaved1F1B gives them a group of their own
+        self.grad_group = self.group
         if device is None:
             first = next(module.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
@@ -239,11 +243,13 @@ class PipelineStage:
 
     @property
     def prev(self) -> int:
-        return self.stage_index - 1
+        """Group rank of the previous stage."""
+        return (self.stage_index - 1) % self.group.size
 
     @property
     def next(self) -> int:
-        return self.stage_index + 1
+        """Group rank of the next stage."""
+        return (self.stage_index + 1) % self.group.size
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -263,7 +269,7 @@ class PipelineStage:
             metas = _decode(rec)
             upstream_ok = metas is not None
         if upstream_ok and self.declared_inputs is not None and metas != self.declared_inputs:
-            source = "its micro-batch is" if self.is_first else f"stage {self.prev} sends"
+            source = "its micro-batch is" if self.is_first else f"stage {self.stage_index - 1} sends"
             err = (
                 f"shape mismatch between stages: stage {self.stage_index} was built with input_args "
                 f"{describe(self.declared_inputs)} but {source} {describe(metas)}"
@@ -276,9 +282,9 @@ class PipelineStage:
         if not self.is_last:
             self.group.send(_encode(out_metas if upstream_ok and not err else None), self.next)
         verdicts = self._agree(err)
-        bad = [(s, m) for s, m in enumerate(verdicts) if m]
+        bad = [m for m in verdicts if m]
         if bad:
-            raise ValueError("pipeline set-up failed: " + "; ".join(m for _, m in bad))
+            raise ValueError("pipeline set-up failed: " + "; ".join(bad))
         self.input_meta, self.output_meta = metas, out_metas
 
     def _infer_outputs(
@@ -326,9 +332,9 @@ class PipelineStage:
         mine = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
         if data:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        every = torch.zeros(_MSG_BYTES * self.num_stages, dtype=torch.uint8)
+        every = torch.zeros(_MSG_BYTES * self.group.size, dtype=torch.uint8)
         self.group.all_gather(every, mine)
-        rows = every.view(self.num_stages, _MSG_BYTES)
+        rows = every.view(self.group.size, _MSG_BYTES)
         return [bytes(r.tolist()).rstrip(b"\0").decode("utf-8", "replace") for r in rows]
 
     # ------------------------------------------------------------------ per micro-batch
