@@ -1,11 +1,13 @@
 """Multi-process pipeline benchmark: fairscale_c.nn.pipe (PipelineStage, ScheduleGPipe,
-Schedule1F1B) vs torch.distributed.pipelining (gloo), 2 stages on CPU, same model, same data,
-same micro-batch counts, in the same processes.
+Schedule1F1B, ScheduleInterleaved1F1B) vs torch.distributed.pipelining (gloo), 2 ranks on CPU,
+same model, same data, same micro-batch counts, in the same processes.
 
-    PYTHONPATH=. python benchmarks/pipe_stages.py           # d=512, 4 layers per stage, batch 480, m = 4, 8, 12, 16
-    PYTHONPATH=. python benchmarks/pipe_stages.py --quick   # small model, few steps (about a minute)
+    PYTHONPATH=. python benchmarks/pipe_stages.py          # d=512, 4 layers per rank, batch 480, m = 4..16
+    PYTHONPATH=. python benchmarks/pipe_stages.py --quick  # small model, few steps (under a minute)
 
-The model: 2 stages of `--layers` x (Linear(d, d), ReLU) each; MSE loss on the last stage; SGD.
+The model: 2 x `--layers` x (Linear(d, d), ReLU), MSE loss on the last stage, SGD; GPipe and 1F1B
+run it as 2 stages (one per rank), the interleaved schedules as 4 stages (2 per rank: rank r
+holds stages r and r + 2).
 Two rank processes (one per stage, one torch thread each) live for the whole run (benchmarks/
 _harness.RankPool); every configuration (framework x schedule x micro-batches) is timed in turn
 within each round, so load on the machine falls on all of them alike; the median over rounds is
@@ -23,7 +25,7 @@ Reported per configuration:
   * bubble per stage: 1 - (forward + backward compute time) / step time, with compute timed the
     same way for both frameworks (the module's forward; backward from the gradient reaching the
     stage's output to the last parameter gradient accumulated), against the ideal
-    (p - 1) / (m + p - 1).
+    (p - 1) / (m + p - 1), and (p - 1) / (2m + p - 1) for the interleaved schedules.
 
 Targets (printed as verdict lines): throughput >= 1.2x torch.distributed.pipelining's with the same
 schedule; fairscale_c's 1F1B peak activation memory <= its GPipe's at equal throughput (+-5%; a
@@ -52,7 +54,8 @@ from _harness import RankPool, RankState  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipe_stages.json")
 FRAMEWORKS = ("fairscale_c", "torch")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+INTERLEAVE = 2  # stages per rank of the interleaved schedule
 TARGET_THROUGHPUT_RATIO = 1.2
 TARGET_EQUAL_THROUGHPUT = 0.05
 STAGES = 2
@@ -120,31 +123,32 @@ class _Tracker:
 
 
 class _Exit(torch.autograd.Function):
-    """Identity whose backward marks the moment the stage's backward starts."""
+    """Identity whose backward marks the moment a stage's backward starts."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, probe: "Probe") -> torch.Tensor:
-        ctx.probe = probe
+    def forward(ctx: Any, x: torch.Tensor, meter: "Meter") -> torch.Tensor:
+        ctx.meter = meter
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.probe.backward_starts()
+        ctx.meter.backward_starts()
         return grad, None
 
 
-class Probe(torch.nn.Module):
-    """Wraps a stage's module: times its forward and backward, and (when tracking) counts the
-    activations autograd saves for it."""
+class Meter:
+    """One rank's compute clock and activation count, shared by the Probes of its stages."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
+    def __init__(self) -> None:
+        self.params: List[torch.Tensor] = []
         self.tracker: Optional[_Tracker] = None
         self.fwd_s = self.bwd_s = 0.0
         self._bwd_open: Optional[float] = None
         self._last_grad = 0.0
-        for p in inner.parameters():
+
+    def watch(self, module: torch.nn.Module) -> None:
+        for p in module.parameters():
+            self.params.append(p)
             p.register_post_accumulate_grad_hook(self._grad_done)
 
     def _grad_done(self, _p: torch.Tensor) -> None:
@@ -155,6 +159,7 @@ class Probe(torch.nn.Module):
         self._bwd_open = time.perf_counter()
 
     def flush(self) -> None:
+        """Close the open backward interval: it ended at the last parameter gradient."""
         if self._bwd_open is not None:
             self.bwd_s += max(0.0, self._last_grad - self._bwd_open)
             self._bwd_open = None
@@ -162,32 +167,45 @@ class Probe(torch.nn.Module):
     def reset(self, track: bool) -> None:
         self.flush()
         self.fwd_s = self.bwd_s = 0.0
-        skip = {p.untyped_storage().data_ptr() for p in self.inner.parameters()}
-        self.tracker = _Tracker(skip) if track else None
+        self.tracker = _Tracker({p.untyped_storage().data_ptr() for p in self.params}) if track else None
+
+
+class Probe(torch.nn.Module):
+    """Wraps a stage's module: times its forward and backward on a Meter and (when tracking)
+    counts the activations autograd saves for it."""
+
+    def __init__(self, inner: torch.nn.Module, meter: Meter) -> None:
+        super().__init__()
+        self.inner = inner
+        self.meter = meter
+        meter.watch(inner)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        meter = self.meter
         t0 = time.perf_counter()
-        if self.tracker is not None:
-            with torch.autograd.graph.saved_tensors_hooks(self.tracker.pack, self.tracker.unpack):
+        if meter.tracker is not None:
+            with torch.autograd.graph.saved_tensors_hooks(meter.tracker.pack, meter.tracker.unpack):
                 out = self.inner(x)
         else:
             out = self.inner(x)
-        self.fwd_s += time.perf_counter() - t0
+        meter.fwd_s += time.perf_counter() - t0
         if out.requires_grad:
-            out = _Exit.apply(out, self)
+            out = _Exit.apply(out, meter)
         return out
 
 
 # ---------------------------------------------------------------- rank side
 
 
-def _stage_module(cfg: Config, rank: int) -> torch.nn.Module:
+def _stage_modules(cfg: Config, rank: int, chunks: int) -> List[torch.nn.Module]:
+    """This rank's parts of the whole model (the same seeded model every time) cut into
+    STAGES * chunks stages; stage k runs on rank k % STAGES."""
     torch.manual_seed(cfg.seed)
     full = []
     for _ in range(STAGES * cfg.layers):
         full += [torch.nn.Linear(cfg.d, cfg.d), torch.nn.ReLU()]
-    per = 2 * cfg.layers
-    return torch.nn.Sequential(*full[rank * per : (rank + 1) * per])
+    per = 2 * cfg.layers // chunks
+    return [torch.nn.Sequential(*full[k * per : (k + 1) * per]) for k in range(rank, STAGES * chunks, STAGES)]
 
 
 def rank_setup(state: RankState, cfg_dict: Dict[str, Any]) -> None:
@@ -199,20 +217,29 @@ def rank_setup(state: RankState, cfg_dict: Dict[str, Any]) -> None:
 
     cfg = Config(**cfg_dict)
     rank = state.rank
-    probe = Probe(_stage_module(cfg, rank))
+    meters = {"plain": Meter(), "interleaved": Meter()}
+    probe = Probe(_stage_modules(cfg, rank, 1)[0], meters["plain"])
+    probes = [Probe(mod, meters["interleaved"]) for mod in _stage_modules(cfg, rank, INTERLEAVE)]
+    cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(cfg.seed + 1)
     x, y = torch.randn(cfg.batch, cfg.d, generator=g), torch.randn(cfg.batch, cfg.d, generator=g)
     scheds: Dict[tuple, Any] = {}
     for m in cfg.microbatches:
         sample = torch.empty(cfg.batch // m, cfg.d)
-        for name in SCHEDULES:
+        for name in ("gpipe", "1f1b"):
             ours = {"gpipe": fpp.ScheduleGPipe, "1f1b": fpp.Schedule1F1B}[name]
             theirs = {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[name]
             scheds[("fairscale_c", name, m)] = ours(fpp.PipelineStage(probe, rank, STAGES), m, F.mse_loss)
-            tstage = tpp.PipelineStage(probe, rank, STAGES, torch.device("cpu"), input_args=(sample,))
+            tstage = tpp.PipelineStage(probe, rank, STAGES, cpu, input_args=(sample,))
             scheds[("torch", name, m)] = theirs(tstage, m, loss_fn=F.mse_loss)
-    opt = torch.optim.SGD(probe.parameters(), lr=cfg.lr)
-    state.case = {"cfg": cfg, "probe": probe, "x": x, "y": y, "scheds": scheds, "opt": opt}
+        n, ks = STAGES * INTERLEAVE, range(rank, STAGES * INTERLEAVE, STAGES)
+        ours_i = [fpp.PipelineStage(pr, k, n) for pr, k in zip(probes, ks)]
+        scheds[("fairscale_c", "interleaved", m)] = fpp.ScheduleInterleaved1F1B(ours_i, m, F.mse_loss)
+        theirs_i = [tpp.PipelineStage(pr, k, n, cpu, input_args=(sample,)) for pr, k in zip(probes, ks)]
+        scheds[("torch", "interleaved", m)] = tpp.ScheduleInterleaved1F1B(theirs_i, m, loss_fn=F.mse_loss)
+    params = list(probe.parameters()) + [p for pr in probes for p in pr.parameters()]
+    opt = torch.optim.SGD(params, lr=cfg.lr)
+    state.case = {"cfg": cfg, "meters": meters, "x": x, "y": y, "scheds": scheds, "opt": opt}
 
 
 def _one_step(state: RankState, sched: Any, losses: Optional[list] = None) -> None:
@@ -229,18 +256,19 @@ def run_case(state: RankState, framework: str, schedule: str, m: int, steps: int
     """Rank command: `steps` back-to-back steps of one configuration after a barrier. Returns this
     rank's elapsed time, compute times and (when tracking) peak saved activation bytes."""
     c = state.case
-    sched, probe = c["scheds"][(framework, schedule, m)], c["probe"]
-    probe.reset(track)
+    sched = c["scheds"][(framework, schedule, m)]
+    meter = c["meters"]["interleaved" if schedule == "interleaved" else "plain"]
+    meter.reset(track)
     state.group.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
         _one_step(state, sched)
     elapsed = time.perf_counter() - t0
-    probe.flush()
-    out = {"elapsed_s": elapsed, "fwd_s": probe.fwd_s, "bwd_s": probe.bwd_s, "peak_bytes": 0}
-    if probe.tracker is not None:
-        out["peak_bytes"] = probe.tracker.peak
-    probe.reset(False)
+    meter.flush()
+    out = {"elapsed_s": elapsed, "fwd_s": meter.fwd_s, "bwd_s": meter.bwd_s, "peak_bytes": 0}
+    if meter.tracker is not None:
+        out["peak_bytes"] = meter.tracker.peak
+    meter.reset(False)
     return out
 
 
@@ -248,11 +276,18 @@ def check_losses(state: RankState, m: int) -> Dict[str, List[float]]:
     """Rank command: from the same parameters, one step of every framework and schedule at `m`
     micro-batches without optimizer steps; the last stage returns the per-micro-batch losses."""
     c = state.case
-    saved = {k: v.clone() for k, v in c["probe"].state_dict().items()}
+    params = c["opt"].param_groups[0]["params"]
+    saved = [p.detach().clone() for p in params]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for p, v in zip(params, saved):
+                p.copy_(v)
+
     out = {}
     for fw in FRAMEWORKS:
         for name in SCHEDULES:
-            c["probe"].load_state_dict(saved)
+            restore()
             losses: list = []
             c["opt"].zero_grad(set_to_none=True)
             sched = c["scheds"][(fw, name, m)]
@@ -261,7 +296,7 @@ def check_losses(state: RankState, m: int) -> Dict[str, List[float]]:
             else:
                 sched.step(target=c["y"], losses=losses)
             out[f"{fw}/{name}"] = [float(v.detach()) for v in losses]
-    c["probe"].load_state_dict(saved)
+    restore()
     return out
 
 
@@ -307,12 +342,13 @@ def run(cfg: Config) -> Dict[str, Any]:
             "samples_per_s_best": cfg.batch / min(times[key]),
             "bubble_per_stage": per_stage_bubble,
             "bubble_mean": statistics.mean(per_stage_bubble),
-            "bubble_ideal": (STAGES - 1) / (m + STAGES - 1),
+            "bubble_ideal": (STAGES - 1) / (m * (INTERLEAVE if name == "interleaved" else 1) + STAGES - 1),
             "peak_activation_bytes_per_stage": peaks[key],
         }
-    base = check["torch/gpipe"]
-    loss_diff = {k: max(abs(a - b) for a, b in zip(v, base)) for k, v in check.items()}
-    return {"rows": list(rows.values()), "max_loss_diff_vs_torch_gpipe": loss_diff}
+    # the interleaved schedules train other module objects (same initial values), so each
+    # framework's losses are compared with torch's on the same schedule
+    loss_diff = {k: max(abs(a - b) for a, b in zip(v, check["torch/" + k.split("/")[1]])) for k, v in check.items()}
+    return {"rows": list(rows.values()), "max_loss_diff_vs_torch_same_schedule": loss_diff}
 
 
 def _mib(b: float) -> str:
@@ -391,9 +427,11 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     for name in ("d", "layers", "batch", "microbatches", "steps", "rounds"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
-    bad = [m for m in cfg.microbatches if m < 1 or cfg.batch % m]
+    if cfg.layers % INTERLEAVE:
+        p.error(f"--layers must be a multiple of {INTERLEAVE} (the interleaved schedule's stages per rank)")
+    bad = [m for m in cfg.microbatches if m < STAGES or m % STAGES or cfg.batch % m]
     if bad:
-        p.error(f"--batch {cfg.batch} must be divisible by every micro-batch count; not by {bad}")
+        p.error(f"micro-batch counts must be multiples of {STAGES} that divide --batch {cfg.batch}; not {bad}")
     return a, cfg
 
 
@@ -425,7 +463,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     result["verdicts"] = [ln for ln in lines if ln.startswith(("MET", "MISSED"))]
     print(f"\nCPU, 2 stages, d={cfg.d}, {cfg.layers} layers per stage, batch {cfg.batch}; torch: gloo")
     print("\n".join(lines))
-    print(f"max |loss - torch GPipe's| at m={cfg.microbatches[0]}: {result['cpu']['max_loss_diff_vs_torch_gpipe']}")
+    diffs = result["cpu"]["max_loss_diff_vs_torch_same_schedule"]
+    print(f"max |loss - torch's with the same schedule| at m={cfg.microbatches[0]}: {diffs}")
     print(f"load average before {load_before}, after {result['loadavg_after']}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
