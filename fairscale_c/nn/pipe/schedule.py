@@ -7,6 +7,9 @@ the activations of all ``n_microbatches`` at once.
 and one backward, then drains the backwards left. A stage holds at most ``p - s`` micro-batches'
 activations, with the same bubble as GPipe.
 
+``ScheduleInterleaved1F1B``: ``v`` stages per rank (Megatron-LM's order); the bubble shrinks by
+``v`` for ``v`` times the messages.
+
 Both are driven the same way (the shape of ``torch.distributed.pipelining``'s)::
 
     stage = PipelineStage(module, rank, world, group=pp_group)

@@ -1,10 +1,11 @@
 """PipelineStage: one stage of a pipeline whose stages run in separate processes.
 
 Stage ``i`` runs on rank ``i`` of a pipeline group (a torch.distributed process group or a
-``fairscale_c.distributed`` group). Activations travel forward and gradients backward through the
+``fairscale_c.distributed`` group), or on rank ``i % size`` when an interleaved pipeline has
+several stages per rank. Activations travel forward and gradients backward through the
 group's point-to-point batches (CPU tensors on the shared-memory engine, CUDA tensors on NCCL). A
-schedule (:class:`~fairscale_c.nn.pipe.schedule.ScheduleGPipe`,
-:class:`~fairscale_c.nn.pipe.schedule.Schedule1F1B`) decides the order of the micro-batches; the
+schedule (:class:`~fairscale_c.nn.pipe.schedule.ScheduleGPipe`, :class:`~fairscale_c.nn.pipe.schedule.Schedule1F1B`,
+:class:`~fairscale_c.nn.pipe.schedule.ScheduleInterleaved1F1B`) decides the order of the micro-batches; the
 stage knows how to run one micro-batch forward or backward and which messages that needs.
 
 At the first step every stage takes part in a set-up: stage 0 describes its micro-batch, each
@@ -167,15 +168,16 @@ def _on_meta(module: nn.Module) -> Iterator[None]:
 
 
 class PipelineStage:
-    """This process's stage of a multi-process pipeline (one stage per rank).
+    """One of this process's stages of a multi-process pipeline.
 
     Args:
         module: the layers this stage runs; its forward takes the previous stage's outputs (stage
             0: the micro-batch's inputs) as positional arguments and returns a Tensor or a tuple
             of Tensors.
-        stage_index: this stage's place in the pipeline; it must equal this process's rank in
-            ``group`` (default: that rank).
-        num_stages: stages in the pipeline; must equal the group's size (default: that size).
+        stage_index: this stage's place in the pipeline (default: this process's rank in
+            ``group``); stage i runs on group rank ``i % group size``.
+        num_stages: stages in the pipeline: the group's size (default), or a multiple of it for
+            ScheduleInterleaved1F1B (several stages per rank).
         device: where the stage computes (default: the device of the module's first parameter,
             else CPU). For CUDA the group's NCCL communicator is created now.
         input_args: what one micro-batch's input to this stage looks like: a sample Tensor (any
