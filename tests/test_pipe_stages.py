@@ -176,6 +176,9 @@ def _train_interleaved(rank, world, chunks, n_micro):
     for k, st in zip(mine, stages):
         for p, q in zip(st.module.parameters(), ref[2 * k : 2 * k + 2].parameters()):
             torch.testing.assert_close(p, q, **TOL)
+    out = schedule.eval(x)  # forward only, in the same interleaved order
+    if out is not None:
+        torch.testing.assert_close(out, ref(x).detach(), **TOL)
     return f"ScheduleInterleaved1F1B(v={chunks}, m={n_micro})"
 
 
