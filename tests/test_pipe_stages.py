@@ -214,6 +214,7 @@ def _bad_input(rank, group):
         _raises(ValueError, "has 10 samples (dim 0), not divisible by n_microbatches=4", schedule.step, x)
         _raises(ValueError, "stage 0 needs the batch", schedule.step)
         _raises(ValueError, "different batch sizes", schedule.step, x[:8], x[:4])
+        _raises(ValueError, "the batch is on meta but stage 0 computes on cpu", schedule.step, x.to("meta"))
     else:
         _raises(ValueError, "needs target=", schedule.step)
         _raises(ValueError, "target has 10 samples (dim 0), not divisible by n_microbatches=4", schedule.step, target=y)

@@ -168,6 +168,13 @@ class PipelineSchedule:
         name, first, last, m = type(self).__name__, self._first, self._last, self._n_microbatches
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"{name}.step: losses must be a list or None, got {type(losses).__name__}")
+        if first is not None:
+            wrong = [str(a.device) for a in args if isinstance(a, torch.Tensor) and a.device != first.device]
+            if wrong:
+                raise ValueError(
+                    f"{name}.step: the batch is on {', '.join(sorted(set(wrong)))} but stage 0 computes on "
+                    f"{first.device}; move it there first"
+                )
         mbs = self._split(args, "the batch") if first is not None else None
         targets = None
         if last is not None and self._loss_fn is not None:
