@@ -1,6 +1,5 @@
 """Multi-process pipelines (fairscale_c.nn.pipe: PipelineStage with ScheduleGPipe, Schedule1F1B and
-ScheduleInterleaved1F1B) against
-single-process PyTorch.
+ScheduleInterleaved1F1B) against single-process PyTorch.
 
 Every rank builds the same seeded nn.Sequential, keeps a deep copy as the reference, runs its slice
 as a pipeline stage, and trains the reference on the whole batch with the loss averaged over it;
