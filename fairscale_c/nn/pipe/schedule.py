@@ -386,6 +386,9 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
             )
         if p > 1:
             grad_group = _second_group(group)
+            device = self._stages[0].device
+            if device.type == "cuda":
+                grad_group.init_nccl(device)  # now, while every rank is here, not at a first backward
             for st in self._stages:
                 st.grad_group = grad_group
 
