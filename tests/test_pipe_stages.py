@@ -147,23 +147,23 @@ def _first_step(schedule):
     return schedule.step(x, target=y)
 
 
-def _train_interleaved(rank, world, chunks, n_micro):
+def _train_interleaved(rank, world, chunks, n_micro, device="cpu"):
     """ScheduleInterleaved1F1B with `chunks` stages per rank against the whole model."""
     from fairscale_c.nn.pipe import PipelineStage, ScheduleInterleaved1F1B
 
     torch.manual_seed(2)
     n = world * chunks
-    full = nn.Sequential(*[layer for _ in range(n) for layer in (nn.Linear(8, 8), nn.Tanh())])
+    full = nn.Sequential(*[layer for _ in range(n) for layer in (nn.Linear(8, 8), nn.Tanh())]).to(device)
     ref = copy.deepcopy(full)
     mine = list(range(rank, n, world))
-    stages = [PipelineStage(full[2 * k : 2 * k + 2], k, n) for k in mine]
+    stages = [PipelineStage(full[2 * k : 2 * k + 2], k, n, device=device) for k in mine]
     schedule = ScheduleInterleaved1F1B(stages, n_micro, F.mse_loss)
     params = [p for st in stages for p in st.module.parameters()]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
-        x, _ = batch(step, 16)
-        y = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        x, _ = batch(step, 16, device)
+        y = torch.randn(16, 8, generator=torch.Generator().manual_seed(step)).to(device)
         opt.zero_grad()
         out = schedule.step(x, target=y)
         opt.step()
@@ -278,8 +278,7 @@ def job_world2(rank, world, device):
     for cls in (ScheduleGPipe, Schedule1F1B):
         for m in (1, 4, 8):
             done.append(_train_and_compare(rank, None, 2, cls, m, 8, device))
-    if device == "cpu":
-        done.append(_train_interleaved(rank, 2, 2, 4))
+    done.append(_train_interleaved(rank, 2, 2, 4, device))
     world_group = fdist.init_group()  # a fairscale_c Group as the pipeline group
     done.append(_train_and_compare(rank, world_group, 2, Schedule1F1B, 2, 8, device))
     if device == "cpu":
@@ -401,4 +400,4 @@ def test_four_stages_pipeline_by_data_parallel_and_a_killed_stage(schedule_name)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_stages_on_cuda_match_single_process():
     results = run_ranks(job_world2, 2, "cuda", timeout=300, env={"FAIRSCALE_C_TIMEOUT": "120"})
-    assert len(results[0][0]) == 7
+    assert len(results[0][0]) == 8
