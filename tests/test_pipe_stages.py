@@ -399,5 +399,10 @@ def test_four_stages_pipeline_by_data_parallel_and_a_killed_stage(schedule_name)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_stages_on_cuda_match_single_process():
-    results = run_ranks(job_world2, 2, "cuda", timeout=300, env={"FAIRSCALE_C_TIMEOUT": "120"})
+    """The world-2 numerics on NCCL: two GPUs, or one shared by both ranks with NCCL >= 2.30."""
+    from test_cuda import _nccl_devices  # skips when two ranks can neither have a GPU each nor share one
+
+    _, nccl_env = _nccl_devices()
+    env = {"FAIRSCALE_C_TIMEOUT": "120", **nccl_env}
+    results = run_ranks(job_world2, 2, "cuda", timeout=300, env=env)
     assert len(results[0][0]) == 8
