@@ -10,7 +10,7 @@ activations, with the same bubble as GPipe.
 ``ScheduleInterleaved1F1B``: ``v`` stages per rank (Megatron-LM's order); the bubble shrinks by
 ``v`` for ``v`` times the messages.
 
-Both are driven the same way (the shape of ``torch.distributed.pipelining``'s)::
+All are driven the same way (the shape of ``torch.distributed.pipelining``'s)::
 
     stage = PipelineStage(module, rank, world, group=pp_group)
     schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=F.cross_entropy)
