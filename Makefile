@@ -4,7 +4,7 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-installed
 
-.PHONY: demo test install dist asan ctest bench bench-compare bench-tables lint clean
+.PHONY: demo test install dist asan ctest bench bench-compare bench-tables lint clean tango
 
 # torch is pinned: the CPU build of 2.13.0 (an unpinned torch pulls a multi-GB CUDA build).
 $(DEPS):
@@ -54,6 +54,12 @@ lint: $(DEPS)
 	$(VENV)/bin/ruff check fairscale_c tests benchmarks examples setup.py tools
 	$(VENV)/bin/ruff format --check fairscale_c tests benchmarks examples setup.py tools
 	$(VENV)/bin/clang-format --dry-run -Werror csrc/*/*.c csrc/*/*.h csrc/cuda/*.cu csrc/cuda/*.cuh tests/c/*.c tests/c/*.h
+
+# Optional, not part of `make test`: ai2-tango 1.3.2 into .venv (torch stays 2.13.0 CPU), Tango's
+# own FairScale tests through the fairscale alias with their GPU gate lifted, and 2-worker CPU
+# `tango run`s of both FSDP engines compared with DDP (tools/tango/run.sh; docs/tango.md).
+tango: install
+	tools/tango/run.sh $(VPY)
 
 # The pytest-benchmark suite (benchmarks/test_*.py; docs/benchmarks.md says how to read it).
 # `make bench` runs it and saves the run as JSON under benchmarks/results/<machine>/.

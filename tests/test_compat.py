@@ -86,6 +86,10 @@ def test_alias_gives_the_same_module_objects():
             import fairscale
         except ImportError:
             print("gone")
+        else:  # the real FairScale, installed next to us: what `import fairscale` finds without the alias
+            assert not fairscale.__version__.endswith("fairscale_c.0.1.0"), fairscale.__version__
+            assert "fairscale_c" not in fairscale.__file__, fairscale.__file__
+            print("gone")
         """)
     )
     assert out.split() == ["0.4.13+fairscale_c.0.1.0", "(0,", "4,", "13)", "gone"]
@@ -157,6 +161,41 @@ def test_alias_shadows_an_installed_but_unimported_fairscale(tmp_path):
         """)
     )
     assert out.strip() == "True"
+
+
+def test_alias_reaches_child_processes(tmp_path):
+    # A spawned worker runs none of the __main__ code that installed the alias (Tango's workers
+    # import tango.integrations.fairscale to find the "fairscale" engine): it must have the alias
+    # all the same, and an installed FairScale (the stand-in below) must not be what it gets.
+    pkg = tmp_path / "fairscale"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise SystemExit('the real fairscale was imported')\n")
+    (tmp_path / "probe.py").write_text(
+        "def probe():\n"
+        "    import fairscale.nn, fairscale_c.compat, fairscale_c.nn\n"
+        "    return fairscale.__version__, fairscale.nn is fairscale_c.nn, fairscale_c.compat.is_installed()\n"
+    )
+    out = check(
+        run_python(f"""
+        import multiprocessing, os, subprocess, sys
+        sys.path.append({str(tmp_path)!r})
+        os.environ["PYTHONPATH"] = {str(tmp_path)!r}
+        import fairscale_c.compat as compat
+        compat.install()
+        import probe
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            print(pool.apply_async(probe.probe).get(timeout=60))  # a worker that dies loses the task
+        code = "import fairscale.nn, fairscale_c.nn; print(fairscale.__version__, fairscale.nn is fairscale_c.nn)"
+        print(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+        compat.uninstall()
+        print(os.environ["PYTHONPATH"] == {str(tmp_path)!r}, compat.SHIM_DIR not in sys.path)
+        """)
+    )
+    assert out.splitlines() == [
+        "('0.4.13+fairscale_c.0.1.0', True, True)",
+        "0.4.13+fairscale_c.0.1.0 True",
+        "True True",
+    ], out
 
 
 def test_module_runner_passes_arguments_and_main(tmp_path):

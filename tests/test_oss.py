@@ -170,6 +170,57 @@ def scenario_param_groups(rank, world, tmp):
     assert {id(p) for p in owned} == {id(p) for p in opt.optim.state}
 
 
+def scenario_ranks_without_parameters(rank, world, tmp):
+    """Two parameters over up to four ranks, and an empty first group: some ranks own nothing."""
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ref = copy.deepcopy(model)
+    opt = OSS([{"params": []}, {"params": list(model.parameters())}], optim=torch.optim.Adam, lr=0.1)
+    ref_opt = torch.optim.Adam([{"params": []}, {"params": list(ref.parameters())}], lr=0.1)
+    sdp = ShardedDataParallel(model, opt)
+    x = torch.randn(world * 2, 3, generator=torch.Generator().manual_seed(7))
+    for _ in range(3):
+        sdp(x[rank * 2 : rank * 2 + 2]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sum(ref(x[r * 2 : r * 2 + 2]).square().mean() for r in range(world)).div(world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _close_params(model, ref, "tiny model", tol=dict(atol=1e-6, rtol=1e-6))
+    opt.consolidate_state_dict(recipient_rank=-1)
+    assert sorted(opt.state_dict()["state"]) == [0, 1]
+
+
+def scenario_subgroups(rank, world, tmp):
+    """World 4 as two OSS groups of two ranks, each training on its own data: steps, the
+    parameter exchange and clip_grad_norm stay within the group (FairScale reduces the norm over
+    the world group)."""
+    from fairscale_c.optim import OSS
+
+    if world != 4:
+        return "skipped"
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    pair = rank // 2
+    model, ref = _make(10 + pair)
+    opt = OSS(_core(model), optim=torch.optim.SGD, group=groups[pair], lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(_core(ref), lr=0.05, momentum=0.9)
+    assert (opt.rank, opt.world_size) == (rank % 2, 2)
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            _loss(m, 10 * pair + step).backward()
+        norm = opt.clip_grad_norm(0.2)
+        ref_norm = torch.nn.utils.clip_grad_norm_(_core(ref), 0.2)
+        torch.testing.assert_close(norm, ref_norm, atol=1e-5, rtol=1e-6)
+        opt.step()
+        ref_opt.step()
+        _close_params(model, ref, f"pair {pair} step {step}")
+    return "compared"
+
+
 def scenario_frozen_then_unfrozen(rank, world, tmp):
     from fairscale_c.optim import OSS
 
@@ -260,6 +311,7 @@ def scenario_checkpoint_save(rank, world, tmp):
             {"model": model.state_dict(), "optim": everywhere, "sched": sched.state_dict()},
             os.path.join(tmp, "ckpt.pt"),
         )
+    torch.save(opt.local_state_dict(), os.path.join(tmp, f"shard{rank}.pt"))  # no communication
     _train_pair(model, ref, opt, ref_opt, 3, start=3, scheds=(sched, ref_sched))
     if rank == 0:
         torch.save(model.state_dict(), os.path.join(tmp, "final.pt"))
@@ -274,10 +326,23 @@ def scenario_checkpoint_load(rank, world, tmp):
     if not os.path.exists(path):
         return "no checkpoint"
     ckpt = torch.load(path)
+    shards = [torch.load(os.path.join(tmp, f"shard{r}.pt")) for r in range(2)]
+    with pytest.raises(ValueError, match="pass the list of all 2 shards"):
+        OSS(_core(_make(5)[0]), optim=torch.optim.AdamW, lr=1.0).load_state_dict(shards[1])
+    with pytest.raises(ValueError, match="not one complete set"):
+        OSS(_core(_make(5)[0]), optim=torch.optim.AdamW, lr=1.0).load_state_dict([shards[1], shards[1]])
+    for optim_state in (ckpt["optim"], shards[::-1]):  # consolidated; every rank's shard, in any order
+        _continue_from(rank, world, tmp, ckpt, optim_state)
+    return "continued"
+
+
+def _continue_from(rank, world, tmp, ckpt, optim_state):
+    from fairscale_c.optim import OSS
+
     model, _ = _make(5)
     model.load_state_dict(ckpt["model"])
     opt = OSS(_core(model), optim=torch.optim.AdamW, lr=1.0)
-    opt.load_state_dict(ckpt["optim"])
+    opt.load_state_dict(optim_state)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
     sched.load_state_dict(ckpt["sched"])
     owned = {id(p) for p, r in opt.param_to_rank.items() if r == rank}
@@ -291,7 +356,6 @@ def scenario_checkpoint_load(rank, world, tmp):
     final = torch.load(os.path.join(tmp, "final.pt"))
     for k, v in final.items():
         torch.testing.assert_close(model.state_dict()[k], v, **TOL, msg=lambda m, k=k: f"{k} after loading: {m}")
-    return "continued"
 
 
 def scenario_state_memory(rank, world, tmp):
@@ -407,7 +471,14 @@ def _run(world, names, tmp):
     return [r for r, _ in results]
 
 
-NUMERICS = ["matches_unsharded", "param_groups", "frozen_then_unfrozen", "partition_matches_fairscale", "bad_input"]
+NUMERICS = [
+    "matches_unsharded",
+    "param_groups",
+    "frozen_then_unfrozen",
+    "ranks_without_parameters",
+    "partition_matches_fairscale",
+    "bad_input",
+]
 
 
 @pytest.fixture(scope="module")
@@ -426,9 +497,10 @@ def test_oss_world2(world2_checkpoint):
 @pytest.mark.parametrize("world", [1, 4])
 def test_oss_other_worlds_and_loading(world, world2_checkpoint):
     tmp, _ = world2_checkpoint
-    names = NUMERICS + ["checkpoint_load", "state_memory"] + (["consolidate_peak"] if world == 4 else [])
+    names = NUMERICS + ["checkpoint_load", "state_memory"] + (["consolidate_peak", "subgroups"] if world == 4 else [])
     results = _run(world, names, tmp)
     assert all(r["checkpoint_load"] == "continued" for r in results)
+    assert world != 4 or all(r["subgroups"] == "compared" for r in results)
     print(f"world {world}:", results)
 
 

@@ -24,6 +24,9 @@ FP32 = dict(atol=1e-5, rtol=1e-5)
 FP16_WIRE = dict(atol=2e-3, rtol=2e-3)
 BF16 = dict(atol=3e-2, rtol=3e-2)
 LOCAL = 4
+# Where the scenarios run: "cpu", or "cuda" (rank r on GPU r % count) when the spawning test sets
+# FAIRSCALE_C_TEST_DEVICE=cuda (test_sdp_on_cuda below).
+DEVICE = {"device": torch.device("cpu")}
 
 
 class Net(nn.Module):
@@ -41,7 +44,8 @@ class Net(nn.Module):
 
 def _global_batch(step, world, micro=0):
     g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randn(world * LOCAL, 12, generator=g), torch.randn(world * LOCAL, 3, generator=g)
+    dev = DEVICE["device"]
+    return torch.randn(world * LOCAL, 12, generator=g).to(dev), torch.randn(world * LOCAL, 3, generator=g).to(dev)
 
 
 def _slice(t, r):
@@ -53,7 +57,7 @@ def _ref_backward(ref, world, x, y, scale, autocast):
     total = 0.0
     kept = None
     for r in range(world):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
             out = ref(_slice(x, r))
         total = total + F.mse_loss(out.float(), _slice(y, r)) / world * scale
         if r == 0:
@@ -95,6 +99,7 @@ def train(
     autocast=False,
     clip=None,
     freeze_at=None,
+    zero_before_backward=False,
     **sdp_kw,
 ):
     from fairscale_c.nn import ShardedDataParallel
@@ -102,9 +107,9 @@ def train(
 
     okw = okw or dict(lr=0.05, momentum=0.9)
     torch.manual_seed(rank)  # different starting weights: sync_models_at_startup must fix them
-    model = Net(bn)
+    model = Net(bn).to(DEVICE["device"])
     torch.manual_seed(0)
-    ref = Net(bn)
+    ref = Net(bn).to(DEVICE["device"])
     if rank == 0:
         model.load_state_dict(ref.state_dict())
     opt = OSS(model.parameters(), optim=optim, **okw)
@@ -123,8 +128,10 @@ def train(
             last = j == micro - 1
             ctx = sdp.no_sync() if (not last and accumulate == "no_sync") else _Null()
             with ctx:
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
                     out = sdp(_slice(x, rank))
+                if zero_before_backward and j == 0:  # the common `out = model(x); opt.zero_grad()` order
+                    opt.zero_grad()
                 (F.mse_loss(out.float(), _slice(y, rank)) / micro).backward()
             _ref_backward(ref, world, x, y, 1.0 / micro, autocast)
         _check_grads(sdp, opt, ref, rank, tol)
@@ -134,7 +141,8 @@ def train(
             torch.testing.assert_close(norm, ref_norm, **tol)
         opt.step()
         ref_opt.step()
-        opt.zero_grad()
+        if not zero_before_backward:
+            opt.zero_grad()
         ref_opt.zero_grad()
         _compare(sdp, ref, tol, f"step {step}")
     return sdp, opt
@@ -165,6 +173,8 @@ def scenario_accumulation(rank, world):
     train(rank, world, micro=3, accumulate="no_sync")
     # without no_sync: every backward reduces, and the sum of the reductions is what DDP would give
     train(rank, world, micro=2, accumulate="every_backward", reduce_buffer_size=200)
+    train(rank, world, micro=2, accumulate="every_backward", zero_before_backward=True)
+    train(rank, world, zero_before_backward=True)
 
 
 def scenario_reduce_fp16(rank, world):
@@ -211,6 +221,38 @@ def scenario_manual_reduce_and_api(rank, world):
         sdp.to("meta")
 
 
+def scenario_param_group_added(rank, world):
+    """A layer that joins the optimizer mid-training (add_param_group) has its gradient reduced
+    from the next forward on."""
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    late = lambda m: list(m.head.parameters())  # noqa: E731
+    early = lambda m: [p for p in m.parameters() if all(p is not q for q in late(m))]  # noqa: E731
+    opt = OSS(early(model), optim=torch.optim.SGD, lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(early(ref), lr=0.05, momentum=0.9)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=100)
+    for step in range(4):
+        if step == 2:
+            opt.add_param_group({"params": late(model), "lr": 0.1})
+            ref_opt.add_param_group({"params": late(ref), "lr": 0.1})
+        x, y = _global_batch(step, world)
+        F.mse_loss(sdp(_slice(x, rank)), _slice(y, rank)).backward()
+        _ref_backward(ref, world, x, y, 1.0, False)
+        if step >= 2:
+            _check_grads(sdp, opt, ref, rank, FP32)
+        opt.step()
+        ref_opt.step()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            for p in late(m):  # the layer's gradients before it joined stay out of the comparison
+                p.grad = None
+        _compare(sdp, ref, FP32, f"step {step}")
+
+
 def scenario_grad_scaler_skips_everywhere(rank, world):
     """An inf in one gradient, seen by its owner only: every rank skips the step and backs off."""
     from fairscale_c.nn import ShardedDataParallel
@@ -218,7 +260,7 @@ def scenario_grad_scaler_skips_everywhere(rank, world):
     from fairscale_c.optim.grad_scaler import ShardedGradScaler
 
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE["device"])
     opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
     sdp = ShardedDataParallel(model, opt)
     scaler = ShardedGradScaler(init_scale=1024.0)
@@ -257,6 +299,9 @@ ALL = sorted(SCENARIOS)
 
 def _job(rank, world, names):
     torch.set_num_threads(1)
+    if os.environ.get("FAIRSCALE_C_TEST_DEVICE") == "cuda":
+        DEVICE["device"] = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(DEVICE["device"])
     dist.init_process_group("gloo")
     failures = []
     try:
@@ -335,3 +380,21 @@ def test_exports():
     from fairscale_c.nn.data_parallel.sharded_ddp import ShardedDataParallel
 
     assert fairscale_c.nn.ShardedDataParallel is fairscale_c.nn.data_parallel.ShardedDataParallel is ShardedDataParallel
+
+
+CUDA_SCENARIOS = ["matches_ddp", "accumulation", "reduce_fp16", "grad_scaler_skips_everywhere"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("world", [1, 2])
+def test_sdp_on_cuda(world):
+    """The numerics scenarios with model, data and reference on the GPU (NCCL underneath)."""
+    from test_cuda import _nccl_devices
+
+    env = {"FAIRSCALE_C_TIMEOUT": "120", "FAIRSCALE_C_TEST_DEVICE": "cuda"}
+    if world == 2:
+        env.update(_nccl_devices()[1])  # skips when two ranks can neither have a GPU each nor share one
+    results = run_ranks(_job, world, CUDA_SCENARIOS, env=env, timeout=300)
+    failures = [f for fs in results for f in fs]
+    assert not failures, "\n\n".join(failures)

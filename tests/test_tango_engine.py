@@ -1,8 +1,9 @@
 """fairscale_c.integrations.tango's engine against a minimal stand-in of Tango's TrainingEngine
 contract (tests/tango_standin; `make tango` runs the real Tango): 2 workers with FSDP, inner FSDP
 instances and activation checkpointing match Tango's torch (DDP) engine, a checkpoint taken
-mid-run resumes bit-identically in fresh processes, the consolidated weights load into an
-unwrapped model, and bf16 autocast with mixed precision runs on CPU."""
+mid-run resumes bit-identically in a fresh engine, the consolidated weights load into an
+unwrapped model, and bf16 autocast with mixed precision runs on CPU, inner FSDP instances
+included. All runs in one spawned job."""
 
 import math
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import free_port, orphaned_segments, run_ranks
 
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tango_standin")
 STEPS, CHECKPOINT_AT = 6, 4
@@ -39,7 +40,7 @@ def _model_class():
         def __init__(self):
             super().__init__()
             torch.manual_seed(317)
-            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.ReLU()) for _ in range(3)])
             self.head = nn.Linear(8, 1)
 
         def forward(self, x, y=None):
@@ -56,15 +57,21 @@ def _batches(rank: int, world: int):
     return [{"x": x[mine], "y": y[mine]} for x, y in data]
 
 
-def _worker(rank: int, world: int, engine: str, workdir: str, resume: bool, amp: bool = False):
+def _worker(rank: int, world: int, engine: str, workdir: str, resume: bool, port: int, amp: bool = False):
     tt, Lazy, ft = _tango()
+    from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
+
     Regressor = _model_class()
-    config = tt.TrainConfig(worker_id=rank, world_size=world, distributed_port=int(os.environ["MASTER_PORT"]))
+    config = tt.TrainConfig(worker_id=rank, world_size=world, distributed_port=port)
     kwargs = {}
     if engine == "fairscale_c":
+        # Tango builds the inner instances from the model's own config: no compute_dtype, so they
+        # must take the engine's AMP dtype, as the engine's own instance does.
         fsdp = ft.FSDPConfig(mixed_precision=amp)
         model = Lazy(
-            lambda: ft.with_wrapped_modules(Regressor(), {r"blocks\.[0-9]+"}, fsdp, activation_checkpointing=True)
+            lambda: ft.with_wrapped_modules(
+                Regressor(), {r"blocks\.[0-9]+"}, ft.FSDPConfig(mixed_precision=amp), activation_checkpointing=True
+            )
         )
         kwargs["fsdp_config"] = fsdp
     else:
@@ -113,8 +120,21 @@ def _worker(rank: int, world: int, engine: str, workdir: str, resume: bool, amp:
     return {
         "losses": {s: float(v) for s, v in losses.items()},
         "val": None if val is None else float(val),
-        "compute_dtype": str(getattr(eng.model, "compute_dtype", None)),  # FSDP only
+        "compute_dtypes": [str(m.compute_dtype) for m in eng.model.modules() if isinstance(m, FSDP)],
         "weights": weights,
+    }
+
+
+def _scenarios(rank: int, world: int, workdir: str, ports: list):
+    """Every engine run the tests check, in one spawned job (starting the ranks is most of the
+    cost): DDP; the fairscale_c engine; a fresh engine resumed from the step-4 checkpoint of the
+    one before (in the same processes: `make tango` resumes Tango in fresh ones); bf16 autocast with
+    mixed precision. A new process group each, on its own port."""
+    return {
+        "ddp": _worker(rank, world, "torch", workdir + "/ddp", False, ports[0]),
+        "full": _worker(rank, world, "fairscale_c", workdir + "/fsc", False, ports[1]),
+        "resumed": _worker(rank, world, "fairscale_c", workdir + "/fsc", True, ports[2]),
+        "bf16": _worker(rank, world, "fairscale_c", workdir + "/bf16", False, ports[3], amp=True),
     }
 
 
@@ -122,12 +142,23 @@ def _tensors(weights):
     return {k: torch.tensor(v, dtype=torch.float32) for k, v in weights.items()}
 
 
-def test_engine_matches_ddp_and_resumes_bit_identically(tmp_path):
-    ddp = run_ranks(_worker, 2, "torch", str(tmp_path / "ddp"), False)[0]
-    full = run_ranks(_worker, 2, "fairscale_c", str(tmp_path / "fsc"), False)[0]
-    ddp["weights"], full["weights"] = _tensors(ddp["weights"]), _tensors(full["weights"])
-    files = sorted(os.listdir(tmp_path / "fsc" / f"step{CHECKPOINT_AT}"))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tango")
+    before = orphaned_segments()
+    result = run_ranks(_scenarios, 2, str(workdir), [free_port() for _ in range(4)])[0]
+    assert orphaned_segments() - before == set(), "shared-memory segments left in /dev/shm"
+    for r in result.values():
+        r["weights"] = _tensors(r["weights"])
+    result["files"] = sorted(os.listdir(workdir / "fsc" / f"step{CHECKPOINT_AT}"))
+    return result
+
+
+def test_engine_matches_ddp(runs):
+    ddp, full = runs["ddp"], runs["full"]
+    files = runs["files"]
     assert files[0] == "manifest.json" and len(files) == 3, files  # one shard per worker, one commit
+    assert full["compute_dtypes"] == ["torch.float32"] * 4  # the engine's instance and 3 inner ones
     for step in range(1, STEPS + 1):
         assert abs(full["losses"][step] - ddp["losses"][step]) <= 1e-6, (step, full["losses"], ddp["losses"])
     assert abs(full["val"] - ddp["val"]) <= 1e-6, (full["val"], ddp["val"])
@@ -135,21 +166,24 @@ def test_engine_matches_ddp_and_resumes_bit_identically(tmp_path):
     for k, v in ddp["weights"].items():
         torch.testing.assert_close(full["weights"][k], v, rtol=0, atol=1e-6)
 
-    resumed = run_ranks(_worker, 2, "fairscale_c", str(tmp_path / "fsc"), True)[0]
-    resumed["weights"] = _tensors(resumed["weights"])
+
+def test_resume_is_bit_identical(runs):
+    full, resumed = runs["full"], runs["resumed"]
     assert sorted(resumed["losses"]) == list(range(CHECKPOINT_AT + 1, STEPS + 1))
     for step, loss in resumed["losses"].items():
         assert loss == full["losses"][step], step
     for k, v in full["weights"].items():
         assert torch.equal(resumed["weights"][k], v), k
 
+
+def test_consolidated_weights_in_an_unwrapped_model(runs):
     # The consolidated weights in an unwrapped model give the DDP model's outputs.
     sys.path.insert(0, STANDIN)
     try:
         Regressor = _model_class()
         plain, ref = Regressor(), Regressor()
-        plain.load_state_dict(full["weights"])
-        ref.load_state_dict(ddp["weights"])
+        plain.load_state_dict(runs["full"]["weights"])
+        ref.load_state_dict(runs["ddp"]["weights"])
         x = torch.randn(4, 8)
         torch.testing.assert_close(plain(x)["out"], ref(x)["out"], rtol=0, atol=1e-6)
     finally:
@@ -158,17 +192,12 @@ def test_engine_matches_ddp_and_resumes_bit_identically(tmp_path):
             del sys.modules[name]
 
 
-def _bf16_worker(rank: int, world: int, workdir: str):
-    bf16 = _worker(rank, world, "fairscale_c", workdir + "/bf16", False, amp=True)
-    fp32 = _worker(rank, world, "fairscale_c", workdir + "/fp32", False, amp=False)
-    return bf16, fp32
-
-
-def test_bf16_autocast_with_mixed_precision_runs_on_cpu(tmp_path):
-    # Tango's AMP is bf16 on CPU; with mixed_precision and no compute_dtype the engine computes
-    # in bf16 too (Tango's own engine computes in fp16 there and autocast fails). One worker.
-    bf16, fp32 = run_ranks(_bf16_worker, 1, str(tmp_path))[0]
-    assert bf16["compute_dtype"] == "torch.bfloat16" and fp32["compute_dtype"] == "torch.float32"
+def test_bf16_autocast_with_mixed_precision_runs_on_cpu(runs):
+    # Tango's AMP is bf16 on CPU; with mixed_precision and no compute_dtype the engine's FSDP and
+    # the inner ones computes in bf16 too (Tango's own engine computes in fp16 there, and the
+    # LayerNorm fails under bf16 autocast: "mixed dtype (CPU)").
+    bf16, fp32 = runs["bf16"], runs["full"]
+    assert bf16["compute_dtypes"] == ["torch.bfloat16"] * 4
     for step in range(1, STEPS + 1):  # bf16 keeps 8 bits of mantissa
         assert math.isclose(bf16["losses"][step], fp32["losses"][step], rel_tol=5e-2), (bf16["losses"], fp32["losses"])
 

@@ -24,13 +24,14 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from types import ModuleType
 from typing import Any, Optional, Sequence
 
 import fairscale_c
 
-__all__ = ["install", "uninstall", "is_installed", "FAIRSCALE_VERSION", "version_string"]
+__all__ = ["install", "uninstall", "is_installed", "FAIRSCALE_VERSION", "version_string", "SHIM_DIR"]
 
 ALIAS = "fairscale"
 TARGET = "fairscale_c"
@@ -90,6 +91,12 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
 
 
 _finder = _AliasFinder()
+# The folder of _shim/fairscale.py: on PYTHONPATH, child processes import it as ``fairscale``.
+SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim")
+
+
+def _pythonpath_without_shim() -> list:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != SHIM_DIR]
 
 
 def is_installed() -> bool:
@@ -109,6 +116,14 @@ def _real_fairscale_loaded() -> Optional[ModuleType]:
 
 def install() -> None:
     """Make ``import fairscale`` (and its submodules) resolve to fairscale_c. Idempotent.
+
+    Child Python processes get the alias too (``multiprocessing`` and
+    ``torch.multiprocessing.spawn`` workers, ``subprocess``): install() puts the folder of a
+    ``fairscale`` module that installs it on ``PYTHONPATH`` and ``sys.path`` (:data:`SHIM_DIR`;
+    uninstall() takes it off). A spawned worker runs no code of the program's ``__main__``:
+    Tango's workers, for example, resolve the ``"fairscale"`` engine by importing
+    ``tango.integrations.fairscale`` (which imports ``fairscale``) and, without the alias, silently
+    find no such engine.
 
     RuntimeError when the real FairScale package is already imported in this process: its
     modules and classes would then be mixed with fairscale_c's (install() before anything imports
@@ -134,6 +149,9 @@ def install() -> None:
     # As fairscale/__init__.py imports fairscale.nn, the alias imports it (and fairscale.optim).
     importlib.import_module(ALIAS + ".nn")
     importlib.import_module(ALIAS + ".optim")
+    os.environ["PYTHONPATH"] = os.pathsep.join([SHIM_DIR, *_pythonpath_without_shim()])
+    if SHIM_DIR not in sys.path:  # multiprocessing's spawn gives its workers this process's sys.path
+        sys.path.insert(0, SHIM_DIR)
 
 
 def uninstall() -> None:
@@ -141,6 +159,14 @@ def uninstall() -> None:
     (fairscale_c's modules themselves are untouched)."""
     if _finder in sys.meta_path:
         sys.meta_path.remove(_finder)
+    while SHIM_DIR in sys.path:
+        sys.path.remove(SHIM_DIR)
+    if SHIM_DIR in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        rest = _pythonpath_without_shim()
+        if rest:
+            os.environ["PYTHONPATH"] = os.pathsep.join(rest)
+        else:
+            del os.environ["PYTHONPATH"]
     if not is_installed():
         return
     for name, mod in list(sys.modules.items()):

@@ -28,9 +28,9 @@ def main(argv: list) -> int:
     if not os.path.isfile(script):
         print(f"python -m fairscale_c.compat: no such script: {script!r}\n{USAGE}", file=sys.stderr)
         return 2
-    install()
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    install()
     runpy.run_path(script, run_name="__main__")
     return 0
 

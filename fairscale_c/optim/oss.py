@@ -54,6 +54,7 @@ class _ParamBuffer:
     lengths: List[int]
     stride: Optional[int]
     params: List[torch.Tensor] = field(default_factory=list)
+    half: Optional[torch.Tensor] = None  # the float16 wire buffer of broadcast_fp16
 
     def block(self, t: torch.Tensor, rank: int) -> torch.Tensor:
         return t[self.starts[rank] : self.starts[rank] + self.lengths[rank]]
@@ -117,7 +118,7 @@ class OSS(Optimizer):
 
         self._optim_defaults = default
         self._optim_constructor = optim
-        self.group = group
+        self.group = dist.group.WORLD if group is None and dist.is_available() and dist.is_initialized() else group
         self.rank, self.world_size = _group_rank_size(group)
         self.comm = fdist.group_for(group)
         self.global_rank = (
@@ -301,7 +302,8 @@ class OSS(Optimizer):
         """Step this rank's partition (extra keyword arguments go to the inner optimizer), then
         refresh every rank's copy of the updated parameters. Collective: every rank calls it."""
         OSS._sync_param_groups(self.param_groups, self.optim.param_groups)
-        if self._default_device.type != self.param_groups[0]["params"][0].device.type or not self._buffers_current():
+        first = next(p for g in self.param_groups for p in g["params"])
+        if self._default_device.type != first.device.type or not self._buffers_current():
             _log.info("OSS: parameters moved since the buffers were built; rebuilding them")
             self._device_params = {}  # owners stay; only the device grouping and buffers are rebuilt
             self.refresh_trainable()
@@ -317,7 +319,9 @@ class OSS(Optimizer):
         for b in self.buckets:
             wire = b.flat
             if self.broadcast_fp16 and b.dtype == torch.float32:
-                wire = torch.empty(b.flat.numel(), dtype=torch.float16, device=b.device)
+                if b.half is None:  # kept between steps: a fresh one costs its page faults every step
+                    b.half = torch.empty(b.flat.numel(), dtype=torch.float16, device=b.device)
+                wire = b.half
                 b.block(wire, self.rank).copy_(b.block(b.flat, self.rank))
             wires.append(wire)
             if self.world_size == 1:
@@ -450,10 +454,30 @@ class OSS(Optimizer):
         sd["state"] = dict(self._consolidated)
         return sd
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` (or from the unsharded optimizer), saved at any
-        world size: options go to every group, and each rank keeps the state of the parameters it
-        owns. ValueError when its parameter groups do not match this optimizer's."""
+    def local_state_dict(self) -> Dict[str, Any]:
+        """This rank's shard, without communication: PyTorch's format with ``state`` holding only
+        the entries this rank owns (keyed by global parameter index), plus ``rank`` and
+        ``world_size``. Every rank's shard together load at any world size: pass the list of them to
+        :meth:`load_state_dict`."""
+        OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
+        sd = super().state_dict()
+        sd["state"] = dict(sorted(self._shard_state().items()))
+        sd["rank"], sd["world_size"] = self.rank, self.world_size
+        return sd
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Load a state dict from :meth:`state_dict` (or from the unsharded optimizer), or the list
+        of every rank's :meth:`local_state_dict`, saved at any world size: options go to every
+        group, and each rank keeps the state of the parameters it owns. ValueError when its
+        parameter groups do not match this optimizer's, or the shards are not one complete set."""
+        if isinstance(state_dict, (list, tuple)):
+            state_dict = _merge_shards(state_dict)
+        elif isinstance(state_dict, dict) and state_dict.get("world_size", 1) != 1 and "rank" in state_dict:
+            n = state_dict["world_size"]
+            raise ValueError(
+                f"OSS.load_state_dict: argument 'state_dict' is the shard of rank {state_dict['rank']} of {n} "
+                f"(local_state_dict()); pass the list of all {n} shards"
+            )
         saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if saved_groups is None or "state" not in state_dict:
             raise ValueError("OSS.load_state_dict: argument 'state_dict' must have 'state' and 'param_groups'")
@@ -495,6 +519,27 @@ class OSS(Optimizer):
 
 
 # ---------------------------------------------------------------------- state packing
+
+
+def _merge_shards(shards: Any) -> Dict[str, Any]:
+    """One state dict from every rank's local_state_dict(), whatever order they come in."""
+    what = "OSS.load_state_dict: argument 'state_dict'"
+    if not shards or not all(isinstance(s, dict) and "rank" in s and "world_size" in s for s in shards):
+        raise ValueError(f"{what}: a list must hold local_state_dict() shards (with 'rank' and 'world_size')")
+    sizes = {s["world_size"] for s in shards}
+    ranks = sorted(s["rank"] for s in shards)
+    if len(sizes) != 1 or ranks != list(range(sizes.pop())):
+        raise ValueError(
+            f"{what}: the shards are not one complete set: ranks {ranks} of world sizes "
+            f"{sorted({s['world_size'] for s in shards})} (expected each rank 0..N-1 of one world size N once)"
+        )
+    state: Dict[Any, Any] = {}
+    for s in sorted(shards, key=lambda s: s["rank"]):
+        twice = set(state) & set(s["state"])
+        if twice:
+            raise ValueError(f"{what}: parameters {sorted(twice)} have state in more than one shard")
+        state.update(s["state"])
+    return {"state": dict(sorted(state.items())), "param_groups": shards[0]["param_groups"]}
 
 
 def _copy_state(value: Any) -> Any:

@@ -1,7 +1,9 @@
 """FSDPConfig: Tango's FSDP options plus ``compute_dtype`` and ``buffer_dtype``."""
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 from tango.common import FromParams
@@ -9,6 +11,22 @@ from tango.common import FromParams
 from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# The AMP dtype of the engine constructing the model: the compute dtype of FSDP instances built
+# meanwhile with mixed_precision and no compute_dtype (inner instances of with_wrapped_modules).
+_ENGINE_AMP_DTYPE: ContextVar[Optional[str]] = ContextVar("fairscale_c_tango_amp_dtype", default=None)
+
+
+@contextmanager
+def amp_dtype_while_constructing(name: Optional[str]) -> Iterator[None]:
+    """While the engine constructs the model: FSDPConfig.wrap() with ``mixed_precision`` and no
+    ``compute_dtype`` computes in ``name`` (the engine's AMP dtype; None: FSDP's default)."""
+    token = _ENGINE_AMP_DTYPE.set(name)
+    try:
+        yield
+    finally:
+        _ENGINE_AMP_DTYPE.reset(token)
 
 
 def _dtype(name: str, value: Optional[str]) -> Optional[torch.dtype]:
@@ -26,8 +44,11 @@ class FSDPConfig(FromParams):
     Tango's ``tango.integrations.fairscale.FSDPConfig`` fields, with the same defaults, plus:
 
     - ``compute_dtype``: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (a string, as a config
-      file writes it); with ``mixed_precision`` and no ``compute_dtype``, the engine uses its AMP
-      dtype (bfloat16 on CPU), so bf16 autocast and FSDP's mixed precision agree;
+      file writes it); with ``mixed_precision`` and no ``compute_dtype``, FSDP computes in the AMP
+      dtype of the ``"fairscale_c"`` engine with ``amp`` (bfloat16 on CPU), so bf16 autocast and
+      FSDP's mixed precision agree: the engine's own instance, and the inner ones that
+      ``fairscale_c::with_wrapped_modules`` builds while the engine constructs the model;
+      otherwise in float16, FairScale's default;
     - ``buffer_dtype``: as FairScale's (default: the compute dtype).
     """
 
@@ -45,7 +66,10 @@ class FSDPConfig(FromParams):
     def as_kwargs(self) -> Dict[str, Any]:
         """The keyword arguments of FullyShardedDataParallel, dtypes as torch dtypes."""
         kwargs = asdict(self)
-        kwargs["compute_dtype"] = _dtype("compute_dtype", self.compute_dtype)
+        compute = self.compute_dtype
+        if compute is None and self.mixed_precision:
+            compute = _ENGINE_AMP_DTYPE.get()
+        kwargs["compute_dtype"] = _dtype("compute_dtype", compute)
         kwargs["buffer_dtype"] = _dtype("buffer_dtype", self.buffer_dtype)
         return kwargs
 

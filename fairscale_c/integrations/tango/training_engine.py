@@ -14,7 +14,7 @@ from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale_c.optim.grad_scaler import ShardedGradScaler
 from fairscale_c.utils.checkpoint import load_all_shards, load_sharded, save_sharded
 
-from .fsdp_config import FSDPConfig
+from .fsdp_config import FSDPConfig, amp_dtype_while_constructing
 
 
 @TrainingEngine.register("fairscale_c")
@@ -26,7 +26,9 @@ class FairScaleCTrainingEngine(TorchTrainingEngine):
 
     - ``fsdp_config`` is this package's :class:`FSDPConfig`, which has ``compute_dtype``; with
       ``mixed_precision`` and ``amp`` and no ``compute_dtype``, FSDP computes in the AMP dtype
-      (bfloat16 on CPU), where Tango's engine computes in float16 and bf16 autocast fails;
+      (bfloat16 on CPU), where Tango's engine computes in float16 and bf16 autocast fails (a
+      LayerNorm meets float16 parameters); so do the inner instances that
+      ``fairscale_c::with_wrapped_modules`` builds while this engine constructs the model;
     - it also runs with one worker (FSDP over a group of one, no torch.distributed needed);
     - the loss scaler is a ShardedGradScaler for float16 AMP only (bfloat16 needs none);
     - a checkpoint is one :func:`fairscale_c.utils.checkpoint.save_sharded` per directory: every
@@ -72,7 +74,11 @@ class FairScaleCTrainingEngine(TorchTrainingEngine):
 
     def _construct_model(self, model: Union[Model, Lazy[Model]]) -> Model:
         if isinstance(model, Lazy):
-            model = model.construct()
+            amp_dtype = None
+            if self.amp:
+                amp_dtype = "bfloat16" if self.amp_dtype is torch.bfloat16 else "float16"
+            with amp_dtype_while_constructing(amp_dtype):
+                model = model.construct()
         if not self.fsdp_config.move_params_to_cpu:
             model.to(self.train_config.worker_local_default_device)
         return FSDP(model, **self.fsdp_config.as_kwargs())

@@ -13,6 +13,7 @@ is None. The optimizer then steps (OSS broadcasts the updated parameters).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generator, List, Optional, Union
@@ -120,9 +121,8 @@ class ShardedDataParallel(nn.Module):
             )
         self.device_type = device_types.pop() if device_types else "cpu"
         self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
-        self._all_params: List[nn.Parameter] = [
-            p for o in optims for lists in o.per_device_params.values() for params in lists for p in params
-        ]
+        self._all_params: List[nn.Parameter] = self._optimized_params()
+        self._known_count = self._param_count()
         known = {id(p) for p in self._all_params}
         missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in known]
         if missing:
@@ -130,9 +130,7 @@ class ShardedDataParallel(nn.Module):
                 "ShardedDataParallel: parameters %s are in no sharded optimizer; their gradients are not reduced",
                 missing,
             )
-        self._buffer_max_size = (
-            0 if self._world_size == 1 else min(reduce_buffer_size, sum(p.numel() for p in self._all_params))
-        )
+        self._buffer_max_size = 0 if self._world_size == 1 else reduce_buffer_size
         self._reference_trainable_mask = [p.requires_grad for p in self._all_params]
         self._trainable_params: List[nn.Parameter] = []
         self._trainable_param_to_rank: Dict[nn.Parameter, int] = {}
@@ -157,6 +155,7 @@ class ShardedDataParallel(nn.Module):
         needs_setup = not self._buckets and self.training
         if self._auto_refresh_trainable:
             needs_setup |= self._detect_train_change()
+            needs_setup |= self._param_count() != self._known_count  # a param group was added
         if needs_setup:
             self.refresh_trainable()
         if self._enable_broadcast_buffers and not self._should_accumulate_grads:
@@ -194,6 +193,18 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ trainability
 
+    def _optimized_params(self) -> List[nn.Parameter]:
+        return [
+            p
+            for o in self._sharded_optimizers
+            for lists in o.per_device_params.values()
+            for params in lists
+            for p in params
+        ]
+
+    def _param_count(self) -> int:
+        return sum(len(g["params"]) for o in self._sharded_optimizers for g in o.param_groups)
+
     def _detect_train_change(self) -> bool:
         mask = [p.requires_grad for p in self._all_params]
         changed = mask != self._reference_trainable_mask
@@ -211,6 +222,8 @@ class ShardedDataParallel(nn.Module):
                 "ShardedDataParallel.refresh_trainable: gradients were waiting to be reduced "
                 "(use no_sync() to accumulate)"
             )
+        self._all_params = self._optimized_params()
+        self._known_count = self._param_count()
         self._trainable_params = [p for p in self._all_params if p.requires_grad]
         self._trainable_param_to_rank = {}
         for o in self._sharded_optimizers:
@@ -260,19 +273,13 @@ class ShardedDataParallel(nn.Module):
         for p in self._trainable_params:
             if p.grad is not None and p.grad.requires_grad:
                 raise RuntimeError("ShardedDataParallel only works with gradients that do not require grad")
+            self._grad_hooks.append(p.register_hook(functools.partial(self._before_accumulate, p)))
             self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     # ------------------------------------------------------------------ gradient path
 
     def _arm(self) -> None:
-        """A training forward: the next backward reduces every trainable gradient once. Reduced
-        gradients still held from an earlier backward are set aside and added back after the
-        next reduction, so that they are not averaged over the ranks a second time."""
-        for p, g in self._reduced.items():
-            if p.grad is g:
-                self._saved[p] = g if p not in self._saved else self._saved[p] + g
-                p.grad = None
-        self._reduced = {}
+        """A training forward: the next backward reduces every trainable gradient once."""
         for b in self._buckets:
             b.reset()
         self._pending = sum(len(b.params) for b in self._buckets)
@@ -280,6 +287,15 @@ class ShardedDataParallel(nn.Module):
         self._next_launch = 0
         self._armed = True
         self._callback_queued = False
+
+    def _before_accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """A new gradient is about to be added to ``p.grad``: if that still holds what the last
+        reduction gave this owner (accumulation without no_sync), set it aside and add it back
+        after the next reduction, so that it is not averaged over the ranks a second time."""
+        g = self._reduced.pop(p, None)
+        if g is not None and p.grad is g:
+            self._saved[p] = g
+            p.grad = None
 
     @torch.no_grad()
     def _grad_ready(self, p: nn.Parameter) -> None:
@@ -381,6 +397,7 @@ class ShardedDataParallel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero (or drop, with ``set_to_none``) the gradients of the trainable parameters."""
+        self._saved.clear()
         for p in self._trainable_params:
             if set_to_none:
                 p.grad = None

@@ -1,0 +1,477 @@
+"""Multi-process pipeline benchmark: fairscale_c.nn.pipe (PipelineStage, ScheduleGPipe,
+Schedule1F1B, ScheduleInterleaved1F1B) vs torch.distributed.pipelining (gloo), 2 ranks on CPU,
+same model, same data, same micro-batch counts, in the same processes.
+
+    PYTHONPATH=. python benchmarks/pipe_stages.py          # d=512, 4 layers per rank, batch 480, m = 4..16
+    PYTHONPATH=. python benchmarks/pipe_stages.py --quick  # small model, few steps (under a minute)
+
+The model: 2 x `--layers` x (Linear(d, d), ReLU), MSE loss on the last stage, SGD; GPipe and 1F1B
+run it as 2 stages (one per rank), the interleaved schedules as 4 stages (2 per rank: rank r
+holds stages r and r + 2).
+Two rank processes (one per stage, one torch thread each) live for the whole run (benchmarks/
+_harness.RankPool); every configuration (framework x schedule x micro-batches) is timed in turn
+within each round, so load on the machine falls on all of them alike; the median over rounds is
+reported.
+
+Reported per configuration:
+  * throughput: samples/s = batch / step time, where a step is zero_grad + schedule.step +
+    optimizer.step and the step time is the slowest rank's time for `--steps` back-to-back steps
+    divided by their number (median over rounds); ratios are medians over rounds of the ratio
+    within a round (configurations run back to back, so a change of load between rounds falls on
+    both sides of a ratio);
+  * peak activation memory per stage: the most bytes autograd held for backward at once (distinct
+    storages saved by the stage's module, parameters excluded), counted by saved-tensor hooks
+    in separate, untimed steps; allocator-independent, so it is comparable between frameworks;
+  * bubble per stage: 1 - (forward + backward compute time) / step time, with compute timed the
+    same way for both frameworks (the module's forward; backward from the gradient reaching the
+    stage's output to the last parameter gradient accumulated), against the ideal
+    (p - 1) / (m + p - 1), and (p - 1) / (2m + p - 1) for the interleaved schedules.
+
+Targets (printed as verdict lines): throughput >= 1.2x torch.distributed.pipelining's with the same
+schedule; fairscale_c's 1F1B peak activation memory <= its GPipe's at equal throughput (+-5%; a
+1F1B that is faster than that passes too). `--report FILE` prints the table of a saved JSON.
+Results go to stdout and benchmarks/results/pipe_stages.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import RankPool, RankState  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipe_stages.json")
+FRAMEWORKS = ("fairscale_c", "torch")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+INTERLEAVE = 2  # stages per rank of the interleaved schedule
+TARGET_THROUGHPUT_RATIO = 1.2
+TARGET_EQUAL_THROUGHPUT = 0.05
+STAGES = 2
+
+
+@dataclass
+class Config:
+    d: int = 512
+    layers: int = 4  # (Linear, ReLU) pairs per stage
+    batch: int = 480
+    microbatches: List[int] = field(default_factory=lambda: [4, 8, 12, 16])
+    steps: int = 4  # timed steps per configuration per round
+    rounds: int = 15
+    warmup: int = 2
+    memory_steps: int = 2
+    lr: float = 1e-3
+    seed: int = 0
+
+
+def quick_config() -> Config:
+    return Config(d=128, layers=2, batch=48, microbatches=[4, 8, 12, 16], steps=4, rounds=3, warmup=1, memory_steps=1)
+
+
+# ---------------------------------------------------------------- instrumentation (both frameworks)
+
+
+class _Saved:
+    """A tensor autograd saved for backward, counted while the graph holds it."""
+
+    __slots__ = ("tracker", "t", "ptr")
+
+    def __init__(self, tracker: "_Tracker", t: torch.Tensor, ptr: int, nbytes: int) -> None:
+        self.tracker, self.t, self.ptr = tracker, t, ptr
+        entry = tracker.live.get(ptr)
+        if entry is None:
+            tracker.live[ptr] = [1, nbytes]
+            tracker.cur += nbytes
+            tracker.peak = max(tracker.peak, tracker.cur)
+        else:
+            entry[0] += 1
+
+    def __del__(self) -> None:
+        entry = self.tracker.live[self.ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.tracker.live[self.ptr]
+            self.tracker.cur -= entry[1]
+
+
+class _Tracker:
+    """Bytes of distinct tensors autograd holds for backward (parameters excluded)."""
+
+    def __init__(self, skip: set) -> None:
+        self.skip, self.live, self.cur, self.peak = skip, {}, 0, 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        # a view counts for its own bytes (stage 0's micro-batches are views of the whole batch)
+        if t.untyped_storage().data_ptr() in self.skip or t.numel() == 0:
+            return t
+        return _Saved(self, t, t.data_ptr(), t.numel() * t.element_size())
+
+    @staticmethod
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.t if isinstance(saved, _Saved) else saved
+
+
+class _Exit(torch.autograd.Function):
+    """Identity whose backward marks the moment a stage's backward starts."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, meter: "Meter") -> torch.Tensor:
+        ctx.meter = meter
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.meter.backward_starts()
+        return grad, None
+
+
+class Meter:
+    """One rank's compute clock and activation count, shared by the Probes of its stages."""
+
+    def __init__(self) -> None:
+        self.params: List[torch.Tensor] = []
+        self.tracker: Optional[_Tracker] = None
+        self.fwd_s = self.bwd_s = 0.0
+        self._bwd_open: Optional[float] = None
+        self._last_grad = 0.0
+
+    def watch(self, module: torch.nn.Module) -> None:
+        for p in module.parameters():
+            self.params.append(p)
+            p.register_post_accumulate_grad_hook(self._grad_done)
+
+    def _grad_done(self, _p: torch.Tensor) -> None:
+        self._last_grad = time.perf_counter()
+
+    def backward_starts(self) -> None:
+        self.flush()
+        self._bwd_open = time.perf_counter()
+
+    def flush(self) -> None:
+        """Close the open backward interval: it ended at the last parameter gradient."""
+        if self._bwd_open is not None:
+            self.bwd_s += max(0.0, self._last_grad - self._bwd_open)
+            self._bwd_open = None
+
+    def reset(self, track: bool) -> None:
+        self.flush()
+        self.fwd_s = self.bwd_s = 0.0
+        self.tracker = _Tracker({p.untyped_storage().data_ptr() for p in self.params}) if track else None
+
+
+class Probe(torch.nn.Module):
+    """Wraps a stage's module: times its forward and backward on a Meter and (when tracking)
+    counts the activations autograd saves for it."""
+
+    def __init__(self, inner: torch.nn.Module, meter: Meter) -> None:
+        super().__init__()
+        self.inner = inner
+        self.meter = meter
+        meter.watch(inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        meter = self.meter
+        t0 = time.perf_counter()
+        if meter.tracker is not None:
+            with torch.autograd.graph.saved_tensors_hooks(meter.tracker.pack, meter.tracker.unpack):
+                out = self.inner(x)
+        else:
+            out = self.inner(x)
+        meter.fwd_s += time.perf_counter() - t0
+        if out.requires_grad:
+            out = _Exit.apply(out, meter)
+        return out
+
+
+# ---------------------------------------------------------------- rank side
+
+
+def _stage_modules(cfg: Config, rank: int, chunks: int) -> List[torch.nn.Module]:
+    """This rank's parts of the whole model (the same seeded model every time) cut into
+    STAGES * chunks stages; stage k runs on rank k % STAGES."""
+    torch.manual_seed(cfg.seed)
+    full = []
+    for _ in range(STAGES * cfg.layers):
+        full += [torch.nn.Linear(cfg.d, cfg.d), torch.nn.ReLU()]
+    per = 2 * cfg.layers // chunks
+    return [torch.nn.Sequential(*full[k * per : (k + 1) * per]) for k in range(rank, STAGES * chunks, STAGES)]
+
+
+def rank_setup(state: RankState, cfg_dict: Dict[str, Any]) -> None:
+    """Rank command: build the stage module, its data and one schedule per configuration."""
+    import torch.nn.functional as F
+    from torch.distributed import pipelining as tpp
+
+    from fairscale_c.nn import pipe as fpp
+
+    cfg = Config(**cfg_dict)
+    rank = state.rank
+    meters = {"plain": Meter(), "interleaved": Meter()}
+    probe = Probe(_stage_modules(cfg, rank, 1)[0], meters["plain"])
+    probes = [Probe(mod, meters["interleaved"]) for mod in _stage_modules(cfg, rank, INTERLEAVE)]
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    x, y = torch.randn(cfg.batch, cfg.d, generator=g), torch.randn(cfg.batch, cfg.d, generator=g)
+    scheds: Dict[tuple, Any] = {}
+    for m in cfg.microbatches:
+        sample = torch.empty(cfg.batch // m, cfg.d)
+        for name in ("gpipe", "1f1b"):
+            ours = {"gpipe": fpp.ScheduleGPipe, "1f1b": fpp.Schedule1F1B}[name]
+            theirs = {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[name]
+            scheds[("fairscale_c", name, m)] = ours(fpp.PipelineStage(probe, rank, STAGES), m, F.mse_loss)
+            tstage = tpp.PipelineStage(probe, rank, STAGES, cpu, input_args=(sample,))
+            scheds[("torch", name, m)] = theirs(tstage, m, loss_fn=F.mse_loss)
+        n, ks = STAGES * INTERLEAVE, range(rank, STAGES * INTERLEAVE, STAGES)
+        ours_i = [fpp.PipelineStage(pr, k, n) for pr, k in zip(probes, ks)]
+        scheds[("fairscale_c", "interleaved", m)] = fpp.ScheduleInterleaved1F1B(ours_i, m, F.mse_loss)
+        theirs_i = [tpp.PipelineStage(pr, k, n, cpu, input_args=(sample,)) for pr, k in zip(probes, ks)]
+        scheds[("torch", "interleaved", m)] = tpp.ScheduleInterleaved1F1B(theirs_i, m, loss_fn=F.mse_loss)
+    params = list(probe.parameters()) + [p for pr in probes for p in pr.parameters()]
+    opt = torch.optim.SGD(params, lr=cfg.lr)
+    state.case = {"cfg": cfg, "meters": meters, "x": x, "y": y, "scheds": scheds, "opt": opt}
+
+
+def _one_step(state: RankState, sched: Any, losses: Optional[list] = None) -> None:
+    c = state.case
+    c["opt"].zero_grad(set_to_none=True)
+    if state.rank == 0:
+        sched.step(c["x"])
+    else:
+        sched.step(target=c["y"], losses=losses if losses is not None else [])
+    c["opt"].step()
+
+
+def run_case(state: RankState, framework: str, schedule: str, m: int, steps: int, track: bool) -> Dict[str, float]:
+    """Rank command: `steps` back-to-back steps of one configuration after a barrier. Returns this
+    rank's elapsed time, compute times and (when tracking) peak saved activation bytes."""
+    c = state.case
+    sched = c["scheds"][(framework, schedule, m)]
+    meter = c["meters"]["interleaved" if schedule == "interleaved" else "plain"]
+    meter.reset(track)
+    state.group.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        _one_step(state, sched)
+    elapsed = time.perf_counter() - t0
+    meter.flush()
+    out = {"elapsed_s": elapsed, "fwd_s": meter.fwd_s, "bwd_s": meter.bwd_s, "peak_bytes": 0}
+    if meter.tracker is not None:
+        out["peak_bytes"] = meter.tracker.peak
+    meter.reset(False)
+    return out
+
+
+def check_losses(state: RankState, m: int) -> Dict[str, List[float]]:
+    """Rank command: from the same parameters, one step of every framework and schedule at `m`
+    micro-batches without optimizer steps; the last stage returns the per-micro-batch losses."""
+    c = state.case
+    params = c["opt"].param_groups[0]["params"]
+    saved = [p.detach().clone() for p in params]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for p, v in zip(params, saved):
+                p.copy_(v)
+
+    out = {}
+    for fw in FRAMEWORKS:
+        for name in SCHEDULES:
+            restore()
+            losses: list = []
+            c["opt"].zero_grad(set_to_none=True)
+            sched = c["scheds"][(fw, name, m)]
+            if state.rank == 0:
+                sched.step(c["x"])
+            else:
+                sched.step(target=c["y"], losses=losses)
+            out[f"{fw}/{name}"] = [float(v.detach()) for v in losses]
+    restore()
+    return out
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _run_case_timed(pool: RankPool, fw: str, name: str, m: int, steps: int, track: bool) -> Dict[str, Any]:
+    """Wraps run_case; the per-step time is the slowest rank's elapsed / steps."""
+    res = pool.run(run_case, fw, name, m, steps, track)
+    step_s = max(r["elapsed_s"] for r in res) / steps
+    bubbles = [1.0 - (r["fwd_s"] + r["bwd_s"]) / r["elapsed_s"] for r in res]
+    return {"step_s": step_s, "bubble": bubbles, "peak_bytes": [r["peak_bytes"] for r in res]}
+
+
+def run(cfg: Config) -> Dict[str, Any]:
+    rows: Dict[tuple, Dict[str, Any]] = {}
+    with RankPool(STAGES) as pool:
+        pool.run(rank_setup, asdict(cfg))
+        keys = [(fw, name, m) for m in cfg.microbatches for name in SCHEDULES for fw in FRAMEWORKS]
+        for key in keys:  # warm-up: set-up exchanges, first-touch of buffers, lazy imports
+            pool.run(run_case, *key, cfg.warmup, False)
+        times: Dict[tuple, List[float]] = {k: [] for k in keys}
+        bubbles: Dict[tuple, List[List[float]]] = {k: [] for k in keys}
+        for r in range(cfg.rounds):
+            order = keys if r % 2 == 0 else list(reversed(keys))
+            for key in order:
+                res = _run_case_timed(pool, *key, cfg.steps, False)
+                times[key].append(res["step_s"])
+                bubbles[key].append(res["bubble"])
+        peaks = {k: _run_case_timed(pool, *k, cfg.memory_steps, True)["peak_bytes"] for k in keys}
+        check = pool.run(check_losses, cfg.microbatches[0])[STAGES - 1]
+    for key in keys:
+        fw, name, m = key
+        step_s = statistics.median(times[key])
+        per_stage_bubble = [statistics.median(b[s] for b in bubbles[key]) for s in range(STAGES)]
+        rows[key] = {
+            "framework": fw,
+            "schedule": name,
+            "microbatches": m,
+            "step_s": step_s,
+            "step_s_rounds": times[key],
+            "samples_per_s": cfg.batch / step_s,
+            "samples_per_s_best": cfg.batch / min(times[key]),
+            "bubble_per_stage": per_stage_bubble,
+            "bubble_mean": statistics.mean(per_stage_bubble),
+            "bubble_ideal": (STAGES - 1) / (m * (INTERLEAVE if name == "interleaved" else 1) + STAGES - 1),
+            "peak_activation_bytes_per_stage": peaks[key],
+        }
+    # the interleaved schedules train other module objects (same initial values), so each
+    # framework's losses are compared with torch's on the same schedule
+    loss_diff = {k: max(abs(a - b) for a, b in zip(v, check["torch/" + k.split("/")[1]])) for k, v in check.items()}
+    return {"rows": list(rows.values()), "max_loss_diff_vs_torch_same_schedule": loss_diff}
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def paired_ratio(faster: Dict[str, Any], slower: Dict[str, Any]) -> float:
+    """Median over rounds of slower's step time / faster's in the same round: the throughput ratio,
+    paired by round so that load which changes from round to round falls on both."""
+    return statistics.median(b / a for a, b in zip(faster["step_s_rounds"], slower["step_s_rounds"]))
+
+
+def report(result: Dict[str, Any], cfg: Config) -> List[str]:
+    rows = {(r["framework"], r["schedule"], r["microbatches"]): r for r in result["rows"]}
+    lines = [
+        "| schedule | m | fairscale_c samples/s | torch samples/s | ratio | fairscale_c peak act. MiB (stage 0 / 1) "
+        "| torch peak act. MiB (stage 0 / 1) | bubble fairscale_c (s0 / s1) | bubble torch (s0 / s1) | ideal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for name in SCHEDULES:
+        for m in cfg.microbatches:
+            a, b = rows[("fairscale_c", name, m)], rows[("torch", name, m)]
+            ratio = paired_ratio(a, b)
+            pa, pb = a["peak_activation_bytes_per_stage"], b["peak_activation_bytes_per_stage"]
+            ba, bb = a["bubble_per_stage"], b["bubble_per_stage"]
+            lines.append(
+                f"| {name} | {m} | {a['samples_per_s']:.0f} | {b['samples_per_s']:.0f} | {ratio:.2f} "
+                f"| {_mib(pa[0])} / {_mib(pa[1])} | {_mib(pb[0])} / {_mib(pb[1])} "
+                f"| {ba[0]:.2f} / {ba[1]:.2f} | {bb[0]:.2f} / {bb[1]:.2f} | {a['bubble_ideal']:.2f} |"
+            )
+            verdicts.append(
+                f"{'MET   ' if ratio >= TARGET_THROUGHPUT_RATIO else 'MISSED'} throughput {name} m={m}: "
+                f"{ratio:.2f}x torch.distributed.pipelining (target >= {TARGET_THROUGHPUT_RATIO}x)"
+            )
+    for m in cfg.microbatches:
+        g, o = rows[("fairscale_c", "gpipe", m)], rows[("fairscale_c", "1f1b", m)]
+        mem_g, mem_o = max(g["peak_activation_bytes_per_stage"]), max(o["peak_activation_bytes_per_stage"])
+        tr = paired_ratio(o, g)
+        ok = mem_o <= mem_g and tr >= 1 - TARGET_EQUAL_THROUGHPUT
+        verdicts.append(
+            f"{'MET   ' if ok else 'MISSED'} 1F1B memory m={m}: peak activations {_mib(mem_o)} MiB vs GPipe "
+            f"{_mib(mem_g)} MiB (max over stages; target <=), throughput 1F1B/GPipe {tr:.3f} (target >= "
+            f"{1 - TARGET_EQUAL_THROUGHPUT:.2f}: equal within {TARGET_EQUAL_THROUGHPUT:.0%}, or faster)"
+        )
+    return lines + [""] + verdicts
+
+
+def _git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
+
+    try:
+        sha, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def parse_args(argv: Optional[List[str]] = None) -> tuple:
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small model, few steps")
+    p.add_argument("--d", type=int, default=None, help=f"layer width (default {d.d})")
+    p.add_argument("--layers", type=int, default=None, help=f"(Linear, ReLU) pairs per stage (default {d.layers})")
+    p.add_argument("--batch", type=int, default=None, help=f"samples per step (default {d.batch})")
+    p.add_argument("--microbatches", type=int, nargs="+", default=None, help="micro-batch counts (default 4 8 12 16)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration per round")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--out", default=RESULTS, help="JSON results path")
+    p.add_argument("--report", metavar="FILE", help="print the table and verdicts of a saved JSON, run nothing")
+    a = p.parse_args(argv)
+    cfg = quick_config() if a.quick else d
+    for name in ("d", "layers", "batch", "microbatches", "steps", "rounds"):
+        if getattr(a, name) is not None:
+            setattr(cfg, name, getattr(a, name))
+    if cfg.layers % INTERLEAVE:
+        p.error(f"--layers must be a multiple of {INTERLEAVE} (the interleaved schedule's stages per rank)")
+    bad = [m for m in cfg.microbatches if m < STAGES or m % STAGES or cfg.batch % m]
+    if bad:
+        p.error(f"micro-batch counts must be multiples of {STAGES} that divide --batch {cfg.batch}; not {bad}")
+    return a, cfg
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args, cfg = parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        print("\n".join(report(saved["cpu"], Config(**saved["config"]))))
+        return 0
+    load_before = os.getloadavg()
+    print(f"config: {asdict(cfg)}; torch {torch.__version__}; {os.cpu_count()} cores; load {load_before}", flush=True)
+    t0 = time.time()
+    result: Dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "loadavg_before": load_before,
+    }
+    result["cpu"] = run(cfg)
+    result["loadavg_after"] = os.getloadavg()
+    result["wall_s"] = time.time() - t0
+    lines = report(result["cpu"], cfg)
+    result["verdicts"] = [ln for ln in lines if ln.startswith(("MET", "MISSED"))]
+    print(f"\nCPU, 2 stages, d={cfg.d}, {cfg.layers} layers per stage, batch {cfg.batch}; torch: gloo")
+    print("\n".join(lines))
+    diffs = result["cpu"]["max_loss_diff_vs_torch_same_schedule"]
+    print(f"max |loss - torch's with the same schedule| at m={cfg.microbatches[0]}: {diffs}")
+    print(f"load average before {load_before}, after {result['loadavg_after']}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""Schedules for multi-process pipelines: the order in which a stage runs its micro-batches.
+
+``ScheduleGPipe``: every micro-batch forward, then every one backward (fill, drain). A stage holds
+the activations of all ``n_microbatches`` at once.
+
+``Schedule1F1B``: stage ``s`` of ``p`` runs ``p - 1 - s`` forwards, then alternates one forward
+and one backward, then drains the backwards left. A stage holds at most ``p - s`` micro-batches'
+activations, with the same bubble as GPipe.
+
+``ScheduleInterleaved1F1B``: ``v`` stages per rank (Megatron-LM's order); the bubble shrinks by
+``v`` for ``v`` times the messages.
+
+All are driven the same way (the shape of ``torch.distributed.pipelining``'s)::
+
+    stage = PipelineStage(module, rank, world, group=pp_group)
+    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=F.cross_entropy)
+    out = schedule.step(x)                             # stage 0: the whole batch
+    out = schedule.step(target=y, losses=losses)       # last stage: targets, per-micro-batch losses
+    out = schedule.step()                              # the stages between
+    optimizer.step()
+
+Before each action, the messages the previous one produced (its outputs forward, its input
+gradients backward) and the receives this one needs go out together as one point-to-point batch
+of the pipeline group (no order of issue across stages can deadlock): synchronously when there is
+something to receive (on the calling thread when nothing is queued before it), else
+asynchronously, so the sends overlap the computation. Every wait is bounded by
+FAIRSCALE_C_TIMEOUT: a stage that dies makes the others raise ``fairscale_c.DistributedError``
+instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .stage import PipelineStage, as_tuple, describe, metas_of, resolve_group
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of a rank's work: ``kind`` "F" (forward) or "B" (backward) of micro-batch ``mb``
+    on the rank's ``stage``-th stage (always 0 but for the interleaved schedule)."""
+
+    kind: str
+    mb: int
+    stage: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f"@{self.stage}" if self.stage else "")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Timings of this rank's last step, in seconds of host time (on CUDA, compute is asynchronous
+    and ``compute_s`` is the time spent launching it).
+
+    ``step_s``: the whole step; ``compute_s``: inside forward, loss and backward; ``wait_s``:
+    waiting for messages from the neighbouring stages; ``reduce_s``: the data-parallel gradient
+    reduction. ``bubble`` is the share of the step spent outside compute."""
+
+    step_s: float
+    compute_s: float
+    wait_s: float
+    reduce_s: float
+    n_microbatches: int
+
+    @property
+    def bubble(self) -> float:
+        return 1.0 - self.compute_s / self.step_s if self.step_s > 0 else 0.0
+
+
+class PipelineSchedule:
+    """Base of the schedules; subclasses give :meth:`order`.
+
+    Args:
+        stage: this rank's :class:`PipelineStage` (ScheduleInterleaved1F1B: a list of them).
+        n_microbatches: micro-batches per step (>= 1); the batch is split along dimension 0 and
+            its size must be divisible by it.
+        loss_fn: ``loss_fn(output, target)`` for one micro-batch, used on the last stage. Give it
+            (or any callable) on every stage: without one a step is forward-only.
+        scale_grads: divide each micro-batch's loss by ``n_microbatches`` before its backward, so
+            that a loss averaging over its micro-batch gives the gradients of the average over the
+            whole batch (as in a single process).
+        dp_group: optional data-parallel group (a torch ProcessGroup or a fairscale_c Group) of the
+            ranks that run this same stage on other data: after the backward the stage's
+            gradients are averaged over it (one flat all-reduce per dtype).
+    """
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        n_microbatches: int,
+        loss_fn: Optional[Callable[..., torch.Tensor]] = None,
+        *,
+        scale_grads: bool = True,
+        dp_group: Any = None,
+    ) -> None:
+        name = type(self).__name__
+        stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+        if not stages or not all(isinstance(st, PipelineStage) for st in stages):
+            what = ", ".join(type(st).__name__ for st in stages) or "an empty list"
+            raise TypeError(f"{name}: stage must be a PipelineStage (interleaved: a list of them), got {what}")
+        size = stages[0].group.size
+        if not self._interleaved and (len(stages) != 1 or stages[0].num_stages != size):
+            raise ValueError(
+                f"{name}: one stage per rank (num_stages == the pipeline group's size, {size}); for several "
+                "stages per rank use ScheduleInterleaved1F1B"
+            )
+        if any(st.group is not stages[0].group for st in stages):
+            raise ValueError(f"{name}: the stages of one rank must share their pipeline group")
+        if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool):
+            raise TypeError(f"{name}: n_microbatches must be an int, got {type(n_microbatches).__name__}")
+        if n_microbatches < 1:
+            raise ValueError(f"{name}: n_microbatches must be >= 1, got {n_microbatches}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"{name}: loss_fn must be callable or None, got {type(loss_fn).__name__}")
+        self._stages = sorted(stages, key=lambda st: st.stage_index)
+        self._first = next((st for st in self._stages if st.is_first), None)
+        self._last = next((st for st in self._stages if st.is_last), None)
+        self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
+        self.scale_grads = bool(scale_grads)
+        self.dp_group = resolve_group(dp_group, "default", f"{name}: dp_group") if dp_group is not None else None
+        self.last_step: Optional[StepStats] = None
+
+    _interleaved = False
+
+    @property
+    def stage(self) -> PipelineStage:
+        """This rank's (first) stage."""
+        return self._stages[0]
+
+    @property
+    def stages(self) -> List[PipelineStage]:
+        return list(self._stages)
+
+    @property
+    def n_microbatches(self) -> int:
+        return self._n_microbatches
+
+    def order(self, has_backward: bool = True) -> List[Action]:
+        """This rank's actions in the order it runs them."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ driving
+    def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True) -> Any:
+        """One training step over the whole batch. Stage 0 is given the batch (positional Tensors
+        split along dimension 0); other stages' positional arguments are ignored. The last stage
+        is given ``target`` (split the same way) and, optionally, a list ``losses`` that receives
+        each micro-batch's loss (before scaling). Returns the last stage's outputs concatenated
+        over the micro-batches (detached), ``None`` on other stages. Gradients accumulate into
+        the stage's parameters; call the optimizer afterwards."""
+        if self._loss_fn is not None and not torch.is_grad_enabled():
+            raise RuntimeError(f"{type(self).__name__}.step: gradients are disabled (torch.no_grad); use eval()")
+        return self._step(args, target, losses, return_outputs, has_backward=self._loss_fn is not None)
+
+    def eval(self, *args: Any, target: Any = None, losses: Optional[list] = None) -> Any:
+        """Forward only (no gradients kept, nothing sent backward); losses are computed when the
+        last stage has a ``loss_fn`` and a ``target``."""
+        with torch.no_grad():
+            return self._step(args, target, losses, True, has_backward=False)
+
+    def _step(self, args: tuple, target: Any, losses: Optional[list], return_outputs: bool, has_backward: bool) -> Any:
+        name, first, last, m = type(self).__name__, self._first, self._last, self._n_microbatches
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"{name}.step: losses must be a list or None, got {type(losses).__name__}")
+        if first is not None:
+            wrong = [str(a.device) for a in args if isinstance(a, torch.Tensor) and a.device != first.device]
+            if wrong:
+                raise ValueError(
+                    f"{name}.step: the batch is on {', '.join(sorted(set(wrong)))} but stage 0 computes on "
+                    f"{first.device}; move it there first"
+                )
+        mbs = self._split(args, "the batch") if first is not None else None
+        targets = None
+        if last is not None and self._loss_fn is not None:
+            if target is None and has_backward:
+                raise ValueError(f"{name}.step: the last stage needs target= (the loss function's target)")
+            if target is not None:
+                targets = self._split(as_tuple(target), "target")
+        t0 = time.perf_counter()
+        for stage in self._stages:  # every rank in the same order: along the pipeline
+            if not stage.ready:
+                stage.setup(mbs[0] if stage.is_first and mbs is not None else None)
+        if first is not None and mbs is not None:
+            got = metas_of(mbs[0], "step: the micro-batch")
+            if got != first.input_meta:
+                raise ValueError(
+                    f"{name}.step: stage 0's micro-batch is {describe(got)} but the pipeline was set up for "
+                    f"{describe(first.input_meta or ())}; every step must have the same shapes"
+                )
+        for stage in self._stages:
+            stage.clear()
+        mb_losses: List[torch.Tensor] = []
+        compute_s, wait_s = self._run(mbs, targets, mb_losses, has_backward)
+        t1 = time.perf_counter()
+        if self.dp_group is not None and has_backward:
+            self._reduce_gradients()
+        t2 = time.perf_counter()
+        self.last_step = StepStats(t2 - t0, compute_s, wait_s, t2 - t1, m)
+        if losses is not None and last is not None:
+            losses.clear()
+            losses.extend(mb_losses)
+        if last is None or not return_outputs:
+            if last is not None:
+                last.output_chunks = []
+            return None
+        chunks, last.output_chunks = last.output_chunks, []
+        merged = tuple(torch.cat([c[k] for c in chunks]) for k in range(len(chunks[0])))
+        return merged[0] if len(merged) == 1 else merged
+
+    def _split(self, args: tuple, what: str) -> List[Tuple[torch.Tensor, ...]]:
+        name, m = type(self).__name__, self._n_microbatches
+        if not args:
+            raise ValueError(f"{name}.step: stage 0 needs the batch as positional Tensors, got none")
+        sizes = set()
+        for k, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                raise TypeError(f"{name}.step: {what}[{k}] must be a Tensor, got {type(a).__name__}")
+            if a.dim() == 0:
+                raise ValueError(f"{name}.step: {what}[{k}] is a scalar; expected a batch dimension (dim 0)")
+            sizes.add(a.shape[0])
+        if len(sizes) != 1:
+            raise ValueError(f"{name}.step: {what} tensors have different batch sizes {sorted(sizes)} (dim 0)")
+        size = sizes.pop()
+        if size % m:
+            raise ValueError(
+                f"{name}.step: {what} has {size} samples (dim 0), not divisible by n_microbatches={m}; "
+                "micro-batches must be equal so that averaging their losses gives the batch's average"
+            )
+        parts = [torch.tensor_split(a.contiguous(), m, dim=0) for a in args]
+        return [tuple(p[i] for p in parts) for i in range(m)]
+
+    def _run(
+        self,
+        mbs: Optional[List[Tuple[torch.Tensor, ...]]],
+        targets: Optional[List[Tuple[torch.Tensor, ...]]],
+        mb_losses: List[torch.Tensor],
+        has_backward: bool,
+    ) -> Tuple[float, float]:
+        divisor = self._n_microbatches if self.scale_grads else 1
+        inflight: Deque[Any] = deque()  # Works of sends not yet known to be finished, oldest first
+        compute_s = wait_s = 0.0
+        sends: list = []  # the previous action's messages, not yet issued
+        sends_group: Any = None
+        for action in self.order(has_backward):
+            stage = self._stages[action.stage]
+            group = stage.group if action.kind == "F" else stage.grad_group
+            recvs = self._receives(action)
+            if sends and (not recvs or sends_group is not group):
+                inflight.append(sends_group.batch(sends, async_op=True))  # overlaps the next computation
+                sends = []
+            if recvs:
+                # needed now: one synchronous batch with the previous action's messages. When
+                # nothing is queued before it, it runs on this thread: no hand-off to the group's
+                # progress thread and back on the critical path between the stages
+                t = time.perf_counter()
+                group.batch(sends + recvs)
+                wait_s += time.perf_counter() - t
+            while inflight and inflight[0].is_completed():
+                inflight.popleft().wait()  # releases its tensors; raises if it failed
+            t = time.perf_counter()
+            if action.kind == "F":
+                args = mbs[action.mb] if stage.is_first and mbs is not None else None
+                out = stage.forward_one(action.mb, args, has_backward)
+                if stage.is_last and targets is not None:
+                    loss = self._loss_fn(out, *targets[action.mb])  # type: ignore[misc]
+                    mb_losses.append(loss.detach())
+                    if has_backward:
+                        stage.set_loss(action.mb, loss)
+            else:
+                stage.backward_one(action.mb, divisor)
+            compute_s += time.perf_counter() - t
+            sends = self._sends(action)
+            sends_group = stage.group if action.kind == "F" else stage.grad_group
+            if action.kind == "F" and not has_backward:
+                stage.drop_forward_state(action.mb)
+        t = time.perf_counter()
+        if sends:
+            sends_group.batch(sends)
+        while inflight:
+            inflight.popleft().wait()
+        wait_s += time.perf_counter() - t
+        return compute_s, wait_s
+
+    def _receives(self, action: Action) -> list:
+        stage = self._stages[action.stage]
+        if action.kind == "F" and not stage.is_first:
+            return stage.recv_activation_ops(action.mb)
+        if action.kind == "B" and not stage.is_last:
+            return stage.recv_gradient_ops(action.mb)
+        return []
+
+    def _sends(self, action: Action) -> list:
+        stage = self._stages[action.stage]
+        if action.kind == "F" and not stage.is_last:
+            return stage.send_activation_ops(action.mb)
+        if action.kind == "B" and not stage.is_first:
+            return stage.send_gradient_ops(action.mb)
+        return []
+
+    def _reduce_gradients(self) -> None:
+        """Average this stage's gradients over the data-parallel group: one flat all-reduce per
+        (dtype, device)."""
+        groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+        seen: set = set()
+        for p in (p for st in self._stages for p in st.module.parameters()):
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        for grads in groups.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.dp_group.all_reduce(flat, op="avg")
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+
+
+class ScheduleGPipe(PipelineSchedule):
+    """GPipe: all forwards, then all backwards (micro-batches in order both times)."""
+
+    def order(self, has_backward: bool = True) -> List[Action]:
+        m = self._n_microbatches
+        fwd = [Action("F", i) for i in range(m)]
+        return fwd + [Action("B", i) for i in range(m)] if has_backward else fwd
+
+
+class Schedule1F1B(PipelineSchedule):
+    """1F1B: ``p - 1 - s`` warm-up forwards on stage ``s``, then one forward and one backward in
+    turn, then the remaining backwards; at most ``p - s`` micro-batches in flight per stage."""
+
+    def order(self, has_backward: bool = True) -> List[Action]:
+        m, stage = self._n_microbatches, self._stages[0]
+        if not has_backward:
+            return [Action("F", i) for i in range(m)]
+        warmup = min(stage.num_stages - 1 - stage.stage_index, m)
+        out = [Action("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            out += [Action("F", warmup + i), Action("B", i)]
+        out += [Action("B", i) for i in range(m - warmup, m)]
+        return out
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B (Megatron-LM's): a pipeline of ``v * p`` stages on ``p`` ranks, rank ``r``
+    running stages ``r, r + p, ..., r + (v - 1) p`` (pass them as a list). Micro-batches go
+    through in groups of ``p``: each rank runs a group on its first stage, then on its second, ...;
+    after ``2 (p - 1 - r) + (v - 1) p`` warm-up forwards it alternates forward and backward. The
+    ideal bubble shrinks by ``v`` to (p - 1) / (v m + p - 1), for about ``v`` times the messages.
+    ``n_microbatches`` must be a multiple of ``p``.
+
+    Gradients travel on an engine group of their own (built here, a collective over the pipeline
+    group): with two ranks, activations and gradients go between the same pair in the same
+    direction, and messages are matched in order per channel; on separate groups each kind is in
+    the same order on both sides by construction (forwards in the same (group, stage, micro-batch)
+    order on every rank, backwards likewise), whatever the interleaving of the two.
+    """
+
+    _interleaved = True
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Optional[Callable[..., torch.Tensor]] = None,
+        *,
+        scale_grads: bool = True,
+        dp_group: Any = None,
+    ) -> None:
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads, dp_group=dp_group)  # type: ignore[arg-type]
+        name, group = type(self).__name__, self._stages[0].group
+        p, rank, n = group.size, group.rank, self._stages[0].num_stages
+        want = list(range(rank, n, p))
+        got = [st.stage_index for st in self._stages]
+        if got != want or any(st.num_stages != n for st in self._stages):
+            raise ValueError(
+                f"{name}: rank {rank} of {p} must hold stages {want} of the {n}-stage pipeline, got stages {got} "
+                f"(of {sorted({st.num_stages for st in self._stages})}-stage pipelines)"
+            )
+        if n_microbatches % p:
+            raise ValueError(
+                f"{name}: n_microbatches={n_microbatches} must be a multiple of the pipeline group's size ({p})"
+            )
+        if p > 1:
+            grad_group = _second_group(group)
+            device = self._stages[0].device
+            if device.type == "cuda":
+                grad_group.init_nccl(device)  # now, while every rank is here, not at a first backward
+            for st in self._stages:
+                st.grad_group = grad_group
+
+    def order(self, has_backward: bool = True) -> List[Action]:
+        group = self._stages[0].group
+        p, v, m, rank = group.size, len(self._stages), self._n_microbatches, group.rank
+        total = m * v
+
+        def action(kind: str, k: int) -> Action:
+            chunk = (k % (p * v)) // p
+            return Action(kind, (k // (p * v)) * p + k % p, chunk if kind == "F" else v - 1 - chunk)
+
+        if not has_backward:
+            return [action("F", k) for k in range(total)]
+        warmup = min(2 * (p - 1 - rank) + (v - 1) * p, total)
+        out = [action("F", k) for k in range(warmup)]
+        for k in range(total - warmup):
+            out += [action("F", warmup + k), action("B", k)]
+        out += [action("B", k) for k in range(total - warmup, total)]
+        return out
+
+
+def _second_group(group: Any) -> Any:
+    """Another engine group over the same ranks (a collective over ``group``)."""
+    from ... import distributed as fdist
+
+    pg = getattr(group, "process_group", None)
+    if pg is not None:
+        return fdist.group_for(pg, "pipeline_grad")
+    return group.new_group(list(range(group.size)))
+
+
+__all__ = ["Action", "PipelineSchedule", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "StepStats"]

@@ -1,0 +1,408 @@
+"""Multi-process pipelines (fairscale_c.nn.pipe: PipelineStage with ScheduleGPipe, Schedule1F1B and
+ScheduleInterleaved1F1B) against single-process PyTorch.
+
+Every rank builds the same seeded nn.Sequential, keeps a deep copy as the reference, runs its slice
+as a pipeline stage, and trains the reference on the whole batch with the loss averaged over it;
+after the optimizer steps its stage's parameters must equal the reference's slice (fp32, atol 1e-6).
+Several scenarios run per spawned job to keep the number of spawns (and the test time) small.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dist_utils import orphaned_segments, run_ranks
+
+TOL = dict(atol=1e-6, rtol=0)
+STEPS = 3
+DEAD_TIMEOUT_S = 10  # FAIRSCALE_C_TIMEOUT of the killed-stage pipeline
+
+
+# ------------------------------------------------------------------------------ models
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
+
+
+CUTS = {1: [0, 7], 2: [0, 4, 7], 4: [0, 2, 4, 6, 7]}  # layer boundaries of each stage
+
+
+class Head(nn.Module):
+    """Stage 0 of the two-tensor model: passes an int64 tensor along with the activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)), (x[:, 0] > 0).long()
+
+
+class Tail(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(2, 16)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, h, idx):
+        return self.fc(h + self.emb(idx))
+
+
+class _ToBool(nn.Module):
+    def forward(self, x):
+        return x > 0
+
+
+def batch(step: int, n: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, 8, generator=g).to(device), torch.randn(n, 4, generator=g).to(device)
+
+
+# ------------------------------------------------------------------------------ scenarios
+
+
+def _train_and_compare(rank, stage_group, world, schedule_cls, n_micro, batch_size, device="cpu", dp=None):
+    """Train the pipeline slice and the whole reference for STEPS steps; compare parameters,
+    losses and the last stage's output. dp: (replica index, replicas, dp group) or None."""
+    from fairscale_c.nn.pipe import PipelineStage
+
+    replica, replicas, dp_group = dp if dp is not None else (0, 1, None)
+    full = make_model().to(device)
+    ref = copy.deepcopy(full)
+    cuts = CUTS[world]
+    mod = full[cuts[rank] : cuts[rank + 1]]
+    stage = PipelineStage(mod, rank, world, device=device, group=stage_group)
+    schedule = schedule_cls(stage, n_micro, F.mse_loss, dp_group=dp_group)
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = batch(step, batch_size * replicas, device)
+        mine = slice(replica * batch_size, (replica + 1) * batch_size)
+        opt.zero_grad()
+        losses: list = []
+        out = schedule.step(x[mine], target=y[mine], losses=losses)
+        opt.step()
+        ref_opt.zero_grad()
+        ref_out = ref(x)
+        F.mse_loss(ref_out, y).backward()
+        ref_opt.step()
+        if stage.is_last:
+            torch.testing.assert_close(out, ref_out[mine].detach(), **TOL)
+            assert len(losses) == n_micro
+            mb = batch_size // n_micro
+            want = [
+                F.mse_loss(ref_out[mine][i * mb : (i + 1) * mb], y[mine][i * mb : (i + 1) * mb]) for i in range(n_micro)
+            ]
+            torch.testing.assert_close(torch.stack(losses), torch.stack(want).detach(), **TOL)
+        else:
+            assert out is None and losses == []
+    for (name, p), q in zip(mod.named_parameters(), ref[cuts[rank] : cuts[rank + 1]].parameters()):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{schedule_cls.__name__} m={n_micro} {n}: {m}")
+    assert schedule.last_step is not None and 0 <= schedule.last_step.bubble <= 1
+    return f"{schedule_cls.__name__}(m={n_micro})"
+
+
+def _two_tensor_model(rank, group):
+    """Stages that pass a float and an int64 tensor; 1F1B; gradients flow through the float one."""
+    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B
+
+    torch.manual_seed(1)
+    head, tail = Head(), Tail()
+    ref_head, ref_tail = copy.deepcopy(head), copy.deepcopy(tail)
+    mod = head if rank == 0 else tail
+    stage = PipelineStage(mod, group=group)
+    schedule = Schedule1F1B(stage, 4, F.mse_loss)
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(list(ref_head.parameters()) + list(ref_tail.parameters()), lr=0.1)
+    for step in range(STEPS):
+        x, y = batch(step, 8)
+        opt.zero_grad()
+        schedule.step(x, target=y)
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref_tail(*ref_head(x)), y).backward()
+        ref_opt.step()
+    assert [str(m.dtype) for m in (stage.input_meta if rank == 1 else stage.output_meta)] == [
+        "torch.float32",
+        "torch.int64",
+    ]
+    for p, q in zip(mod.parameters(), (ref_head if rank == 0 else ref_tail).parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def _first_step(schedule):
+    x, y = batch(0, 8)
+    return schedule.step(x, target=y)
+
+
+def _train_interleaved(rank, world, chunks, n_micro, device="cpu"):
+    """ScheduleInterleaved1F1B with `chunks` stages per rank against the whole model."""
+    from fairscale_c.nn.pipe import PipelineStage, ScheduleInterleaved1F1B
+
+    torch.manual_seed(2)
+    n = world * chunks
+    full = nn.Sequential(*[layer for _ in range(n) for layer in (nn.Linear(8, 8), nn.Tanh())]).to(device)
+    ref = copy.deepcopy(full)
+    mine = list(range(rank, n, world))
+    stages = [PipelineStage(full[2 * k : 2 * k + 2], k, n, device=device) for k in mine]
+    schedule = ScheduleInterleaved1F1B(stages, n_micro, F.mse_loss)
+    params = [p for st in stages for p in st.module.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, _ = batch(step, 16, device)
+        y = torch.randn(16, 8, generator=torch.Generator().manual_seed(step)).to(device)
+        opt.zero_grad()
+        out = schedule.step(x, target=y)
+        opt.step()
+        ref_opt.zero_grad()
+        ref_out = ref(x)
+        F.mse_loss(ref_out, y).backward()
+        ref_opt.step()
+        if out is not None:
+            torch.testing.assert_close(out, ref_out.detach(), **TOL)
+    for k, st in zip(mine, stages):
+        for p, q in zip(st.module.parameters(), ref[2 * k : 2 * k + 2].parameters()):
+            torch.testing.assert_close(p, q, **TOL)
+    out = schedule.eval(x)  # forward only, in the same interleaved order
+    if out is not None:
+        torch.testing.assert_close(out, ref(x).detach(), **TOL)
+    return f"ScheduleInterleaved1F1B(v={chunks}, m={n_micro})"
+
+
+def _raises(exc, text, fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        assert text in str(e), f"expected {text!r} in {e!r}"
+        return str(e)
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc.__name__} ({text!r})")
+
+
+def _bad_input(rank, group):
+    """Each error a user can make, raised before anything is sent, or (set-up) on every stage."""
+    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    mod = make_model()[CUTS[2][rank] : CUTS[2][rank + 1]]
+    _raises(ValueError, f"stage_index={1 - rank} but this process is rank {rank}", PipelineStage, mod, 1 - rank)
+    _raises(ValueError, "num_stages=3", PipelineStage, mod, rank, 3, group=group)
+    _raises(TypeError, "module must be a torch.nn.Module", PipelineStage, "layers", group=group)
+    _raises(TypeError, "group must be", PipelineStage, mod, group="world")
+    stage = PipelineStage(mod, group=group)
+    _raises(ValueError, "n_microbatches must be >= 1, got 0", ScheduleGPipe, stage, 0, F.mse_loss)
+    _raises(TypeError, "n_microbatches must be an int", Schedule1F1B, stage, 2.0, F.mse_loss)
+    _raises(TypeError, "loss_fn must be callable", ScheduleGPipe, stage, 2, "mse")
+    two = [PipelineStage(mod, k, 4, group=group) for k in (rank, rank + 2)]
+    _raises(ValueError, "one stage per rank", ScheduleGPipe, two[0], 4, F.mse_loss)
+    _raises(ValueError, "n_microbatches=3 must be a multiple", ScheduleInterleaved1F1B, two, 3, F.mse_loss)
+    _raises(ValueError, f"must hold stages [{rank}, {rank + 2}]", ScheduleInterleaved1F1B, two[:1], 4, F.mse_loss)
+    schedule = ScheduleGPipe(stage, 4, F.mse_loss)
+    x, y = batch(0, 10)
+    if rank == 0:  # local checks of the batch: nothing is sent, stage 1 does not take part
+        _raises(ValueError, "has 10 samples (dim 0), not divisible by n_microbatches=4", schedule.step, x)
+        _raises(ValueError, "stage 0 needs the batch", schedule.step)
+        _raises(ValueError, "different batch sizes", schedule.step, x[:8], x[:4])
+        _raises(ValueError, "the batch is on meta but stage 0 computes on cpu", schedule.step, x.to("meta"))
+    else:
+        _raises(ValueError, "needs target=", schedule.step)
+        _raises(ValueError, "target has 10 samples (dim 0), not divisible by n_microbatches=4", schedule.step, target=y)
+
+    # shape mismatch between stages: every stage raises the same ValueError at the first step
+    bad = PipelineStage(mod, group=group, input_args=(torch.empty(2, 15) if rank == 1 else None))
+    msgs = [_raises(ValueError, "shape mismatch between stages", _first_step, ScheduleGPipe(bad, 4, F.mse_loss))]
+    assert "stage 1 was built with input_args (float32[2, 15]) but stage 0 sends (float32[2, 16])" in msgs[0]
+    # a stage whose module cannot take what the previous one sends
+    odd = mod if rank == 0 else nn.Linear(7, 4)
+    msgs.append(
+        _raises(
+            ValueError,
+            "stage 1's module raised RuntimeError on inputs (float32[2, 16])",
+            _first_step,
+            Schedule1F1B(PipelineStage(odd, group=group), 4, F.mse_loss),
+        )
+    )
+    # stage 0's input_args must describe its micro-batch
+    declared = PipelineStage(mod, group=group, input_args=(2, 9) if rank == 0 else None)
+    msgs.append(
+        _raises(
+            ValueError,
+            "stage 0 was built with input_args (float32[2, 9]) but its micro-batch is (float32[2, 8])",
+            _first_step,
+            ScheduleGPipe(declared, 4, F.mse_loss),
+        )
+    )
+
+    # a dtype the collectives layer does not move
+    boolish = _ToBool() if rank == 0 else mod
+    msgs.append(
+        _raises(
+            ValueError,
+            "stage 0's output[0] has dtype torch.bool; tensors passed between stages must be one of",
+            _first_step,
+            ScheduleGPipe(PipelineStage(boolish, group=group), 4, F.mse_loss),
+        )
+    )
+
+    # a later step with other shapes (stage 0 only: local)
+    good = ScheduleGPipe(PipelineStage(mod, group=group, input_args=(2, 8) if rank == 0 else (2, 16)), 4, F.mse_loss)
+    _first_step(good)
+    if rank == 0:
+        _raises(ValueError, "every step must have the same shapes", good.step, torch.randn(12, 8))
+    return msgs
+
+
+def job_world2(rank, world, device):
+    """2 stages: GPipe and 1F1B at several micro-batch counts, a fairscale_c Group as the pipeline
+    group, two tensors between stages, forward-only eval, and every bad input."""
+    import fairscale_c.distributed as fdist
+    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    done = []
+    msgs = _bad_input(rank, None) if device == "cpu" else []
+    for cls in (ScheduleGPipe, Schedule1F1B):
+        for m in (1, 4, 8):
+            done.append(_train_and_compare(rank, None, 2, cls, m, 8, device))
+    done.append(_train_interleaved(rank, 2, 2, 4, device))
+    world_group = fdist.init_group()  # a fairscale_c Group as the pipeline group
+    done.append(_train_and_compare(rank, world_group, 2, Schedule1F1B, 2, 8, device))
+    if device == "cpu":
+        _two_tensor_model(rank, None)
+        # forward only: the last stage's output is the reference model's
+        full = make_model()
+        stage = PipelineStage(full[CUTS[2][rank] : CUTS[2][rank + 1]])
+        out = ScheduleGPipe(stage, 4, F.mse_loss).eval(batch(0, 8)[0])
+        if rank == 1:
+            torch.testing.assert_close(out, make_model()(batch(0, 8)[0]).detach(), **TOL)
+        assert all(p.grad is None for p in full.parameters())
+        # set-up runs the module on the meta device: buffers and RNG state as if it had not run
+        bn = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16)) if rank == 0 else nn.Linear(16, 4)
+        params = [id(p) for p in bn.parameters()]
+        rng = torch.random.get_rng_state()
+        ScheduleGPipe(PipelineStage(bn), 4, F.mse_loss).eval(batch(0, 8)[0])
+        assert torch.equal(rng, torch.random.get_rng_state())
+        assert params == [id(p) for p in bn.parameters()] and all(p.device.type == "cpu" for p in bn.parameters())
+        if rank == 0:
+            assert int(bn[1].num_batches_tracked) == 4  # the four micro-batches, not the set-up
+    dist.destroy_process_group()
+    return done, msgs
+
+
+def job_world4(rank, world, schedule_name):
+    """4 stages, and 2 stages x 2 data-parallel replicas, from one world of 4 ranks; then stage 1
+    of a 4-stage pipeline dies in the middle of a step (see _dead_stage)."""
+    from fairscale_c.nn.pipe import Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    done = []
+    for cls in (ScheduleGPipe, Schedule1F1B):
+        done.append(_train_and_compare(rank, None, 4, cls, 4, 8))
+    done.append(_train_interleaved(rank, 4, 2, 8))
+    # pipeline groups {0,1}, {2,3}; data-parallel groups {0,2}, {1,3} (every rank makes every group)
+    pp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, stage_index = divmod(rank, 2)
+    for cls in (ScheduleGPipe, Schedule1F1B):
+        done.append(
+            "2x2 " + _train_and_compare(stage_index, pp[replica], 2, cls, 4, 8, dp=(replica, 2, dp[stage_index]))
+        )
+    return done, _dead_stage(rank, schedule_name)
+
+
+class _DieAt(nn.Module):
+    """Exits the process (no clean-up) at the forward of micro-batch `at` of step 1."""
+
+    def __init__(self, inner: nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            os._exit(7)
+        return self.inner(x)
+
+
+def _dead_stage(rank, schedule_name):
+    """Stage 1 of 4 dies in the middle of the second step; the others must raise DistributedError.
+    The pipeline runs on a new group built with FAIRSCALE_C_TIMEOUT=DEAD_TIMEOUT_S."""
+    from fairscale_c import DistributedError
+    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    os.environ["FAIRSCALE_C_TIMEOUT"] = str(DEAD_TIMEOUT_S)  # read when the engine group is built
+    n_micro = 4
+    mod = make_model()[CUTS[4][rank] : CUTS[4][rank + 1]]
+    if rank == 1:
+        mod = _DieAt(mod, n_micro + 3)  # step 1, micro-batch 2
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
+    schedule = cls(PipelineStage(mod, group=dist.new_group([0, 1, 2, 3])), n_micro, F.mse_loss)
+    _first_step(schedule)
+    x, y = batch(1, 8)
+    t0 = time.monotonic()
+    try:
+        schedule.step(x, target=y)
+    except DistributedError as e:
+        return "DistributedError", str(e), time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "nothing", "", time.monotonic() - t0
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def test_two_stages_match_single_process_and_reject_bad_input():
+    before = orphaned_segments()
+    results = run_ranks(job_world2, 2, "cpu", timeout=240, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    done, msgs = results[0]
+    assert len(done) == 8, done
+    assert results[0][1] == results[1][1], "set-up errors must be the same on every stage"
+    assert len(msgs) == 4
+    assert orphaned_segments() <= before
+
+
+@pytest.mark.parametrize("schedule_name", ["1f1b"])
+def test_four_stages_pipeline_by_data_parallel_and_a_killed_stage(schedule_name):
+    """4 stages and 2 x 2 match the single process; then a stage killed mid-step makes every other
+    stage raise DistributedError well within FAIRSCALE_C_TIMEOUT, leaving nothing in /dev/shm."""
+    before = orphaned_segments()
+    results = run_ranks(job_world4, 4, schedule_name, timeout=240, may_die=[1], env={"FAIRSCALE_C_TIMEOUT": "60"})
+    assert results[1] is None  # the killed stage
+    for rank in (0, 2, 3):
+        done, (kind, msg, seconds) = results[rank]
+        assert len(done) == 5, done
+        assert kind == "DistributedError", (rank, kind, msg)
+        # the dead stage's neighbours see its exit; stage 3 sees stage 2 give up and exit, or times out
+        assert seconds < DEAD_TIMEOUT_S + 5, (rank, seconds, msg)
+        if rank != 3:
+            assert "rank 1 (pid" in msg and "exited" in msg, msg
+            assert seconds < DEAD_TIMEOUT_S, (rank, seconds, msg)
+    assert orphaned_segments() <= before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_stages_on_cuda_match_single_process():
+    """The world-2 numerics on NCCL: two GPUs, or one shared by both ranks with NCCL >= 2.30."""
+    from test_cuda import _nccl_devices  # skips when two ranks can neither have a GPU each nor share one
+
+    _, nccl_env = _nccl_devices()
+    env = {"FAIRSCALE_C_TIMEOUT": "120", **nccl_env}
+    results = run_ranks(job_world2, 2, "cuda", timeout=300, env=env)
+    assert len(results[0][0]) == 8
