@@ -37,6 +37,11 @@ Differences from FairScale 0.4.13, all where FairScale would crash, hang or sile
 * An extra keyword-only ``process_group`` (default: torch's default group) says which ranks
   contribute gradients.
 
+Use it with DistributedDataParallel (every rank holds the averaged gradient) or alone with
+gradient accumulation; ``AdaScale(OSS(...))`` under DDP trains like ``AdaScale(SGD(...))``. Under
+ShardedDataParallel a rank keeps only the gradients it owns, so |g|^2 would cover those only
+(FairScale's has the same limit): not supported.
+
 The statistics are stored, as in FairScale, as numpy arrays under the key ``"adascale"`` of the
 wrapped optimizer's ``state``, so checkpoints interchange with FairScale's (loading one with
 ``torch.load`` needs ``weights_only=False``, as FairScale's do).
