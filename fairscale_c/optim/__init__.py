@@ -5,3 +5,6 @@ from .grad_scaler import GradScaler
 from .oss import OSS
 
 __all__ = ["GradScaler", "OSS"]
+from .adascale import AdaScale, AdaScaleWrapper  # noqa: E402
+
+__all__ += ["AdaScale", "AdaScaleWrapper"]

@@ -1,0 +1,113 @@
+"""One training step of the small GPT (benchmarks/fsdp.py's --quick model) with AdamW on CPU at
+world 2: fairscale_c's OSS + ShardedDataParallel, paired with PyTorch's ZeroRedundancyOptimizer +
+DDP and with no sharding ("local": each rank trains its own full copy, no communication: the
+compute floor). The models and optimizers are benchmarks/oss.py's.
+
+A step is zero_grad + forward + loss + backward + optimizer step + loss.item(), as in
+benchmarks/oss.py; a round is STEPS_PER_ROUND steps back to back after a barrier, and its per-step
+time is the slowest rank's elapsed time / STEPS_PER_ROUND (see _harness.measured_time).
+
+Guards: every loss is finite, the loss falls, and fairscale_c's losses match ZeRO's step for step
+(both train the same global batch).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import asdict
+from typing import Any, Dict, List
+
+import pytest
+from conftest import WORLD
+
+from _harness import RankState, drive, measured_time, median, time_calls
+
+FRAMEWORKS = ["torch_zero", "fairscale_c", "local"]  # ZeRO first: the others' ratios read its median
+STEPS_PER_ROUND, ROUNDS, WARMUP_STEPS = 5, 6, 2
+LOSS_MATCH_ATOL = 1e-3
+
+_results: Dict[str, Dict[str, Any]] = {}
+
+
+def _config() -> Dict[str, Any]:
+    import fsdp as fsdp_script
+
+    cfg = fsdp_script.quick_config()
+    cfg.world, cfg.threads, cfg.warmup = WORLD, 1, WARMUP_STEPS
+    return asdict(cfg)
+
+
+def _prepare_training(state: RankState, framework: str, cfg_dict: Dict[str, Any]) -> None:
+    """Rank command: build the model and optimizer for `framework` (benchmarks/oss.py's builders),
+    take the warm-up steps, and leave one training step in state.op."""
+    import torch
+
+    import fsdp as fsdp_script
+    import oss as oss_script
+
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    state.op, state.case = None, {}
+    gc.collect()
+    cfg = fsdp_script.Config(**cfg_dict)
+    batches = fsdp_script.make_batches(cfg, state.rank, torch.device("cpu"))
+    torch.manual_seed(cfg.seed)
+    model, opt = oss_script.BUILDERS[framework](fsdp_script.GPT(cfg), cfg)
+    losses: List[float] = []
+
+    def step() -> None:
+        x, y = batches[len(losses) % len(batches)]
+        _, _, lo = oss_script.train(model, opt, [(x, y)], framework)
+        losses.extend(lo)
+
+    for _ in range(cfg.warmup):
+        step()
+    state.case = {"losses": losses}
+    state.op = step
+
+
+def _losses(state: RankState) -> List[float]:
+    return list(state.case["losses"])
+
+
+@pytest.mark.benchmark(timer=measured_time)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_oss_step(benchmark: Any, ranks: Any, framework: str) -> None:
+    import oss as oss_script
+
+    why = oss_script.unavailable(framework)
+    if why is not None:
+        pytest.skip(why)
+    cfg = _config()
+    benchmark.group = f"oss step, small GPT, AdamW, cpu world {WORLD}"
+    ranks.run(_prepare_training, framework, cfg)
+    per_step = drive(benchmark, lambda: max(ranks.run(time_calls, STEPS_PER_ROUND)) / STEPS_PER_ROUND, ROUNDS)
+    losses = ranks.run(_losses)
+    t = median(per_step)
+    _results[framework] = {"step_s": t, "losses": losses}
+    info: Dict[str, Any] = {
+        "framework": framework,
+        "world": WORLD,
+        "config": {k: cfg[k] for k in ("layers", "d_model", "heads", "seq", "vocab", "batch", "lr")},
+        "steps_per_round": STEPS_PER_ROUND,
+        "timing": "slowest rank's time for steps_per_round back-to-back steps after a barrier, / steps_per_round",
+        "loss_first": [r[0] for r in losses],
+        "loss_last": [r[-1] for r in losses],
+    }
+    base = _results.get("torch_zero")
+    info["step_vs_zero"] = t / base["step_s"] if base is not None and framework != "torch_zero" else None
+    if framework == "fairscale_c" and base is not None:
+        info["max_abs_loss_diff_vs_zero"] = max(
+            abs(a - b) for mine, theirs in zip(losses, base["losses"]) for a, b in zip(mine, theirs)
+        )
+    benchmark.extra_info.update(info)
+
+    for rank, rank_losses in enumerate(losses):
+        assert all(math.isfinite(v) for v in rank_losses), f"{framework} rank {rank}: non-finite loss {rank_losses}"
+        tail = rank_losses[-STEPS_PER_ROUND:]
+        assert sum(tail) / len(tail) < rank_losses[0], f"{framework} rank {rank}: the loss did not fall {rank_losses}"
+    if "max_abs_loss_diff_vs_zero" in info:
+        assert info["max_abs_loss_diff_vs_zero"] <= LOSS_MATCH_ATOL, (
+            f"fairscale_c's losses differ from ZeRO's by {info['max_abs_loss_diff_vs_zero']:.3g}"
+        )
