@@ -44,7 +44,8 @@ ShardedDataParallel a rank keeps only the gradients it owns, so |g|^2 would cove
 
 The statistics are stored, as in FairScale, as numpy arrays under the key ``"adascale"`` of the
 wrapped optimizer's ``state``, so checkpoints interchange with FairScale's (loading one with
-``torch.load`` needs ``weights_only=False``, as FairScale's do).
+``torch.load`` needs ``weights_only=False``, as FairScale's do). So AdaScale needs numpy, which
+the rest of fairscale_c does not: ``pip install fairscale_c[adascale]``.
 """
 
 from __future__ import annotations
@@ -52,11 +53,15 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Dict, Iterable, List, Optional, Type
 
-import numpy as np
 import torch
 from torch.optim import SGD, Optimizer
 
 from .. import distributed as fdist
+
+try:  # only AdaScale needs numpy (its statistics are numpy arrays, as FairScale's): optim imports without it
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is installed wherever the tests run
+    np = None
 
 __all__ = ["AdaScale", "AdaScaleWrapper"]
 
@@ -121,6 +126,8 @@ class AdaScale(Optimizer):
         *,
         process_group: Any = None,
     ) -> None:
+        if np is None:
+            raise ImportError("AdaScale needs numpy (pip install numpy): it keeps its statistics as numpy arrays")
         self._hook_handles: List[Any] = []
         self._local_grad_sqr: Optional[torch.Tensor] = None
         if not isinstance(optimizer, Optimizer):
