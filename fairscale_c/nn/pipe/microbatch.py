@@ -46,7 +46,7 @@ def scatter(value: TensorOrTensors, chunks: int) -> List[Tensors]:
     count = len(pieces[0])
     if any(len(p) != count for p in pieces):
         sizes = [t.size(0) if t.dim() else None for t in tensors]
-        raise ValueError(f"the tensors of the input tuple split into different numbers of micro-batches (sizes {sizes})")
+        raise ValueError(f"the input's tensors split into different numbers of micro-batches (sizes {sizes})")
     return [tuple(p[i] for p in pieces) for i in range(count)]
 
 

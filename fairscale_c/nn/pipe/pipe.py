@@ -55,7 +55,9 @@ def _split_module(
     if any(b <= 0 for b in balance):
         raise BalanceError(f"all balance numbers must be positive integer (balance: {balance})")
     if len(balance) > len(devices):
-        raise IndexError(f"too few devices to hold given partitions (devices: {len(devices)}, partitions: {len(balance)})")
+        raise IndexError(
+            f"too few devices to hold given partitions (devices: {len(devices)}, partitions: {len(balance)})"
+        )
     partitions = []
     children = list(module.named_children())
     start = 0

@@ -27,6 +27,7 @@ from ..microbatch import TensorOrTensors
 __all__ = ["balance_by_time", "balance_by_size"]
 
 Device = Union[torch.device, int, str]
+_CUDA = torch.device("cuda")  # FairScale's default profiling device
 
 
 def _check(partitions: int, module: nn.Sequential) -> None:
@@ -46,7 +47,7 @@ def balance_by_time(
     sample: TensorOrTensors,
     *,
     timeout: float = 1.0,
-    device: Device = torch.device("cuda"),
+    device: Device = _CUDA,
 ) -> List[int]:
     """Layers per partition, balancing each layer's measured forward + backward time.
 
@@ -65,7 +66,7 @@ def balance_by_size(
     *,
     chunks: int = 1,
     param_scale: float = 2.0,
-    device: Device = torch.device("cuda"),
+    device: Device = _CUDA,
 ) -> List[int]:
     """Layers per partition, balancing each layer's training memory: activations of one
     micro-batch of `input` split in `chunks`, plus `param_scale` copies of its parameters

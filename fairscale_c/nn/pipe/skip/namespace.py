@@ -9,7 +9,7 @@ from typing import Any
 
 
 @total_ordering
-class Namespace(metaclass=abc.ABCMeta):
+class Namespace(metaclass=abc.ABCMeta):  # noqa: B024 (abstract only to register None)
     """A namespace for :meth:`Skippable.isolate`; ``None`` is the default namespace."""
 
     __slots__ = ("id",)
