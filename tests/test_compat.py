@@ -121,7 +121,8 @@ def test_alias_names_a_missing_class():
         fairscale_c.compat.install()
         from fairscale.nn import PipeRPCWrapper
         """)
-    assert proc.returncode != 0 and "cannot import name 'PipeRPCWrapper' from 'fairscale_c.nn'" in proc.stderr, proc.stderr
+    assert proc.returncode != 0, proc.stderr
+    assert "cannot import name 'PipeRPCWrapper' from 'fairscale_c.nn'" in proc.stderr, proc.stderr
 
 
 def test_alias_refuses_when_the_real_fairscale_is_loaded(tmp_path):
