@@ -218,9 +218,11 @@ class Sleep(nn.Module):
 
 
 def test_balance_helpers_on_uneven_layers():
-    # One slow layer first: by time it gets a partition to itself.
-    model = nn.Sequential(Sleep(0.02), Sleep(0), Sleep(0), Sleep(0), Sleep(0))
-    assert balance_by_time(2, model, torch.randn(4, 8), timeout=0.05, device="cpu") == [1, 4]
+    # Two slow layers first: by time one of them gets a partition to itself (FairScale's
+    # heuristic stops once blocks differ by at most one layer's normalised cost).
+    model = nn.Sequential(Sleep(0.05), Sleep(0.05), *[Sleep(0) for _ in range(6)])
+    nn.Linear(8, 8)(torch.randn(4, 8)).sum().backward()  # autograd's first backward is slow: not here
+    assert balance_by_time(2, model, torch.randn(4, 8), timeout=0.3, device="cpu") == [1, 7]
     assert all(p.grad is None for p in model.parameters())  # profiled on copies
     # Two big layers last (activations 2048 wide): by size each goes to its own partition.
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2048), nn.ReLU())

@@ -178,8 +178,14 @@ class Pipeline:
         for i, values in enumerate(batches):
             flags = tuple(_needs_grad(x, grad, False) for x in values)
             run.board.put(("act", i, 0), (values, flags, atomic))
+        # The calling thread works too: as partition 0, or as every partition when there is one
+        # micro-batch (nothing could run concurrently then, and no thread hand-over is paid).
+        inline = list(range(n)) if m == 1 else [0]
         for j in range(n):
-            self.workers.submit(j, run.board.job(lambda j=j: self._forward_partition(run, j)))
+            if j not in inline:
+                self.workers.submit(j, run.board.job(lambda j=j: self._forward_partition(run, j)))
+        for j in inline:
+            run.board.job(lambda j=j: self._forward_partition(run, j))()
         try:
             run.board.join()
         except BaseException:
@@ -253,10 +259,11 @@ class Pipeline:
         run.board = Board()  # the forward's board ended with that pass
         for i, g in enumerate(grads):
             run.board.put(("grad", i, n - 1), g)
-        # A CUDA node runs on autograd's thread for its device, and the partitions' own backward
-        # calls need that thread for that device: so this thread does their work itself.
+        # This thread works too: as the last partition, or as all of them for one micro-batch. It
+        # must take every partition on its own CUDA device: a CUDA node runs on autograd's thread
+        # for its device, which the partitions' own backward calls on that device need.
         here = next((g.device for gs in grads for g in gs if g is not None), torch.device("cpu"))
-        mine = [j for j in range(n) if here.type == "cuda" and self.devices[j] == here]
+        mine = [j for j in range(n) if run.m == 1 or j == n - 1 or (here.type == "cuda" and self.devices[j] == here)]
         for j in range(n):
             if j not in mine:
                 self.workers.submit(j, run.board.job(lambda j=j: self._backward_partitions(run, [j])))
@@ -273,10 +280,10 @@ class Pipeline:
         n = len(self.partitions)
         # Backward clock order: cycle (m-1-i) + (n-1-j), later partitions first within a cycle.
         order = sorted(((i, j) for j in parts for i in range(run.m)), key=lambda t: (run.m - t[0] + n - t[1], -t[1]))
-        device = self.devices[parts[0]]
-        with self._on_device(device), _autocast(run.autocast):
+        with _autocast(run.autocast):
             for i, j in order:
-                self._backward_task(run, i, j)
+                with self._on_device(self.devices[j]):
+                    self._backward_task(run, i, j)
 
     def _backward_task(self, run: Run, i: int, j: int) -> None:
         device = self.devices[j]
