@@ -7,7 +7,8 @@
 each chunk count (default 1..16) a training step (forward, loss, backward, SGD step) timed for
 both Pipes on identical copies of the model and the same batches. Timing alternates between the
 two frameworks round by round (the order flips every round), so load on the machine falls on
-both alike; a framework's throughput is the median over rounds of samples per second. Before
+both alike; a framework's throughput is the median over rounds of samples per second, and
+"paired" is the median over rounds of the two frameworks' ratio within a round. Before
 timing, the first step's loss and gradients of the two are compared (a guard against timing a
 run that computes something else). Without fairscale installed, its column says so and only
 fairscale_c is timed.
@@ -44,7 +45,7 @@ class SingleConfig:
     batch: int = 256
     chunks: str = "1-16"
     checkpoint: str = "except_last"
-    rounds: int = 5
+    rounds: int = 7
     steps: int = 2  # steps per round
     warmup: int = 2
     threads: int = 0  # torch intra-op threads (0: torch's default)
@@ -128,7 +129,8 @@ def run_single(cfg: SingleConfig) -> Dict[str, Any]:
     x = torch.randn(cfg.batch, cfg.width, generator=gen)
     target = torch.randn(cfg.batch, cfg.width, generator=gen)
     rows = []
-    print(f"{'chunks':>6} {'fairscale samples/s':>20} {'fairscale_c samples/s':>22} {'ratio':>6}", flush=True)
+    header = f"{'chunks':>6} {'fairscale samples/s':>20} {'fairscale_c samples/s':>22} {'ratio':>6} {'paired':>7}"
+    print(header, flush=True)
     for chunks in parse_chunks(cfg.chunks):
         trainers = {name: Trainer(cls, cfg, chunks) for name, cls in frameworks.items()}
         _guard(trainers, x, target)
@@ -147,9 +149,12 @@ def run_single(cfg: SingleConfig) -> Dict[str, Any]:
         ours = row["fairscale_c"]["samples_per_s"]
         theirs = row.get("fairscale", {}).get("samples_per_s")
         row["ratio"] = ours / theirs if theirs else None
+        if theirs:  # the two measured back to back in each round: their ratio cancels slow drifts in load
+            paired = [a / b for a, b in zip(per_round["fairscale_c"], per_round["fairscale"])]
+            row["paired_ratio_median"] = statistics.median(paired)
         rows.append(row)
         theirs_text = f"{theirs:20.1f}" if theirs else f"{'(not installed)':>20}"
-        ratio_text = f"{row['ratio']:6.2f}" if theirs else f"{'-':>6}"
+        ratio_text = f"{row['ratio']:6.2f} {row['paired_ratio_median']:7.2f}" if theirs else f"{'-':>6} {'-':>7}"
         print(f"{chunks:>6} {theirs_text} {ours:22.1f} {ratio_text}", flush=True)
         del trainers
     result: Dict[str, Any] = {"config": asdict(cfg), "torch_threads": torch.get_num_threads(), "rows": rows}
