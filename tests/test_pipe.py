@@ -485,3 +485,11 @@ def test_cuda_skips_and_dropout_replay():
     y = pipe(x)
     y.sum().backward()
     torch.testing.assert_close(x.grad, y.detach() / x.detach())
+
+
+def test_second_backward_is_a_clear_error():
+    pipe = Pipe(mlp(), [4, 5], devices=["cpu", "cpu"], chunks=2)
+    y = pipe(torch.randn(4, 8))
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once per forward"):
+        y.sum().backward()

@@ -194,9 +194,11 @@ class Pipe(nn.Module):
             phony = torch.empty(0, requires_grad=True)
             split = [b[0].size(0) for b in batches]
             outputs = PipeFunction.apply(self._pipeline, run, split, phony, *inputs)
-        else:
+        else:  # nothing to differentiate: the tasks' graphs go now
             outputs = microbatch.gather(run.outputs)
             run.outputs = []
+            run.tasks.clear()
+            run.release()
         return microbatch.from_tuple(tuple(outputs), run.output_atomic)
 
     def _needs_autograd(self, inputs: Tuple[torch.Tensor, ...]) -> bool:

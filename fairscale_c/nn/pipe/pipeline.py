@@ -375,6 +375,11 @@ class PipeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Any:
         run: Run = ctx.run
+        if run is None:
+            raise RuntimeError(
+                "Pipe: backward through a Pipe's output can run once per forward (its partitions' graphs are freed "
+                "by the first backward, also with retain_graph=True)"
+            )
         per_batch: List[List[Optional[Tensor]]] = [[] for _ in range(run.m)]
         for g in grad_outputs:
             parts = [None] * run.m if g is None else list(g.split(ctx.output_split))
