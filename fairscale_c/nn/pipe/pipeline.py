@@ -156,9 +156,7 @@ class Pipeline:
         stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[self.mode]
         if not self.partitions[0].training:
             stop = 0
-        signature = tuple(mod.training for mod in self.partitions[0].modules()) + tuple(
-            mod.training for p in self.partitions[1:] for mod in p.modules()
-        )
+        signature = tuple(mod.training for p in self.partitions for mod in p.modules())
         learned = self.drawing.get(signature)
         ordered = [True] * n if learned is None else list(learned)
         run = Run(
@@ -178,9 +176,10 @@ class Pipeline:
         for i, values in enumerate(batches):
             flags = tuple(_needs_grad(x, grad, False) for x in values)
             run.board.put(("act", i, 0), (values, flags, atomic))
-        # The calling thread works too: as partition 0, or as every partition when there is one
-        # micro-batch (nothing could run concurrently then, and no thread hand-over is paid).
-        inline = list(range(n)) if m == 1 else [0]
+        # With one micro-batch nothing can overlap: the calling thread runs every partition and
+        # no hand-over is paid. Otherwise it only waits (compute on the caller's thread measured
+        # slower than on the workers on a loaded 2-core VM, see docs/benchmarks.md).
+        inline = list(range(n)) if m == 1 else []
         for j in range(n):
             if j not in inline:
                 self.workers.submit(j, run.board.job(lambda j=j: self._forward_partition(run, j)))
@@ -259,11 +258,11 @@ class Pipeline:
         run.board = Board()  # the forward's board ended with that pass
         for i, g in enumerate(grads):
             run.board.put(("grad", i, n - 1), g)
-        # This thread works too: as the last partition, or as all of them for one micro-batch. It
-        # must take every partition on its own CUDA device: a CUDA node runs on autograd's thread
-        # for its device, which the partitions' own backward calls on that device need.
+        # This thread runs every partition for one micro-batch (as in forward), and always those on
+        # its own CUDA device: a CUDA node runs on autograd's thread for its device, which the
+        # partitions' own backward calls on that device need.
         here = next((g.device for gs in grads for g in gs if g is not None), torch.device("cpu"))
-        mine = [j for j in range(n) if run.m == 1 or j == n - 1 or (here.type == "cuda" and self.devices[j] == here)]
+        mine = [j for j in range(n) if run.m == 1 or (here.type == "cuda" and self.devices[j] == here)]
         for j in range(n):
             if j not in mine:
                 self.workers.submit(j, run.board.job(lambda j=j: self._backward_partitions(run, [j])))
