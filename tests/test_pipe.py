@@ -493,3 +493,15 @@ def test_second_backward_is_a_clear_error():
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="once per forward"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_callers_autocast_applies_in_partitions(chunks):
+    ref, pipe = mlp(), Pipe(mlp(), [4, 5], devices=["cpu", "cpu"], chunks=chunks, checkpoint="always")
+    x = torch.randn(6, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya, yb = ref(x), pipe(x)
+    assert yb.dtype == ya.dtype == torch.bfloat16
+    torch.testing.assert_close(yb, ya)
+    yb.float().sum().backward()  # recomputation runs under the same autocast state
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in pipe.parameters())
