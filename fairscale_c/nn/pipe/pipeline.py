@@ -3,7 +3,7 @@ order, as soon as its input has arrived (no barrier between clock cycles).
 
 Each task (micro-batch i, partition j) keeps its own autograd graph, cut at the partition's
 inputs: what arrives from partition j-1 (and skip tensors from earlier partitions) becomes a
-leaf of task (i, j). The caller's graph sees the whole pipeline as one node (_PipeFunction);
+leaf of task (i, j). The caller's graph sees the whole pipeline as one node (PipeFunction);
 its backward hands each micro-batch's output gradient to the last partition, and each
 partition, again on its own thread, runs backward through its task's graph (recomputing it
 first when checkpointed, before the gradient arrives) and hands its input leaves' gradients to
@@ -52,8 +52,7 @@ class Run:
     m: int
     grad: bool
     checkpoint_stop: int
-    ordered: List[bool]  # partitions whose forward tasks take turns (they draw random numbers)
-    turns: Dict[Tuple[int, int], int]
+    turns: Dict[Tuple[int, int], int]  # position of each task that takes turns (see rng.py)
     probing: bool
     signature: Tuple[bool, ...]
     autocast: List[Tuple[str, torch.dtype]]
@@ -164,7 +163,6 @@ class Pipeline:
             m=m,
             grad=grad,
             checkpoint_stop=stop,
-            ordered=ordered,
             turns=rng.turn_order(m, n, ordered),
             probing=learned is None,
             signature=signature,
