@@ -505,3 +505,44 @@ def test_callers_autocast_applies_in_partitions(chunks):
     torch.testing.assert_close(yb, ya)
     yb.float().sum().backward()  # recomputation runs under the same autocast state
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_weights_shared_by_two_partitions_on_one_device(chunks):
+    def build():
+        torch.manual_seed(0)
+        a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+        b.weight = a.weight  # tied across the partition boundary
+        return nn.Sequential(a, nn.Tanh(), b, nn.Tanh(), nn.Linear(8, 4))
+
+    ref, pipe = build(), Pipe(build(), [2, 3], devices=["cpu", "cpu"], chunks=chunks, checkpoint="except_last")
+    assert_same_training(ref, pipe, torch.randn(8, 8))
+    with pytest.raises(ValueError, match="module with duplicate children"):
+        layer = nn.Linear(2, 2)
+        Pipe(nn.Sequential(layer, layer), [1, 1], devices=["cpu", "cpu"])
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_its_own_worker_threads():
+    import os
+
+    pipe = Pipe(mlp(), [4, 5], devices=["cpu", "cpu"], chunks=2)
+    pipe(torch.randn(4, 8))  # threads started in the parent
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's worker threads do not exist here
+        code = 1
+        try:
+            with torch.no_grad():
+                code = 0 if pipe(torch.randn(4, 8)).shape == (4, 4) else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's Pipe did not finish")

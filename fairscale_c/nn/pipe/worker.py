@@ -9,6 +9,7 @@ waiting. Waits wake up periodically only to notice a failure recorded from outsi
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Any, Callable, Dict, Hashable, List, Optional
@@ -97,9 +98,11 @@ class Workers:
         self.count = count
         self.queues: List[queue.SimpleQueue] = []
         self.threads: List[threading.Thread] = []
+        self.pid = 0
 
     def submit(self, index: int, job: Callable[[], None]) -> None:
-        if not self.threads:
+        if not self.threads or self.pid != os.getpid():  # a forked child has none of the threads
+            self.queues, self.threads, self.pid = [], [], os.getpid()
             for j in range(self.count):
                 q: queue.SimpleQueue = queue.SimpleQueue()
                 t = threading.Thread(target=_loop, args=(q,), name=f"fsc-pipe-{j}", daemon=True)
