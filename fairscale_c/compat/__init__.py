@@ -11,10 +11,10 @@ or, with no change to the script at all::
     python -m fairscale_c.compat train.py --its --arguments
 
 After :func:`install`, ``fairscale`` and ``fairscale.<sub>`` for every module fairscale_c provides
-(``fairscale.nn``, ``.nn.data_parallel``, ``.nn.checkpoint``, ``.nn.wrap``, ...) are the very module
+(``fairscale.nn``, ``.nn.data_parallel``, ``.nn.checkpoint``, ``.nn.wrap``, ``.nn.pipe``, ...) are the very module
 objects of ``fairscale_c`` and ``fairscale_c.<sub>``: ``fairscale.nn.FullyShardedDataParallel is
 fairscale_c.nn.FullyShardedDataParallel``. A FairScale module that fairscale_c does not provide
-(for example ``fairscale.nn.pipe`` until it exists) raises an
+(for example ``fairscale.experimental``) raises an
 ImportError that names it; docs/migration.md lists what is provided.
 """
 

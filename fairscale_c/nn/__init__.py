@@ -2,11 +2,13 @@
 
 from .checkpoint import checkpoint_wrapper
 from .data_parallel import FullyShardedDataParallel, ShardedDataParallel
+from .pipe import Pipe
 from .wrap import auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap
 
 __all__ = [
     "FullyShardedDataParallel",
     "ShardedDataParallel",
+    "Pipe",
     "checkpoint_wrapper",
     "auto_wrap",
     "config_auto_wrap_policy",

@@ -1,13 +1,20 @@
-"""fairscale_c.nn.pipe — pipeline parallelism.
+"""fairscale_c.nn.pipe — mirrors fairscale.nn.pipe: Pipe (GPipe in one process), skip
+connections (``.skip``) and balance helpers (``.balance``); see docs/pipe.md.
 
-Multi-process pipelines: :class:`PipelineStage` with the schedules :class:`ScheduleGPipe`,
-:class:`Schedule1F1B` and :class:`ScheduleInterleaved1F1B`; see docs/pipe_stages.md.
+Beyond FairScale, multi-process pipelines: :class:`PipelineStage` with the schedules
+:class:`ScheduleGPipe`, :class:`Schedule1F1B` and :class:`ScheduleInterleaved1F1B`; see
+docs/pipe_stages.md.
 """
 
+from ..checkpoint import is_checkpointing, is_recomputing
+from .pipe import Pipe
 from .schedule import PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, StepStats
 from .stage import PipelineStage, TensorMeta
 
 __all__ = [
+    "Pipe",
+    "is_checkpointing",
+    "is_recomputing",
     "PipelineSchedule",
     "PipelineStage",
     "Schedule1F1B",

@@ -1,0 +1,548 @@
+"""fairscale_c.nn.Pipe in one process: numerics against the plain nn.Sequential, skip connections,
+deferred BatchNorm, balance helpers, failures, and argument errors as FairScale raises them."""
+
+import gc
+import importlib.util
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from fairscale_c.nn import Pipe
+from fairscale_c.nn.pipe import is_checkpointing, is_recomputing
+from fairscale_c.nn.pipe.balance import balance_by_size, balance_by_time
+from fairscale_c.nn.pipe.balance.blockpartition import solve
+from fairscale_c.nn.pipe.batchnorm import DeferredBatchNorm
+from fairscale_c.nn.pipe.skip import Namespace, pop, skippable, stash, verify_skippables
+
+HAS_FAIRSCALE = importlib.util.find_spec("fairscale") is not None
+MODES = ["always", "except_last", "never"]
+
+
+def mlp(seed=0, width=16, depth=5, dropout=0.0):
+    torch.manual_seed(seed)
+    layers = [nn.Linear(8, width)]
+    for _ in range(depth - 2):
+        layers += [nn.Tanh(), nn.Linear(width, width)]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+    layers += [nn.ReLU(), nn.Linear(width, 4)]
+    return nn.Sequential(*layers)
+
+
+def grads(module):
+    return [p.grad for p in module.parameters()]
+
+
+def run_both(ref, pipe, x, weight=None):
+    """Forward and backward through both; returns (ref out, pipe out, ref x.grad, pipe x.grad)."""
+    xa = x.detach().clone().requires_grad_()
+    xb = x.detach().clone().requires_grad_()
+    ya, yb = ref(xa), pipe(xb)
+    w = weight if weight is not None else torch.linspace(-1, 1, ya.numel()).view_as(ya)
+    (ya * w).sum().backward()
+    (yb * w.to(yb.device)).sum().backward()
+    return ya, yb, xa.grad, xb.grad
+
+
+def assert_same_training(ref, pipe, x):
+    ya, yb, ga, gb = run_both(ref, pipe, x)
+    torch.testing.assert_close(yb.to(ya.device), ya, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gb.to(ga.device), ga, atol=1e-6, rtol=1e-5)
+    for pa, pb in zip(ref.parameters(), pipe.parameters()):
+        torch.testing.assert_close(pb.grad.to(pa.device), pa.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chunks,batch", [(1, 8), (2, 8), (4, 8), (4, 10), (3, 10)])
+def test_matches_sequential(mode, chunks, batch):
+    ref = mlp()
+    pipe = Pipe(mlp(), balance=[3, 3, 3], devices=["cpu"] * 3, chunks=chunks, checkpoint=mode)
+    assert_same_training(ref, pipe, torch.randn(batch, 8))
+
+
+def test_two_partitions_and_repeated_steps_with_optimizer():
+    ref, model = mlp(), mlp()
+    pipe = Pipe(model, balance=[5, 4], devices=["cpu", "cpu"], chunks=4)
+    opt_a = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(12, 8, generator=torch.Generator().manual_seed(step))
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        assert_same_training(ref, pipe, x)
+        opt_a.step()
+        opt_b.step()
+    for pa, pb in zip(ref.parameters(), pipe.parameters()):
+        torch.testing.assert_close(pb, pa, atol=1e-6, rtol=1e-5)
+
+
+def test_batch_smaller_than_chunks_and_eval_and_no_grad():
+    ref, pipe = mlp(), Pipe(mlp(), [4, 5], devices=["cpu", "cpu"], chunks=8)
+    assert_same_training(ref, pipe, torch.randn(3, 8))  # 3 micro-batches of one row, as FairScale
+    x = torch.randn(6, 8)
+    with torch.no_grad():
+        y = pipe(x)
+    assert not y.requires_grad
+    torch.testing.assert_close(y, ref(x))
+    pipe.eval()
+    ref.eval()
+    assert_same_training(ref, pipe, x)  # eval mode: no checkpointing, gradients still flow
+
+
+class Split(nn.Module):
+    def forward(self, x):
+        return x[:, :4], x[:, 4:].relu(), (x[:, 0] > 0).long()
+
+
+class Join(nn.Module):
+    def forward(self, xs):
+        a, b, flags = xs
+        return a * b + flags.unsqueeze(1).float(), flags
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tuple_inputs_and_outputs(mode):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), Split(), Join())
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(8, 8), Split(), Join()), [2, 1], devices=["cpu", "cpu"], chunks=3, checkpoint=mode
+    )
+    pipe[0].load_state_dict(ref[0].state_dict())
+    x = torch.randn(7, 8)
+    ya, fa = ref(x)
+    yb, fb = pipe(x)
+    assert torch.equal(fa, fb) and fb.dtype == torch.long and not fb.requires_grad
+    ya.sum().backward()
+    yb.sum().backward()
+    torch.testing.assert_close(yb, ya)
+    torch.testing.assert_close(pipe[0].weight.grad, ref[0].weight.grad)
+    # A tuple given as the input is split element-wise.
+    two = Pipe(nn.Sequential(Join()), [1], devices=["cpu"], chunks=2)
+    out, flags = two((torch.ones(4, 2), torch.full((4, 2), 3.0), torch.arange(4)))
+    assert torch.equal(out, torch.full((4, 2), 3.0) + torch.arange(4).unsqueeze(1).float())
+
+
+@skippable(stash=["skip"])
+class StashLayer(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x)
+        return x * 2
+
+
+@skippable(pop=["skip"])
+class PopLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        skip = yield pop("skip")
+        return self.lin(x) + skip
+
+
+def skip_model(seed=0):
+    torch.manual_seed(seed)
+    ns1, ns2 = Namespace(), Namespace()
+    return nn.Sequential(
+        nn.Linear(8, 8),
+        StashLayer().isolate(ns1),
+        nn.Tanh(),
+        StashLayer().isolate(ns2),
+        nn.Linear(8, 8),
+        PopLayer().isolate(ns2),  # same partition as its stash with balance [2, 4, 2]: ns2 stays local
+        PopLayer().isolate(ns1),  # crosses from partition 0 to partition 1... or 2
+        nn.Linear(8, 8),
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("balance", [[2, 4, 2], [2, 2, 4], [4, 3, 1]])
+def test_skip_connections_across_partitions(mode, balance):
+    ref = skip_model()  # skippable modules work without a Pipe too
+    pipe = Pipe(skip_model(), balance, devices=["cpu"] * 3, chunks=3, checkpoint=mode)
+    assert_same_training(ref, pipe, torch.randn(9, 8))
+
+
+def test_verify_skippables_and_missing_pop():
+    with pytest.raises(TypeError, match="no module declared 'skip' as poppable but stashed"):
+        verify_skippables(nn.Sequential(StashLayer(), nn.Linear(8, 8)))
+    with pytest.raises(TypeError, match="declared 'skip' as poppable but it was not stashed"):
+        Pipe(nn.Sequential(PopLayer(), nn.Linear(8, 8)), [1, 1], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="redeclared 'skip' as stashable but not isolated"):
+        verify_skippables(nn.Sequential(StashLayer(), StashLayer(), PopLayer()))
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_deferred_batch_norm_has_full_batch_statistics(mode):
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3, momentum=0.3)
+    conv = nn.Conv2d(3, 3, 1)
+    ref = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3, momentum=0.3), nn.ReLU())
+    model = nn.Sequential(conv, bn, nn.ReLU())
+    model.load_state_dict(ref.state_dict())
+    pipe = Pipe(model, [1, 2], devices=["cpu", "cpu"], chunks=4, checkpoint=mode, deferred_batch_norm=True)
+    assert isinstance(pipe[1], DeferredBatchNorm)
+    for step in range(2):
+        x = torch.randn(16, 3, 4, 4) * (step + 1) + step
+        ref(x)
+        pipe(x).sum().backward()  # backward recomputes under "always": counted once
+    torch.testing.assert_close(pipe[1].running_mean, ref[1].running_mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pipe[1].running_var, ref[1].running_var, atol=1e-5, rtol=1e-5)
+    assert pipe[1].num_batches_tracked.item() == 2
+    pipe.eval()
+    ref.eval()
+    x = torch.randn(4, 3, 4, 4)
+    torch.testing.assert_close(pipe(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_blockpartition_solve():
+    assert solve([1, 2, 3, 4, 5, 6], partitions=2) == [[1, 2, 3, 4], [5, 6]]
+    assert solve([1, 1, 1, 1], partitions=4) == [[1], [1], [1], [1]]
+    with pytest.raises(ValueError):
+        solve([1, 2], partitions=3)
+
+
+class Sleep(nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return self.lin(x)
+
+
+def test_balance_helpers_on_uneven_layers():
+    # Two slow layers first: by time one of them gets a partition to itself (FairScale's
+    # heuristic stops once blocks differ by at most one layer's normalised cost).
+    model = nn.Sequential(Sleep(0.05), Sleep(0.05), *[Sleep(0) for _ in range(6)])
+    nn.Linear(8, 8)(torch.randn(4, 8)).sum().backward()  # autograd's first backward is slow: not here
+    assert balance_by_time(2, model, torch.randn(4, 8), timeout=0.3, device="cpu") == [1, 7]
+    assert all(p.grad is None for p in model.parameters())  # profiled on copies
+    # Two big layers last (activations 2048 wide): by size each goes to its own partition.
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2048), nn.ReLU())
+    model.append(nn.Linear(2048, 8))
+    assert balance_by_size(2, model, torch.randn(64, 8), chunks=4, device="cpu") == [5, 2]
+    with pytest.raises(ValueError):
+        balance_by_size(8, model, torch.randn(64, 8), device="cpu")
+    if HAS_FAIRSCALE:  # the same partitioning heuristic as FairScale's
+        from fairscale.nn.pipe.balance.blockpartition import solve as fs_solve
+
+        for costs in ([5, 1, 1, 1, 9, 2, 2], [1, 2, 3, 4, 5, 6, 7, 8], [3, 3, 3]):
+            for k in range(1, len(costs) + 1):
+                assert solve(list(costs), k) == fs_solve(list(costs), k)
+
+
+class Boom(nn.Module):
+    def __init__(self, on_backward=False):
+        super().__init__()
+        self.on_backward = on_backward
+
+    def forward(self, x):
+        if self.on_backward:
+            return _FailingBackward.apply(x)
+        if x[0, 0] > -1e9:
+            raise ValueError("boom in a partition")
+        return x
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ArithmeticError("boom in backward")
+
+
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_exception_in_a_partition_reaches_the_caller(where):
+    layers = [nn.Linear(8, 8) for _ in range(3)]
+    layers.insert(where + 1, Boom())
+    pipe = Pipe(nn.Sequential(*layers), [1, 2, 1] if where < 2 else [1, 1, 2], devices=["cpu"] * 3, chunks=4)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="boom in a partition"):
+        pipe(torch.randn(8, 8))
+    assert time.monotonic() - start < 10
+    # The pipe still works afterwards: no worker was left waiting.
+    pipe[where + 1].forward = lambda x: x
+    assert pipe(torch.randn(8, 8)).shape == (8, 8)
+
+
+def test_exception_in_backward_reaches_the_caller():
+    pipe = Pipe(nn.Sequential(nn.Linear(8, 8), Boom(on_backward=True), nn.Linear(8, 8)), [1, 2], devices=["cpu"] * 2)
+    y = pipe(torch.randn(4, 8, requires_grad=True))
+    with pytest.raises(ArithmeticError, match="boom in backward"):
+        y.sum().backward()
+
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+class ScaleLayer(nn.Module):
+    def forward(self, x):
+        return Scale.apply(x)
+
+
+class Flags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append((is_checkpointing(), is_recomputing()))
+        return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_autograd_functions_and_inplace_ops_in_partitions(mode):
+    def build():
+        torch.manual_seed(0)
+        relu = nn.ReLU(inplace=True)
+        return nn.Sequential(nn.Linear(8, 8), relu, ScaleLayer(), nn.ReLU(inplace=True), nn.Linear(8, 4))
+
+    ref = build()
+    pipe = Pipe(build(), [1, 2, 2], devices=["cpu"] * 3, chunks=2, checkpoint=mode)  # in-place ops open partitions
+    assert_same_training(ref, pipe, torch.randn(6, 8))
+
+
+def test_checkpointing_flags():
+    flags = Flags()
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), flags), [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint="except_last")
+    pipe(torch.randn(4, 2)).sum().backward()
+    assert sorted(flags.seen) == [(False, False), (False, True), (True, False)]
+
+
+def dropout_model():
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 8), nn.Dropout(0.3), nn.Linear(8, 4)]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_with_checkpointing_matches_sequential_for_one_chunk(mode):
+    ref, pipe = dropout_model(), Pipe(dropout_model(), [2, 3, 1], devices=["cpu"] * 3, chunks=1, checkpoint=mode)
+    x = torch.randn(8, 8)
+    for _ in range(2):  # the second step runs with the drawing partitions already known
+        torch.manual_seed(7)
+        xa, ya = x.clone().requires_grad_(), None
+        ya = ref(xa)
+        ya.sum().backward()
+        after_ref = torch.rand(1)
+        torch.manual_seed(7)
+        xb = x.clone().requires_grad_()
+        yb = pipe(xb)
+        yb.sum().backward()
+        assert torch.equal(torch.rand(1), after_ref)  # the generator advanced as in the plain model
+        torch.testing.assert_close(yb, ya)
+        torch.testing.assert_close(xb.grad, xa.grad)
+        for pa, pb in zip(ref.parameters(), pipe.parameters()):
+            torch.testing.assert_close(pb.grad, pa.grad)
+            pa.grad = pb.grad = None
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last"])
+def test_recomputation_replays_the_dropout_masks(mode):
+    # y = x * mask / (1 - p) twice over: d(sum y)/dx is y / x exactly when backward used the
+    # masks of the forward, whichever micro-batch ran when.
+    pipe = Pipe(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), [1, 1], devices=["cpu"] * 2, chunks=4, checkpoint=mode)
+    for _ in range(3):
+        x = (torch.rand(16, 32) + 0.5).requires_grad_()
+        y = pipe(x)
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, y.detach() / x.detach())
+
+
+@pytest.mark.skipif(not HAS_FAIRSCALE, reason="fairscale 0.4.13 is not installed")
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_masks_equal_fairscales_under_the_same_seed(mode):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fairscale.nn import Pipe as FairScalePipe
+
+        results = []
+        for cls in (FairScalePipe, Pipe):
+            pipe = cls(dropout_model(), [2, 2, 2], devices=["cpu"] * 3, chunks=3, checkpoint=mode)
+            for _ in range(2):
+                torch.manual_seed(3)
+                x = torch.randn(10, 8, requires_grad=True)
+                y = pipe(x)
+                y.sum().backward()
+            results.append((y.detach(), x.grad, grads(pipe), torch.rand(1)))
+    (ya, ga, pa, ra), (yb, gb, pb, rb) = results
+    torch.testing.assert_close(yb, ya)
+    torch.testing.assert_close(gb, ga)
+    assert torch.equal(ra, rb)
+    for a, b in zip(pa, pb):
+        torch.testing.assert_close(b, a)
+
+
+def test_module_protocol_and_attributes():
+    model = mlp()
+    layers = list(model)
+    pipe = Pipe(model, [3, 6], devices=["cpu", torch.device("cpu")], chunks=4, checkpoint="always")
+    assert len(pipe) == 9 and list(pipe) == layers
+    assert pipe[0] is layers[0] and pipe[4] is layers[4] and pipe[-1] is layers[-1] and pipe[-9] is layers[0]
+    with pytest.raises(IndexError):
+        pipe[9]
+    with pytest.raises(IndexError):
+        pipe[-10]
+    assert pipe.balance == [3, 6] and pipe.devices == [torch.device("cpu")] * 2
+    assert pipe.chunks == 4 and pipe.checkpoint == "always"
+    assert isinstance(pipe.partitions, nn.ModuleList) and [len(p) for p in pipe.partitions] == [3, 6]
+    assert "partitions.0.0.weight" in pipe.state_dict()
+    for call in (pipe.cuda, pipe.cpu, lambda: pipe.to("cpu"), lambda: pipe.to(torch.device("cpu")), lambda: pipe.to(0)):
+        with pytest.raises(TypeError, match="denied to move parameters"):
+            call()
+    with pytest.raises(TypeError):
+        pipe.to(device="cpu")
+    with pytest.raises(TypeError):
+        pipe.to(torch.zeros(1))
+    assert pipe.to(torch.float64) is pipe and pipe[0].weight.dtype == torch.float64
+    empty = Pipe(nn.Sequential(), [], devices=[])
+    x = torch.randn(2)
+    assert empty(x) is x and len(empty) == 0
+
+
+def test_bad_arguments_raise_fairscales_exception_types():
+    model = mlp()  # 9 layers
+    with pytest.raises(ValueError, match="module and sum of balance have different length"):
+        Pipe(model, [3, 3], devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match="all balance numbers must be positive integer"):
+        Pipe(model, [9, 0], devices=["cpu", "cpu"])
+    with pytest.raises(IndexError, match="too few devices to hold given partitions"):
+        Pipe(model, [3, 3, 3], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="module must be nn.Sequential"):
+        Pipe(nn.Linear(2, 2), [1], devices=["cpu"])
+    with pytest.raises(ValueError, match="balance is required"):
+        Pipe(model, devices=["cpu"])
+    with pytest.raises(ValueError, match="number of chunks must be positive integer"):
+        Pipe(model, [9], devices=["cpu"], chunks=0)
+    with pytest.raises(ValueError, match="checkpoint is not one of"):
+        Pipe(model, [9], devices=["cpu"], checkpoint="sometimes")
+    pipe = Pipe(model, [4, 5], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="expected Tensor, but got list"):
+        pipe([torch.randn(2, 8)])
+    with pytest.raises(TypeError, match="expected Tensor, but got str"):
+        pipe((torch.randn(2, 8), "x"))
+
+    class ReturnsList(nn.Module):
+        def forward(self, x):
+            return [x]
+
+    bad = Pipe(nn.Sequential(ReturnsList(), nn.Identity()), [1, 1], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="output of partition 0"):
+        bad(torch.randn(2, 2))
+
+
+def test_worker_threads_end_with_the_pipe():
+    before = set(threading.enumerate())
+    pipe = Pipe(mlp(), [4, 5], devices=["cpu", "cpu"], chunks=2)
+    pipe(torch.randn(4, 8)).sum().backward()
+    threads = [t for t in threading.enumerate() if t.name.startswith("fsc-pipe-") and t not in before]
+    assert len(threads) == 2
+    del pipe
+    gc.collect()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cpu", "cuda:0"], ["cuda:0", "cpu"]])
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_matches_sequential(devices, mode):
+    ref = mlp()
+    pipe = Pipe(mlp(), [4, 5], devices=devices, chunks=4, checkpoint=mode)
+    assert_same_training(ref, pipe, torch.randn(10, 8))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_skips_and_dropout_replay():
+    ref = skip_model()
+    pipe = Pipe(skip_model(), [2, 4, 2], devices=["cuda:0", "cpu", "cuda:0"], chunks=3)
+    assert_same_training(ref, pipe, torch.randn(9, 8))
+    pipe = Pipe(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), [1, 1], devices=["cuda:0"] * 2, chunks=4)
+    x = (torch.rand(16, 32, device="cuda") + 0.5).requires_grad_()
+    y = pipe(x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, y.detach() / x.detach())
+
+
+def test_second_backward_is_a_clear_error():
+    pipe = Pipe(mlp(), [4, 5], devices=["cpu", "cpu"], chunks=2)
+    y = pipe(torch.randn(4, 8))
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once per forward"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_callers_autocast_applies_in_partitions(chunks):
+    ref, pipe = mlp(), Pipe(mlp(), [4, 5], devices=["cpu", "cpu"], chunks=chunks, checkpoint="always")
+    x = torch.randn(6, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya, yb = ref(x), pipe(x)
+    assert yb.dtype == ya.dtype == torch.bfloat16
+    torch.testing.assert_close(yb, ya)
+    yb.float().sum().backward()  # recomputation runs under the same autocast state
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_weights_shared_by_two_partitions_on_one_device(chunks):
+    def build():
+        torch.manual_seed(0)
+        a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+        b.weight = a.weight  # tied across the partition boundary
+        return nn.Sequential(a, nn.Tanh(), b, nn.Tanh(), nn.Linear(8, 4))
+
+    ref, pipe = build(), Pipe(build(), [2, 3], devices=["cpu", "cpu"], chunks=chunks, checkpoint="except_last")
+    assert_same_training(ref, pipe, torch.randn(8, 8))
+    with pytest.raises(ValueError, match="module with duplicate children"):
+        layer = nn.Linear(2, 2)
+        Pipe(nn.Sequential(layer, layer), [1, 1], devices=["cpu", "cpu"])
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_its_own_worker_threads():
+    import os
+
+    pipe = Pipe(mlp(), [4, 5], devices=["cpu", "cpu"], chunks=2)
+    pipe(torch.randn(4, 8))  # threads started in the parent
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's worker threads do not exist here
+        code = 1
+        try:
+            with torch.no_grad():
+                code = 0 if pipe(torch.randn(4, 8)).shape == (4, 4) else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's Pipe did not finish")
