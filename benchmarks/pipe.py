@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/pipe.py                 # = `single`
     PYTHONPATH=. python benchmarks/pipe.py single --quick  # small model, chunks 1, 2, 4 (seconds)
+    PYTHONPATH=. python benchmarks/pipe.py multi [--quick] # 2 stages in 2 processes (benchmarks/pipe_stages.py)
 
 `single` (one process, CPU): the same MLP split in two partitions on devices=["cpu", "cpu"], for
 each chunk count (default 1..16) a training step (forward, loss, backward, SGD step) timed for
@@ -14,6 +15,10 @@ run that computes something else). Without fairscale installed, its column says 
 fairscale_c is timed.
 
 Target: fairscale_c's throughput >= FairScale's at every chunk count.
+
+`multi` (two processes, one stage each, CPU): fairscale_c's GPipe, 1F1B and interleaved 1F1B
+schedules against torch.distributed.pipelining (gloo); its arguments and output are
+benchmarks/pipe_stages.py's, which it runs.
 
 Results go to stdout (a table) and benchmarks/results/pipe.json (key "single").
 """
@@ -199,6 +204,7 @@ def load_average() -> Optional[List[float]]:
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="mode")
+    sub.add_parser("multi", help="2 processes, one stage each: see benchmarks/pipe_stages.py --help")
     single = sub.add_parser("single", help="one process, CPU, fairscale_c.nn.Pipe vs FairScale's Pipe (default)")
     d = SingleConfig()
     single.add_argument("--quick", action="store_true", help="small model, chunks 1, 2, 4")
@@ -213,6 +219,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if list(sys.argv[1:] if argv is None else argv)[:1] == ["multi"]:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import pipe_stages
+
+        return pipe_stages.main(list(sys.argv[1:] if argv is None else argv)[1:])
     args = parse_args(argv)
     result: Dict[str, Any] = {}
     if os.path.exists(args.out):
