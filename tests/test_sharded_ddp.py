@@ -177,6 +177,27 @@ def scenario_accumulation(rank, world):
     train(rank, world, zero_before_backward=True)
 
 
+def scenario_in_place_reduction(rank, world):
+    """Gradients of at least _DIRECT_MIN elements are averaged in autograd's own tensor, each in
+    an operation of its own, instead of being copied into a bucket (the threshold is lowered so
+    that fc2's and fc3's weights take that path here)."""
+    from fairscale_c.nn.data_parallel import sharded_ddp
+
+    old = sharded_ddp._DIRECT_MIN
+    sharded_ddp._DIRECT_MIN = 500
+    try:
+        sdp, _ = train(rank, world, optim=torch.optim.AdamW, okw=dict(lr=1e-2), clip=0.3)
+        if world > 1:
+            direct = sorted(b.numel for b in sdp._buckets if b.numel >= 500)
+            assert direct == [512, 768], direct
+        train(rank, world, micro=3, accumulate="no_sync")
+        train(rank, world, micro=2, accumulate="every_backward")
+        train(rank, world, zero_before_backward=True)
+        train(rank, world, reduce_fp16=True, tol=FP16_WIRE)  # float16 on the wire: bucketed as before
+    finally:
+        sharded_ddp._DIRECT_MIN = old
+
+
 def scenario_reduce_fp16(rank, world):
     for size in (0, 2**23):
         train(rank, world, reduce_fp16=True, reduce_buffer_size=size, tol=FP16_WIRE)

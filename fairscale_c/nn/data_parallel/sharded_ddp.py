@@ -29,6 +29,12 @@ __all__ = ["ShardedDataParallel"]
 _log = logging.getLogger(__name__)
 
 
+# A gradient of at least this many elements is reduced in place, in its own operation, instead
+# of being copied into a bucket first: at this size the copy costs more than the operation's fixed
+# overhead saves.
+_DIRECT_MIN = 1 << 20
+
+
 @dataclass
 class _Bucket:
     """Gradients of ``params`` (one owner, device and dtype) reduced together; ``offsets[i]`` is
@@ -248,6 +254,9 @@ class ShardedDataParallel(nn.Module):
             owner = self._trainable_param_to_rank[p]
             key = (owner, p.device, p.dtype)
             wire = torch.float16 if self._reduce_fp16 and p.dtype == torch.float32 else p.dtype
+            if p.numel() >= _DIRECT_MIN and wire == p.dtype:  # reduced in place, no bucket copy
+                buckets.append(_Bucket(owner, p.device, p.dtype, wire, [p], [0], p.numel()))
+                continue
             b = open_buckets.get(key)
             if b is None or b.numel + p.numel() > max(self._buffer_max_size, 1):
                 b = _Bucket(owner, p.device, p.dtype, wire, [], [], 0)
@@ -316,7 +325,15 @@ class ShardedDataParallel(nn.Module):
         self._launch_ready()
 
     def _check_in(self, b: _Bucket, j: int, grad: Optional[torch.Tensor]) -> None:
-        if b.flat is None:
+        if (
+            len(b.params) == 1
+            and grad is not None
+            and grad.dtype == b.wire_dtype
+            and grad.is_contiguous()
+            and b.numel >= _DIRECT_MIN
+        ):
+            b.flat = grad.view(-1)  # autograd's own gradient tensor, averaged in place
+        elif b.flat is None:
             b.flat = torch.empty(b.numel, dtype=b.wire_dtype, device=b.device)
         view = b.flat[b.offsets[j] : b.offsets[j] + b.params[j].numel()]
         if grad is None:
