@@ -76,6 +76,41 @@ def median(values: List[float]) -> float:
     return statistics.median(values)
 
 
+def record_training(
+    benchmark: Any,
+    results: Dict[str, Dict[str, Any]],
+    framework: str,
+    base: str,
+    per_step: List[float],
+    losses: List[List[float]],
+    info: Dict[str, Any],
+    steps_per_round: int,
+    loss_atol: float,
+) -> None:
+    """A training benchmark's bookkeeping and guards: records `framework`'s median step and its
+    ranks' `losses` in `results`; adds to `info` (the case's fixed description) the first and last
+    losses, the step time as a ratio of `base`'s (the framework measured first) and, for
+    fairscale_c, its largest loss difference from `base`; stores `info` in the benchmark's
+    extra_info; then asserts every loss is finite, the loss fell, and fairscale_c's losses are
+    within `loss_atol` of `base`'s (both train the same global batch)."""
+    t = median(per_step)
+    results[framework] = {"step_s": t, "losses": losses}
+    info["loss_first"] = [r[0] for r in losses]
+    info["loss_last"] = [r[-1] for r in losses]
+    ref = results.get(base)
+    info[f"step_vs_{base}"] = t / ref["step_s"] if ref is not None and framework != base else None
+    diff_key = f"max_abs_loss_diff_vs_{base}"
+    if framework == "fairscale_c" and ref is not None:
+        info[diff_key] = max(abs(a - b) for mine, theirs in zip(losses, ref["losses"]) for a, b in zip(mine, theirs))
+    benchmark.extra_info.update(info)
+    for rank, rank_losses in enumerate(losses):
+        assert all(math.isfinite(v) for v in rank_losses), f"{framework} rank {rank}: non-finite loss {rank_losses}"
+        tail = rank_losses[-steps_per_round:]
+        assert sum(tail) / len(tail) < rank_losses[0], f"{framework} rank {rank}: the loss did not fall {rank_losses}"
+    if diff_key in info:
+        assert info[diff_key] <= loss_atol, f"fairscale_c's losses differ from {base}'s by {info[diff_key]:.3g}"
+
+
 # ---------------------------------------------------------------- ranks
 
 

@@ -18,14 +18,13 @@ OSS and Pipe steps belong in test_bench_oss.py / test_bench_pipe.py beside this 
 from __future__ import annotations
 
 import gc
-import math
 from dataclasses import asdict
 from typing import Any, Dict, List
 
 import pytest
 from conftest import WORLD
 
-from _harness import RankState, drive, measured_time, median, time_calls
+from _harness import RankState, drive, measured_time, median, record_training, time_calls
 
 FRAMEWORKS = ["torch_fsdp2", "fairscale_c", "local"]  # FSDP2 first: the others' ratios read its median
 STEPS_PER_ROUND, ROUNDS, WARMUP_STEPS = 5, 6, 2
@@ -88,31 +87,14 @@ def test_fsdp_step(benchmark: Any, ranks: Any, framework: str) -> None:
     ranks.run(_prepare_training, framework, cfg)
     per_step = drive(benchmark, lambda: max(ranks.run(time_calls, STEPS_PER_ROUND)) / STEPS_PER_ROUND, ROUNDS)
     losses = ranks.run(_losses)
-    t = median(per_step)
-    _results[framework] = {"step_s": t, "losses": losses}
     info: Dict[str, Any] = {
         "framework": framework,
         "world": WORLD,
         "config": {k: cfg[k] for k in ("layers", "d_model", "heads", "seq", "vocab", "batch", "lr")},
         "steps_per_round": STEPS_PER_ROUND,
         "timing": "slowest rank's time for steps_per_round back-to-back steps after a barrier, / steps_per_round",
-        "tokens_per_s": WORLD * cfg["batch"] * cfg["seq"] / t,
-        "loss_first": [r[0] for r in losses],
-        "loss_last": [r[-1] for r in losses],
+        "tokens_per_s": WORLD * cfg["batch"] * cfg["seq"] / median(per_step),
     }
-    base = _results.get("torch_fsdp2")
-    info["step_vs_fsdp2"] = t / base["step_s"] if base is not None and framework != "torch_fsdp2" else None
-    if framework == "fairscale_c" and base is not None:
-        info["max_abs_loss_diff_vs_fsdp2"] = max(
-            abs(a - b) for mine, theirs in zip(losses, base["losses"]) for a, b in zip(mine, theirs)
-        )
-    benchmark.extra_info.update(info)
-
-    for rank, rank_losses in enumerate(losses):
-        assert all(math.isfinite(v) for v in rank_losses), f"{framework} rank {rank}: non-finite loss {rank_losses}"
-        tail = rank_losses[-STEPS_PER_ROUND:]
-        assert sum(tail) / len(tail) < rank_losses[0], f"{framework} rank {rank}: the loss did not fall {rank_losses}"
-    if "max_abs_loss_diff_vs_fsdp2" in info:
-        assert info["max_abs_loss_diff_vs_fsdp2"] <= LOSS_MATCH_ATOL, (
-            f"fairscale_c's losses differ from FSDP2's by {info['max_abs_loss_diff_vs_fsdp2']:.3g}"
-        )
+    record_training(
+        benchmark, _results, framework, "torch_fsdp2", per_step, losses, info, STEPS_PER_ROUND, LOSS_MATCH_ATOL
+    )
