@@ -5,9 +5,11 @@ During backward each trainable parameter's gradient is copied, as soon as autogr
 it, into the flat buffer of its bucket (parameters of one owner rank, device and dtype, up to
 ``reduce_buffer_size`` elements) and dropped; a full bucket is averaged onto its owner with one
 asynchronous ``reduce`` through ``fairscale_c.distributed``, so the reduction overlaps the rest of
-backward. Buckets are launched in a fixed order on every rank. At the end of backward every
-reduction is waited for: the owner's ``p.grad`` is a view of the reduced bucket, every other rank's
-is None. The optimizer then steps (OSS broadcasts the updated parameters).
+backward. A gradient of ``_DIRECT_MIN`` (2**20) elements or more skips the copy: it is averaged in
+place, in autograd's own tensor, by an operation of its own. Buckets are launched in a fixed order
+on every rank. At the end of backward every reduction is waited for: the owner's ``p.grad`` is a
+view of the reduced bucket (or the reduced tensor itself), every other rank's is None. The
+optimizer then steps (OSS broadcasts the updated parameters).
 """
 
 from __future__ import annotations
