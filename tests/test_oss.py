@@ -531,3 +531,29 @@ def test_oss_is_exported():
     import fairscale_c.optim.oss
 
     assert fairscale_c.optim.OSS is fairscale_c.optim.oss.OSS
+
+
+@pytest.mark.parametrize("extra", range(8))
+def test_unpacked_shard_survives_torch_save(extra, tmp_path):
+    """A shard that travelled as one byte buffer can be saved and loaded, with tensors of several
+    dtypes (views of one storage as float32 and float64: torch.save refuses them) and whatever the
+    length of its pickled layout (views of a 522-byte storage as float32: torch.load refused the
+    file)."""
+    from fairscale_c.optim._oss_state import pack, unpack
+
+    state = {
+        0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5, 3), "exp_avg_sq": torch.randn(5)},
+        1: {"step": torch.tensor(1.0), "momentum_buffer": torch.randn(7, dtype=torch.float64), "x" * extra: 1},
+    }
+    buf, n = pack(state, torch.device("cpu"))
+    assert buf.numel() == int(n.sum())
+    out = unpack(buf, int(n[0]))
+    torch.save(out, tmp_path / "shard.pt")
+    back = torch.load(tmp_path / "shard.pt")
+    assert back.keys() == state.keys()
+    for k, s in state.items():
+        for name, v in s.items():
+            if torch.is_tensor(v):
+                assert torch.equal(back[k][name], v), (k, name)
+            else:
+                assert back[k][name] == v

@@ -15,10 +15,8 @@ than the result plus one shard; a consolidated state dict loads at any world siz
 from __future__ import annotations
 
 import functools
-import io
 import logging
 import math
-import pickle
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
@@ -29,6 +27,8 @@ from torch.optim import SGD, Optimizer
 
 from fairscale_c import distributed as fdist
 
+from ._oss_state import copy_state, merge_shards, pack, to_cpu, unpack
+
 __all__ = ["OSS"]
 
 _log = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ _log = logging.getLogger(__name__)
 # Padding an all-gather's blocks to the largest rank's block is accepted when it adds at most this
 # fraction of the buffer's real size; otherwise each rank's block is broadcast from its owner.
 _MAX_GATHER_PADDING = 1 / 16
-_ALIGN = 64  # bytes: alignment of each tensor inside a packed state shard
 # State entries of torch's optimizers that have the parameter's shape (checked when loading).
 _PER_ELEMENT_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum")
 
@@ -399,7 +398,7 @@ class OSS(Optimizer):
         collect = recipient_rank in (-1, self.rank)
         merged: Dict[int, Any] = {}
         if collect:
-            merged.update(_to_cpu(self._shard_state()))
+            merged.update(to_cpu(self._shard_state()))
         device = self._default_device
         for src in range(self.world_size):
             if src == recipient_rank:
@@ -407,7 +406,7 @@ class OSS(Optimizer):
             if recipient_rank == -1:
                 self._broadcast_shard(src, device, merged)
             elif self.rank == src:
-                data, n = _pack(self._shard_state(), device)
+                data, n = pack(self._shard_state(), device)
                 self.comm.send(n, recipient_rank)
                 if int(n.sum()):
                     self.comm.send(data, recipient_rank)
@@ -418,14 +417,14 @@ class OSS(Optimizer):
                 if int(n.sum()):
                     data = torch.empty(int(n.sum()), dtype=torch.uint8, device=device)
                     self.comm.recv(data, src)
-                    merged.update(_unpack(data, int(n[0])))
+                    merged.update(unpack(data, int(n[0])))
                     del data
         if collect:
             self._consolidated = dict(sorted(merged.items()))
 
     def _broadcast_shard(self, src: int, device: torch.device, merged: Dict[int, Any]) -> None:
         if self.rank == src:
-            data, n = _pack(self._shard_state(), device)
+            data, n = pack(self._shard_state(), device)
         else:
             data, n = None, torch.zeros(2, dtype=torch.int64, device=device)
         self.comm.broadcast(n, root=src)
@@ -436,7 +435,7 @@ class OSS(Optimizer):
             data = torch.empty(total, dtype=torch.uint8, device=device)
         self.comm.broadcast(data, root=src)
         if self.rank != src:
-            merged.update(_unpack(data, int(n[0])))
+            merged.update(unpack(data, int(n[0])))
 
     def state_dict(self, all_ranks: bool = False) -> Dict[str, Any]:
         """The whole optimizer state in PyTorch's format (``state`` keyed by global parameter index,
@@ -471,7 +470,7 @@ class OSS(Optimizer):
         group, and each rank keeps the state of the parameters it owns. ValueError when its
         parameter groups do not match this optimizer's, or the shards are not one complete set."""
         if isinstance(state_dict, (list, tuple)):
-            state_dict = _merge_shards(state_dict)
+            state_dict = merge_shards(state_dict)
         elif isinstance(state_dict, dict) and state_dict.get("world_size", 1) != 1 and "rank" in state_dict:
             n = state_dict["world_size"]
             raise ValueError(
@@ -507,7 +506,7 @@ class OSS(Optimizer):
         for key, value in state_dict["state"].items():
             p = key_to_param[key]
             if owner[p] == self.rank:
-                local_state[local_index[id(p)]] = _copy_state(value)
+                local_state[local_index[id(p)]] = copy_state(value)
         local_groups = []
         for saved, g in zip(saved_groups, self.optim.param_groups):
             local = {k: v for k, v in saved.items() if k != "params"}
@@ -516,116 +515,3 @@ class OSS(Optimizer):
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
         OSS._sync_param_groups(saved_groups, self.param_groups)
         OSS._sync_param_groups(self.param_groups, self.optim.param_groups)
-
-
-# ---------------------------------------------------------------------- state packing
-
-
-def _merge_shards(shards: Any) -> Dict[str, Any]:
-    """One state dict from every rank's local_state_dict(), whatever order they come in."""
-    what = "OSS.load_state_dict: argument 'state_dict'"
-    if not shards or not all(isinstance(s, dict) and "rank" in s and "world_size" in s for s in shards):
-        raise ValueError(f"{what}: a list must hold local_state_dict() shards (with 'rank' and 'world_size')")
-    sizes = {s["world_size"] for s in shards}
-    ranks = sorted(s["rank"] for s in shards)
-    if len(sizes) != 1 or ranks != list(range(sizes.pop())):
-        raise ValueError(
-            f"{what}: the shards are not one complete set: ranks {ranks} of world sizes "
-            f"{sorted({s['world_size'] for s in shards})} (expected each rank 0..N-1 of one world size N once)"
-        )
-    state: Dict[Any, Any] = {}
-    for s in sorted(shards, key=lambda s: s["rank"]):
-        twice = set(state) & set(s["state"])
-        if twice:
-            raise ValueError(f"{what}: parameters {sorted(twice)} have state in more than one shard")
-        state.update(s["state"])
-    return {"state": dict(sorted(state.items())), "param_groups": shards[0]["param_groups"]}
-
-
-def _copy_state(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copy_state(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy_state(v) for v in value)
-    return value
-
-
-def _to_cpu(state: Dict[int, Any]) -> Dict[int, Any]:
-    def move(v: Any) -> Any:
-        if torch.is_tensor(v):
-            return v.detach().to("cpu", copy=True)
-        if isinstance(v, dict):
-            return {k: move(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(move(x) for x in v)
-        return v
-
-    return {k: move(v) for k, v in state.items()}
-
-
-class _TensorRef:
-    """Where a tensor of a packed shard lives: byte offset, dtype, shape."""
-
-    __slots__ = ("offset", "dtype", "shape")
-
-    def __init__(self, offset: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> None:
-        self.offset, self.dtype, self.shape = offset, dtype, shape
-
-    def __getstate__(self) -> Any:
-        return (self.offset, self.dtype, self.shape)
-
-    def __setstate__(self, state: Any) -> None:
-        self.offset, self.dtype, self.shape = state
-
-
-def _pack(state: Dict[int, Any], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One shard as a uint8 buffer on ``device``: every tensor's bytes (64-byte aligned), then the
-    pickled structure with tensors replaced by their place. Returns (buffer, [data bytes, layout bytes])."""
-    tensors: List[torch.Tensor] = []
-    offset = 0
-
-    def ref(v: Any) -> Any:
-        nonlocal offset
-        if torch.is_tensor(v):
-            r = _TensorRef(offset, v.dtype, tuple(v.shape))
-            tensors.append(v)
-            offset += -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN
-            return r
-        if isinstance(v, dict):
-            return {k: ref(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(ref(x) for x in v)
-        return v
-
-    layout = pickle.dumps({k: ref(v) for k, v in state.items()})
-    data_bytes = offset
-    buf = torch.empty(data_bytes + len(layout), dtype=torch.uint8, device=device)
-    offset = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        if n:
-            buf[offset : offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        offset += -(-n // _ALIGN) * _ALIGN
-    buf[data_bytes:].copy_(torch.frombuffer(bytearray(layout), dtype=torch.uint8))
-    return buf, torch.tensor([data_bytes, len(layout)], dtype=torch.int64, device=device)
-
-
-def _unpack(buf: torch.Tensor, data_bytes: int) -> Dict[int, Any]:
-    """The shard of :func:`_pack` with its tensors as views of one CPU copy of ``buf``'s data."""
-    host = buf if buf.device.type == "cpu" else buf.cpu()
-    layout = pickle.load(io.BytesIO(host[data_bytes:].numpy().tobytes()))
-    data = host[:data_bytes]  # the views keep the received buffer (and its small layout tail) alive
-
-    def build(v: Any) -> Any:
-        if isinstance(v, _TensorRef):
-            n = math.prod(v.shape) * v.dtype.itemsize
-            return data[v.offset : v.offset + n].view(v.dtype).view(v.shape)
-        if isinstance(v, dict):
-            return {k: build(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(build(x) for x in v)
-        return v
-
-    return {k: build(v) for k, v in layout.items()}
