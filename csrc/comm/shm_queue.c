@@ -210,6 +210,7 @@ fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t 
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     pthread_mutex_lock(&g->qmu);
+    int behind = g->qtail != NULL; /* the progress thread may be waiting on point-to-point ops */
     if (g->qtail)
         g->qtail->next = w;
     else
@@ -217,6 +218,10 @@ fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t 
     g->qtail = w;
     pthread_cond_signal(&g->qcv);
     pthread_mutex_unlock(&g->qmu);
+    /* A progress thread waiting for point-to-point progress sleeps on this rank's bell, not on qcv:
+     * ring it, so that it admits this item now instead of at the end of its sleep slice (measured:
+     * a send queued behind a pending recv reached its peer after 1.3-1.9 ms without this). */
+    if (behind && w->p2p_only) fsc_shm_ring(g, g->rank);
     *out = w;
     return FSC_OK;
 }
