@@ -152,6 +152,40 @@ def _rank_teardown(state: RankState) -> None:
     dist.destroy_process_group()
 
 
+def install_training(state: RankState, cfg_dict: Dict[str, Any], build_step: Callable[[Any], Any]) -> None:
+    """Rank-command body of the training cases: release the previous case's model, then, with
+    benchmarks/fsdp.py's config, batches and seed, build one with ``build_step(cfg)`` (returns
+    ``step(x, y) -> list of losses``), take the config's warm-up steps, and leave one training step
+    in state.op (its losses accumulate in state.case["losses"])."""
+    import gc
+
+    import torch
+
+    import fsdp as fsdp_script
+
+    state.op, state.case = None, {}
+    gc.collect()
+    cfg = fsdp_script.Config(**cfg_dict)
+    batches = fsdp_script.make_batches(cfg, state.rank, torch.device("cpu"))
+    torch.manual_seed(cfg.seed)
+    train_step = build_step(cfg)
+    losses: List[float] = []
+
+    def step() -> None:
+        x, y = batches[len(losses) % len(batches)]
+        losses.extend(train_step(x, y))
+
+    for _ in range(cfg.warmup):
+        step()
+    state.case = {"losses": losses}
+    state.op = step
+
+
+def case_losses(state: RankState) -> List[float]:
+    """Rank command: the losses of every step taken so far by the current case."""
+    return list(state.case["losses"])
+
+
 def time_calls(state: RankState, calls: int) -> float:
     """Rank command: after a barrier, time `calls` back-to-back calls of state.op (seconds)."""
     if not isinstance(calls, int) or calls < 1:

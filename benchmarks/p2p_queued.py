@@ -8,7 +8,8 @@ World 2, CPU. Each round: rank 0 posts an asynchronous receive that rank 1 satis
 the stamp it arrived. This is the pattern of a pipeline stage that sends an activation while its
 receive of a gradient is still outstanding: on fairscale_c the send is queued while the group's
 progress thread waits for the receive. The same rounds run on a gloo process group in the same
-processes. Prints the median, min and max per framework (first 5 rounds dropped).
+processes (benchmarks/_harness.RankPool). Prints the median, min and max per framework (first 5
+rounds dropped).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from dist_utils import run_ranks  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import RankPool, RankState  # noqa: E402
 
 WARMUP = 5
 
@@ -49,26 +50,21 @@ def _rounds(rank: int, send, recv, barrier, rounds: int) -> list:
     return latencies
 
 
-def _job(rank: int, world: int, rounds: int) -> dict:
+def _measure(state: RankState, rounds: int) -> dict:
+    """Rank command: the rounds on the fairscale_c group, then on the gloo group."""
     import torch.distributed as dist
 
-    import fairscale_c.distributed as fdist
-
-    dist.init_process_group("gloo")
-    group = fdist.init_group()
-    out = {
+    group = state.group
+    return {
         "fairscale_c": _rounds(
-            rank,
+            state.rank,
             lambda t, peer: group.send(t, peer, async_op=True),
             lambda t, peer: group.recv(t, peer, async_op=True),
             group.barrier,
             rounds,
         ),
-        "gloo": _rounds(rank, dist.isend, dist.irecv, dist.barrier, rounds),
+        "gloo": _rounds(state.rank, dist.isend, dist.irecv, dist.barrier, rounds),
     }
-    group.destroy()
-    dist.destroy_process_group()
-    return out
 
 
 def main(argv=None) -> int:
@@ -77,7 +73,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rounds <= WARMUP:
         p.error(f"--rounds must be more than {WARMUP}")
-    result = run_ranks(_job, 2, args.rounds)[1]
+    with RankPool(2) as pool:
+        result = pool.run(_measure, args.rounds)[1]
     print(f"send queued behind a pending receive, world 2, CPU; load average {os.getloadavg()}")
     for name, lat in result.items():
         us = sorted(x * 1e6 for x in lat[WARMUP:])

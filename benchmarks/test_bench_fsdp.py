@@ -17,14 +17,13 @@ OSS and Pipe steps belong in test_bench_oss.py / test_bench_pipe.py beside this 
 
 from __future__ import annotations
 
-import gc
 from dataclasses import asdict
 from typing import Any, Dict, List
 
 import pytest
 from conftest import WORLD
 
-from _harness import RankState, drive, measured_time, median, record_training, time_calls
+from _harness import RankState, case_losses, drive, install_training, measured_time, median, record_training, time_calls
 
 FRAMEWORKS = ["torch_fsdp2", "fairscale_c", "local"]  # FSDP2 first: the others' ratios read its median
 STEPS_PER_ROUND, ROUNDS, WARMUP_STEPS = 5, 6, 2
@@ -45,38 +44,27 @@ def _config() -> Dict[str, Any]:
 def _prepare_training(state: RankState, framework: str, cfg_dict: Dict[str, Any]) -> None:
     """Rank command: build and wrap the model for `framework`, take the warm-up steps, and leave
     one training step in state.op."""
-    import torch
-
-    import fsdp as fsdp_script
-
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
-    state.op, state.case = None, {}  # release the previous framework's model first
-    gc.collect()
-    cfg = fsdp_script.Config(**cfg_dict)
-    batches = fsdp_script.make_batches(cfg, state.rank, torch.device("cpu"))
-    torch.manual_seed(cfg.seed)
-    model = fsdp_script.WRAPPERS[framework](fsdp_script.GPT(cfg), cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    losses: List[float] = []
 
-    def step() -> None:
-        x, y = batches[len(losses) % len(batches)]
-        opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    def build(cfg: Any) -> Any:
+        import torch
 
-    for _ in range(cfg.warmup):
-        step()
-    state.case = {"losses": losses}
-    state.op = step
+        import fsdp as fsdp_script
 
+        model = fsdp_script.WRAPPERS[framework](fsdp_script.GPT(cfg), cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
-def _losses(state: RankState) -> List[float]:
-    """Rank command: the losses of every step taken so far by the current case."""
-    return list(state.case["losses"])
+        def step(x: Any, y: Any) -> List[float]:
+            opt.zero_grad(set_to_none=True)
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            return [loss.item()]
+
+        return step
+
+    install_training(state, cfg_dict, build)
 
 
 @pytest.mark.benchmark(timer=measured_time)
@@ -86,7 +74,7 @@ def test_fsdp_step(benchmark: Any, ranks: Any, framework: str) -> None:
     benchmark.group = f"fsdp step, small GPT, cpu world {WORLD}"
     ranks.run(_prepare_training, framework, cfg)
     per_step = drive(benchmark, lambda: max(ranks.run(time_calls, STEPS_PER_ROUND)) / STEPS_PER_ROUND, ROUNDS)
-    losses = ranks.run(_losses)
+    losses = ranks.run(case_losses)
     info: Dict[str, Any] = {
         "framework": framework,
         "world": WORLD,

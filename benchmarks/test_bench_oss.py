@@ -13,14 +13,13 @@ Guards: every loss is finite, the loss falls, and fairscale_c's losses match ZeR
 
 from __future__ import annotations
 
-import gc
 from dataclasses import asdict
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 from conftest import WORLD
 
-from _harness import RankState, drive, measured_time, record_training, time_calls
+from _harness import RankState, case_losses, drive, install_training, measured_time, record_training, time_calls
 
 FRAMEWORKS = ["torch_zero", "fairscale_c", "local"]  # ZeRO first: the others' ratios read its median
 STEPS_PER_ROUND, ROUNDS, WARMUP_STEPS = 5, 6, 2
@@ -40,34 +39,17 @@ def _config() -> Dict[str, Any]:
 def _prepare_training(state: RankState, framework: str, cfg_dict: Dict[str, Any]) -> None:
     """Rank command: build the model and optimizer for `framework` (benchmarks/oss.py's builders),
     take the warm-up steps, and leave one training step in state.op."""
-    import torch
-
-    import fsdp as fsdp_script
-    import oss as oss_script
-
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
-    state.op, state.case = None, {}
-    gc.collect()
-    cfg = fsdp_script.Config(**cfg_dict)
-    batches = fsdp_script.make_batches(cfg, state.rank, torch.device("cpu"))
-    torch.manual_seed(cfg.seed)
-    model, opt = oss_script.BUILDERS[framework](fsdp_script.GPT(cfg), cfg)
-    losses: List[float] = []
 
-    def step() -> None:
-        x, y = batches[len(losses) % len(batches)]
-        _, _, lo = oss_script.train(model, opt, [(x, y)], framework)
-        losses.extend(lo)
+    def build(cfg: Any) -> Any:
+        import fsdp as fsdp_script
+        import oss as oss_script
 
-    for _ in range(cfg.warmup):
-        step()
-    state.case = {"losses": losses}
-    state.op = step
+        model, opt = oss_script.BUILDERS[framework](fsdp_script.GPT(cfg), cfg)
+        return lambda x, y: oss_script.train(model, opt, [(x, y)], framework)[2]
 
-
-def _losses(state: RankState) -> List[float]:
-    return list(state.case["losses"])
+    install_training(state, cfg_dict, build)
 
 
 @pytest.mark.benchmark(timer=measured_time)
@@ -82,7 +64,7 @@ def test_oss_step(benchmark: Any, ranks: Any, framework: str) -> None:
     benchmark.group = f"oss step, small GPT, AdamW, cpu world {WORLD}"
     ranks.run(_prepare_training, framework, cfg)
     per_step = drive(benchmark, lambda: max(ranks.run(time_calls, STEPS_PER_ROUND)) / STEPS_PER_ROUND, ROUNDS)
-    losses = ranks.run(_losses)
+    losses = ranks.run(case_losses)
     info: Dict[str, Any] = {
         "framework": framework,
         "world": WORLD,

@@ -44,9 +44,8 @@ static inline void cpu_relax(void) {
 
 static size_t chunk_from_env(void) {
     const char *s = getenv("FAIRSCALE_C_SHM_CHUNK");
-    /* 1 MiB: in alternating runs of benchmarks/collectives.py (1-64 MiB, three of each) it beat
-     * 4 MiB by 1.22x (geometric mean; world 4: 1.16x), and 512 KiB / 2 MiB were within the
-     * noise of it. A rank's slots then stay in its caches, and the segment is a quarter the size. */
+    /* 1 MiB: a rank's slots stay in its caches, and the segment is a quarter of 4 MiB's size
+     * (measurements: docs/benchmarks.md, "Why these settings"). */
     size_t def = (size_t)1 << 20;
     if (s == NULL || *s == '\0') return def;
     char *end = NULL;

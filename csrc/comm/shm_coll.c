@@ -26,11 +26,9 @@ static void copy(void *dst, const void *src, size_t n) {
 #define FSC_SHM_STREAM_MIN ((size_t)16 << 20)
 
 /* Copy into an output that is too large to stay in the caches: non-temporal stores skip the
- * read-for-ownership of every destination line, a third of a normal copy's memory traffic. On
- * the development VM a 4 MiB-chunked copy from a cached source into a 256 MiB buffer ran 1.4x
- * as fast (1.6-2x with two processes copying at once); interleaved A/B runs of world-2
- * collectives of 16-256 MiB gave 0.98-1.21x (median about 1.1x; one 0.80 outlier). The
- * source (a slot, still in the cache) is read normally. */
+ * read-for-ownership of every destination line, a third of a normal copy's memory traffic
+ * (measurements: docs/benchmarks.md, "Why these settings"). The source (a slot, still in the
+ * cache) is read normally. */
 static void copy_out(void *dst, const void *src, size_t n, int streaming) {
 #if defined(__x86_64__)
     if (streaming && n >= 4096 && dst != src) {

@@ -219,8 +219,8 @@ fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t 
     pthread_cond_signal(&g->qcv);
     pthread_mutex_unlock(&g->qmu);
     /* A progress thread waiting for point-to-point progress sleeps on this rank's bell, not on qcv:
-     * ring it, so that it admits this item now instead of at the end of its sleep slice (measured:
-     * a send queued behind a pending recv reached its peer after 1.3-1.9 ms without this). */
+     * ring it, so that it admits this item now instead of at the end of its sleep slice
+     * (benchmarks/p2p_queued.py). */
     if (behind && w->p2p_only) fsc_shm_ring(g, g->rank);
     *out = w;
     return FSC_OK;

@@ -19,9 +19,8 @@ from fairscale_c import _C
 
 
 # On the CPU engine a gradient of 1 MiB or more is reduce-scattered on its own even below the cap:
-# packing it costs more (a copy at a few GB/s) than the per-op overhead a bucket saves (about
-# 0.1 ms). Interleaved A/B steps at world 2: 0.93-0.96x the step time on the wide benchmark
-# model, 0.99x on the default one, and no packed copy of those gradients in memory.
+# packing it costs more (a copy) than the per-op overhead a bucket saves, and keeps no packed copy
+# of it in memory (measurements: docs/benchmarks.md, "Why these settings").
 _ALONE_BYTES = 1 << 20
 
 # Reduce-scatters whose input may still be alive: one being sent while the next is queued behind
