@@ -13,8 +13,21 @@ loss + backward + optimizer step; per step the slowest rank counts), tokens/s ov
 and per rank the peak resident-set growth (see `_Mem`). The per-step losses of the two
 frameworks are compared as a guard against timing a broken run.
 
-CUDA (only when `torch.cuda.is_available()`, see `run_cuda`): the same on NCCL, plus FairScale
-0.4.13's FSDP when `fairscale` is importable; memory is torch.cuda.max_memory_allocated.
+CUDA (`--device cuda`, see `run_cuda`): NCCL, one spawned process set per framework (GPU memory
+is freed between them), four rows: fairscale_c's FSDP, PyTorch's FSDP2 (`fully_shard` per block and
+on the root), FairScale 0.4.13's FSDP when `fairscale` is importable, and the floor "local" (the
+plain module on each rank's GPU, torch.autocast for --bf16, fp32 parameters, AdamW, no
+communication). A framework that fails becomes a "fails: <reason>" row. With --bf16 every framework
+keeps fp32 master parameters (shards) and computes in bf16; `--reduce-dtype` (fp32 by default on
+CUDA) picks the gradient-reduction dtype of all three FSDPs. `--size 125m|350m|1.3b` picks a
+GPT-2/GPT-3-like model at sequence 1024 and vocab 50304; the micro-batch is `--batch` (the lead
+picks it; without it the largest batch whose rough memory estimate, `estimate_peak_gib`, fits in
+75% of the GPU is used). Reported: median step, tokens/s, MFU (`model_flops_per_token`, against
+`--peak-tflops`), peak torch.cuda.max_memory_allocated after the warm-up, each framework's time
+above the floor, ratios and the world-1 targets. World > GPUs: ranks share GPUs
+(NCCL_MULTI_RANK_GPU_ENABLE=1 is set for them; NCCL >= 2.30 needed), time-sliced.
+
+    python benchmarks/fsdp.py --device cuda --size 125m --bf16 --batch 32 --steps 10 --warmup 3
 
 Results go to stdout (a table) and benchmarks/results/fsdp.json.
 """
@@ -23,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
+import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -73,11 +88,78 @@ class Config:
     shared_rs_group: bool = False  # fairscale_c: reduce-scatter on the all-gather group
     lr: float = 1e-3
     seed: int = 0
+    reduce_fp32: bool = False  # bf16: reduce gradients in fp32 (all FSDPs); default on CUDA
+    size: str = ""  # the --size preset, if any
 
 
 def quick_config() -> Config:
     """The small model of --quick (0.14M parameters), also the one benchmarks/test_bench_fsdp.py trains."""
     return Config(layers=2, d_model=64, heads=2, seq=64, vocab=512, batch=4, steps=5, warmup=2)
+
+
+# --size presets: GPT-2 small / medium and GPT-3 XL shapes (GPT-3 XL's 2048 width with 16 heads of
+# 128), sequence 1024, vocabulary 50304 (GPT-2's 50257 rounded up to a multiple of 64), output head
+# tied to the embedding. Parameter counts: 124.5M, 354.9M, 1313.7M (n_params prints the exact one).
+PRESETS: Dict[str, Dict[str, int]] = {
+    "125m": {"layers": 12, "d_model": 768, "heads": 12, "seq": 1024, "vocab": 50304},
+    "350m": {"layers": 24, "d_model": 1024, "heads": 16, "seq": 1024, "vocab": 50304},
+    "1.3b": {"layers": 24, "d_model": 2048, "heads": 16, "seq": 1024, "vocab": 50304},
+}
+# Dense bf16 tensor-core peak of an H100 SXM5 (NVIDIA H100 datasheet: 1,979 TFLOP/s "with sparsity",
+# half of it dense). --peak-tflops overrides it for another GPU.
+H100_SXM_BF16_DENSE_TFLOPS = 989.4
+FLOPS_FORMULA = (
+    "6*N + 12*layers*seq*d_model per token (forward+backward; attention counted unmasked, PaLM's convention)"
+)
+
+
+def preset_config(size: str) -> Config:
+    if size not in PRESETS:
+        raise ValueError(f"size must be one of {sorted(PRESETS)}, got {size!r}")
+    return Config(size=size, **PRESETS[size])
+
+
+def model_flops_per_token(cfg: Config, params: int) -> float:
+    """Training FLOPs per token: 6*N (forward 2N + backward 4N over every parameter; the tied
+    embedding counts once, as the output head's matmul) plus attention's score and value matmuls,
+    12*layers*seq*d_model (forward 4*seq*d_model per layer, backward twice that)."""
+    return 6.0 * params + 12.0 * cfg.layers * cfg.seq * cfg.d_model
+
+
+def mfu(cfg: Config, params: int, step_s: float, gpus: int, peak_tflops: float) -> float:
+    """Model FLOPs utilisation of one step over all ranks: model FLOPs of world*batch*seq tokens /
+    (step time * peak of the `gpus` physical GPUs they ran on)."""
+    if step_s <= 0 or gpus < 1 or peak_tflops <= 0:
+        raise ValueError(f"mfu: step_s, gpus and peak_tflops must be > 0, got {step_s}, {gpus}, {peak_tflops}")
+    tokens = cfg.world * cfg.batch * cfg.seq
+    return model_flops_per_token(cfg, params) * tokens / (step_s * gpus * peak_tflops * 1e12)
+
+
+def estimate_peak_gib(cfg: Config, framework: str, params: int) -> float:
+    """A rough per-rank peak of GPU memory (GiB) for choosing --batch, not a measurement.
+    Model state: fp32 parameters, gradients and AdamW's two moments (16 bytes per parameter, 1/world
+    of it under FSDP), plus bf16 copies (FSDP: the gathered blocks; autocast: its weight cache;
+    2 bytes per parameter, an over-estimate for FSDP). Activations per token: about 34*d_model bytes
+    per block in bf16 (38 for autocast's fp32 residual stream; SDPA's fused kernels keep no
+    seq x seq scores) plus ~12*vocab bytes at the loss (bf16 logits, their fp32 copy, log-softmax
+    and its gradient), times 1.15 for allocator slack. fp32 runs: twice the activations, no copies."""
+    per_param = 16.0 if framework == "local" else 16.0 / cfg.world
+    lowp = 2.0 if cfg.bf16 else 0.0
+    act = (38.0 if framework == "local" else 34.0) * cfg.d_model * cfg.layers + 12.0 * cfg.vocab
+    if not cfg.bf16:
+        act *= 2
+    total = params * (per_param + lowp) + 1.15 * act * cfg.batch * cfg.seq
+    return total / 2**30
+
+
+def pick_batch(cfg: Config, params: int, budget_gib: float, frameworks: List[str]) -> int:
+    """The largest batch from a fixed ladder whose estimate_peak_gib fits `budget_gib` for every framework."""
+    best = 1
+    for b in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+        trial = Config(**{**asdict(cfg), "batch": b})
+        if max(estimate_peak_gib(trial, fw, params) for fw in frameworks) <= budget_gib:
+            best = b
+    return best
 
 
 class Block(nn.Module):
@@ -151,11 +233,28 @@ def make_batches(cfg: Config, rank: int, device: torch.device) -> List[tuple]:
 # ---------------------------------------------------------------- wrapping
 
 
+def _fairscale_mp_kwargs(cfg: Config) -> Dict[str, Any]:
+    """FairScale-style mixed precision (fp32 shards, bf16 compute); the gradient is reduce-scattered
+    in bf16 (FairScale's default) or, with cfg.reduce_fp32, in fp32 (fp32_reduce_scatter=True)."""
+    if not cfg.bf16:
+        return {}
+    return {"mixed_precision": True, "compute_dtype": torch.bfloat16, "fp32_reduce_scatter": cfg.reduce_fp32}
+
+
+def reduce_dtype_of(framework: str, cfg: Config) -> str:
+    """The dtype each framework reduces gradients in under this config (for the report)."""
+    if framework == "local":
+        return "none (no communication)"
+    if not cfg.bf16:
+        return "fp32"
+    return "fp32" if cfg.reduce_fp32 else "bf16"
+
+
 def wrap_fairscale_c(model: GPT, cfg: Config) -> nn.Module:
     from fairscale_c.nn import FullyShardedDataParallel as FSDP
     from fairscale_c.nn.wrap import enable_wrap, wrap
 
-    kwargs: Dict[str, Any] = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if cfg.bf16 else {}
+    kwargs = _fairscale_mp_kwargs(cfg)
     kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
     if cfg.shared_rs_group:
         kwargs["process_group_reduce_scatter"] = "default"
@@ -169,7 +268,7 @@ def wrap_fairscale(model: GPT, cfg: Config) -> nn.Module:
     from fairscale.nn import FullyShardedDataParallel as FSDP
     from fairscale.nn.wrap import enable_wrap, wrap
 
-    kwargs: Dict[str, Any] = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if cfg.bf16 else {}
+    kwargs = _fairscale_mp_kwargs(cfg)
     with enable_wrap(wrapper_cls=FSDP, **kwargs):
         model.blocks = nn.ModuleList(wrap(b) for b in model.blocks)
     return FSDP(model, **kwargs)
@@ -178,9 +277,10 @@ def wrap_fairscale(model: GPT, cfg: Config) -> nn.Module:
 def wrap_torch_fsdp2(model: GPT, cfg: Config) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # bf16 reduce as well: fairscale_c with mixed_precision=True reduce-scatters in the compute
-    # dtype (fp32_reduce_scatter=False, FairScale's default), so both move the same bytes.
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if cfg.bf16 else None
+    # The same reduce dtype as the FairScale-style wrappers (_fairscale_mp_kwargs), so all move
+    # the same bytes: bf16 by default on CPU, fp32 by default on CUDA.
+    reduce = torch.float32 if cfg.reduce_fp32 else torch.bfloat16
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if cfg.bf16 else None
     kwargs: Dict[str, Any] = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for block in model.blocks:
         fully_shard(block, **kwargs)
@@ -257,12 +357,18 @@ def _load_libraries(framework: str) -> None:
     opt.step()
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: List[tuple], sync) -> tuple:
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: List[tuple], sync, autocast=None) -> tuple:
+    """Train on `batches`; per step its wall time (ended by `sync`) and loss. `autocast`: a
+    context-manager factory around forward and loss (the CUDA floor's torch.autocast)."""
     times, losses = [], []
     for x, y in batches:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
+        if autocast is None:
+            loss = model(x, y)
+        else:
+            with autocast():
+                loss = model(x, y)
         loss.backward()
         opt.step()
         lv = loss.item()
@@ -450,67 +556,276 @@ def run_cpu(cfg: Config, profile: Optional[str]) -> Dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- CUDA (NCCL), separate and optional
+# ---------------------------------------------------------------- CUDA (NCCL)
+
+
+CUDA_FRAMEWORKS = ["torch_fsdp2", "fairscale_c", "fairscale", "local"]  # FSDP2 first: the baseline
+CUDA_TIMEOUT_S = 600.0  # per framework; a hung NCCL run becomes a "fails" row
+# World-1 targets on CUDA (issue 17): step <= 1.03x the floor and <= 0.9x FSDP2's, tokens/s >= 1.2x
+# FairScale's, peak memory <= FSDP2's.
+CUDA_TARGET_STEP_OVER_FLOOR = 1.03
+CUDA_TARGET_STEP_VS_FSDP2 = 0.9
+CUDA_TARGET_TOKENS_VS_FAIRSCALE = 1.2
+CUDA_TARGET_MEM_VS_FSDP2 = 1.0
+
+
+def _nccl_version_string() -> str:
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception as e:
+        return f"unknown ({type(e).__name__})"
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def _cuda_env() -> Dict[str, Any]:
+    """What this rank runs on: GPU, driver, CUDA, torch's NCCL and the one fairscale_c loads."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    env: Dict[str, Any] = {
+        "device_name": props.name,
+        "device_total_mib": props.total_memory / 2**20,
+        "capability": f"{props.major}.{props.minor}",
+        "multiprocessors": props.multi_processor_count,
+        "device_count": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_nccl": _nccl_version_string(),
+        "nccl_multi_rank_gpu_enable": os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE"),
+    }
+    try:
+        import fairscale_c
+
+        info = fairscale_c.build_info()
+        for key in ("version", "kernels_built", "driver_version", "runtime_version", "nccl_version", "nccl_path"):
+            env[f"fairscale_c_{key}"] = info.get(key)
+    except Exception as e:  # report, do not fail the run over it
+        env["fairscale_c_error"] = f"{type(e).__name__}: {e}"
+    try:
+        import fairscale
+
+        env["fairscale"] = fairscale.__version__
+    except Exception:
+        env["fairscale"] = None
+    return env
 
 
 def cuda_rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any]) -> Dict:
-    """One rank of a CUDA (NCCL) run; memory is torch.cuda.max_memory_allocated during training."""
+    """One rank of a CUDA (NCCL) run. The model is built on the rank's GPU from the same seed for
+    every framework; "local" is the plain module (torch.autocast for bf16, fp32 parameters). Peak
+    memory is torch.cuda.max_memory_allocated over the timed steps (reset after the warm-up)."""
+    import contextlib
+    import datetime as dt
+    import gc
+
     cfg = Config(**cfg_dict)
-    dev = torch.device("cuda", rank % torch.cuda.device_count())  # ranks share GPUs only by opt-in
+    dev = torch.device("cuda", rank % torch.cuda.device_count())  # ranks share a GPU when world > GPUs
     torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
+    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=dt.timedelta(seconds=CUDA_TIMEOUT_S / 2))
     batches = make_batches(cfg, rank, dev)
     torch.manual_seed(cfg.seed)
-    model = WRAPPERS[framework](GPT(cfg).to(dev), cfg)
+    with torch.device(dev):
+        model: nn.Module = GPT(cfg)
+    autocast = None
+    if framework == "local":
+        if cfg.bf16:
+            autocast = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+    else:
+        model = WRAPPERS[framework](model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     torch.cuda.synchronize()
+    after_wrap = torch.cuda.memory_allocated() / 2**20
+    times, losses = _train(model, opt, batches[: cfg.warmup], torch.cuda.synchronize, autocast)
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times, losses = _train(model, opt, batches, torch.cuda.synchronize)
+    t, lo = _train(model, opt, batches[cfg.warmup :], torch.cuda.synchronize, autocast)
+    times, losses = times + t, losses + lo
     peak = torch.cuda.max_memory_allocated() / 2**20
-    dist.barrier()
+    reserved = torch.cuda.max_memory_reserved() / 2**20
+    env = _cuda_env() if rank == 0 else {}
+    with contextlib.suppress(Exception):
+        dist.barrier()
+    del model, opt, batches
+    gc.collect()
+    torch.cuda.empty_cache()
     dist.destroy_process_group()
     return {
         "times": times,
         "losses": losses,
         "peak_mib": peak,
-        "after_wrap_mib": float("nan"),
+        "reserved_mib": reserved,
+        "after_wrap_mib": after_wrap,
         "shmem_mib": 0.0,
         "hwm_reset": True,
+        "device": str(dev),
+        "env": env,
     }
 
 
-def run_cuda(cfg: Config) -> Optional[Dict[str, Any]]:
-    if not torch.cuda.is_available():
-        print("[cuda] skipped: torch.cuda.is_available() is False")
-        return None
-    shared = torch.cuda.device_count() < cfg.world
-    if shared and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
-        print("[cuda] skipped: needs --world GPUs, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1")
-        return None
-    if shared:
-        print(f"[cuda] note: {cfg.world} ranks share {torch.cuda.device_count()} GPU(s); step times include that")
-    frameworks = ["torch_fsdp2", "fairscale_c"]
-    try:
-        import fairscale.nn  # noqa: F401
+def _failure_reason(err: BaseException) -> str:
+    """The last informative line of a rank's traceback (the exception itself)."""
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if not ln.startswith(("File ", "^", "~")):
+            return ln[:300]
+    return type(err).__name__
 
-        frameworks.append("fairscale")
-    except ImportError:
-        print("[cuda] fairscale not importable; comparing fairscale_c with FSDP2 only")
-    rows, failed = [], {}
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(b) and not math.isnan(a) else float("nan")
+
+
+def cuda_report(rows: List[Dict], cfg: Config, params: int, gpus: int, peak_tflops: float) -> Dict[str, Any]:
+    """Fill every row's derived figures (MFU, ratios, own time, loss differences) and decide the
+    targets for fairscale_c. Rows of failed frameworks carry "error" and are left as they are."""
+    by = {r["framework"]: r for r in rows if "error" not in r}
+    floor, fsdp2, fs = by.get("local"), by.get("torch_fsdp2"), by.get("fairscale")
+    for r in by.values():
+        r["tokens_per_s_per_rank"] = r["tokens_per_s"] / cfg.world
+        r["mfu"] = mfu(cfg, params, r["step_ms"] / 1e3, gpus, peak_tflops)
+        r["peak_mib_max"] = max(r["peak_mib"])
+        r["own_ms_above_floor"] = r["step_ms"] - floor["step_ms"] if floor else float("nan")
+        r["step_vs_floor"] = _ratio(r["step_ms"], floor["step_ms"]) if floor else float("nan")
+        r["step_vs_fsdp2"] = _ratio(r["step_ms"], fsdp2["step_ms"]) if fsdp2 else float("nan")
+        r["mem_vs_fsdp2"] = _ratio(r["peak_mib_max"], fsdp2["peak_mib_max"] if fsdp2 else float("nan"))
+        r["tokens_vs_fairscale"] = _ratio(r["tokens_per_s"], fs["tokens_per_s"]) if fs else float("nan")
+        r["max_loss_diff_vs_fsdp2"] = max_loss_diff(r, fsdp2) if fsdp2 and r is not fsdp2 else float("nan")
+        r["max_loss_diff_vs_floor"] = max_loss_diff(r, floor) if floor and r is not floor else float("nan")
+    targets: Dict[str, Any] = {}
+    ours = by.get("fairscale_c")
+
+    def decide(name: str, value: float, limit: float, ok) -> None:
+        met = None if math.isnan(value) else bool(ok(value, limit))
+        targets[name] = {"value": value, "limit": limit, "met": met}
+
+    if ours is not None:
+        decide("step_vs_floor", ours["step_vs_floor"], CUDA_TARGET_STEP_OVER_FLOOR, lambda v, lim: v <= lim)
+        decide("step_vs_fsdp2", ours["step_vs_fsdp2"], CUDA_TARGET_STEP_VS_FSDP2, lambda v, lim: v <= lim)
+        decide(
+            "tokens_vs_fairscale",
+            ours["tokens_vs_fairscale"],
+            CUDA_TARGET_TOKENS_VS_FAIRSCALE,
+            lambda v, lim: v >= lim,
+        )
+        decide("mem_vs_fsdp2", ours["mem_vs_fsdp2"], CUDA_TARGET_MEM_VS_FSDP2, lambda v, lim: v <= lim)
+    return targets
+
+
+def _fmt(v: float, spec: str) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def print_cuda_table(rows: List[Dict], cfg: Config, targets: Dict[str, Any], gpus: int, peak_tflops: float) -> None:
+    head = (
+        f"{'framework':<12}{'step ms':>9}{'tok/s total':>12}{'tok/s rank':>11}{'MFU':>7}{'peak MiB':>10}"
+        f"{'own ms':>8}{'/floor':>8}{'/FSDP2':>8}{'mem/FSDP2':>10}{'tok/FS':>8}{'dloss FSDP2':>12}"
+        f"{'dloss floor':>12}  reduce"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['framework']:<12}fails: {r['error']}")
+            continue
+        print(
+            f"{r['framework']:<12}{r['step_ms']:>9.1f}{r['tokens_per_s']:>12.0f}{r['tokens_per_s_per_rank']:>11.0f}"
+            f"{r['mfu'] * 100:>6.1f}%{r['peak_mib_max']:>10.0f}{r['own_ms_above_floor']:>8.1f}"
+            f"{_fmt(r['step_vs_floor'], '.3f'):>8}{_fmt(r['step_vs_fsdp2'], '.3f'):>8}"
+            f"{_fmt(r['mem_vs_fsdp2'], '.3f'):>10}{_fmt(r['tokens_vs_fairscale'], '.2f'):>8}"
+            f"{_fmt(r['max_loss_diff_vs_fsdp2'], '.3g'):>12}{_fmt(r['max_loss_diff_vs_floor'], '.3g'):>12}"
+            f"  {r['reduce_dtype']}"
+        )
+    print(
+        f"MFU = model FLOPs / (step time x {gpus} GPU(s) x {peak_tflops:g} TFLOP/s); model FLOPs = {FLOPS_FORMULA}; "
+        f"peak: {'--peak-tflops' if peak_tflops != H100_SXM_BF16_DENSE_TFLOPS else 'H100 SXM dense bf16 (datasheet)'}"
+    )
+    print("own ms = step - floor step; dloss = max |loss difference| over steps and ranks; peak MiB = max over ranks")
+    if cfg.world > 1:
+        print("(at world > 1 the floor trains each rank on its own batch alone, so its losses differ by design)")
+    if cfg.world > 1:
+        print("(world 1 targets below are shown for reference only at this world size)")
+    names = {
+        "step_vs_floor": f"step <= {CUDA_TARGET_STEP_OVER_FLOOR}x the floor",
+        "step_vs_fsdp2": f"step <= {CUDA_TARGET_STEP_VS_FSDP2}x FSDP2's",
+        "tokens_vs_fairscale": f"tokens/s >= {CUDA_TARGET_TOKENS_VS_FAIRSCALE}x FairScale's",
+        "mem_vs_fsdp2": f"peak memory <= {CUDA_TARGET_MEM_VS_FSDP2}x FSDP2's",
+    }
+    if not targets:
+        print("targets: n/a (fairscale_c failed)")
+    for key, t in targets.items():
+        verdict = {True: "met", False: "NOT met", None: "n/a (baseline failed or absent)"}[t["met"]]
+        print(f"target, fairscale_c {names[key]}: {verdict} ({_fmt(t['value'], '.3f')})")
+
+
+def run_cuda(
+    cfg: Config, frameworks: Optional[List[str]] = None, peak_tflops: float = H100_SXM_BF16_DENSE_TFLOPS
+) -> Dict[str, Any]:
+    """Every framework in its own spawned process set; a failure becomes a row with "error"."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU build of torch)")
+    n_dev = torch.cuda.device_count()
+    gpus = min(cfg.world, n_dev)
+    if cfg.world > n_dev:
+        # NCCL >= 2.30 lets ranks share a GPU only with this set; the ranks inherit it.
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        print(
+            f"[cuda] note: {cfg.world} ranks share {n_dev} GPU(s) (time-sliced; needs NCCL >= 2.30 with "
+            f"NCCL_MULTI_RANK_GPU_ENABLE={os.environ['NCCL_MULTI_RANK_GPU_ENABLE']}); step times include that",
+            flush=True,
+        )
+    params = n_params(cfg)
+    frameworks = list(frameworks or CUDA_FRAMEWORKS)
+    rows: List[Dict[str, Any]] = []
+    env: Dict[str, Any] = {}
     for fw in frameworks:
+        t0 = time.perf_counter()
+        est = estimate_peak_gib(cfg, fw, params)
         try:
-            rows.append(summarize(fw, spawn(cuda_rank_main, cfg.world, fw, asdict(cfg)), cfg))
-        except RuntimeError as e:  # FSDP2 must run; another framework's failure is reported, not fatal
-            if fw == "torch_fsdp2":
+            if fw == "fairscale" and importlib.util.find_spec("fairscale") is None:
+                raise RuntimeError("fairscale is not installed (pip install fairscale==0.4.13)")
+            ranks = spawn(cuda_rank_main, cfg.world, fw, asdict(cfg), timeout=CUDA_TIMEOUT_S)
+            row = summarize(fw, ranks, cfg)
+            row["reserved_mib"] = [r["reserved_mib"] for r in ranks]
+            row["devices"] = [r["device"] for r in ranks]
+            env = env or ranks[0]["env"]
+            status = f"{statistics.median(row['step_ms_each']):.1f} ms/step"
+        except BaseException as e:  # a failing framework is a row, not the end of the run
+            if isinstance(e, KeyboardInterrupt):
                 raise
-            failed[fw] = str(e).strip().splitlines()[-1]
-    print(f"\nCUDA, NCCL, world {cfg.world}, {'bf16 mixed precision' if cfg.bf16 else 'fp32'}")
-    print_table(rows, "max_memory_allocated MiB")
-    diffs = {r["framework"]: max_loss_diff(rows[0], r) for r in rows[1:]}
-    print("max |loss - loss(torch_fsdp2)|: " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
-    for fw, err in failed.items():
-        print(f"{fw} failed: {err}")
-    return {"rows": rows, "max_loss_diff": diffs, "failed": failed}
+            row = {"framework": fw, "error": _failure_reason(e), "traceback": str(e)[-4000:]}
+            status = "fails: " + row["error"]
+        row["reduce_dtype"] = reduce_dtype_of(fw, cfg)
+        row["estimated_peak_gib"] = est
+        rows.append(row)
+        print(f"[cuda] {fw}: {status} ({time.perf_counter() - t0:.1f} s, estimate {est:.1f} GiB/rank)", flush=True)
+    targets = cuda_report(rows, cfg, params, gpus, peak_tflops)
+    print(
+        f"\nCUDA, NCCL, {env.get('device_name', '?')} x{gpus}, world {cfg.world}"
+        f"{' (ranks share GPUs)' if cfg.world > n_dev else ''}, "
+        f"{'bf16 mixed precision, fp32 master parameters' if cfg.bf16 else 'fp32'}, "
+        f"{'size ' + cfg.size + ', ' if cfg.size else ''}{params:,} params ({params / 1e6:.1f}M), "
+        f"{cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, seq {cfg.seq}, vocab {cfg.vocab}, "
+        f"batch {cfg.batch} per rank ({cfg.batch * cfg.seq} tokens), AdamW, median of {cfg.steps} steps "
+        f"after {cfg.warmup} warm-up"
+    )
+    print(
+        f"torch {env.get('torch', torch.__version__)}, CUDA {env.get('torch_cuda')}, torch's NCCL "
+        f"{env.get('torch_nccl')}, fairscale_c's NCCL {env.get('fairscale_c_nccl_version')}, driver "
+        f"{env.get('fairscale_c_driver_version')}, fairscale {env.get('fairscale')}"
+    )
+    print_cuda_table(rows, cfg, targets, gpus, peak_tflops)
+    return {
+        "rows": rows,
+        "targets_world1": targets,
+        "env": env,
+        "params": params,
+        "gpus": gpus,
+        "peak_tflops": peak_tflops,
+        "peak_source": "H100 SXM dense bf16, NVIDIA datasheet"
+        if peak_tflops == H100_SXM_BF16_DENSE_TFLOPS
+        else "--peak-tflops",
+        "flops_formula": FLOPS_FORMULA,
+        "flops_per_token": model_flops_per_token(cfg, params),
+        "shared_gpu": cfg.world > n_dev,
+    }
 
 
 # ---------------------------------------------------------------- main
@@ -518,8 +833,20 @@ def run_cuda(cfg: Config) -> Optional[Dict[str, Any]]:
 
 def parse_args(argv: Optional[List[str]] = None) -> tuple:
     d = Config()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="GPU: --device cuda --size 125m|350m|1.3b --bf16 --batch B. The micro-batch is the caller's "
+        "choice (no search is run): without --batch, a --size run takes the largest batch whose rough "
+        "memory estimate (estimate_peak_gib) fits 75%% of the GPU memory given by --gpu-mem-gib, shared "
+        "by the ranks on one GPU. Each framework runs in its own process set; a failing one is a row.",
+    )
     p.add_argument("--quick", action="store_true", help="tiny model and few steps (under a minute)")
+    p.add_argument(
+        "--size",
+        choices=sorted(PRESETS),
+        help="GPT preset: 125m (12x768), 350m (24x1024), 1.3b (24x2048); seq 1024, vocab 50304; "
+        "--layers/--d-model/--heads/--seq/--vocab/--batch still override",
+    )
     p.add_argument("--world", type=int, default=d.world)
     p.add_argument("--steps", type=int, default=None, help=f"timed steps (default {d.steps})")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed steps first (default {d.warmup})")
@@ -528,9 +855,16 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--vocab", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None, help="sequences per rank per step")
+    p.add_argument("--batch", type=int, default=None, help="sequences per rank per step (the micro-batch)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / world)")
-    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision on both frameworks")
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master parameters) everywhere")
+    p.add_argument(
+        "--reduce-dtype",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="with --bf16, the gradient reduce dtype of every FSDP (FSDP2's reduce_dtype, FairScale's "
+        "fp32_reduce_scatter); default fp32 for --device cuda, bf16 otherwise",
+    )
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="fairscale_c's bucket_cap_mb (default 25)")
     p.add_argument(
         "--shared-rs-group",
@@ -540,31 +874,86 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CPU, then CUDA when available"
     )
+    p.add_argument(
+        "--frameworks",
+        default=",".join(CUDA_FRAMEWORKS),
+        help=f"CUDA: comma-separated subset of {','.join(CUDA_FRAMEWORKS)} (default all, in that order)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H100_SXM_BF16_DENSE_TFLOPS,
+        help=f"GPU peak for MFU, TFLOP/s (default {H100_SXM_BF16_DENSE_TFLOPS}: H100 SXM dense bf16, datasheet)",
+    )
+    p.add_argument(
+        "--gpu-mem-gib", type=float, default=80.0, help="GPU memory for the default --size batch (default 80)"
+    )
     p.add_argument("--profile", metavar="FILE", help="cProfile rank 0 of fairscale_c's timed steps into FILE")
     p.add_argument("--out", default=RESULTS, help="JSON results path")
     a = p.parse_args(argv)
-    cfg = quick_config() if a.quick else d
+    if a.quick and a.size:
+        p.error("--quick and --size are exclusive")
+    cfg = quick_config() if a.quick else preset_config(a.size) if a.size else d
     for name in ("steps", "warmup", "layers", "d_model", "heads", "seq", "vocab", "batch"):
-        if getattr(a, name) is not None:
-            setattr(cfg, name, getattr(a, name))
+        value = getattr(a, name)
+        if value is not None:
+            if value < (0 if name == "warmup" else 1):
+                p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}, got {value}")
+            setattr(cfg, name, value)
+    if a.world < 1:
+        p.error(f"--world must be >= 1, got {a.world}")
     cfg.world, cfg.bf16 = a.world, a.bf16
+    cfg.reduce_fp32 = (a.reduce_dtype or ("fp32" if a.device == "cuda" else "bf16")) == "fp32"
     if a.bucket_cap_mb is not None:
         cfg.bucket_cap_mb = a.bucket_cap_mb
     cfg.shared_rs_group = a.shared_rs_group
     cfg.threads = a.threads if a.threads else max(1, (os.cpu_count() or 1) // cfg.world)
     if cfg.d_model % cfg.heads:
         p.error("--d-model must be a multiple of --heads")
+    a.frameworks = [f.strip() for f in a.frameworks.split(",") if f.strip()]
+    unknown = [f for f in a.frameworks if f not in CUDA_FRAMEWORKS]
+    if unknown or not a.frameworks:
+        p.error(f"--frameworks: expected a comma-separated subset of {CUDA_FRAMEWORKS}, got {unknown or 'nothing'}")
+    if a.peak_tflops <= 0 or a.gpu_mem_gib <= 0:
+        p.error("--peak-tflops and --gpu-mem-gib must be > 0")
+    a.batch_from_estimate = bool(a.size and a.batch is None)
+    if a.batch_from_estimate:
+        ranks_per_gpu = max(1, math.ceil(cfg.world / max(1, _gpu_count())))
+        cfg.batch = pick_batch(cfg, n_params(cfg), 0.75 * a.gpu_mem_gib / ranks_per_gpu, a.frameworks)
     return a, cfg
+
+
+def _gpu_count() -> int:
+    """GPUs visible, without creating a CUDA context in this (parent) process; 0 without CUDA."""
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args, cfg = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            f"error: --device cuda needs a GPU, but torch.cuda.is_available() is False (torch {torch.__version__}, "
+            f"built with CUDA {torch.version.cuda}); use --device cpu",
+            file=sys.stderr,
+        )
+        return 2
+    params = n_params(cfg)
     print(f"config: {asdict(cfg)}; torch {torch.__version__}; {os.cpu_count()} CPU cores", flush=True)
+    print(f"model: {params:,} parameters ({params / 1e6:.1f}M)", flush=True)
+    if args.batch_from_estimate:
+        print(
+            f"batch {cfg.batch} per rank: the largest whose memory estimate fits 75% of {args.gpu_mem_gib:g} GiB "
+            "(ranks on one GPU share it); --batch overrides",
+            flush=True,
+        )
     result: Dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         "config": asdict(cfg),
-        "params": n_params(cfg),
+        "params": params,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu_cores": os.cpu_count(),
@@ -572,8 +961,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     if args.device in ("auto", "cpu"):
         result["cpu"] = run_cpu(cfg, args.profile)
-    if args.device in ("auto", "cuda"):
-        result["cuda"] = run_cuda(cfg)
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        result["cuda"] = run_cuda(cfg, args.frameworks, args.peak_tflops)
+    elif args.device == "auto":
+        print("[cuda] skipped: torch.cuda.is_available() is False")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
