@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,52 @@ def test_cuda_only_flags_and_models():
     assert args.out == pipe_stages.RESULTS and cfg == pipe_stages.Config()
     _, cfg = pipe_stages.parse_args(["--device", "cuda", "--quick"])
     assert cfg == pipe_stages.quick_config()
+
+
+class _HostEvent:
+    """Stands in for torch.cuda.Event: records the host clock."""
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_pipe_meter_times_by_events_on_cuda(monkeypatch):
+    """pipe_stages.Meter(cuda=True) keeps forward and backward intervals as event pairs and adds
+    them up in collect(); a backward with no parameter gradient after its start counts nothing."""
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    meter = pipe_stages.Meter(cuda=True)
+    probe = pipe_stages.Probe(torch.nn.Linear(4, 4), meter)
+    meter.reset(track=True)
+    for _ in range(2):
+        probe(torch.randn(3, 4)).sum().backward()
+    meter.backward_starts()  # opened, never closed by a gradient
+    meter.flush()
+    assert [k for k, _, _ in meter._intervals] == ["fwd", "fwd", "bwd", "bwd"]
+    assert meter.fwd_s == meter.bwd_s == 0.0  # nothing is read before collect()
+    meter.collect()
+    assert meter.fwd_s > 0 and meter.bwd_s > 0 and meter._intervals == []
+    assert meter.tracker.peak > 0  # the activation count is device-independent
+
+
+def test_oss_cuda_step_loop_matches_the_cpu_loop(monkeypatch):
+    """oss.train_cuda (events and synchronisation stood in, autocast off) trains exactly as the CPU
+    loop does and returns one (forward, backward, step) interval triple per step."""
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    cfg = oss_script.base.quick_config()
+    batches = oss_script.base.make_batches(cfg, 0, torch.device("cpu"))[:3]
+    out = []
+    for loop in (oss_script.train, oss_script.train_cuda):
+        torch.manual_seed(cfg.seed)
+        model, opt = oss_script.build_local(oss_script.base.GPT(cfg), cfg)
+        out.append(loop(model, opt, batches, "local"))
+    (_, _, cpu_losses), (times, phases, losses) = out
+    assert losses == cpu_losses and len(times) == len(phases) == 3
+    assert all(len(p) == 3 and min(p) >= 0 for p in phases)
