@@ -10,6 +10,11 @@ measured_time: a pytest-benchmark timer (`@pytest.mark.benchmark(timer=measured_
 advances only by what a case measured itself (`advance`): the slowest rank's time for N
 back-to-back calls divided by N, or a CUDA event interval divided by N. With it, pytest-benchmark's
 statistics are per-call times of the work, without the pipe round trip that drives the ranks.
+
+check_cuda_ranks / rank_cuda_device: the `--device cuda` choice of the multi-process scripts
+(benchmarks/oss.py, benchmarks/pipe_stages.py): exit with a message where CUDA ranks cannot run,
+else one GPU per rank (rank r on cuda:r % device_count), or ranks sharing GPUs through NCCL >= 2.30's
+NCCL_MULTI_RANK_GPU_ENABLE=1.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # Seconds a command may take on the ranks before the pool is declared hung, and the engine's own
 # bound on a wait for a peer inside the ranks (FAIRSCALE_C_TIMEOUT), kept below it so a rank
@@ -111,6 +116,92 @@ def record_training(
         assert info[diff_key] <= loss_atol, f"fairscale_c's losses differ from {base}'s by {info[diff_key]:.3g}"
 
 
+# ---------------------------------------------------------------- device choice
+
+# NCCL refuses two ranks on one GPU before 2.30; from 2.30 on this variable allows it.
+NCCL_SHARE_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
+NCCL_SHARE_MIN_VERSION = (2, 30)
+
+
+def _torch_nccl_version() -> Optional[Tuple[int, ...]]:
+    import torch
+
+    try:
+        v = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    if isinstance(v, int):  # older torch: one code, e.g. 23102 or 2708
+        return (v // 10000, v // 100 % 100, v % 100) if v >= 10000 else (v // 1000, v // 100 % 10, v % 100)
+    return tuple(v)
+
+
+def check_cuda_ranks(world: int, flag: str = "--device cuda") -> str:
+    """For `flag`: check that `world` ranks can run on this machine's GPUs and return a one-line
+    note saying how (GPU per rank, or sharing). Exits with a message (SystemExit, status 1) when
+    torch has no usable CUDA device, or when there are fewer GPUs than ranks and NCCL cannot
+    share one. When sharing is possible (torch's NCCL >= 2.30, or NCCL_MULTI_RANK_GPU_ENABLE
+    already set to 1), sets NCCL_MULTI_RANK_GPU_ENABLE=1 in this process's environment, which
+    the rank processes spawned afterwards inherit."""
+    import torch
+
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"check_cuda_ranks: world must be an int >= 1, got {world!r}")
+    if not torch.cuda.is_available():
+        built = torch.version.cuda or "none (a CPU-only build)"
+        raise SystemExit(
+            f"{flag}: no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, CUDA "
+            f"{built}). Run it on a machine with a GPU and a CUDA build of torch, or use --device cpu."
+        )
+    count = torch.cuda.device_count()
+    if count >= world:
+        return f"{world} ranks on {world} of {count} GPU(s), one each"
+    set_to = os.environ.get(NCCL_SHARE_ENV)
+    version = _torch_nccl_version()
+    shown = ".".join(map(str, version)) if version else "unknown"
+    if set_to is not None and set_to != "1":
+        raise SystemExit(
+            f"{flag}: {world} ranks need {world} GPUs or ranks sharing one, but {NCCL_SHARE_ENV}={set_to!r} "
+            f"forbids sharing ({count} GPU(s)); unset it or set it to 1 (NCCL >= 2.30)"
+        )
+    if set_to is None:
+        if version is None or version[:2] < NCCL_SHARE_MIN_VERSION:
+            raise SystemExit(
+                f"{flag}: {world} ranks on {count} GPU(s) must share a GPU, which needs NCCL >= 2.30 with "
+                f"{NCCL_SHARE_ENV}=1; torch's NCCL is {shown}. Install NCCL >= 2.30 (and set {NCCL_SHARE_ENV}=1 if "
+                f"torch reports an older version than the library it loads), or run with --world {count}."
+            )
+        os.environ[NCCL_SHARE_ENV] = "1"
+    return (
+        f"{world} ranks share {count} GPU(s) ({NCCL_SHARE_ENV}=1, torch's NCCL {shown}): they time-slice the GPU, "
+        "so step times include each other's work"
+    )
+
+
+def cuda_info() -> Dict[str, Any]:
+    """The GPU and library versions of a CUDA run, for its results (after check_cuda_ranks)."""
+    import torch
+
+    import fairscale_c
+
+    version = _torch_nccl_version()
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpu_count": torch.cuda.device_count(),
+        "torch_cuda": torch.version.cuda,
+        "torch_nccl": ".".join(map(str, version)) if version else "unknown",
+        "fairscale_c": fairscale_c.__version__,
+    }
+
+
+def rank_cuda_device(rank: int) -> Any:
+    """In a rank process: this rank's GPU (cuda:rank % device_count), made the current device."""
+    import torch
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
 # ---------------------------------------------------------------- ranks
 
 
@@ -124,9 +215,10 @@ class RankState:
     group: Any  # fairscale_c.distributed.Group
     op: Optional[Callable[[], Any]] = None
     case: Dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"  # "cuda": the rank's GPU is torch.cuda.current_device() (rank_cuda_device)
 
 
-def _rank_setup(rank: int, world: int) -> RankState:
+def _rank_setup(rank: int, world: int, device: str = "cpu") -> RankState:
     import datetime
 
     import torch
@@ -136,10 +228,15 @@ def _rank_setup(rank: int, world: int) -> RankState:
 
     # One intra-op thread per rank: `world` ranks share the machine's cores, as in training.
     torch.set_num_threads(1)
+    backend = "gloo"
+    if device == "cuda":
+        rank_cuda_device(rank)
+        # CUDA tensors of torch's collectives on NCCL, host tensors (object lists) on gloo
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=RANK_ENGINE_TIMEOUT_S)
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=RANK_ENGINE_TIMEOUT_S)
     )
-    return RankState(rank=rank, world=world, group=fdist.init_group())
+    return RankState(rank=rank, world=world, group=fdist.init_group(), device=device)
 
 
 def _rank_teardown(state: RankState) -> None:
@@ -200,7 +297,7 @@ def time_calls(state: RankState, calls: int) -> float:
     return time.perf_counter() - t0
 
 
-def _rank_main(rank: int, world: int, port: int, conn: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, conn: Any, device: str = "cpu") -> None:
     os.environ.update(
         {
             "RANK": str(rank),
@@ -212,7 +309,7 @@ def _rank_main(rank: int, world: int, port: int, conn: Any) -> None:
         }
     )
     try:
-        state = _rank_setup(rank, world)
+        state = _rank_setup(rank, world, device)
     except BaseException:
         conn.send(("err", traceback.format_exc()))
         return
@@ -258,11 +355,16 @@ class RankPool:
 
     pool.run(fn, *args) runs module-level `fn(state, *args)` on every rank and returns the results
     by rank. pool.close() stops the ranks (killing any that do not stop within STOP_GRACE_S) and
-    raises if they left shared-memory segments behind."""
+    raises if they left shared-memory segments behind.
 
-    def __init__(self, world: int) -> None:
+    device="cuda": each rank takes its GPU (rank_cuda_device) and the torch group is
+    "cpu:gloo,cuda:nccl"; call check_cuda_ranks(world) first."""
+
+    def __init__(self, world: int, device: str = "cpu") -> None:
         if not isinstance(world, int) or world < 1:
             raise ValueError(f"RankPool: world must be an int >= 1, got {world!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"RankPool: device must be 'cpu' or 'cuda', got {device!r}")
         self.world = world
         self.pids: List[int] = []
         self._broken: Optional[str] = None
@@ -274,7 +376,9 @@ class RankPool:
         try:
             for r in range(world):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_rank_main, args=(r, world, port, child), daemon=True, name=f"bench-rank{r}")
+                p = ctx.Process(
+                    target=_rank_main, args=(r, world, port, child, device), daemon=True, name=f"bench-rank{r}"
+                )
                 p.start()
                 child.close()
                 self._conns.append(parent)

@@ -10,6 +10,7 @@ benchmarks/fsdp.py's, reused here
 
     PYTHONPATH=. python benchmarks/oss.py            # default model (27M parameters), fp32
     PYTHONPATH=. python benchmarks/oss.py --quick    # tiny model, a few steps (< 1 minute)
+    PYTHONPATH=. python benchmarks/oss.py --device cuda [--preset 350m] [--bf16]   # on GPUs, NCCL
 
 Reported per framework: median step time (zero_grad + forward + loss + backward + optimizer
 step + loss.item(); per step the slowest rank counts), own time above the floor, optimizer-state
@@ -22,6 +23,16 @@ FairScale is optional: without `fairscale` importable its row is skipped, and sa
 fairscale_c's row while `fairscale_c.optim.OSS` / `fairscale_c.nn.ShardedDataParallel` do not exist.
 
 Results go to stdout (a table) and benchmarks/results/oss.json.
+
+`--device cuda` (see run_cuda): the same rows on GPUs, rank r on cuda:r % device_count (two
+ranks may share one GPU with NCCL >= 2.30; the script sets NCCL_MULTI_RANK_GPU_ENABLE=1 then).
+FairScale, ZeRO and DDP on torch's nccl backend, fairscale_c on its own NCCL communicators (its
+groups send CUDA tensors to NCCL). A GPT-2-sized model by default (`--preset 125m`, or `350m`),
+one fresh set of processes per framework (no paired run), `--bf16` for bf16 autocast of forward
+and loss (parameters, gradients and optimizer state stay fp32). Step times are host times with
+torch.cuda.synchronize() at both ends of each step, the phases CUDA-event intervals on the
+compute stream; memory is torch.cuda.max_memory_allocated over the timed steps (peak statistics
+reset after the warm-up). Results: benchmarks/results/oss_cuda.json.
 """
 
 from __future__ import annotations
@@ -44,8 +55,10 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp as base  # benchmarks/fsdp.py: model, batches, memory measurement, spawning, summaries
+from _harness import check_cuda_ranks, cuda_info, rank_cuda_device
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "oss.json")
+RESULTS_CUDA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "oss_cuda.json")
 REFERENCE = "fairscale"  # own time and losses are compared with FairScale's
 TARGET_STEP_OVER_FLOOR = 1.05
 TARGET_OWN_VS_FAIRSCALE = 0.25
@@ -58,6 +71,20 @@ FRAMEWORKS = ("fairscale_c", "fairscale", "torch_zero", "ddp", "local")
 def default_config() -> base.Config:
     """27.3M parameters (vocab 16384 x 512 tied embedding, 6 blocks of d_model 512)."""
     return base.Config(layers=6, d_model=512, heads=8, seq=64, vocab=16384, batch=4, steps=10, warmup=3)
+
+
+# --device cuda models: GPT-2 small and medium shapes (vocab 50304, tied head), 8 sequences of 512
+# tokens per rank per step
+CUDA_PRESETS = {
+    "125m": {"layers": 12, "d_model": 768, "heads": 12},  # 124.1M parameters
+    "350m": {"layers": 24, "d_model": 1024, "heads": 16},  # 354.3M parameters
+}
+
+
+def cuda_config(preset: str = "125m") -> base.Config:
+    if preset not in CUDA_PRESETS:
+        raise ValueError(f"preset must be one of {sorted(CUDA_PRESETS)}, got {preset!r}")
+    return base.Config(**CUDA_PRESETS[preset], seq=512, vocab=50304, batch=8, steps=10, warmup=3)
 
 
 # ---------------------------------------------------------------- wrapping: (model, optimizer)
@@ -264,6 +291,92 @@ def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dic
     return out
 
 
+# ---------------------------------------------------------------- one rank on CUDA
+
+# A CUDA run's bounds (seconds): torch's NCCL and fairscale_c's engine give up on a missing peer
+# after CUDA_PEER_TIMEOUT_S; the driver gives up on one framework's run after CUDA_RUN_TIMEOUT_S.
+CUDA_PEER_TIMEOUT_S = 120
+CUDA_RUN_TIMEOUT_S = 300.0
+
+
+def train_cuda(
+    model: nn.Module, opt: Any, batches: List[tuple], framework: str, bf16: bool = False
+) -> Tuple[List[float], ...]:
+    """`train` on CUDA: the same step (with bf16 autocast around forward and loss when `bf16`).
+    The step time is host time from a synchronised start to a synchronised end (after
+    loss.item()); the phases are CUDA-event intervals on the current stream (zero_grad + forward,
+    backward, optimizer step), which include the waits each framework puts on that stream for its
+    communication."""
+    if framework in ("fairscale_c", "fairscale"):
+        zero = model.zero_grad
+    else:
+        zero = lambda: opt.zero_grad(set_to_none=True)  # noqa: E731
+    times, phases, losses = [], [], []
+    for x, y in batches:
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ev[0].record()
+        zero()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x, y)
+        ev[1].record()
+        loss.backward()
+        ev[2].record()
+        opt.step()
+        ev[3].record()
+        lv = loss.item()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        phases.append(tuple(a.elapsed_time(b) / 1e3 for a, b in zip(ev, ev[1:])))
+        losses.append(lv)
+    return times, phases, losses
+
+
+def cuda_rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], bf16: bool) -> Dict:
+    """One rank of a CUDA run of `framework` (torch group on nccl; fairscale_c's groups are built
+    from it and send CUDA tensors over their own NCCL communicators). Returns what rank_main
+    returns, memory from torch.cuda: "peak_mib" = max_memory_allocated over the timed steps,
+    "after_wrap_mib" = memory_allocated once the model and wrapper are built."""
+    import datetime
+
+    cfg = base.Config(**cfg_dict)
+    torch.set_num_threads(cfg.threads)
+    dev = rank_cuda_device(rank)
+    dist.init_process_group(
+        "nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=CUDA_PEER_TIMEOUT_S)
+    )
+    batches = base.make_batches(cfg, rank, dev)
+    for name in MODULES[framework]:
+        importlib.import_module(name)
+    torch.manual_seed(cfg.seed)
+    model, opt = BUILDERS[framework](base.GPT(cfg).to(dev), cfg)
+    torch.cuda.synchronize()
+    after_wrap = torch.cuda.memory_allocated()
+    times, phases, losses = train_cuda(model, opt, batches[: cfg.warmup], framework, bf16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t, ph, lo = train_cuda(model, opt, batches[cfg.warmup :], framework, bf16)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    params = list(dict.fromkeys(model.parameters()))
+    largest = max(params, key=lambda p: p.numel())
+    dist.barrier(device_ids=[dev.index])
+    dist.destroy_process_group()
+    return {
+        "times": times + t,
+        "phases": phases + ph,
+        "losses": losses + lo,
+        "peak_mib": peak / 2**20,
+        "after_wrap_mib": after_wrap / 2**20,
+        "shmem_mib": 0.0,
+        "hwm_reset": True,
+        "state_bytes": state_bytes(local_optimizer(opt)),
+        "largest_param_numel": largest.numel(),
+        "param_numel": sum(p.numel() for p in params),
+    }
+
+
 # ---------------------------------------------------------------- reporting
 
 
@@ -278,11 +391,11 @@ def loss_diff(a: Dict, b: Dict) -> Tuple[float, float]:
     return (max(absd), max(reld)) if absd else (float("nan"), float("nan"))
 
 
-def print_table(rows: List[Dict], floor: Dict, ref: Optional[Dict]) -> None:
+def print_table(rows: List[Dict], floor: Dict, ref: Optional[Dict], mem_label: str = "peak RSS MiB per rank") -> None:
     head = (
         f"{'framework':<13}{'step ms':>9}{'fwd ms':>8}{'bwd ms':>8}{'opt ms':>8}{'own ms':>8}{'step/floor':>11}"
         f"{'own/FS':>8}"
-        f"  {'optim state MiB per rank':<26}{'peak RSS MiB per rank':<23}{'max |dloss| vs FS':>18}"
+        f"  {'optim state MiB per rank':<26}{mem_label:<23}{'max |dloss| vs FS':>18}"
     )
     print(head)
     print("-" * len(head))
@@ -479,6 +592,71 @@ def run_cpu(
     return result
 
 
+def run_cuda(cfg: base.Config, frameworks: List[str], repeats: int, bf16: bool, note: str) -> Dict[str, Any]:
+    """The CUDA counterpart of run_cpu: every framework once per round, `repeats` rounds, each run a
+    fresh set of `cfg.world` processes (cuda_rank_main); no paired run (all models in one process
+    per rank would not fit the larger presets twice on one GPU, and the host load that pairing
+    evens out matters less when the GPU does the work). A framework other than the floor that
+    fails (or hangs past CUDA_RUN_TIMEOUT_S) is reported and left out; the others still run."""
+    os.environ.setdefault("FAIRSCALE_C_TIMEOUT", str(CUDA_PEER_TIMEOUT_S))  # inherited by the ranks
+    runs: Dict[str, List[List[Dict]]] = {}
+    skipped: Dict[str, str] = {}
+    failed: Dict[str, str] = {}
+    for fw in frameworks:
+        why = unavailable(fw)
+        if why is not None:
+            skipped[fw] = why
+            print(f"[cuda] {fw}: SKIPPED, {why}", flush=True)
+    for rnd in range(repeats):
+        for fw in frameworks:
+            if fw in skipped or fw in failed:
+                continue
+            t0 = time.perf_counter()
+            try:
+                ranks = base.spawn(cuda_rank_main, cfg.world, fw, asdict(cfg), bf16, timeout=CUDA_RUN_TIMEOUT_S)
+            except RuntimeError as e:
+                if fw == "local":
+                    raise
+                failed[fw] = str(e).strip().splitlines()[-1]
+                print(f"[cuda] round {rnd + 1}/{repeats} {fw}: FAILED ({failed[fw]})\n{e}", flush=True)
+                continue
+            runs.setdefault(fw, []).append(ranks)
+            print(f"[cuda] round {rnd + 1}/{repeats} {fw}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = {fw: _row(fw, r, cfg) for fw, r in runs.items() if fw not in failed}
+    n = base.n_params(cfg)
+    print(
+        f"\nCUDA, world {cfg.world} ({note}); FairScale, ZeRO, DDP on torch's nccl, fairscale_c on its own NCCL "
+        f"communicators; {'bf16 autocast' if bf16 else 'fp32'}, AdamW, {n / 1e6:.2f}M params, "
+        f"{cfg.batch} x {cfg.seq} tokens per rank per step, median of {cfg.steps} steps after {cfg.warmup} warm-up, "
+        f"{repeats} separate run(s) per framework; floor = local (each rank trains an unsharded copy, no "
+        "communication); phases: CUDA events on the compute stream; memory: torch.cuda.max_memory_allocated"
+    )
+    order = [rows[f] for f in frameworks if f in rows]
+    print_table(order, rows["local"], rows.get(REFERENCE), mem_label="CUDA peak MiB per rank")
+    if repeats > 1:
+        for r in order:
+            print(
+                f"  {r['framework']}: median step per run "
+                + ", ".join(f"{t:.1f}" for t in r["step_ms_per_run"])
+                + " ms"
+            )
+    for fw, why in skipped.items():
+        print(f"{fw}: skipped ({why})")
+    for fw, err in failed.items():
+        print(f"{fw}: FAILED ({err})")
+    if "ddp" in rows and REFERENCE in rows:
+        absd, reld = loss_diff(rows["ddp"], rows[REFERENCE])
+        print(f"for scale: plain DDP's losses differ from FairScale's by up to {absd:.3g} (relative {reld:.3g})")
+    result: Dict[str, Any] = {"rows": order, "skipped": skipped, "failed": failed}
+    result.update(verdicts(rows, cfg))
+    if bf16:
+        print(
+            "note: the loss target is fp32's; under bf16 autocast the frameworks' losses differ by bf16 rounding "
+            "(compare with the DDP line above)"
+        )
+    return result
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -513,9 +691,38 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     p.add_argument(
         "--profile", metavar="FILE", help="cProfile rank 0 of fairscale_c's timed steps (last round) into FILE"
     )
-    p.add_argument("--out", default=RESULTS, help="JSON results path")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu (gloo; fairscale_c on its shared-memory engine) or cuda (NCCL; rank r on cuda:r %% device_count, "
+        "two ranks may share one GPU with NCCL >= 2.30)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(CUDA_PRESETS),
+        default=None,
+        help="--device cuda: the model (default 125m: 12 x 768; 350m: 24 x 1024; vocab 50304, seq 512, batch 8); "
+        "--layers etc. override its fields",
+    )
+    p.add_argument("--bf16", action="store_true", help="--device cuda: bf16 autocast of forward and loss")
+    p.add_argument("--out", default=None, help=f"JSON results path (default {RESULTS}, or {RESULTS_CUDA} for cuda)")
     a = p.parse_args(argv)
-    cfg = base.quick_config() if a.quick else d
+    cuda = a.device == "cuda"
+    if not cuda:
+        for flag, given in (("--preset", a.preset is not None), ("--bf16", a.bf16)):
+            if given:
+                p.error(f"{flag} is for --device cuda (the CPU run is fp32 on the default or --quick model)")
+    elif a.profile:
+        p.error("--profile is for the CPU run")
+    elif a.quick and a.preset is not None:
+        p.error("--quick and --preset choose different models: give one")
+    if a.out is None:
+        a.out = RESULTS_CUDA if cuda else RESULTS
+    if a.quick:
+        cfg = base.quick_config()
+    else:
+        cfg = cuda_config(a.preset or "125m") if cuda else d
     for name in ("steps", "warmup", "layers", "d_model", "heads", "seq", "vocab", "batch"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
@@ -538,6 +745,7 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args, cfg, frameworks = parse_args(argv)
+    cuda_note = check_cuda_ranks(cfg.world) if args.device == "cuda" else None  # exits when CUDA cannot run
     print(f"config: {asdict(cfg)}; torch {torch.__version__}; {os.cpu_count()} CPU cores", flush=True)
     try:
         load = os.getloadavg()
@@ -558,7 +766,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         import fairscale
 
         result["fairscale"] = fairscale.__version__
-    result["cpu"] = run_cpu(cfg, frameworks, args.profile, args.repeats, paired=not args.no_paired)
+    if cuda_note is None:
+        result["cpu"] = run_cpu(cfg, frameworks, args.profile, args.repeats, paired=not args.no_paired)
+    else:
+        result.update(cuda_info(), device="cuda", cuda_ranks=cuda_note, bf16_autocast=args.bf16)
+        result["preset"] = "quick" if args.quick else (args.preset or "125m")
+        print(f"[cuda] {cuda_note} ({result['gpu']})", flush=True)
+        if args.no_paired:
+            print("[cuda] note: --no-paired changes nothing here (CUDA runs are always separate)")
+        result["cuda"] = run_cuda(cfg, frameworks, args.repeats, args.bf16, cuda_note)
     try:
         result["load_avg_at_end"] = os.getloadavg()
     except OSError:

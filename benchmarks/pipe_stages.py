@@ -4,6 +4,16 @@ same model, same data, same micro-batch counts, in the same processes.
 
     PYTHONPATH=. python benchmarks/pipe_stages.py          # d=512, 4 layers per rank, batch 480, m = 4..16
     PYTHONPATH=. python benchmarks/pipe_stages.py --quick  # small model, few steps (under a minute)
+    PYTHONPATH=. python benchmarks/pipe_stages.py --device cuda   # the same on GPUs, NCCL (see below)
+
+`--device cuda`: rank r on cuda:r % device_count (two ranks may share one GPU with NCCL >= 2.30,
+NCCL_MULTI_RANK_GPU_ENABLE=1, set by the script), torch's group "cpu:gloo,cuda:nccl" (its
+pipelining sends CUDA tensors over NCCL), fairscale_c's stages over its own NCCL communicators.
+Default model there: d=2048, 8 layers per rank, batch 3072, 10 rounds (cuda_config). Step times are taken
+with torch.cuda.synchronize() at both ends, forward/backward compute with CUDA events, and each
+configuration's memory steps also report torch.cuda.max_memory_allocated above the allocation at
+their start. Two ranks sharing one GPU time-slice it: a compute interval then includes the other
+rank's kernels, so the measured bubble means little there. Results: results/pipe_stages_cuda.json.
 
 The model: 2 x `--layers` x (Linear(d, d), ReLU), MSE loss on the last stage, SGD; GPipe and 1F1B
 run it as 2 stages (one per rank), the interleaved schedules as 4 stages (2 per rank: rank r
@@ -50,9 +60,10 @@ from typing import Any, Dict, List, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import RankPool, RankState  # noqa: E402
+from _harness import RankPool, RankState, check_cuda_ranks, cuda_info  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipe_stages.json")
+RESULTS_CUDA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipe_stages_cuda.json")
 FRAMEWORKS = ("fairscale_c", "torch")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 INTERLEAVE = 2  # stages per rank of the interleaved schedule
@@ -77,6 +88,13 @@ class Config:
 
 def quick_config() -> Config:
     return Config(d=128, layers=2, batch=48, microbatches=[4, 8, 12, 16], steps=4, rounds=3, warmup=1, memory_steps=1)
+
+
+def cuda_config() -> Config:
+    """The default model of --device cuda: 16 x Linear(2048, 2048), 67M parameters, batch 3072
+    (1.2 TFLOP per step; 192 rows per micro-batch at m = 16), so that a micro-batch's matrix
+    products are not all launch overhead; 10 rounds (GPU times vary less than a loaded CPU's)."""
+    return Config(d=2048, layers=8, batch=3072, rounds=10)
 
 
 # ---------------------------------------------------------------- instrumentation (both frameworks)
@@ -137,14 +155,34 @@ class _Exit(torch.autograd.Function):
 
 
 class Meter:
-    """One rank's compute clock and activation count, shared by the Probes of its stages."""
+    """One rank's compute clock and activation count, shared by the Probes of its stages.
 
-    def __init__(self) -> None:
+    On CPU the clock is time.perf_counter(). With `cuda`, compute is asynchronous: the same
+    moments are CUDA events recorded on the current stream, and their intervals are added to
+    fwd_s / bwd_s by collect(), after the caller has synchronised."""
+
+    def __init__(self, cuda: bool = False) -> None:
         self.params: List[torch.Tensor] = []
         self.tracker: Optional[_Tracker] = None
         self.fwd_s = self.bwd_s = 0.0
-        self._bwd_open: Optional[float] = None
-        self._last_grad = 0.0
+        self._bwd_open: Optional[Any] = None
+        self._last_grad: Any = 0.0
+        self.cuda = cuda
+        self._intervals: List[tuple] = []  # CUDA: ("fwd" | "bwd", start event, end event)
+
+    def mark(self) -> Any:
+        """Now: a perf_counter() reading, or (CUDA) an event recorded on the current stream."""
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def add_forward(self, start: Any) -> None:
+        if self.cuda:
+            self._intervals.append(("fwd", start, self.mark()))
+        else:
+            self.fwd_s += time.perf_counter() - start
 
     def watch(self, module: torch.nn.Module) -> None:
         for p in module.parameters():
@@ -152,20 +190,37 @@ class Meter:
             p.register_post_accumulate_grad_hook(self._grad_done)
 
     def _grad_done(self, _p: torch.Tensor) -> None:
-        self._last_grad = time.perf_counter()
+        self._last_grad = self.mark()
 
     def backward_starts(self) -> None:
         self.flush()
-        self._bwd_open = time.perf_counter()
+        if self.cuda:
+            self._last_grad = None  # an interval with no parameter gradient after its start counts 0
+        self._bwd_open = self.mark()
 
     def flush(self) -> None:
         """Close the open backward interval: it ended at the last parameter gradient."""
         if self._bwd_open is not None:
-            self.bwd_s += max(0.0, self._last_grad - self._bwd_open)
+            if not self.cuda:
+                self.bwd_s += max(0.0, self._last_grad - self._bwd_open)
+            elif self._last_grad is not None:
+                self._intervals.append(("bwd", self._bwd_open, self._last_grad))
             self._bwd_open = None
+
+    def collect(self) -> None:
+        """CUDA: add the recorded intervals to fwd_s / bwd_s (every event must have completed:
+        call after torch.cuda.synchronize())."""
+        for kind, start, end in self._intervals:
+            seconds = start.elapsed_time(end) / 1e3
+            if kind == "fwd":
+                self.fwd_s += seconds
+            else:
+                self.bwd_s += seconds
+        self._intervals = []
 
     def reset(self, track: bool) -> None:
         self.flush()
+        self._intervals = []
         self.fwd_s = self.bwd_s = 0.0
         self.tracker = _Tracker({p.untyped_storage().data_ptr() for p in self.params}) if track else None
 
@@ -182,13 +237,13 @@ class Probe(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         meter = self.meter
-        t0 = time.perf_counter()
+        t0 = meter.mark()
         if meter.tracker is not None:
             with torch.autograd.graph.saved_tensors_hooks(meter.tracker.pack, meter.tracker.unpack):
                 out = self.inner(x)
         else:
             out = self.inner(x)
-        meter.fwd_s += time.perf_counter() - t0
+        meter.add_forward(t0)
         if out.requires_grad:
             out = _Exit.apply(out, meter)
         return out
@@ -197,15 +252,17 @@ class Probe(torch.nn.Module):
 # ---------------------------------------------------------------- rank side
 
 
-def _stage_modules(cfg: Config, rank: int, chunks: int) -> List[torch.nn.Module]:
-    """This rank's parts of the whole model (the same seeded model every time) cut into
-    STAGES * chunks stages; stage k runs on rank k % STAGES."""
+def _stage_modules(cfg: Config, rank: int, chunks: int, device: Any = "cpu") -> List[torch.nn.Module]:
+    """This rank's parts of the whole model (the same seeded model every time, built on the CPU)
+    cut into STAGES * chunks stages, on `device`; stage k runs on rank k % STAGES."""
     torch.manual_seed(cfg.seed)
     full = []
     for _ in range(STAGES * cfg.layers):
         full += [torch.nn.Linear(cfg.d, cfg.d), torch.nn.ReLU()]
     per = 2 * cfg.layers // chunks
-    return [torch.nn.Sequential(*full[k * per : (k + 1) * per]) for k in range(rank, STAGES * chunks, STAGES)]
+    return [
+        torch.nn.Sequential(*full[k * per : (k + 1) * per]).to(device) for k in range(rank, STAGES * chunks, STAGES)
+    ]
 
 
 def rank_setup(state: RankState, cfg_dict: Dict[str, Any]) -> None:
@@ -217,25 +274,29 @@ def rank_setup(state: RankState, cfg_dict: Dict[str, Any]) -> None:
 
     cfg = Config(**cfg_dict)
     rank = state.rank
-    meters = {"plain": Meter(), "interleaved": Meter()}
-    probe = Probe(_stage_modules(cfg, rank, 1)[0], meters["plain"])
-    probes = [Probe(mod, meters["interleaved"]) for mod in _stage_modules(cfg, rank, INTERLEAVE)]
-    cpu = torch.device("cpu")
+    cuda = state.device == "cuda"
+    # CUDA: the pool made this rank's GPU the current device (_harness.rank_cuda_device)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    meters = {"plain": Meter(cuda), "interleaved": Meter(cuda)}
+    probe = Probe(_stage_modules(cfg, rank, 1, dev)[0], meters["plain"])
+    probes = [Probe(mod, meters["interleaved"]) for mod in _stage_modules(cfg, rank, INTERLEAVE, dev)]
     g = torch.Generator().manual_seed(cfg.seed + 1)
     x, y = torch.randn(cfg.batch, cfg.d, generator=g), torch.randn(cfg.batch, cfg.d, generator=g)
+    if cuda:
+        x, y = x.to(dev), y.to(dev)
     scheds: Dict[tuple, Any] = {}
     for m in cfg.microbatches:
-        sample = torch.empty(cfg.batch // m, cfg.d)
+        sample = torch.empty(cfg.batch // m, cfg.d, device=dev)
         for name in ("gpipe", "1f1b"):
             ours = {"gpipe": fpp.ScheduleGPipe, "1f1b": fpp.Schedule1F1B}[name]
             theirs = {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[name]
             scheds[("fairscale_c", name, m)] = ours(fpp.PipelineStage(probe, rank, STAGES), m, F.mse_loss)
-            tstage = tpp.PipelineStage(probe, rank, STAGES, cpu, input_args=(sample,))
+            tstage = tpp.PipelineStage(probe, rank, STAGES, dev, input_args=(sample,))
             scheds[("torch", name, m)] = theirs(tstage, m, loss_fn=F.mse_loss)
         n, ks = STAGES * INTERLEAVE, range(rank, STAGES * INTERLEAVE, STAGES)
         ours_i = [fpp.PipelineStage(pr, k, n) for pr, k in zip(probes, ks)]
         scheds[("fairscale_c", "interleaved", m)] = fpp.ScheduleInterleaved1F1B(ours_i, m, F.mse_loss)
-        theirs_i = [tpp.PipelineStage(pr, k, n, cpu, input_args=(sample,)) for pr, k in zip(probes, ks)]
+        theirs_i = [tpp.PipelineStage(pr, k, n, dev, input_args=(sample,)) for pr, k in zip(probes, ks)]
         scheds[("torch", "interleaved", m)] = tpp.ScheduleInterleaved1F1B(theirs_i, m, loss_fn=F.mse_loss)
     params = list(probe.parameters()) + [p for pr in probes for p in pr.parameters()]
     opt = torch.optim.SGD(params, lr=cfg.lr)
@@ -254,20 +315,34 @@ def _one_step(state: RankState, sched: Any, losses: Optional[list] = None) -> No
 
 def run_case(state: RankState, framework: str, schedule: str, m: int, steps: int, track: bool) -> Dict[str, float]:
     """Rank command: `steps` back-to-back steps of one configuration after a barrier. Returns this
-    rank's elapsed time, compute times and (when tracking) peak saved activation bytes."""
+    rank's elapsed time, compute times and (when tracking) peak saved activation bytes; on CUDA
+    (when tracking) also the peak of torch.cuda.max_memory_allocated above the allocation at the
+    start, as "cuda_peak_bytes"."""
     c = state.case
     sched = c["scheds"][(framework, schedule, m)]
     meter = c["meters"]["interleaved" if schedule == "interleaved" else "plain"]
     meter.reset(track)
+    cuda = state.device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()  # nothing of the previous configuration left running
+        if track:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
     state.group.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
         _one_step(state, sched)
+    if cuda:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     meter.flush()
+    if cuda:
+        meter.collect()
     out = {"elapsed_s": elapsed, "fwd_s": meter.fwd_s, "bwd_s": meter.bwd_s, "peak_bytes": 0}
     if meter.tracker is not None:
         out["peak_bytes"] = meter.tracker.peak
+        if cuda:
+            out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated() - base
     meter.reset(False)
     return out
 
@@ -308,12 +383,15 @@ def _run_case_timed(pool: RankPool, fw: str, name: str, m: int, steps: int, trac
     res = pool.run(run_case, fw, name, m, steps, track)
     step_s = max(r["elapsed_s"] for r in res) / steps
     bubbles = [1.0 - (r["fwd_s"] + r["bwd_s"]) / r["elapsed_s"] for r in res]
-    return {"step_s": step_s, "bubble": bubbles, "peak_bytes": [r["peak_bytes"] for r in res]}
+    out = {"step_s": step_s, "bubble": bubbles, "peak_bytes": [r["peak_bytes"] for r in res]}
+    if "cuda_peak_bytes" in res[0]:
+        out["cuda_peak_bytes"] = [r["cuda_peak_bytes"] for r in res]
+    return out
 
 
-def run(cfg: Config) -> Dict[str, Any]:
+def run(cfg: Config, device: str = "cpu") -> Dict[str, Any]:
     rows: Dict[tuple, Dict[str, Any]] = {}
-    with RankPool(STAGES) as pool:
+    with RankPool(STAGES, device=device) as pool:
         pool.run(rank_setup, asdict(cfg))
         keys = [(fw, name, m) for m in cfg.microbatches for name in SCHEDULES for fw in FRAMEWORKS]
         for key in keys:  # warm-up: set-up exchanges, first-touch of buffers, lazy imports
@@ -326,7 +404,8 @@ def run(cfg: Config) -> Dict[str, Any]:
                 res = _run_case_timed(pool, *key, cfg.steps, False)
                 times[key].append(res["step_s"])
                 bubbles[key].append(res["bubble"])
-        peaks = {k: _run_case_timed(pool, *k, cfg.memory_steps, True)["peak_bytes"] for k in keys}
+        mem = {k: _run_case_timed(pool, *k, cfg.memory_steps, True) for k in keys}
+        peaks = {k: v["peak_bytes"] for k, v in mem.items()}
         check = pool.run(check_losses, cfg.microbatches[0])[STAGES - 1]
     for key in keys:
         fw, name, m = key
@@ -345,6 +424,8 @@ def run(cfg: Config) -> Dict[str, Any]:
             "bubble_ideal": (STAGES - 1) / (m * (INTERLEAVE if name == "interleaved" else 1) + STAGES - 1),
             "peak_activation_bytes_per_stage": peaks[key],
         }
+        if "cuda_peak_bytes" in mem[key]:
+            rows[key]["cuda_peak_bytes_per_stage"] = mem[key]["cuda_peak_bytes"]
     # the interleaved schedules train other module objects (same initial values), so each
     # framework's losses are compared with torch's on the same schedule
     loss_diff = {k: max(abs(a - b) for a, b in zip(v, check["torch/" + k.split("/")[1]])) for k, v in check.items()}
@@ -363,10 +444,13 @@ def paired_ratio(faster: Dict[str, Any], slower: Dict[str, Any]) -> float:
 
 def report(result: Dict[str, Any], cfg: Config) -> List[str]:
     rows = {(r["framework"], r["schedule"], r["microbatches"]): r for r in result["rows"]}
+    # CUDA runs add torch.cuda.max_memory_allocated above each memory step's start, per stage
+    cuda_mem = all("cuda_peak_bytes_per_stage" in r for r in result["rows"])
     lines = [
         "| schedule | m | fairscale_c samples/s | torch samples/s | ratio | fairscale_c peak act. MiB (stage 0 / 1) "
-        "| torch peak act. MiB (stage 0 / 1) | bubble fairscale_c (s0 / s1) | bubble torch (s0 / s1) | ideal |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| torch peak act. MiB (stage 0 / 1) | bubble fairscale_c (s0 / s1) | bubble torch (s0 / s1) | ideal |"
+        + (" fairscale_c CUDA peak MiB (s0 / s1) | torch CUDA peak MiB (s0 / s1) |" if cuda_mem else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda_mem else ""),
     ]
     verdicts = []
     for name in SCHEDULES:
@@ -375,10 +459,14 @@ def report(result: Dict[str, Any], cfg: Config) -> List[str]:
             ratio = paired_ratio(a, b)
             pa, pb = a["peak_activation_bytes_per_stage"], b["peak_activation_bytes_per_stage"]
             ba, bb = a["bubble_per_stage"], b["bubble_per_stage"]
+            extra = ""
+            if cuda_mem:
+                ca, cb = a["cuda_peak_bytes_per_stage"], b["cuda_peak_bytes_per_stage"]
+                extra = f" {_mib(ca[0])} / {_mib(ca[1])} | {_mib(cb[0])} / {_mib(cb[1])} |"
             lines.append(
                 f"| {name} | {m} | {a['samples_per_s']:.0f} | {b['samples_per_s']:.0f} | {ratio:.2f} "
                 f"| {_mib(pa[0])} / {_mib(pa[1])} | {_mib(pb[0])} / {_mib(pb[1])} "
-                f"| {ba[0]:.2f} / {ba[1]:.2f} | {bb[0]:.2f} / {bb[1]:.2f} | {a['bubble_ideal']:.2f} |"
+                f"| {ba[0]:.2f} / {ba[1]:.2f} | {bb[0]:.2f} / {bb[1]:.2f} | {a['bubble_ideal']:.2f} |" + extra
             )
             verdicts.append(
                 f"{'MET   ' if ratio >= TARGET_THROUGHPUT_RATIO else 'MISSED'} throughput {name} m={m}: "
@@ -411,19 +499,35 @@ def _git_commit() -> str:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> tuple:
-    d = Config()
+    d, dc = Config(), cuda_config()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small model, few steps")
-    p.add_argument("--d", type=int, default=None, help=f"layer width (default {d.d})")
-    p.add_argument("--layers", type=int, default=None, help=f"(Linear, ReLU) pairs per stage (default {d.layers})")
-    p.add_argument("--batch", type=int, default=None, help=f"samples per step (default {d.batch})")
+    p.add_argument("--d", type=int, default=None, help=f"layer width (default {d.d}; {dc.d} with --device cuda)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"(Linear, ReLU) pairs per stage (default {d.layers}; {dc.layers} with --device cuda)",
+    )
+    p.add_argument(
+        "--batch", type=int, default=None, help=f"samples per step (default {d.batch}; {dc.batch} with --device cuda)"
+    )
     p.add_argument("--microbatches", type=int, nargs="+", default=None, help="micro-batch counts (default 4 8 12 16)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per configuration per round")
     p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--out", default=RESULTS, help="JSON results path")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu (gloo, shared-memory engine) or cuda (NCCL; rank r on cuda:r %% device_count, two ranks may "
+        "share one GPU with NCCL >= 2.30)",
+    )
+    p.add_argument("--out", default=None, help=f"JSON results path (default {RESULTS}, or {RESULTS_CUDA} for cuda)")
     p.add_argument("--report", metavar="FILE", help="print the table and verdicts of a saved JSON, run nothing")
     a = p.parse_args(argv)
-    cfg = quick_config() if a.quick else d
+    if a.out is None:
+        a.out = RESULTS_CUDA if a.device == "cuda" else RESULTS
+    cfg = quick_config() if a.quick else (dc if a.device == "cuda" else d)
     for name in ("d", "layers", "batch", "microbatches", "steps", "rounds"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
@@ -440,8 +544,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.report:
         with open(args.report) as f:
             saved = json.load(f)
-        print("\n".join(report(saved["cpu"], Config(**saved["config"]))))
+        print("\n".join(report(saved["cuda"] if "cuda" in saved else saved["cpu"], Config(**saved["config"]))))
         return 0
+    cuda_note = check_cuda_ranks(STAGES) if args.device == "cuda" else None  # exits when CUDA cannot run
     load_before = os.getloadavg()
     print(f"config: {asdict(cfg)}; torch {torch.__version__}; {os.cpu_count()} cores; load {load_before}", flush=True)
     t0 = time.time()
@@ -456,14 +561,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         "machine": platform.machine(),
         "loadavg_before": load_before,
     }
-    result["cpu"] = run(cfg)
+    key = args.device
+    if cuda_note is not None:
+        result.update(cuda_info(), device="cuda", cuda_ranks=cuda_note)
+        print(f"[cuda] {cuda_note}", flush=True)
+    result[key] = run(cfg, args.device)
     result["loadavg_after"] = os.getloadavg()
     result["wall_s"] = time.time() - t0
-    lines = report(result["cpu"], cfg)
+    lines = report(result[key], cfg)
     result["verdicts"] = [ln for ln in lines if ln.startswith(("MET", "MISSED"))]
-    print(f"\nCPU, 2 stages, d={cfg.d}, {cfg.layers} layers per stage, batch {cfg.batch}; torch: gloo")
+    if cuda_note is None:
+        print(f"\nCPU, 2 stages, d={cfg.d}, {cfg.layers} layers per stage, batch {cfg.batch}; torch: gloo")
+    else:
+        print(
+            f"\nCUDA ({result['gpu']}), 2 stages, d={cfg.d}, {cfg.layers} layers per stage, batch {cfg.batch}, fp32; "
+            f"torch: nccl (group cpu:gloo,cuda:nccl); fairscale_c: its NCCL communicators; {cuda_note}"
+        )
+        print(
+            "compute (for the bubble) timed with CUDA events; CUDA peak = torch.cuda.max_memory_allocated during "
+            f"{cfg.memory_steps} step(s) above the allocation at their start (activations, gradients, buffers)"
+        )
     print("\n".join(lines))
-    diffs = result["cpu"]["max_loss_diff_vs_torch_same_schedule"]
+    diffs = result[key]["max_loss_diff_vs_torch_same_schedule"]
     print(f"max |loss - torch's with the same schedule| at m={cfg.microbatches[0]}: {diffs}")
     print(f"load average before {load_before}, after {result['loadavg_after']}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
