@@ -35,6 +35,7 @@ Results go to stdout (a table) and benchmarks/results/fsdp.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import importlib
@@ -593,7 +594,12 @@ def _cuda_env() -> Dict[str, Any]:
     }
     try:
         import fairscale_c
+        from fairscale_c.distributed._nccl import _nccl_candidates
 
+        # load NCCL as fairscale_c's backend would, so that the version is reported even for a
+        # framework (or world 1) that never opened a communicator of ours
+        with contextlib.suppress(RuntimeError):
+            fairscale_c._C.nccl_load(_nccl_candidates())
         info = fairscale_c.build_info()
         for key in ("version", "kernels_built", "driver_version", "runtime_version", "nccl_version", "nccl_path"):
             env[f"fairscale_c_{key}"] = info.get(key)
@@ -612,7 +618,6 @@ def cuda_rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, An
     """One rank of a CUDA (NCCL) run. The model is built on the rank's GPU from the same seed for
     every framework; "local" is the plain module (torch.autocast for bf16, fp32 parameters). Peak
     memory is torch.cuda.max_memory_allocated over the timed steps (reset after the warm-up)."""
-    import contextlib
     import datetime as dt
     import gc
 

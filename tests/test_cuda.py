@@ -339,7 +339,7 @@ def _check_collectives(be, rank, size, dev):
     assert torch.equal(ar.cpu(), torch.stack([data(r, torch.float32) for r in range(size)]).max(0).values)
     assert torch.equal(bc.cpu(), data(0, torch.float32))
     assert torch.equal(got.cpu(), data(peer, torch.float32))
-    be.batch([])  # nothing to do
+    _expect(lambda: be.batch([]), ValueError, "operations")  # as Group.batch: an empty batch is a mistake
     _expect(lambda: be.batch([("all_reduce", ar, "sum"), ("all_gather", ar, ar)]), ValueError, "batch operation 1")
     _expect(lambda: be.batch([("gather", ar)]), ValueError, "all_gather, reduce_scatter")
     _expect(lambda: be.batch([("all_reduce", ar)]), TypeError, "takes 2 values")
@@ -350,7 +350,7 @@ def _check_collectives(be, rank, size, dev):
     _expect(lambda: be.all_reduce(torch.ones(4, dtype=torch.int64, device=cuda), "avg"), ValueError, "avg")
     _expect(lambda: be.all_reduce(torch.ones(4), "sum"), ValueError, "tensor")
     _expect(lambda: be.all_reduce(torch.ones(4, device=cuda), "mean"), ValueError, "mean")
-    _expect(lambda: be.send(torch.ones(4, device=cuda), rank), ValueError, "peer")
+    _expect(lambda: be.send(torch.ones(4, device=cuda), rank), ValueError, "dst")
     t = torch.ones(8, device=cuda)
     be.all_reduce(t, "sum")
     be.wait()

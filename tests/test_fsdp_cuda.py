@@ -88,3 +88,46 @@ def test_group_routes_cuda_tensors_to_nccl(world, monkeypatch):
         assert res["gather"] == expected_gather
         assert res["rs"] == [1.0, 1.0]
         assert "expected the same device" in res["mixed"], res["mixed"]
+
+
+def _dead_peer_on_cuda(rank, world):
+    """FSDP on CUDA; rank 1 dies after one healthy step. Returns (message, seconds) on rank 0."""
+    import time
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from fairscale_c import DistributedError
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(8, 16).to(dev)), nn.ReLU(), nn.Linear(16, 4).to(dev)))
+    x = torch.randn(4, 8, device=dev)
+    model(x).sum().backward()  # one healthy step on both ranks
+    torch.cuda.synchronize()
+    if rank == 1:
+        os._exit(3)  # dies mid-training without any cleanup
+    t0 = time.monotonic()
+    try:
+        for _ in range(5):
+            model(x).sum().backward()
+            torch.cuda.synchronize()
+    except DistributedError as e:
+        return str(e), time.monotonic() - t0
+    raise AssertionError("the dead peer was not reported")
+
+
+def test_dead_peer_on_cuda_raises_within_the_timeout():
+    """A rank killed mid-step on the GPU: the survivor's next NCCL wait raises DistributedError
+    within FAIRSCALE_C_TIMEOUT (the watchdog aborts the communicator), never a hang."""
+    env = {"FAIRSCALE_C_TIMEOUT": "20"}
+    _, extra = _nccl_devices()
+    env.update(extra)
+    results = run_ranks(_dead_peer_on_cuda, 2, env=env, may_die=[1], timeout=180)
+    message, seconds = results[0]
+    print(f"survivor raised after {seconds:.1f} s: {message}")
+    assert seconds < 20 + 30, (seconds, message)
+    assert "abort" in message or "timed out" in message or "rank 1" in message, message
