@@ -557,3 +557,80 @@ def test_unpacked_shard_survives_torch_save(extra, tmp_path):
                 assert torch.equal(back[k][name], v), (k, name)
             else:
                 assert back[k][name] == v
+
+
+# ------------------------------------------------------------------------------------ CUDA
+
+
+def _cuda_job(rank, world, tmp):
+    """OSS with its parameters on the GPU (NCCL underneath): AdamW with clip_grad_norm against the
+    unsharded optimizer on the same GPU, consolidate_state_dict to one rank and to all, torch.save
+    and a reload into a fresh OSS that continues identically. Returns failures (tracebacks)."""
+    from fairscale_c.optim import OSS
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    failures = []
+    try:
+        model, ref = (m.to(dev) for m in _make(6))
+        opt = OSS(_core(model), optim=torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+        ref_opt = torch.optim.AdamW(_core(ref), lr=0.01, weight_decay=0.1)
+
+        def step(m, o, s):
+            x, y = (t.to(dev) for t in _batch(s))
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+
+        for s in range(4):
+            step(model, opt, s)
+            step(ref, ref_opt, s)
+            norm = opt.clip_grad_norm(0.3)
+            ref_norm = torch.nn.utils.clip_grad_norm_(_core(ref), 0.3)
+            assert norm.device == dev, norm.device
+            torch.testing.assert_close(norm, ref_norm, atol=1e-5, rtol=1e-6)
+            opt.step()
+            ref_opt.step()
+            _close_params(model, ref, f"cuda step {s}", tol=dict(atol=1e-5, rtol=1e-5))
+        for recipient in (0, -1):
+            opt.consolidate_state_dict(recipient_rank=recipient)
+            if recipient == -1 or rank == recipient:
+                sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+                assert sd["param_groups"] == ref_sd["param_groups"]
+                for k, st in ref_sd["state"].items():
+                    for n, v in st.items():
+                        torch.testing.assert_close(sd["state"][k][n].to(v.device), v, atol=1e-5, rtol=1e-5)
+        sd = opt.state_dict()
+        path = os.path.join(tmp, f"cuda_rank{rank}.pt")
+        torch.save({"model": model.state_dict(), "optim": sd}, path)
+        saved = torch.load(path, map_location=dev)
+        again, _ = _make(7)
+        again = again.to(dev)
+        again.load_state_dict(saved["model"])
+        opt2 = OSS(_core(again), optim=torch.optim.AdamW, lr=1.0)
+        opt2.load_state_dict(saved["optim"])
+        for s in range(4, 6):
+            for m, o in ((model, opt), (again, opt2)):
+                step(m, o, s)
+                o.step()
+            _close_params(again, model, f"reloaded, cuda step {s}", tol=dict(atol=0, rtol=0))
+    except Exception:  # noqa: BLE001 - reported with its traceback
+        failures.append(f"rank {rank}:\n{traceback.format_exc()}")
+    finally:
+        dist.destroy_process_group()
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("world", [1, 2])
+def test_oss_on_cuda_clip_consolidate_reload(world, tmp_path):
+    from test_cuda import _nccl_devices
+
+    env = {"FAIRSCALE_C_TIMEOUT": "120"}
+    if world == 2:
+        env.update(_nccl_devices()[1])  # skips when two ranks can neither have a GPU each nor share one
+    results = run_ranks(_cuda_job, world, str(tmp_path), env=env, timeout=300)
+    failures = [f for fs in results for f in fs]
+    assert not failures, "\n\n".join(failures)
