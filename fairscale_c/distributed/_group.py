@@ -365,20 +365,22 @@ class Group:
         :meth:`batch` or ``async_op=True``, which cannot deadlock whatever the order of issue.
         ``tag`` (an int32) travels with the message; the receiver's ``recv`` must give the same
         one. CUDA tensors (NCCL, which has no tags) take ``tag=0`` only."""
-        tag = check_tag(tag, "send")
+        if type(tag) is not int or tag:  # tag 0, the common case, costs nothing on the way to C
+            tag = check_tag(tag, "send")
         if self._route("send", ("tensor", tensor)):
             return self._cuda_op("send", lambda n, s: n.send(tensor, dst, stream=s, tag=tag), (tensor,), async_op)
-        return self._cpu_op("send", async_op, (tensor,), {"dst": dst, "tag": tag})
+        return self._cpu_op("send", async_op, (tensor,), {"dst": dst, "tag": tag} if tag else {"dst": dst})
 
     def recv(self, tensor: Any, src: int, async_op: bool = False, tag: int = 0) -> Any:
         """Receive the next message from group rank ``src`` into tensor; it must have the numel,
         dtype and ``tag`` given here (messages between two ranks arrive in the order they were
         sent: a recv does not skip ahead to a later message with its tag, it raises
         DistributedError naming both tags, on both ranks)."""
-        tag = check_tag(tag, "recv")
+        if type(tag) is not int or tag:
+            tag = check_tag(tag, "recv")
         if self._route("recv", ("tensor", tensor)):
             return self._cuda_op("recv", lambda n, s: n.recv(tensor, src, stream=s, tag=tag), (tensor,), async_op)
-        return self._cpu_op("recv", async_op, (tensor,), {"src": src, "tag": tag})
+        return self._cpu_op("recv", async_op, (tensor,), {"src": src, "tag": tag} if tag else {"src": src})
 
     def batch(self, ops: Sequence[Any], async_op: bool = False) -> Any:
         """Run several ops together: each a :class:`P2POp` or a tuple ``(name, *args)`` with the
