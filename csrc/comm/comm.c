@@ -101,7 +101,7 @@ void fsc_comm_header_format(const fsc_comm_header_t *h, char *buf, size_t cap) {
     if (op == FSC_OP_BROADCAST || op == FSC_OP_REDUCE)
         n += snprintf(buf + n, cap - (size_t)n, ", root=%d", h->root);
     else if (op == FSC_OP_SEND || op == FSC_OP_RECV)
-        n += snprintf(buf + n, cap - (size_t)n, ", peer=%d", h->root);
+        n += snprintf(buf + n, cap - (size_t)n, ", peer=%d, tag=%d", h->root, h->tag);
     if ((size_t)n >= cap) return;
     snprintf(buf + n, cap - (size_t)n, ", seq=%llu)", (unsigned long long)h->seq);
 }
@@ -195,13 +195,23 @@ static fsc_status_t check_blocks(const char *op, const fsc_tensor_t *big, const 
     return FSC_OK;
 }
 
+static int is_p2p(fsc_comm_op_t op) {
+    return op == FSC_OP_SEND || op == FSC_OP_RECV;
+}
+
 fsc_status_t fsc_comm_check_call(const fsc_comm_call_t *c, int rank, int size, int device_type, int device_id) {
     const char *op = fsc_comm_op_name(c->op);
     int redop =
         (c->op == FSC_OP_ALL_REDUCE || c->op == FSC_OP_REDUCE || c->op == FSC_OP_REDUCE_SCATTER) ? (int)c->redop : -1;
     if (redop >= FSC_NUM_REDS) return fsc_error(FSC_ERR_VALUE, "%s: unknown reduce op %d", op, redop);
+    if (c->tag != 0 && !is_p2p(c->op))
+        return fsc_error(FSC_ERR_VALUE, "%s: tag=%d given; only send and recv take a tag", op, (int)c->tag);
     if (c->op == FSC_OP_BARRIER) return FSC_OK;
     if (c->op <= FSC_OP_NONE || c->op >= FSC_NUM_OPS) return fsc_error(FSC_ERR_VALUE, "unknown op %d", (int)c->op);
+    if (c->tag != 0 && device_type == FSC_DEV_CUDA)
+        return fsc_error(FSC_ERR_VALUE,
+                         "%s: tag=%d is not supported for CUDA tensors (NCCL has no message tags); expected tag=0", op,
+                         (int)c->tag);
     if (c->tensor == NULL) return fsc_error(FSC_ERR_VALUE, "%s needs a tensor", op);
     switch (c->op) {
         case FSC_OP_ALL_GATHER:
@@ -219,10 +229,6 @@ fsc_status_t fsc_comm_check_call(const fsc_comm_call_t *c, int rank, int size, i
         default: break;
     }
     return check_tensor(c->tensor, op, "tensor", c->op != FSC_OP_SEND, redop, device_type, device_id);
-}
-
-static int is_p2p(fsc_comm_op_t op) {
-    return op == FSC_OP_SEND || op == FSC_OP_RECV;
 }
 
 /* The bytes call `c` writes (*w) and reads besides them (*r). */

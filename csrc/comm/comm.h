@@ -27,13 +27,16 @@ typedef enum { FSC_RED_SUM = 0, FSC_RED_AVG, FSC_RED_MAX, FSC_RED_MIN, FSC_NUM_R
 /* The header every rank publishes before an op, so that ranks which diverge get an error that
  * names both sides instead of a hang or silent garbage. `count` is the per-rank element count
  * (all_gather: input numel; reduce_scatter: output numel; others: tensor numel). `root` is the
- * group rank of the root (broadcast, reduce) or the peer (send, recv), else -1. `seq` counts the
- * collectives a rank has issued on the group (send/recv count per peer pair instead). */
+ * group rank of the root (broadcast, reduce) or the peer (send, recv), else -1. `tag` is the
+ * message tag of a send or recv (0 otherwise). `seq` counts the collectives a rank has issued on
+ * the group (send/recv count per peer pair instead). */
 typedef struct {
     uint32_t op;    /* fsc_comm_op_t */
     uint32_t dtype; /* fsc_dtype_t */
     uint32_t redop; /* fsc_reduce_op_t, or 0 when the op does not reduce */
     int32_t root;
+    int32_t tag;
+    uint32_t reserved; /* 0 */
     uint64_t count;
     uint64_t seq;
 } fsc_comm_header_t;
@@ -74,8 +77,8 @@ fsc_status_t fsc_comm_check_blocks(const char *op, const char *whole_name, int64
 /* Monotonic clock in seconds. */
 double fsc_comm_now(void);
 
-/* Write a human description of `h` ("all_reduce(count=10, dtype=float32, op=sum, seq=3)") into
- * buf (always NUL-terminated). */
+/* Write a human description of `h` ("all_reduce(count=10, dtype=float32, op=sum, seq=3)",
+ * "send(count=4, dtype=float32, peer=1, tag=7, seq=2)") into buf (always NUL-terminated). */
 void fsc_comm_header_format(const fsc_comm_header_t *h, char *buf, size_t cap);
 
 /* Compare two ranks' headers. FSC_OK when they describe the same op; otherwise records an
@@ -92,13 +95,15 @@ fsc_status_t fsc_comm_check_dtype(fsc_dtype_t dt, int redop, const char *opname,
 /* One call into the engine, as every backend takes it. `tensor` is the tensor the op writes
  * (all_gather / reduce_scatter output; the tensor of all_reduce, broadcast, reduce, recv) or, for
  * send, the one it reads; NULL for barrier. `input` is the all_gather / reduce_scatter input (NULL
- * otherwise). `peer` is the broadcast / reduce root or the send / recv peer (group ranks). */
+ * otherwise). `peer` is the broadcast / reduce root or the send / recv peer (group ranks). `tag` is
+ * a send / recv's message tag (any int32; 0 for every other op). */
 typedef struct {
     fsc_comm_op_t op;
     fsc_tensor_t *tensor;
     const fsc_tensor_t *input;
     fsc_reduce_op_t redop;
     int peer;
+    int32_t tag;
 } fsc_comm_call_t;
 
 /* The engine's argument rules, the same for every backend, checked before anything is sent:
@@ -107,8 +112,9 @@ typedef struct {
  * (all_gather: output = size x input; reduce_scatter: input = size x output); root / peer a rank
  * of the group (a peer other than this rank); input and output disjoint except that the input
  * may be exactly this rank's block of the output (all_gather) or the output exactly this rank's
- * block of the input (reduce_scatter), the in-place forms. FSC_ERR_VALUE naming the op and the
- * argument otherwise. */
+ * block of the input (reduce_scatter), the in-place forms; a tag only on send / recv, and on CUDA
+ * (NCCL, which has no message tags) only tag 0. FSC_ERR_VALUE naming the op and the argument
+ * otherwise. */
 fsc_status_t fsc_comm_check_call(const fsc_comm_call_t *c, int rank, int size, int device_type, int device_id);
 
 /* fsc_comm_check_call for each of `n` calls issued together (errors say "batch operation i: "),

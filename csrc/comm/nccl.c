@@ -634,40 +634,40 @@ static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t
 
 fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
                                  fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_ALL_GATHER, output, input, FSC_RED_SUM, 0};
+    fsc_nccl_op_t o = {FSC_OP_ALL_GATHER, output, input, FSC_RED_SUM, 0, 0};
     return enqueue(c, &o, 1, stream, 0, 0);
 }
 
 fsc_status_t fsc_nccl_reduce_scatter(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
                                      fsc_reduce_op_t op, fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_REDUCE_SCATTER, output, input, op, 0};
+    fsc_nccl_op_t o = {FSC_OP_REDUCE_SCATTER, output, input, op, 0, 0};
     return enqueue(c, &o, 1, stream, 0, 0);
 }
 
 fsc_status_t fsc_nccl_all_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_ALL_REDUCE, tensor, NULL, op, 0};
+    fsc_nccl_op_t o = {FSC_OP_ALL_REDUCE, tensor, NULL, op, 0, 0};
     return enqueue(c, &o, 1, stream, 0, 0);
 }
 
 fsc_status_t fsc_nccl_broadcast(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int root, fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_BROADCAST, tensor, NULL, FSC_RED_SUM, root};
+    fsc_nccl_op_t o = {FSC_OP_BROADCAST, tensor, NULL, FSC_RED_SUM, root, 0};
     return enqueue(c, &o, 1, stream, 0, 0);
 }
 
 fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, int root,
                              fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_REDUCE, tensor, NULL, op, root};
+    fsc_nccl_op_t o = {FSC_OP_REDUCE, tensor, NULL, op, root, 0};
     return enqueue(c, &o, 1, stream, 0, 0);
 }
 
-fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, fsc_stream_t stream) {
+fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, int32_t tag, fsc_stream_t stream) {
     /* the send only reads `tensor`; the op struct is shared with the writing ops */
-    fsc_nccl_op_t o = {FSC_OP_SEND, (fsc_tensor_t *)tensor, NULL, FSC_RED_SUM, peer};
+    fsc_nccl_op_t o = {FSC_OP_SEND, (fsc_tensor_t *)tensor, NULL, FSC_RED_SUM, peer, tag};
     return enqueue(c, &o, 1, stream, 1, 0);
 }
 
-fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_RECV, tensor, NULL, FSC_RED_SUM, peer};
+fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, int32_t tag, fsc_stream_t stream) {
+    fsc_nccl_op_t o = {FSC_OP_RECV, tensor, NULL, FSC_RED_SUM, peer, tag};
     return enqueue(c, &o, 1, stream, 1, 0);
 }
 

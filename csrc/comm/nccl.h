@@ -84,9 +84,10 @@ fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduc
                              fsc_stream_t stream);
 
 /* Point-to-point, each in its own NCCL group: `peer` must issue the matching recv / send with
- * the same numel and dtype. */
-fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, fsc_stream_t stream);
-fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, fsc_stream_t stream);
+ * the same numel and dtype. NCCL has no message tags: `tag` must be 0 (FSC_ERR_VALUE otherwise,
+ * from fsc_comm_check_call, so that code written for the shm engine's tags fails clearly). */
+fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, int32_t tag, fsc_stream_t stream);
+fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, int32_t tag, fsc_stream_t stream);
 
 /* One operation of a batch: the engine's call description (comm.h), checked by the same rules. */
 typedef fsc_comm_call_t fsc_nccl_op_t;

@@ -23,7 +23,9 @@ typedef struct fsc_shm_work fsc_shm_work_t;
  *   ALL_REDUCE      in, out: count (may be the same buffer)
  *   BROADCAST       root's in is copied to every rank's out (in == out is fine)
  *   REDUCE          in: count; root's out receives the reduction, other ranks' out is unused
- *   SEND / RECV     in (send) / out (recv): count; `root` is the peer's group rank
+ *   SEND / RECV     in (send) / out (recv): count; `root` is the peer's group rank, `tag` the
+ *                   message's tag (a recv takes the next message from its peer, which must carry
+ *                   the same tag, count and dtype)
  * The caller keeps the buffers alive and unmodified until the op completes. */
 typedef struct {
     fsc_comm_op_t op;
@@ -33,6 +35,7 @@ typedef struct {
     size_t count;
     const void *in;
     void *out;
+    int32_t tag; /* send / recv only; 0 otherwise */
 } fsc_shm_args_t;
 
 /* Open this rank's handle. With `create` a new segment is made under `seg_name` ("/name"), or

@@ -11,7 +11,7 @@
 
 #define FSC_SHM_LINE 128                    /* two x86 lines: adjacent-line prefetch must not cause false sharing */
 #define FSC_SHM_MAGIC 0x31306d6873637366ull /* "fscshm01" */
-#define FSC_SHM_VERSION 2u
+#define FSC_SHM_VERSION 3u
 #define FSC_SHM_MAX_RANKS 256
 
 /* Per-rank control block, written only by its rank. */
@@ -39,6 +39,7 @@ typedef struct {
     _Atomic uint32_t acked_sleepers;
     _Atomic uint32_t err;   /* receiver saw a mismatching header */
     fsc_comm_header_t rhdr; /* the receiver's header when err is set */
+    fsc_comm_header_t shdr; /* the refused message's header when err is set */
 } fsc_shm_chan_t;
 
 /* Start of the segment. Everything after it is addressed by the offsets. */

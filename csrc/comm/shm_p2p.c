@@ -16,13 +16,20 @@ static size_t min_sz(size_t a, size_t b) {
     return a < b ? a : b;
 }
 
+/* What to add to a mismatch message whose headers differ only in their tags. */
+static const char *tag_hint(const fsc_comm_header_t *sh, const fsc_comm_header_t *rh) {
+    if (sh->tag == rh->tag || sh->count != rh->count || sh->dtype != rh->dtype) return "";
+    return "; a recv takes the next message from its peer (messages between two ranks arrive in the order they were "
+           "sent), whose tag must be the recv's";
+}
+
 static fsc_status_t mismatch(fsc_shm_group_t *g, int sender, const fsc_comm_header_t *sh, int receiver,
                              const fsc_comm_header_t *rh) {
     char ds[192], dr[192];
     fsc_comm_header_format(sh, ds, sizeof(ds));
     fsc_comm_header_format(rh, dr, sizeof(dr));
-    return fsc_error(FSC_ERR_MISMATCH, "send/recv mismatch in group '%s': rank %d called %s but rank %d called %s",
-                     g->name, sender, ds, receiver, dr);
+    return fsc_error(FSC_ERR_MISMATCH, "send/recv mismatch in group '%s': rank %d called %s but rank %d called %s%s",
+                     g->name, sender, ds, receiver, dr, tag_hint(sh, rh));
 }
 
 /* Make `r` the message its channel carries next: sequence number, first chunk, header. */
@@ -34,6 +41,7 @@ static void start(fsc_shm_group_t *g, fsc_shm_p2p_t *r) {
     r->h.op = (uint32_t)a->op;
     r->h.dtype = (uint32_t)a->dtype;
     r->h.root = peer;
+    r->h.tag = a->tag;
     r->h.count = (uint64_t)a->count;
     r->h.seq = send ? ++g->send_seq[peer] : ++g->recv_seq[peer];
     r->j0 = send ? g->send_next[peer] : g->recv_next[peer];
@@ -74,9 +82,10 @@ static fsc_status_t recv_step(fsc_shm_group_t *g, fsc_shm_p2p_t *r, int *progres
         if (!fsc_shm_reached(&c->sent, j + 1)) break;
         if (r->k == 0) {
             fsc_comm_header_t sh = c->hdr[j & 1];
-            if (sh.op != FSC_OP_SEND || sh.count != r->h.count || sh.dtype != r->h.dtype || sh.seq != r->h.seq ||
-                sh.root != g->rank) {
+            if (sh.op != FSC_OP_SEND || sh.count != r->h.count || sh.dtype != r->h.dtype || sh.tag != r->h.tag ||
+                sh.seq != r->h.seq || sh.root != g->rank) {
                 c->rhdr = r->h;
+                c->shdr = sh;
                 atomic_store(&c->err, 1);
                 fsc_shm_post(&c->acked, &c->acked_sleepers, j + FSC_P2P_ERR_JUMP);
                 fsc_shm_ring(g, peer);
@@ -180,12 +189,14 @@ fsc_status_t fsc_shm_check_refused(fsc_shm_group_t *g) {
     for (int p = 0; p < g->size; p++) {
         fsc_shm_chan_t *c = fsc_shm_chan(g, g->rank, p);
         if (p == g->rank || !atomic_load_explicit(&c->err, memory_order_acquire)) continue;
-        char dr[192];
-        fsc_comm_header_format(&c->rhdr, dr, sizeof(dr));
+        char ds[192], dr[192];
+        fsc_comm_header_t sh = c->shdr, rh = c->rhdr;
+        fsc_comm_header_format(&sh, ds, sizeof(ds));
+        fsc_comm_header_format(&rh, dr, sizeof(dr));
         return fsc_shm_fail(g, fsc_error(FSC_ERR_MISMATCH,
                                          "send/recv mismatch in group '%s': rank %d refused a message rank %d sent "
-                                         "it, because it called %s",
-                                         g->name, p, g->rank, dr));
+                                         "it, %s, because it called %s%s",
+                                         g->name, p, g->rank, ds, dr, tag_hint(&sh, &rh)));
     }
     return FSC_OK;
 }

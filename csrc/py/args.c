@@ -1,6 +1,8 @@
 /* args.c — argument parsing the binding files share: streams, reduce ops, imported tensor
  * arguments, and lists of collective calls (batches) imported into the engine's call
  * descriptions. */
+#include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "binding.h"
@@ -41,6 +43,29 @@ int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op) 
     if (st == FSC_OK) return 0;
     fsc_py_raise(module, st);
     return -1;
+}
+
+int fsc_py_parse_tag(PyObject *tag, const char *opname, int32_t *out) {
+    *out = 0;
+    if (tag == NULL) return 0;
+    if (!PyIndex_Check(tag)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument 'tag' must be an int, got %s", opname, Py_TYPE(tag)->tp_name);
+        return -1;
+    }
+    PyObject *v = PyNumber_Index(tag);
+    if (v == NULL) return -1;
+    int overflow = 0;
+    long long t = PyLong_AsLongLongAndOverflow(v, &overflow);
+    Py_DECREF(v);
+    if (t == -1 && PyErr_Occurred()) return -1;
+    if (overflow || t < INT32_MIN || t > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument 'tag' must fit a 32-bit signed int (-2147483648 to 2147483647), got %R", opname,
+                     tag);
+        return -1;
+    }
+    *out = (int32_t)t;
+    return 0;
 }
 
 /* ---- imported tensor arguments ---------------------------------------------------------------- */
@@ -139,15 +164,15 @@ static int parse_item(fsc_py_calls_t *c, PyObject *module, PyObject *item, Py_ss
     static const struct {
         const char *name;
         fsc_comm_op_t op;
-        const char *format; /* after the name: O = tensor, s = reduce op, i = rank */
+        const char *format; /* after the name: O = tensor, s = reduce op, i = rank, t = optional tag */
     } kinds[] = {
         {"all_gather", FSC_OP_ALL_GATHER, "OO"},
         {"reduce_scatter", FSC_OP_REDUCE_SCATTER, "OOs"},
         {"all_reduce", FSC_OP_ALL_REDUCE, "Os"},
         {"broadcast", FSC_OP_BROADCAST, "Oi"},
         {"reduce", FSC_OP_REDUCE, "Osi"},
-        {"send", FSC_OP_SEND, "Oi"},
-        {"recv", FSC_OP_RECV, "Oi"},
+        {"send", FSC_OP_SEND, "Oit"},
+        {"recv", FSC_OP_RECV, "Oit"},
     };
     if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(item, 0))) {
         PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd must be a tuple (name, ...), got %s", i,
@@ -166,15 +191,22 @@ static int parse_item(fsc_py_calls_t *c, PyObject *module, PyObject *item, Py_ss
         return -1;
     }
     const char *fmt = kinds[k].format;
-    if (PyTuple_GET_SIZE(item) != (Py_ssize_t)strlen(fmt) + 1) {
-        PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd (%s) takes %zu values after the name, got %zd", i, name,
-                     strlen(fmt), PyTuple_GET_SIZE(item) - 1);
+    size_t nfmt = strlen(fmt), given = (size_t)PyTuple_GET_SIZE(item) - 1, optional = fmt[nfmt - 1] == 't';
+    if (given != nfmt && !(optional && given == nfmt - 1)) {
+        if (optional)
+            PyErr_Format(PyExc_TypeError,
+                         "argument 'ops': item %zd (%s) takes %zu or %zu values after the name (tensor, peer[, tag]), "
+                         "got %zd",
+                         i, name, nfmt - 1, nfmt, (Py_ssize_t)given);
+        else
+            PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd (%s) takes %zu values after the name, got %zd", i,
+                         name, nfmt, (Py_ssize_t)given);
         return -1;
     }
     fsc_comm_call_t *o = &c->calls[c->ncalls];
     memset(o, 0, sizeof(*o));
     o->op = kinds[k].op;
-    for (size_t a = 0; fmt[a] != '\0'; a++) {
+    for (size_t a = 0; a < given; a++) {
         PyObject *v = PyTuple_GET_ITEM(item, (Py_ssize_t)a + 1);
         if (fmt[a] == 'O') {
             /* first tensor: written (read for send); second: the collective's input */
@@ -195,6 +227,10 @@ static int parse_item(fsc_py_calls_t *c, PyObject *module, PyObject *item, Py_ss
                 return -1;
             }
             if (fsc_py_parse_redop(module, opname, &o->redop) < 0) return -1;
+        } else if (fmt[a] == 't') {
+            char what[64];
+            snprintf(what, sizeof(what), "argument 'ops': item %zd (%s)", i, name);
+            if (fsc_py_parse_tag(v, what, &o->tag) < 0) return -1;
         } else {
             long r = PyLong_AsLong(v);
             if (r == -1 && PyErr_Occurred()) return -1;

@@ -63,6 +63,10 @@ int fsc_py_parse_optional_stream(PyObject *obj, const char *fname, int *given, u
 /* Parse "sum" | "avg" | "max" | "min"; ValueError naming the accepted values otherwise. */
 int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op);
 
+/* A send / recv's message tag: `tag` (NULL: 0) must be an int (operator.index) that fits int32.
+ * TypeError or ValueError naming `opname` and the argument otherwise; returns 0 or -1. */
+int fsc_py_parse_tag(PyObject *tag, const char *opname, int32_t *out);
+
 #define FSC_PY_IMPORTS_INLINE 4
 
 /* The tensor arguments of one call into C, imported in order: their views (tensors[0..n)) and
@@ -116,7 +120,7 @@ void fsc_py_calls_clear(fsc_py_calls_t *c);
 /* Parse `ops`, a sequence of 1..max tuples (name, *args) as the single-op methods take their
  * arguments: ("all_gather", output, input), ("reduce_scatter", output, input, op),
  * ("all_reduce", tensor, op), ("broadcast", tensor, root), ("reduce", tensor, op, root),
- * ("send", tensor, peer), ("recv", tensor, peer). Tensors are imported with `flags` (plus
+ * ("send", tensor, peer[, tag]), ("recv", tensor, peer[, tag]). Tensors are imported with `flags` (plus
  * FSC_IMPORT_WRITABLE for written ones). Initialises `c`; on failure it is cleared. */
 int fsc_py_parse_calls(fsc_py_calls_t *c, PyObject *module, PyObject *ops, size_t max, int flags, intptr_t stream);
 

@@ -237,7 +237,7 @@ static PyObject *Group_get_closed(GroupObject *self, void *Py_UNUSED(c)) {
 
 /* The engine's arguments for a checked call. */
 static fsc_shm_args_t shm_args(const fsc_comm_call_t *c) {
-    fsc_shm_args_t a = {c->op, c->redop, -1, FSC_FLOAT32, 0, NULL, NULL};
+    fsc_shm_args_t a = {c->op, c->redop, -1, FSC_FLOAT32, 0, NULL, NULL, 0};
     if (c->op == FSC_OP_BARRIER) return a;
     const fsc_tensor_t *t = c->tensor;
     a.dtype = t->dtype;
@@ -254,6 +254,7 @@ static fsc_shm_args_t shm_args(const fsc_comm_call_t *c) {
             break;
         default:
             a.root = c->peer;
+            a.tag = c->tag;
             a.count = (size_t)t->numel;
             a.in = t->data;
             a.out = t->data;
@@ -365,7 +366,7 @@ exit:
 
 /* One call with up to two tensors (CPU memory; `tensor` is written unless it is a send). */
 static PyObject *one_call(GroupObject *self, fsc_comm_op_t op, PyObject *tensor, PyObject *input, int peer,
-                          const char *redop, int async_op) {
+                          const char *redop, int32_t tag, int async_op) {
     if (check_open(self) < 0) return NULL;
     PyObject *module = module_of((PyObject *)self);
     fsc_py_calls_t c;
@@ -374,6 +375,7 @@ static PyObject *one_call(GroupObject *self, fsc_comm_op_t op, PyObject *tensor,
     memset(call, 0, sizeof(*call));
     call->op = op;
     call->peer = peer;
+    call->tag = tag;
     c.ncalls = 1;
     if (redop != NULL && fsc_py_parse_redop(module, redop, &call->redop) < 0) goto fail;
     int two = input != NULL;
@@ -395,7 +397,7 @@ static PyObject *Group_all_gather(GroupObject *self, PyObject *args, PyObject *k
     PyObject *out, *in;
     int async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|p:all_gather", kwlist, &out, &in, &async_op)) return NULL;
-    return one_call(self, FSC_OP_ALL_GATHER, out, in, -1, NULL, async_op);
+    return one_call(self, FSC_OP_ALL_GATHER, out, in, -1, NULL, 0, async_op);
 }
 
 static PyObject *Group_reduce_scatter(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -405,7 +407,7 @@ static PyObject *Group_reduce_scatter(GroupObject *self, PyObject *args, PyObjec
     int async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|sp:reduce_scatter", kwlist, &out, &in, &op, &async_op))
         return NULL;
-    return one_call(self, FSC_OP_REDUCE_SCATTER, out, in, -1, op, async_op);
+    return one_call(self, FSC_OP_REDUCE_SCATTER, out, in, -1, op, 0, async_op);
 }
 
 static PyObject *Group_all_reduce(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -414,7 +416,7 @@ static PyObject *Group_all_reduce(GroupObject *self, PyObject *args, PyObject *k
     const char *op = "sum";
     int async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|sp:all_reduce", kwlist, &t, &op, &async_op)) return NULL;
-    return one_call(self, FSC_OP_ALL_REDUCE, t, NULL, -1, op, async_op);
+    return one_call(self, FSC_OP_ALL_REDUCE, t, NULL, -1, op, 0, async_op);
 }
 
 static PyObject *Group_broadcast(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -422,7 +424,7 @@ static PyObject *Group_broadcast(GroupObject *self, PyObject *args, PyObject *kw
     PyObject *t;
     int root = 0, async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|p:broadcast", kwlist, &t, &root, &async_op)) return NULL;
-    return one_call(self, FSC_OP_BROADCAST, t, NULL, root, NULL, async_op);
+    return one_call(self, FSC_OP_BROADCAST, t, NULL, root, NULL, 0, async_op);
 }
 
 static PyObject *Group_reduce(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -431,30 +433,36 @@ static PyObject *Group_reduce(GroupObject *self, PyObject *args, PyObject *kwds)
     const char *op = "sum";
     int root = 0, async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|sp:reduce", kwlist, &t, &root, &op, &async_op)) return NULL;
-    return one_call(self, FSC_OP_REDUCE, t, NULL, root, op, async_op);
+    return one_call(self, FSC_OP_REDUCE, t, NULL, root, op, 0, async_op);
 }
 
 static PyObject *Group_send(GroupObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"tensor", "dst", "async_op", NULL};
-    PyObject *t;
+    static char *kwlist[] = {"tensor", "dst", "async_op", "tag", NULL};
+    PyObject *t, *tag_obj = NULL;
     int peer = 0, async_op = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|p:send", kwlist, &t, &peer, &async_op)) return NULL;
-    return one_call(self, FSC_OP_SEND, t, NULL, peer, NULL, async_op);
+    int32_t tag;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|pO:send", kwlist, &t, &peer, &async_op, &tag_obj) ||
+        fsc_py_parse_tag(tag_obj, "send", &tag) < 0)
+        return NULL;
+    return one_call(self, FSC_OP_SEND, t, NULL, peer, NULL, tag, async_op);
 }
 
 static PyObject *Group_recv(GroupObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"tensor", "src", "async_op", NULL};
-    PyObject *t;
+    static char *kwlist[] = {"tensor", "src", "async_op", "tag", NULL};
+    PyObject *t, *tag_obj = NULL;
     int peer = 0, async_op = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|p:recv", kwlist, &t, &peer, &async_op)) return NULL;
-    return one_call(self, FSC_OP_RECV, t, NULL, peer, NULL, async_op);
+    int32_t tag;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|pO:recv", kwlist, &t, &peer, &async_op, &tag_obj) ||
+        fsc_py_parse_tag(tag_obj, "recv", &tag) < 0)
+        return NULL;
+    return one_call(self, FSC_OP_RECV, t, NULL, peer, NULL, tag, async_op);
 }
 
 static PyObject *Group_barrier(GroupObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"async_op", NULL};
     int async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p:barrier", kwlist, &async_op)) return NULL;
-    return one_call(self, FSC_OP_BARRIER, NULL, NULL, -1, NULL, async_op);
+    return one_call(self, FSC_OP_BARRIER, NULL, NULL, -1, NULL, 0, async_op);
 }
 
 static PyObject *Group_batch(GroupObject *self, PyObject *args, PyObject *kwds) {
@@ -485,8 +493,10 @@ static PyMethodDef Group_methods[] = {
     KW_METHOD(all_reduce, "all_reduce(tensor, op='sum', async_op=False): in place."),
     KW_METHOD(broadcast, "broadcast(tensor, root, async_op=False): root's tensor to every rank (in place)."),
     KW_METHOD(reduce, "reduce(tensor, root, op='sum', async_op=False): reduction lands in root's tensor."),
-    KW_METHOD(send, "send(tensor, dst, async_op=False): returns when dst has received it."),
-    KW_METHOD(recv, "recv(tensor, src, async_op=False)."),
+    KW_METHOD(send,
+              "send(tensor, dst, async_op=False, tag=0): returns once the data is in the shared buffers; dst's recv "
+              "must give the same tag."),
+    KW_METHOD(recv, "recv(tensor, src, async_op=False, tag=0): the next message from src, which must carry `tag`."),
     KW_METHOD(barrier, "barrier(async_op=False)."),
     KW_METHOD(batch,
               "batch(ops, async_op=False): run the ops together, each a tuple (name, *args) as the single-op "

@@ -109,7 +109,7 @@ static void comm_dealloc(PyObject *obj) {
  * and `input`, when not NULL, read; `opname`, when not NULL, names the reduce op; `who` is the
  * root or the peer. */
 static PyObject *enqueue(PyObject *self, PyObject *module, fsc_comm_op_t kind, PyObject *tensor, PyObject *input,
-                         const char *opname, int who, fsc_stream_t stream) {
+                         const char *opname, int who, int32_t tag, fsc_stream_t stream) {
     fsc_reduce_op_t op = FSC_RED_SUM;
     fsc_py_imports_t im;
     fsc_tensor_t *t, *in = NULL;
@@ -128,8 +128,8 @@ static PyObject *enqueue(PyObject *self, PyObject *module, fsc_comm_op_t kind, P
         case FSC_OP_ALL_REDUCE: st = fsc_nccl_all_reduce(c, t, op, stream); break;
         case FSC_OP_REDUCE: st = fsc_nccl_reduce(c, t, op, who, stream); break;
         case FSC_OP_BROADCAST: st = fsc_nccl_broadcast(c, t, who, stream); break;
-        case FSC_OP_SEND: st = fsc_nccl_send(c, t, who, stream); break;
-        default: st = fsc_nccl_recv(c, t, who, stream); break;
+        case FSC_OP_SEND: st = fsc_nccl_send(c, t, who, tag, stream); break;
+        default: st = fsc_nccl_recv(c, t, who, tag, stream); break;
     }
     Py_END_ALLOW_THREADS
     return fsc_py_imports_finish(module, &im, st);
@@ -143,7 +143,7 @@ static PyObject *comm_all_gather(PyObject *self, PyObject *args, PyObject *kwarg
     if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OOO&:all_gather", kwlist, &out, &in,
                                                        fsc_py_stream_converter, &stream))
         return NULL;
-    return enqueue(self, module, FSC_OP_ALL_GATHER, out, in, NULL, 0, stream);
+    return enqueue(self, module, FSC_OP_ALL_GATHER, out, in, NULL, 0, 0, stream);
 }
 
 /* reduce_scatter(output, input, op, stream) */
@@ -155,7 +155,7 @@ static PyObject *comm_reduce_scatter(PyObject *self, PyObject *args, PyObject *k
     if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OOsO&:reduce_scatter", kwlist, &out, &in, &op,
                                                        fsc_py_stream_converter, &stream))
         return NULL;
-    return enqueue(self, module, FSC_OP_REDUCE_SCATTER, out, in, op, 0, stream);
+    return enqueue(self, module, FSC_OP_REDUCE_SCATTER, out, in, op, 0, 0, stream);
 }
 
 /* all_reduce(tensor, op, stream) */
@@ -167,7 +167,7 @@ static PyObject *comm_all_reduce(PyObject *self, PyObject *args, PyObject *kwarg
     if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OsO&:all_reduce", kwlist, &t, &op,
                                                        fsc_py_stream_converter, &stream))
         return NULL;
-    return enqueue(self, module, FSC_OP_ALL_REDUCE, t, NULL, op, 0, stream);
+    return enqueue(self, module, FSC_OP_ALL_REDUCE, t, NULL, op, 0, 0, stream);
 }
 
 /* reduce(tensor, op, root, stream) */
@@ -180,22 +180,27 @@ static PyObject *comm_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OsiO&:reduce", kwlist, &t, &op, &root,
                                                        fsc_py_stream_converter, &stream))
         return NULL;
-    return enqueue(self, module, FSC_OP_REDUCE, t, NULL, op, root, stream);
+    return enqueue(self, module, FSC_OP_REDUCE, t, NULL, op, root, 0, stream);
 }
 
-/* broadcast(tensor, root, stream), send(tensor, peer, stream), recv(tensor, peer, stream) */
+/* broadcast(tensor, root, stream), send(tensor, peer, stream, tag=0), recv(tensor, peer, stream, tag=0);
+ * NCCL has no tags, so a nonzero tag is refused (fsc_comm_check_call) */
 static PyObject *ranked(PyObject *self, PyObject *args, PyObject *kwargs, fsc_comm_op_t kind) {
     static char *kwlist_root[] = {"tensor", "root", "stream", NULL};
-    static char *kwlist_peer[] = {"tensor", "peer", "stream", NULL};
-    const char *format = kind == FSC_OP_BROADCAST ? "OiO&:broadcast" : kind == FSC_OP_SEND ? "OiO&:send" : "OiO&:recv";
-    PyObject *module = comm_module(self), *t;
+    static char *kwlist_peer[] = {"tensor", "peer", "stream", "tag", NULL};
+    const char *format = kind == FSC_OP_BROADCAST ? "OiO&:broadcast"
+                         : kind == FSC_OP_SEND    ? "OiO&|O:send"
+                                                  : "OiO&|O:recv";
+    PyObject *module = comm_module(self), *t, *tag_obj = NULL;
     int who;
+    int32_t tag = 0;
     fsc_stream_t stream;
     if (module == NULL ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, format, kind == FSC_OP_BROADCAST ? kwlist_root : kwlist_peer, &t,
-                                     &who, fsc_py_stream_converter, &stream))
+                                     &who, fsc_py_stream_converter, &stream, &tag_obj) ||
+        fsc_py_parse_tag(tag_obj, fsc_comm_op_name(kind), &tag) < 0)
         return NULL;
-    return enqueue(self, module, kind, t, NULL, NULL, who, stream);
+    return enqueue(self, module, kind, t, NULL, NULL, who, tag, stream);
 }
 
 static PyObject *comm_broadcast(PyObject *self, PyObject *args, PyObject *kwargs) {

@@ -251,12 +251,12 @@ def reduce(tensor: Any, root: int = 0, op: str = "sum", group: Optional[Group] =
     return (group or get_group()).reduce(tensor, root=root, op=op, async_op=async_op)
 
 
-def send(tensor: Any, dst: int, group: Optional[Group] = None, async_op: bool = False) -> Any:
-    return (group or get_group()).send(tensor, dst, async_op=async_op)
+def send(tensor: Any, dst: int, group: Optional[Group] = None, async_op: bool = False, tag: int = 0) -> Any:
+    return (group or get_group()).send(tensor, dst, async_op=async_op, tag=tag)
 
 
-def recv(tensor: Any, src: int, group: Optional[Group] = None, async_op: bool = False) -> Any:
-    return (group or get_group()).recv(tensor, src, async_op=async_op)
+def recv(tensor: Any, src: int, group: Optional[Group] = None, async_op: bool = False, tag: int = 0) -> Any:
+    return (group or get_group()).recv(tensor, src, async_op=async_op, tag=tag)
 
 
 def barrier(group: Optional[Group] = None, async_op: bool = False) -> Any:

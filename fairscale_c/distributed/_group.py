@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import operator
 import os
 import socket
 import weakref
@@ -42,6 +43,22 @@ def hostname() -> str:
     """Host identity compared at rendezvous; FAIRSCALE_C_HOSTNAME overrides it (containers that
     share a hostname but not /dev/shm)."""
     return os.environ.get("FAIRSCALE_C_HOSTNAME") or socket.gethostname()
+
+
+_TAG_MIN, _TAG_MAX = -(2**31), 2**31 - 1
+
+
+def check_tag(tag: Any, op: str) -> int:
+    """A send / recv's message tag as an int: TypeError unless it is an int (``operator.index``),
+    ValueError unless it fits a 32-bit signed int (torch's range). The C binding applies the same
+    rule to what reaches it directly (csrc/py/args.c, fsc_py_parse_tag)."""
+    try:
+        value = operator.index(tag)
+    except TypeError:
+        raise TypeError(f"{op}: argument 'tag' must be an int, got {type(tag).__name__}") from None
+    if not _TAG_MIN <= value <= _TAG_MAX:
+        raise ValueError(f"{op}: argument 'tag' must fit a 32-bit signed int ({_TAG_MIN} to {_TAG_MAX}), got {tag!r}")
+    return value
 
 
 def _device_type(t: Any, argname: str, op: str) -> int:
@@ -85,11 +102,11 @@ class _TorchCPU:
         if op == "avg" and dist.get_rank(self.pg) == root:
             tensor.div_(self.size)
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        dist.send(tensor, dst=self._g(dst), group=self.pg)
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        dist.send(tensor, dst=self._g(dst), group=self.pg, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, src: int) -> None:
-        dist.recv(tensor, src=self._g(src), group=self.pg)
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        dist.recv(tensor, src=self._g(src), group=self.pg, tag=tag)
 
     def barrier(self) -> None:
         dist.barrier(group=self.pg)
@@ -97,8 +114,11 @@ class _TorchCPU:
     def batch(self, items: list) -> None:
         """Sends and recvs through torch's batch_isend_irecv, then the collectives in order."""
         p2p = [
-            dist.P2POp(dist.isend if name == "send" else dist.irecv, t, self._g(peer), group=self.pg)
-            for name, t, peer in (i for i in items if i[0] in ("send", "recv"))
+            dist.P2POp(
+                dist.isend if i[0] == "send" else dist.irecv, i[1], self._g(i[2]), group=self.pg, tag=_item_tag(i)
+            )
+            for i in items
+            if i[0] in ("send", "recv")
         ]
         for work in dist.batch_isend_irecv(p2p) if p2p else []:
             work.wait()
@@ -339,26 +359,35 @@ class Group:
             return self._cuda_op("reduce", lambda n, s: n.reduce(tensor, op, root, stream=s), (tensor,), async_op)
         return self._cpu_op("reduce", async_op, (tensor,), {"root": root, "op": op})
 
-    def send(self, tensor: Any, dst: int, async_op: bool = False) -> Any:
+    def send(self, tensor: Any, dst: int, async_op: bool = False, tag: int = 0) -> Any:
         """Send to group rank ``dst``. On CPU the send completes once its data is in the shared
         buffers (small messages never wait for the receiver); to exchange in both directions, use
-        :meth:`batch` or ``async_op=True``, which cannot deadlock whatever the order of issue."""
+        :meth:`batch` or ``async_op=True``, which cannot deadlock whatever the order of issue.
+        ``tag`` (an int32) travels with the message; the receiver's ``recv`` must give the same
+        one. CUDA tensors (NCCL, which has no tags) take ``tag=0`` only."""
+        if type(tag) is not int or tag:  # tag 0, the common case, costs nothing on the way to C
+            tag = check_tag(tag, "send")
         if self._route("send", ("tensor", tensor)):
-            return self._cuda_op("send", lambda n, s: n.send(tensor, dst, stream=s), (tensor,), async_op)
-        return self._cpu_op("send", async_op, (tensor,), {"dst": dst})
+            return self._cuda_op("send", lambda n, s: n.send(tensor, dst, stream=s, tag=tag), (tensor,), async_op)
+        return self._cpu_op("send", async_op, (tensor,), {"dst": dst, "tag": tag} if tag else {"dst": dst})
 
-    def recv(self, tensor: Any, src: int, async_op: bool = False) -> Any:
-        """Receive from group rank ``src`` into tensor (same numel and dtype as sent)."""
+    def recv(self, tensor: Any, src: int, async_op: bool = False, tag: int = 0) -> Any:
+        """Receive the next message from group rank ``src`` into tensor; it must have the numel,
+        dtype and ``tag`` given here (messages between two ranks arrive in the order they were
+        sent: a recv does not skip ahead to a later message with its tag, it raises
+        DistributedError naming both tags, on both ranks)."""
+        if type(tag) is not int or tag:
+            tag = check_tag(tag, "recv")
         if self._route("recv", ("tensor", tensor)):
-            return self._cuda_op("recv", lambda n, s: n.recv(tensor, src, stream=s), (tensor,), async_op)
-        return self._cpu_op("recv", async_op, (tensor,), {"src": src})
+            return self._cuda_op("recv", lambda n, s: n.recv(tensor, src, stream=s, tag=tag), (tensor,), async_op)
+        return self._cpu_op("recv", async_op, (tensor,), {"src": src, "tag": tag} if tag else {"src": src})
 
     def batch(self, ops: Sequence[Any], async_op: bool = False) -> Any:
         """Run several ops together: each a :class:`P2POp` or a tuple ``(name, *args)`` with the
         arguments of the method of that name (``("send", t, dst)``, ``("recv", t, src)``,
-        ``("all_reduce", t, "sum")``, ...). Sends and receives move at once (NCCL: one group), so
-        a ring exchange issued in any order on the ranks completes; collectives of the batch run
-        in list order. Returns one Work when ``async_op``."""
+        ``("send", t, dst, tag)``, ``("all_reduce", t, "sum")``, ...). Sends and receives move at
+        once (NCCL: one group), so a ring exchange issued in any order on the ranks completes;
+        collectives of the batch run in list order. Returns one Work when ``async_op``."""
         items = _batch_items(ops)
         if not items:
             raise ValueError("batch: argument 'ops' is empty; expected at least one op")
@@ -386,24 +415,30 @@ def _batch_items(ops: Any) -> list:
         ) from None
 
 
+def _item_tag(item: tuple) -> int:
+    """The tag of a batch's ("send" | "recv", tensor, peer[, tag]) tuple."""
+    return check_tag(item[3], item[0]) if len(item) > 3 else 0
+
+
 class P2POp:
     """One send or recv of a :meth:`Group.batch`, as ``torch.distributed.P2POp``: ``op`` is
     ``"send"`` / ``"recv"`` or one of this module's send / recv / isend / irecv functions (or
-    torch.distributed's), ``peer`` a rank of the group the batch runs on."""
+    torch.distributed's), ``peer`` a rank of the group the batch runs on, ``tag`` the message's
+    tag (an int32; see :meth:`Group.recv` for how tags match; CUDA tensors take ``tag=0`` only)."""
 
-    __slots__ = ("op", "tensor", "peer")
+    __slots__ = ("op", "tensor", "peer", "tag")
 
     def __init__(self, op: Any, tensor: Any, peer: int, group: Any = None, tag: int = 0) -> None:
         name = op if isinstance(op, str) else getattr(op, "__name__", "")
         name = {"isend": "send", "irecv": "recv"}.get(name, name)
         if name not in ("send", "recv"):
             raise ValueError(f"P2POp: argument 'op' must be 'send', 'recv' or a send/recv function, got {op!r}")
-        if group is not None or tag != 0:
-            raise ValueError("P2POp: 'group' and 'tag' are not supported; pass the group to batch()")
-        self.op, self.tensor, self.peer = name, tensor, int(peer)
+        if group is not None:
+            raise ValueError("P2POp: argument 'group' is not supported; pass the group to batch()")
+        self.op, self.tensor, self.peer, self.tag = name, tensor, int(peer), check_tag(tag, "P2POp")
 
     def as_tuple(self) -> tuple:
-        return (self.op, self.tensor, self.peer)
+        return (self.op, self.tensor, self.peer, self.tag)
 
 
 class LocalGroup:
@@ -454,10 +489,12 @@ class LocalGroup:
     def _no_peer(self, op: str) -> None:
         raise ValueError(f"{op}: group '{self.name}' has one rank, so there is no peer to {op} with")
 
-    def send(self, tensor: Any, dst: int, async_op: bool = False) -> Any:
+    def send(self, tensor: Any, dst: int, async_op: bool = False, tag: int = 0) -> Any:
+        check_tag(tag, "send")
         self._no_peer("send")
 
-    def recv(self, tensor: Any, src: int, async_op: bool = False) -> Any:
+    def recv(self, tensor: Any, src: int, async_op: bool = False, tag: int = 0) -> Any:
+        check_tag(tag, "recv")
         self._no_peer("recv")
 
     def batch(self, ops: Sequence[Any], async_op: bool = False) -> Any:

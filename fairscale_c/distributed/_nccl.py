@@ -132,11 +132,13 @@ class NcclBackend:
         """root's tensor = the reduction of every rank's tensor; others unchanged."""
         self._comm.reduce(tensor.detach(), op, root, self._stream(stream))
 
-    def send(self, tensor: torch.Tensor, peer: int, stream: StreamLike = None) -> None:
-        self._comm.send(tensor.detach(), peer, self._stream(stream))
+    def send(self, tensor: torch.Tensor, peer: int, stream: StreamLike = None, tag: int = 0) -> None:
+        """NCCL has no message tags: ``tag`` must be 0 (ValueError otherwise, before anything is enqueued)."""
+        self._comm.send(tensor.detach(), peer, self._stream(stream), tag)
 
-    def recv(self, tensor: torch.Tensor, peer: int, stream: StreamLike = None) -> None:
-        self._comm.recv(tensor.detach(), peer, self._stream(stream))
+    def recv(self, tensor: torch.Tensor, peer: int, stream: StreamLike = None, tag: int = 0) -> None:
+        """NCCL has no message tags: ``tag`` must be 0 (ValueError otherwise, before anything is enqueued)."""
+        self._comm.recv(tensor.detach(), peer, self._stream(stream), tag)
 
     def batch(self, ops: Sequence[tuple], stream: StreamLike = None) -> None:
         """Enqueue several operations as one NCCL group: they launch together, and sends and
@@ -144,8 +146,9 @@ class NcclBackend:
         ``(name, *args)`` with the arguments of the method of that name (without ``stream``):
         ``("all_gather", output, input)``, ``("reduce_scatter", output, input, op)``,
         ``("all_reduce", tensor, op)``, ``("broadcast", tensor, root)``,
-        ``("reduce", tensor, op, root)``, ``("send", tensor, peer)``, ``("recv", tensor, peer)``.
-        Every op is checked before anything is enqueued (ValueError naming the op's index)."""
+        ``("reduce", tensor, op, root)``, ``("send", tensor, peer[, tag])``,
+        ``("recv", tensor, peer[, tag])`` (tag 0 only: NCCL has no tags). Every op is checked before
+        anything is enqueued (ValueError naming the op's index)."""
         detached = [tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in op) for op in ops]
         self._comm.batch(detached, self._stream(stream))
 

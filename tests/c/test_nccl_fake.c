@@ -81,14 +81,17 @@ static void test_ops_and_wait(void) {
         "single-op message: %s", fsc_last_error());
     EXPECT(fsc_nccl_reduce(c, &to, FSC_RED_MAX, 0, 0) == FSC_OK, "reduce: %s", fsc_last_error());
     EXPECT(fsc_nccl_reduce(c, &to, FSC_RED_MAX, 1, 0) == FSC_ERR_VALUE, "root 1 of 1 accepted");
-    EXPECT(fsc_nccl_send(c, &ti, 0, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "not this rank"),
+    EXPECT(fsc_nccl_send(c, &ti, 0, 0, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "not this rank"),
            "send to self: %s", fsc_last_error());
+    /* NCCL has no message tags: a nonzero tag is refused before anything is enqueued */
+    EXPECT(fsc_nccl_recv(c, &to, 0, 7, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "recv: tag=7 is not supported"),
+           "recv with a tag: %s", fsc_last_error());
     /* a batch: checked as a whole first, then enqueued as one group */
     float b_in[2] = {5, 6}, b_out[2] = {0}, b_ar[3] = {1, 1, 1};
     fsc_tensor_t bi = cuda_view(b_in, 2), bo = cuda_view(b_out, 2), bar = cuda_view(b_ar, 3);
-    fsc_nccl_op_t ops[3] = {{FSC_OP_ALL_GATHER, &bo, &bi, FSC_RED_SUM, 0},
-                            {FSC_OP_ALL_REDUCE, &bar, NULL, FSC_RED_SUM, 0},
-                            {FSC_OP_BROADCAST, &bar, NULL, FSC_RED_SUM, 0}};
+    fsc_nccl_op_t ops[3] = {{FSC_OP_ALL_GATHER, &bo, &bi, FSC_RED_SUM, 0, 0},
+                            {FSC_OP_ALL_REDUCE, &bar, NULL, FSC_RED_SUM, 0, 0},
+                            {FSC_OP_BROADCAST, &bar, NULL, FSC_RED_SUM, 0, 0}};
     EXPECT(fsc_nccl_batch(c, ops, 3, 0) == FSC_OK, "batch: %s", fsc_last_error());
     EXPECT(b_out[1] == 6.0f, "batched all_gather copied %g", b_out[1]);
     ops[1].tensor = &short_out;

@@ -153,7 +153,7 @@ static int check_op(fsc_shm_group_t *g, fsc_comm_op_t op, fsc_reduce_op_t rop, f
     for (size_t i = 0; i < nin; i++) set(in, dt, i, val(rank, i));
     for (size_t i = 0; i < nout; i++) set(out, dt, i, -1);
     int root = size - 1, peer = rank ^ 1;
-    fsc_shm_args_t a = {op, rop, op == FSC_OP_SEND || op == FSC_OP_RECV ? peer : root, dt, n, in, out};
+    fsc_shm_args_t a = {op, rop, op == FSC_OP_SEND || op == FSC_OP_RECV ? peer : root, dt, n, in, out, 0};
     if (op == FSC_OP_SEND && (rank & 1)) a.op = FSC_OP_RECV;
     fsc_status_t st;
     if (async) {
@@ -234,8 +234,8 @@ static int rank_fork_child(fsc_shm_group_t *g, void *ctx) {
     (void)ctx;
     if (g == NULL || fsc_shm_engine_start(g) != FSC_OK) return 5;
     float buf[4] = {1, 2, 3, 4};
-    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf};
-    fsc_shm_args_t b = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL};
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf, 0};
+    fsc_shm_args_t b = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL, 0};
     pid_t child = fork();
     if (child == 0) {
         fsc_shm_work_t *w = NULL;
@@ -262,38 +262,45 @@ static int rank_mismatch(fsc_shm_group_t *g, void *ctx) {
     (void)ctx;
     float buf[16] = {0};
     int rank = fsc_shm_group_rank(g);
-    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, rank == 0 ? 10 : 12, buf, buf};
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, rank == 0 ? 10 : 12, buf, buf, 0};
     fsc_status_t st = fsc_shm_run(g, &a);
     int ok = st == FSC_ERR_MISMATCH && strstr(fsc_last_error(), "count=10") && strstr(fsc_last_error(), "count=12");
     if (!ok) fprintf(stderr, "rank %d: mismatch not reported: %d %s\n", rank, st, fsc_last_error());
     /* the group is now unusable and says so with the same message */
-    fsc_shm_args_t b = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL};
+    fsc_shm_args_t b = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL, 0};
     fsc_status_t st2 = fsc_shm_run(g, &b);
     ok = ok && st2 == FSC_ERR_MISMATCH && strstr(fsc_last_error(), "count=12");
     return ok ? 0 : 1;
 }
 
+/* ctx NULL: the counts differ (10 sent, 12 expected); else the tags do (3 sent, 4 expected). */
 static int rank_p2p_mismatch(fsc_shm_group_t *g, void *ctx) {
-    (void)ctx;
     float buf[16] = {0};
-    int rank = fsc_shm_group_rank(g);
-    fsc_shm_args_t a = {
-        rank == 0 ? FSC_OP_SEND : FSC_OP_RECV, FSC_RED_SUM, 1 - rank, FSC_FLOAT32, rank == 0 ? 10 : 12, buf, buf};
+    int rank = fsc_shm_group_rank(g), tags = ctx != NULL;
+    size_t count = tags ? 10 : (rank == 0 ? 10 : 12);
+    fsc_shm_args_t a = {rank == 0 ? FSC_OP_SEND : FSC_OP_RECV,
+                        FSC_RED_SUM,
+                        1 - rank,
+                        FSC_FLOAT32,
+                        count,
+                        buf,
+                        buf,
+                        tags ? 3 + rank : 0};
+    const char *sent = tags ? "tag=3" : "send(count=10", *wanted = tags ? "tag=4" : "recv(count=12";
     fsc_status_t st = fsc_shm_run(g, &a);
     int ok;
     if (rank == 1) {
-        ok = st == FSC_ERR_MISMATCH && strstr(fsc_last_error(), "send(count=10") &&
-             strstr(fsc_last_error(), "recv(count=12");
+        ok = st == FSC_ERR_MISMATCH && strstr(fsc_last_error(), sent) && strstr(fsc_last_error(), wanted);
         usleep(500000); /* alive while the sender finds out */
     } else {
         /* the send completed when its data was in the buffer; the receiver's refusal reaches the
-         * sender at its next op, which then fails naming the recv */
+         * sender at its next op, which then fails naming the recv and the refused message */
         ok = st == FSC_OK;
-        fsc_shm_args_t b = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL};
+        fsc_shm_args_t b = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL, 0};
         double t0 = fsc_comm_now();
         do st = fsc_shm_run(g, &b);
         while (st == FSC_OK && fsc_comm_now() - t0 < 5);
-        ok = ok && st == FSC_ERR_MISMATCH && strstr(fsc_last_error(), "recv(count=12");
+        ok = ok && st == FSC_ERR_MISMATCH && strstr(fsc_last_error(), wanted) && strstr(fsc_last_error(), sent);
     }
     if (!ok) fprintf(stderr, "rank %d: p2p mismatch not reported: %d %s\n", rank, st, fsc_last_error());
     return ok ? 0 : 1;
@@ -303,7 +310,7 @@ static int rank_dead_peer(fsc_shm_group_t *g, void *ctx) {
     (void)ctx;
     if (fsc_shm_group_rank(g) == 1) _exit(0); /* dies without taking part */
     float buf[4] = {0};
-    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf};
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf, 0};
     double t0 = fsc_comm_now();
     fsc_status_t st = fsc_shm_run(g, &a);
     double dt = fsc_comm_now() - t0;
@@ -328,7 +335,7 @@ static int rank_timeout(fsc_shm_group_t *g, void *ctx) {
         return 0;
     } /* alive but never calls */
     float buf[4] = {0};
-    fsc_shm_args_t a = {FSC_OP_BROADCAST, FSC_RED_SUM, 0, FSC_FLOAT32, 4, buf, buf};
+    fsc_shm_args_t a = {FSC_OP_BROADCAST, FSC_RED_SUM, 0, FSC_FLOAT32, 4, buf, buf, 0};
     fsc_status_t st = fsc_shm_run(g, &a);
     int ok = st == FSC_ERR_TIMEOUT && strstr(fsc_last_error(), "rank 1 did not arrive");
     if (!ok) fprintf(stderr, "timeout: %d %s\n", st, fsc_last_error());
@@ -341,7 +348,7 @@ static int rank_timeout(fsc_shm_group_t *g, void *ctx) {
 static int rank_close_with_grace(fsc_shm_group_t *g, void *ctx) {
     double late = *(double *)ctx;
     float buf[4] = {1, 2, 3, 4};
-    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf};
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf, 0};
     if (fsc_shm_group_rank(g) == 1) {
         if (late < 0) {
             sleep(4);
@@ -370,7 +377,7 @@ static int rank_rewritten_header(fsc_shm_group_t *g, void *ctx) {
     (void)ctx;
     if (g == NULL) return 5;
     int rank = fsc_shm_group_rank(g);
-    fsc_shm_args_t bar = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL};
+    fsc_shm_args_t bar = {FSC_OP_BARRIER, FSC_RED_SUM, -1, FSC_FLOAT32, 0, NULL, NULL, 0};
     if (rank == 1) {
         g->seg->off_slots = g->seg->off_result = g->seg->off_p2p = (uint64_t)1 << 60;
         g->seg->chunk = g->seg->p2p_chunk = 1;
@@ -379,8 +386,8 @@ static int rank_rewritten_header(fsc_shm_group_t *g, void *ctx) {
     enum { N = 100001 };
     static float buf[N];
     for (size_t i = 0; i < N; i++) buf[i] = (float)(i % 7) + (float)rank;
-    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, N, buf, buf};
-    fsc_shm_args_t p2p = {rank == 0 ? FSC_OP_SEND : FSC_OP_RECV, FSC_RED_SUM, 1 - rank, FSC_FLOAT32, N, buf, buf};
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, N, buf, buf, 0};
+    fsc_shm_args_t p2p = {rank == 0 ? FSC_OP_SEND : FSC_OP_RECV, FSC_RED_SUM, 1 - rank, FSC_FLOAT32, N, buf, buf, 0};
     if (fsc_shm_run(g, &a) != FSC_OK || fsc_shm_run(g, &p2p) != FSC_OK) {
         fprintf(stderr, "rank %d: %s\n", rank, fsc_last_error());
         return 1;
@@ -395,7 +402,7 @@ static int rank_rewritten_header(fsc_shm_group_t *g, void *ctx) {
 static int rank_close_with_huge_grace(fsc_shm_group_t *g, void *ctx) {
     double grace = *(double *)ctx;
     float buf[4] = {1, 2, 3, 4};
-    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf};
+    fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf, 0};
     if (fsc_shm_group_rank(g) == 1) {
         usleep(300000);
         return fsc_shm_run(g, &a) == FSC_OK ? 0 : 1;
@@ -490,6 +497,8 @@ int main(void) {
     EXPECT(spawn(2, 2, rank_fork_child, NULL) == 0, "a fork() child neither uses nor hangs on the group");
     EXPECT(spawn(2, 2, rank_mismatch, NULL) == 0, "collective mismatch reported on both ranks");
     EXPECT(spawn(2, 2, rank_p2p_mismatch, NULL) == 0, "send/recv mismatch reported on both ranks");
+    static int tags = 1;
+    EXPECT(spawn(2, 2, rank_p2p_mismatch, &tags) == 0, "send/recv tag mismatch reported on both ranks");
     EXPECT(spawn(2, 2, rank_dead_peer, NULL) == 0, "dead peer detected");
     double late = 0.3, never = -1;
     EXPECT(spawn(2, 2, rank_close_with_grace, &late) == 0, "close with a grace period lets a late peer finish");
