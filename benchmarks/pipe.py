@@ -35,7 +35,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -112,11 +112,23 @@ class Trainer:
         return loss.item()
 
 
-def time_steps(step: Callable[[], Any], steps: int) -> float:
+def minor_faults() -> int:
+    """The process's minor page faults so far (0 where getrusage is unavailable)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def time_steps(step: Callable[[], Any], steps: int) -> Tuple[float, float]:
+    """Seconds per step and minor page faults per step (memory the allocator gave back to the
+    system and took again: a cost that depends on the allocation pattern, not on the arithmetic)."""
+    faults = minor_faults()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, (minor_faults() - faults) / steps
 
 
 def run_single(cfg: SingleConfig) -> Dict[str, Any]:
@@ -134,7 +146,10 @@ def run_single(cfg: SingleConfig) -> Dict[str, Any]:
     x = torch.randn(cfg.batch, cfg.width, generator=gen)
     target = torch.randn(cfg.batch, cfg.width, generator=gen)
     rows = []
-    header = f"{'chunks':>6} {'fairscale samples/s':>20} {'fairscale_c samples/s':>22} {'ratio':>6} {'paired':>7}"
+    header = (
+        f"{'chunks':>6} {'fairscale samples/s':>20} {'fairscale_c samples/s':>22} {'ratio':>6} {'paired':>7}"
+        f" {'faults/step (fairscale, fairscale_c)':>38}"
+    )
     print(header, flush=True)
     for chunks in parse_chunks(cfg.chunks):
         trainers = {name: Trainer(cls, cfg, chunks) for name, cls in frameworks.items()}
@@ -143,14 +158,20 @@ def run_single(cfg: SingleConfig) -> Dict[str, Any]:
             for _ in range(cfg.warmup):
                 t.step(x, target)
         per_round: Dict[str, List[float]] = {name: [] for name in trainers}
+        faults: Dict[str, List[float]] = {name: [] for name in trainers}
         names = list(trainers)
         for r in range(cfg.rounds):
             for name in names if r % 2 == 0 else reversed(names):
-                seconds = time_steps(lambda t=trainers[name]: t.step(x, target), cfg.steps)
+                seconds, step_faults = time_steps(lambda t=trainers[name]: t.step(x, target), cfg.steps)
                 per_round[name].append(cfg.batch / seconds)
+                faults[name].append(step_faults)
         row: Dict[str, Any] = {"chunks": chunks}
         for name, values in per_round.items():
-            row[name] = {"samples_per_s": statistics.median(values), "rounds": values}
+            row[name] = {
+                "samples_per_s": statistics.median(values),
+                "rounds": values,
+                "minor_faults_per_step": statistics.median(faults[name]),
+            }
         ours = row["fairscale_c"]["samples_per_s"]
         theirs = row.get("fairscale", {}).get("samples_per_s")
         row["ratio"] = ours / theirs if theirs else None
@@ -160,7 +181,8 @@ def run_single(cfg: SingleConfig) -> Dict[str, Any]:
         rows.append(row)
         theirs_text = f"{theirs:20.1f}" if theirs else f"{'(not installed)':>20}"
         ratio_text = f"{row['ratio']:6.2f} {row['paired_ratio_median']:7.2f}" if theirs else f"{'-':>6} {'-':>7}"
-        print(f"{chunks:>6} {theirs_text} {ours:22.1f} {ratio_text}", flush=True)
+        fault_text = " ".join(f"{row[name]['minor_faults_per_step']:8.0f}" for name in per_round)
+        print(f"{chunks:>6} {theirs_text} {ours:22.1f} {ratio_text} {fault_text:>38}", flush=True)
         del trainers
     result: Dict[str, Any] = {"config": asdict(cfg), "torch_threads": torch.get_num_threads(), "rows": rows}
     if fairscale_pipe is not None:

@@ -93,6 +93,38 @@ def test_batch_smaller_than_chunks_and_eval_and_no_grad():
     assert_same_training(ref, pipe, x)  # eval mode: no checkpointing, gradients still flow
 
 
+class GradMode(nn.Module):
+    """Records the grad mode its forward ran under (on whichever thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(torch.is_grad_enabled())
+        return x
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_partitions_run_under_callers_grad_mode(chunks):
+    probes = [GradMode(), GradMode()]
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(8, 8), probes[0], nn.Linear(8, 8), probes[1]),
+        [2, 2],
+        devices=["cpu", "cpu"],
+        chunks=chunks,
+        checkpoint="never",
+    )
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        pipe(x)
+    assert [p.seen for p in probes] == [[False] * chunks] * 2  # no graph is built on the workers
+    for p in probes:
+        p.seen.clear()
+    pipe(x).sum().backward()
+    assert [p.seen for p in probes] == [[True] * chunks] * 2
+
+
 class Split(nn.Module):
     def forward(self, x):
         return x[:, :4], x[:, 4:].relu(), (x[:, 0] > 0).long()

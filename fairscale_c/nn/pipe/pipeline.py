@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -174,15 +174,17 @@ class Pipeline:
         for i, values in enumerate(batches):
             flags = tuple(_needs_grad(x, grad, False) for x in values)
             run.board.put(("act", i, 0), (values, flags, atomic))
-        # With one micro-batch nothing can overlap: the calling thread runs every partition and
-        # no hand-over is paid. Otherwise it only waits (compute on the caller's thread measured
-        # slower than on the workers on a loaded 2-core VM, see docs/benchmarks.md).
-        inline = list(range(n)) if m == 1 else []
-        for j in range(n):
-            if j not in inline:
-                self.workers.submit(j, run.board.job(lambda j=j: self._forward_partition(run, j)))
-        for j in inline:
-            run.board.job(lambda j=j: self._forward_partition(run, j))()
+        # The calling thread only waits. With one micro-batch nothing can overlap and partition
+        # 0's worker runs every partition in turn (one hand-over). Not running the forward on the
+        # caller's thread keeps the activations saved for backward out of its malloc arena, where
+        # the backward's gradients and the caller's optimizer allocate: sharing one arena made
+        # glibc trim and re-grow its heap every step (2000-4000 page faults a step, 3-5 ms of the
+        # benchmark's 80 ms step; docs/pipe.md, "Memory and page faults").
+        if m == 1:
+            self.workers.submit(0, run.board.job(lambda: self._forward_partitions(run, range(n))))
+        else:
+            for j in range(n):
+                self.workers.submit(j, run.board.job(lambda j=j: self._forward_partitions(run, [j])))
         try:
             run.board.join()
         except BaseException:
@@ -198,6 +200,12 @@ class Pipeline:
         if not grad:
             run.release()
         return run
+
+    def _forward_partitions(self, run: Run, parts: Iterable[int]) -> None:
+        # The caller's grad mode is thread-local: the worker takes it from the run.
+        with torch.set_grad_enabled(run.grad):
+            for j in parts:
+                self._forward_partition(run, j)
 
     def _forward_partition(self, run: Run, j: int) -> None:
         device = self.devices[j]
@@ -256,9 +264,10 @@ class Pipeline:
         run.board = Board()  # the forward's board ended with that pass
         for i, g in enumerate(grads):
             run.board.put(("grad", i, n - 1), g)
-        # This thread runs every partition for one micro-batch (as in forward), and always those on
-        # its own CUDA device: a CUDA node runs on autograd's thread for its device, which the
-        # partitions' own backward calls on that device need.
+        # This thread runs every partition for one micro-batch (as FairScale's backward, which is
+        # the autograd engine's, runs on the caller's thread), and always those on its own CUDA
+        # device: a CUDA node runs on autograd's thread for its device, which the partitions' own
+        # backward calls on that device need.
         here = next((g.device for gs in grads for g in gs if g is not None), torch.device("cpu"))
         mine = [j for j in range(n) if run.m == 1 or (here.type == "cuda" and self.devices[j] == here)]
         for j in range(n):
