@@ -59,6 +59,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import check_cuda_ranks  # noqa: E402
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fsdp.json")
 BASELINE = "torch_fsdp2"
 # CPU targets. The compute floor (the "local" row: every rank trains an unsharded copy, no
@@ -764,18 +767,11 @@ def run_cuda(
     cfg: Config, frameworks: Optional[List[str]] = None, peak_tflops: float = H100_SXM_BF16_DENSE_TFLOPS
 ) -> Dict[str, Any]:
     """Every framework in its own spawned process set; a failure becomes a row with "error"."""
-    if not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU build of torch)")
+    # exits with a message when the ranks cannot have a GPU each or share one; when they share,
+    # sets NCCL_MULTI_RANK_GPU_ENABLE=1, which the spawned ranks inherit
+    print(f"[cuda] {check_cuda_ranks(cfg.world)}", flush=True)
     n_dev = torch.cuda.device_count()
     gpus = min(cfg.world, n_dev)
-    if cfg.world > n_dev:
-        # NCCL >= 2.30 lets ranks share a GPU only with this set; the ranks inherit it.
-        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
-        print(
-            f"[cuda] note: {cfg.world} ranks share {n_dev} GPU(s) (time-sliced; needs NCCL >= 2.30 with "
-            f"NCCL_MULTI_RANK_GPU_ENABLE={os.environ['NCCL_MULTI_RANK_GPU_ENABLE']}); step times include that",
-            flush=True,
-        )
     params = n_params(cfg)
     frameworks = list(frameworks or CUDA_FRAMEWORKS)
     rows: List[Dict[str, Any]] = []
