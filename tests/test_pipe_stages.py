@@ -142,6 +142,50 @@ def _two_tensor_model(rank, group):
         torch.testing.assert_close(p, q, **TOL)
 
 
+class KwHead(nn.Module):
+    """Stage 0 of the keyword-argument model: a per-sample mask and a scalar by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x, mask=None, scale=1.0):
+        h = torch.tanh(self.fc(x)) * scale
+        return h if mask is None else h * mask[:, None]
+
+
+def _kwargs_model(rank):
+    """Stage 0 takes keyword arguments: a tensor split into micro-batches with the batch, and a
+    float given to every micro-batch; GPipe and 1F1B against the whole model on the whole batch."""
+    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    for cls in (ScheduleGPipe, Schedule1F1B):
+        torch.manual_seed(3)
+        head, tail = KwHead(), nn.Linear(16, 4)
+        ref_head, ref_tail = copy.deepcopy(head), copy.deepcopy(tail)
+        mod = head if rank == 0 else tail
+        schedule = cls(PipelineStage(mod), 4, F.mse_loss)
+        opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(list(ref_head.parameters()) + list(ref_tail.parameters()), lr=0.1)
+        for step in range(STEPS):
+            x, y = batch(step, 8)
+            mask = (torch.arange(8) % 3 != step % 3).float()
+            if rank == 0 and step == 0:  # refused before anything is sent: rank 1 is not involved
+                with pytest.raises(ValueError, match="keyword argument 'mask' has 7 rows"):
+                    schedule.step(x, target=y, mask=mask[:7], scale=0.5)
+            opt.zero_grad()
+            out = schedule.step(x, target=y, mask=mask, scale=0.5)
+            opt.step()
+            ref_opt.zero_grad()
+            ref_out = ref_tail(ref_head(x, mask=mask, scale=0.5))
+            F.mse_loss(ref_out, y).backward()
+            ref_opt.step()
+            if rank == 1:
+                torch.testing.assert_close(out, ref_out.detach(), **TOL)
+        for p, q in zip(mod.parameters(), (ref_head if rank == 0 else ref_tail).parameters()):
+            torch.testing.assert_close(p, q, **TOL)
+
+
 def _first_step(schedule):
     x, y = batch(0, 8)
     return schedule.step(x, target=y)
@@ -283,6 +327,7 @@ def job_world2(rank, world, device):
     done.append(_train_and_compare(rank, world_group, 2, Schedule1F1B, 2, 8, device))
     if device == "cpu":
         _two_tensor_model(rank, None)
+        _kwargs_model(rank)
         # forward only: the last stage's output is the reference model's
         full = make_model()
         stage = PipelineStage(full[CUTS[2][rank] : CUTS[2][rank + 1]])

@@ -147,24 +147,36 @@ class PipelineSchedule:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ driving
-    def step(self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True) -> Any:
+    def step(
+        self, *args: Any, target: Any = None, losses: Optional[list] = None, return_outputs: bool = True, **kwargs: Any
+    ) -> Any:
         """One training step over the whole batch. Stage 0 is given the batch (positional Tensors
-        split along dimension 0); other stages' positional arguments are ignored. The last stage
+        split along dimension 0) and any keyword arguments of its module (Tensors with a batch
+        dimension split the same way, anything else passed to every micro-batch as it is); other
+        stages' arguments are ignored. The last stage
         is given ``target`` (split the same way) and, optionally, a list ``losses`` that receives
         each micro-batch's loss (before scaling). Returns the last stage's outputs concatenated
         over the micro-batches (detached), ``None`` on other stages. Gradients accumulate into
         the stage's parameters; call the optimizer afterwards."""
         if self._loss_fn is not None and not torch.is_grad_enabled():
             raise RuntimeError(f"{type(self).__name__}.step: gradients are disabled (torch.no_grad); use eval()")
-        return self._step(args, target, losses, return_outputs, has_backward=self._loss_fn is not None)
+        return self._step(args, target, losses, return_outputs, has_backward=self._loss_fn is not None, kwargs=kwargs)
 
-    def eval(self, *args: Any, target: Any = None, losses: Optional[list] = None) -> Any:
+    def eval(self, *args: Any, target: Any = None, losses: Optional[list] = None, **kwargs: Any) -> Any:
         """Forward only (no gradients kept, nothing sent backward); losses are computed when the
         last stage has a ``loss_fn`` and a ``target``."""
         with torch.no_grad():
-            return self._step(args, target, losses, True, has_backward=False)
+            return self._step(args, target, losses, True, has_backward=False, kwargs=kwargs)
 
-    def _step(self, args: tuple, target: Any, losses: Optional[list], return_outputs: bool, has_backward: bool) -> Any:
+    def _step(
+        self,
+        args: tuple,
+        target: Any,
+        losses: Optional[list],
+        return_outputs: bool,
+        has_backward: bool,
+        kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Any:
         name, first, last, m = type(self).__name__, self._first, self._last, self._n_microbatches
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"{name}.step: losses must be a list or None, got {type(losses).__name__}")
@@ -176,6 +188,7 @@ class PipelineSchedule:
                     f"{first.device}; move it there first"
                 )
         mbs = self._split(args, "the batch") if first is not None else None
+        mb_kwargs = self._split_kwargs(kwargs or {}, args) if first is not None else None
         targets = None
         if last is not None and self._loss_fn is not None:
             if target is None and has_backward:
@@ -185,7 +198,10 @@ class PipelineSchedule:
         t0 = time.perf_counter()
         for stage in self._stages:  # every rank in the same order: along the pipeline
             if not stage.ready:
-                stage.setup(mbs[0] if stage.is_first and mbs is not None else None)
+                if stage.is_first and mbs is not None and mb_kwargs is not None:
+                    stage.setup(mbs[0], mb_kwargs[0])
+                else:
+                    stage.setup(None)
         if first is not None and mbs is not None:
             got = metas_of(mbs[0], "step: the micro-batch")
             if got != first.input_meta:
@@ -196,7 +212,7 @@ class PipelineSchedule:
         for stage in self._stages:
             stage.clear()
         mb_losses: List[torch.Tensor] = []
-        compute_s, wait_s = self._run(mbs, targets, mb_losses, has_backward)
+        compute_s, wait_s = self._run(mbs, targets, mb_losses, has_backward, mb_kwargs)
         t1 = time.perf_counter()
         if self.dp_group is not None and has_backward:
             self._reduce_gradients()
@@ -212,6 +228,33 @@ class PipelineSchedule:
         chunks, last.output_chunks = last.output_chunks, []
         merged = tuple(torch.cat([c[k] for c in chunks]) for k in range(len(chunks[0])))
         return merged[0] if len(merged) == 1 else merged
+
+    def _split_kwargs(self, kwargs: Dict[str, Any], args: tuple) -> List[Dict[str, Any]]:
+        """Stage 0's keyword arguments per micro-batch: a Tensor with a batch dimension (the
+        positional batch's size) is split along it as the batch is; anything else (scalars,
+        0-dim tensors, other objects) goes to every micro-batch unchanged."""
+        name, m = type(self).__name__, self._n_microbatches
+        size = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
+        device = self._first.device if self._first is not None else None
+        out: List[Dict[str, Any]] = [{} for _ in range(m)]
+        for key, value in kwargs.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if value.shape[0] != size:
+                    raise ValueError(
+                        f"{name}.step: keyword argument {key!r} has {value.shape[0]} rows (dim 0) but the batch "
+                        f"has {size}; tensors passed by keyword are split into micro-batches along dim 0 like the batch"
+                    )
+                if device is not None and value.device != device:
+                    raise ValueError(
+                        f"{name}.step: keyword argument {key!r} is on {value.device} but stage 0 computes on "
+                        f"{device}; move it there first"
+                    )
+                for i, part in enumerate(torch.tensor_split(value.contiguous(), m, dim=0)):
+                    out[i][key] = part
+            else:
+                for d in out:
+                    d[key] = value
+        return out
 
     def _split(self, args: tuple, what: str) -> List[Tuple[torch.Tensor, ...]]:
         name, m = type(self).__name__, self._n_microbatches
@@ -241,6 +284,7 @@ class PipelineSchedule:
         targets: Optional[List[Tuple[torch.Tensor, ...]]],
         mb_losses: List[torch.Tensor],
         has_backward: bool,
+        mb_kwargs: Optional[List[Dict[str, Any]]] = None,
     ) -> Tuple[float, float]:
         divisor = self._n_microbatches if self.scale_grads else 1
         inflight: Deque[Any] = deque()  # Works of sends not yet known to be finished, oldest first
@@ -266,7 +310,8 @@ class PipelineSchedule:
             t = time.perf_counter()
             if action.kind == "F":
                 args = mbs[action.mb] if stage.is_first and mbs is not None else None
-                out = stage.forward_one(action.mb, args, has_backward)
+                kw = mb_kwargs[action.mb] if stage.is_first and mb_kwargs is not None else None
+                out = stage.forward_one(action.mb, args, has_backward, kw)
                 if stage.is_last and targets is not None:
                     loss = self._loss_fn(out, *targets[action.mb])  # type: ignore[misc]
                     mb_losses.append(loss.detach())

@@ -258,7 +258,9 @@ class PipelineStage:
     def ready(self) -> bool:
         return self.input_meta is not None
 
-    def setup(self, first_microbatch: Optional[Tuple[torch.Tensor, ...]]) -> None:
+    def setup(
+        self, first_microbatch: Optional[Tuple[torch.Tensor, ...]], first_kwargs: Optional[Dict[str, Any]] = None
+    ) -> None:
         """Agree on the tensors passed between stages (a collective over the pipeline group; every
         stage calls it, stage 0 with its first micro-batch). Raises the same ValueError on every
         rank when any stage's shapes do not fit."""
@@ -278,7 +280,7 @@ class PipelineStage:
             )
         out_metas = None
         if upstream_ok and not err:
-            out_metas, err = self._infer_outputs(metas, first_microbatch)
+            out_metas, err = self._infer_outputs(metas, first_microbatch, first_kwargs)
         if not err and out_metas is not None and not self.is_last:
             err = _check_passable(out_metas, f"stage {self.stage_index}'s output")
         if not self.is_last:
@@ -306,18 +308,24 @@ class PipelineStage:
             self.group.batch(ops)
 
     def _infer_outputs(
-        self, metas: Tuple[TensorMeta, ...], sample: Optional[Tuple[torch.Tensor, ...]]
+        self,
+        metas: Tuple[TensorMeta, ...],
+        sample: Optional[Tuple[torch.Tensor, ...]],
+        kwargs: Optional[Dict[str, Any]] = None,
     ) -> Tuple[Optional[Tuple[TensorMeta, ...]], str]:
         """Output metadata of the module on inputs described by ``metas``: on the meta device
         (parameters and buffers replaced by meta tensors, so nothing is computed or changed), else
-        by running it once without gradients (RNG state and buffers restored afterwards)."""
+        by running it once without gradients (RNG state and buffers restored afterwards). Stage 0
+        given keyword arguments runs for real on its first micro-batch and their first chunk."""
         try:
+            if kwargs:
+                raise NotImplementedError("keyword arguments are not moved to the meta device")
             args = tuple(torch.empty(m.shape, dtype=m.dtype, device="meta") for m in metas)
             with torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad(), _on_meta(self.module):
                 out = self.module(*args)
         except Exception:  # noqa: BLE001 - a module the meta device cannot run: run it for real
             try:
-                out = self._sample_forward(metas, sample)
+                out = self._sample_forward(metas, sample, kwargs)
             except Exception as e:  # noqa: BLE001 - reported to every rank by setup()
                 return None, (
                     f"stage {self.stage_index}'s module raised {type(e).__name__} on inputs {describe(metas)}: "
@@ -329,13 +337,18 @@ class PipelineStage:
             return None, f"stage {self.stage_index}'s module must return a Tensor or a tuple of Tensors, got ({kinds})"
         return tuple(TensorMeta(tuple(o.shape), o.dtype) for o in outs), ""
 
-    def _sample_forward(self, metas: Tuple[TensorMeta, ...], sample: Optional[Tuple[torch.Tensor, ...]]) -> Any:
+    def _sample_forward(
+        self,
+        metas: Tuple[TensorMeta, ...],
+        sample: Optional[Tuple[torch.Tensor, ...]],
+        kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Any:
         if sample is None:
             sample = tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in metas)
         saved = [b.detach().clone() for b in self.module.buffers()]
         try:
             with torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad():
-                return self.module(*sample)
+                return self.module(*sample, **(kwargs or {}))
         finally:
             with torch.no_grad():
                 for b, s in zip(self.module.buffers(), saved):
@@ -387,9 +400,16 @@ class PipelineStage:
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins if x.dtype.is_floating_point]
         return [fdist.P2POp("send", g.contiguous(), self.prev) for g in grads]
 
-    def forward_one(self, mb: int, args: Optional[Tuple[torch.Tensor, ...]], has_backward: bool) -> Any:
-        """Run micro-batch ``mb`` through the module (stage 0: on ``args``; else on what was
-        received). Returns the output; the last stage keeps a detached copy for the step's result."""
+    def forward_one(
+        self,
+        mb: int,
+        args: Optional[Tuple[torch.Tensor, ...]],
+        has_backward: bool,
+        kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Any:
+        """Run micro-batch ``mb`` through the module (stage 0: on ``args`` and ``kwargs``; else on
+        what was received). Returns the output; the last stage keeps a detached copy for the step's
+        result."""
         if self.is_first:
             assert args is not None
             inputs = args
@@ -400,7 +420,7 @@ class PipelineStage:
                 for x in inputs:
                     if x.dtype.is_floating_point:
                         x.requires_grad_(True)
-        out = self.module(*inputs)
+        out = self.module(*inputs, **(kwargs or {}))
         outs = as_tuple(out)
         if not has_backward:
             outs = tuple(o.detach() for o in outs)
