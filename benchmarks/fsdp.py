@@ -596,14 +596,12 @@ def _cuda_env() -> Dict[str, Any]:
         "nccl_multi_rank_gpu_enable": os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE"),
     }
     try:
-        import fairscale_c
-        from fairscale_c.distributed._nccl import _nccl_candidates
+        from fairscale_c.__main__ import collect
 
-        # load NCCL as fairscale_c's backend would, so that the version is reported even for a
-        # framework (or world 1) that never opened a communicator of ours
-        with contextlib.suppress(RuntimeError):
-            fairscale_c._C.nccl_load(_nccl_candidates())
-        info = fairscale_c.build_info()
+        # what `python -m fairscale_c` reports: build_info() after loading NCCL as the backend
+        # would, so the version is known even for a framework (or world 1) that opened no
+        # communicator of ours
+        info = collect()
         for key in ("version", "kernels_built", "driver_version", "runtime_version", "nccl_version", "nccl_path"):
             env[f"fairscale_c_{key}"] = info.get(key)
     except Exception as e:  # report, do not fail the run over it

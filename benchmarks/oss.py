@@ -573,23 +573,30 @@ def run_cpu(
             "separate runs' medians (ms), for comparison: "
             + ", ".join(f"{r['framework']} {r['step_ms_separate']:.1f}" for r in order)
         )
-    if repeats > 1:
-        for r in order:
-            print(
-                f"  {r['framework']}: median step per run "
-                + ", ".join(f"{t:.1f}" for t in r["step_ms_per_run"])
-                + " ms"
-            )
-    for fw, why in skipped.items():
-        print(f"{fw}: skipped ({why})")
-    if "ddp" in rows and REFERENCE in rows:
-        absd, reld = loss_diff(rows["ddp"], rows[REFERENCE])
-        print(f"for scale: plain DDP's losses differ from FairScale's by up to {absd:.3g} (relative {reld:.3g})")
+    _print_run_notes(order, rows, repeats, skipped, {})
     result: Dict[str, Any] = {"rows": order, "skipped": skipped}
     result.update(verdicts(rows, cfg))
     if not all(r["hwm_reset"] for r in order):
         print("note: /proc/self/clear_refs was not writable; peaks include model construction")
     return result
+
+
+def _print_run_notes(
+    order: List[Dict], rows: Dict[str, Dict], repeats: int, skipped: Dict[str, str], failed: Dict[str, str]
+) -> None:
+    """The lines under the table: each run's median step (with several runs), frameworks skipped
+    or failed, and how far plain DDP's losses are from FairScale's (the scale of rounding)."""
+    if repeats > 1:
+        for r in order:
+            per_run = ", ".join(f"{t:.1f}" for t in r["step_ms_per_run"])
+            print(f"  {r['framework']}: median step per run {per_run} ms")
+    for fw, why in skipped.items():
+        print(f"{fw}: skipped ({why})")
+    for fw, err in failed.items():
+        print(f"{fw}: FAILED ({err})")
+    if "ddp" in rows and REFERENCE in rows:
+        absd, reld = loss_diff(rows["ddp"], rows[REFERENCE])
+        print(f"for scale: plain DDP's losses differ from FairScale's by up to {absd:.3g} (relative {reld:.3g})")
 
 
 def run_cuda(cfg: base.Config, frameworks: List[str], repeats: int, bf16: bool, note: str) -> Dict[str, Any]:
@@ -633,20 +640,7 @@ def run_cuda(cfg: base.Config, frameworks: List[str], repeats: int, bf16: bool, 
     )
     order = [rows[f] for f in frameworks if f in rows]
     print_table(order, rows["local"], rows.get(REFERENCE), mem_label="CUDA peak MiB per rank")
-    if repeats > 1:
-        for r in order:
-            print(
-                f"  {r['framework']}: median step per run "
-                + ", ".join(f"{t:.1f}" for t in r["step_ms_per_run"])
-                + " ms"
-            )
-    for fw, why in skipped.items():
-        print(f"{fw}: skipped ({why})")
-    for fw, err in failed.items():
-        print(f"{fw}: FAILED ({err})")
-    if "ddp" in rows and REFERENCE in rows:
-        absd, reld = loss_diff(rows["ddp"], rows[REFERENCE])
-        print(f"for scale: plain DDP's losses differ from FairScale's by up to {absd:.3g} (relative {reld:.3g})")
+    _print_run_notes(order, rows, repeats, skipped, failed)
     result: Dict[str, Any] = {"rows": order, "skipped": skipped, "failed": failed}
     result.update(verdicts(rows, cfg))
     if bf16:

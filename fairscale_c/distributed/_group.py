@@ -279,6 +279,20 @@ class Group:
         a hidden group-wide set-up. Idempotent."""
         self._cuda(device)
 
+    def connect(self, peers: Sequence[int], device: Any = None) -> None:
+        """Set up CUDA point-to-point with ``peers`` (group ranks) now: one single-element send
+        and receive with each, in one NCCL group. Each listed peer must call it too, with this
+        rank among its peers. Use it before a pair's first CUDA messages when they are one-sided
+        (one rank sends and receives, the other only receives): NCCL 2.32 with two ranks sharing
+        a GPU aborted the communicator while connecting such a pair (docs/gpu.md). Host tensors
+        need nothing of the kind."""
+        dev = self._cuda(device).device
+        ops = []
+        for peer in peers:
+            ops += [P2POp("send", torch.zeros(1, device=dev), peer), P2POp("recv", torch.empty(1, device=dev), peer)]
+        if ops:
+            self.batch(ops)
+
     def _side_stream(self, device: torch.device) -> "torch.cuda.Stream":
         side = self._side.get(device)
         if side is None:

@@ -291,21 +291,9 @@ class PipelineStage:
             raise ValueError("pipeline set-up failed: " + "; ".join(bad))
         self.input_meta, self.output_meta = metas, out_metas
         if self.device.type == "cuda" and self.group.size > 1:
-            self._connect_neighbours()
-
-    def _connect_neighbours(self) -> None:
-        """One symmetric exchange with each neighbouring stage, so that both ranks of a pair make
-        their first NCCL point-to-point call with the same shape (a send and a receive in one
-        group). The schedules' first messages are one-sided (stage 0 sends and receives in one
-        group, stage 1 receives, then sends), and NCCL 2.32 with two ranks sharing one GPU aborted
-        the communicator on that pattern while connecting the pair (docs/gpu.md, 2026-11-23)."""
-        peers = ([] if self.is_first else [self.prev]) + ([] if self.is_last else [self.next])
-        ops = []
-        for peer in peers:
-            out, into = torch.zeros(1, device=self.device), torch.empty(1, device=self.device)
-            ops += [fdist.P2POp("send", out, peer), fdist.P2POp("recv", into, peer)]
-        if ops:
-            self.group.batch(ops)
+            # the schedules' first messages are one-sided (stage 0 sends and receives in one
+            # batch, stage 1 receives, then sends): connect each neighbouring pair symmetrically
+            self.group.connect(([] if self.is_first else [self.prev]) + ([] if self.is_last else [self.next]))
 
     def _infer_outputs(
         self,
