@@ -101,10 +101,8 @@ def _train_and_compare(rank, stage_group, world, schedule_cls, n_micro, batch_si
         if stage.is_last:
             torch.testing.assert_close(out, ref_out[mine].detach(), **TOL)
             assert len(losses) == n_micro
-            mb = batch_size // n_micro
-            want = [
-                F.mse_loss(ref_out[mine][i * mb : (i + 1) * mb], y[mine][i * mb : (i + 1) * mb]) for i in range(n_micro)
-            ]
+            pairs = zip(ref_out[mine].tensor_split(n_micro), y[mine].tensor_split(n_micro))  # uneven: 3, 3, 2, 2
+            want = [F.mse_loss(o, t) for o, t in pairs]
             torch.testing.assert_close(torch.stack(losses), torch.stack(want).detach(), **TOL)
         else:
             assert out is None and losses == []
@@ -191,7 +189,7 @@ def _first_step(schedule):
     return schedule.step(x, target=y)
 
 
-def _train_interleaved(rank, world, chunks, n_micro, device="cpu"):
+def _train_interleaved(rank, world, chunks, n_micro, device="cpu", batch_size=16):
     """ScheduleInterleaved1F1B with `chunks` stages per rank against the whole model."""
     from fairscale_c.nn.pipe import PipelineStage, ScheduleInterleaved1F1B
 
@@ -206,8 +204,8 @@ def _train_interleaved(rank, world, chunks, n_micro, device="cpu"):
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
-        x, _ = batch(step, 16, device)
-        y = torch.randn(16, 8, generator=torch.Generator().manual_seed(step)).to(device)
+        x, _ = batch(step, batch_size, device)
+        y = torch.randn(batch_size, 8, generator=torch.Generator().manual_seed(step)).to(device)
         opt.zero_grad()
         out = schedule.step(x, target=y)
         opt.step()
@@ -223,7 +221,7 @@ def _train_interleaved(rank, world, chunks, n_micro, device="cpu"):
     out = schedule.eval(x)  # forward only, in the same interleaved order
     if out is not None:
         torch.testing.assert_close(out, ref(x).detach(), **TOL)
-    return f"ScheduleInterleaved1F1B(v={chunks}, m={n_micro})"
+    return f"ScheduleInterleaved1F1B(v={chunks}, m={n_micro}, batch {batch_size})"
 
 
 def _raises(exc, text, fn, *args, **kwargs) -> str:
@@ -255,13 +253,15 @@ def _bad_input(rank, group):
     schedule = ScheduleGPipe(stage, 4, F.mse_loss)
     x, y = batch(0, 10)
     if rank == 0:  # local checks of the batch: nothing is sent, stage 1 does not take part
-        _raises(ValueError, "has 10 samples (dim 0), not divisible by n_microbatches=4", schedule.step, x)
+        _raises(ValueError, "the batch[0] has 3 samples along dim 0, fewer than n_microbatches=4", schedule.step, x[:3])
         _raises(ValueError, "stage 0 needs the batch", schedule.step)
         _raises(ValueError, "different batch sizes", schedule.step, x[:8], x[:4])
         _raises(ValueError, "the batch is on meta but stage 0 computes on cpu", schedule.step, x.to("meta"))
     else:
         _raises(ValueError, "needs target=", schedule.step)
-        _raises(ValueError, "target has 10 samples (dim 0), not divisible by n_microbatches=4", schedule.step, target=y)
+        _raises(
+            ValueError, "target[0] has 3 samples along dim 0, fewer than n_microbatches=4", schedule.step, target=y[:3]
+        )
 
     # shape mismatch between stages: every stage raises the same ValueError at the first step
     bad = PipelineStage(mod, group=group, input_args=(torch.empty(2, 15) if rank == 1 else None))
@@ -304,7 +304,160 @@ def _bad_input(rank, group):
     _first_step(good)
     if rank == 0:
         _raises(ValueError, "every step must have the same shapes", good.step, torch.randn(12, 8))
+    # a stage set up for 4 micro-batches, driven by a schedule of 2: refused on every rank, locally
+    _raises(
+        ValueError,
+        "set up for 4 micro-batches, this schedule has n_microbatches=2",
+        _first_step,
+        ScheduleGPipe(good.stage, 2, F.mse_loss),
+    )
+    msgs += _bad_chunk_specs(rank, group, mod)
     return msgs
+
+
+def _bad_chunk_specs(rank, group, mod):
+    """Chunk specs: wrong types in the constructor (every rank), wrong for the batch at the step
+    (stage 0, before anything is sent), wrong for the outputs at set-up (every rank)."""
+    from fairscale_c.nn.pipe import ScheduleGPipe, PipelineStage, TensorChunkSpec as Spec
+
+    stage = PipelineStage(mod, group=group)
+    _raises(TypeError, "split_dim must be an int, got str", Spec, "0")
+    _raises(
+        TypeError,
+        "args_chunk_spec must be a tuple with one TensorChunkSpec",
+        ScheduleGPipe,
+        stage,
+        4,
+        F.mse_loss,
+        "dim0",
+    )
+    _raises(
+        TypeError, "args_chunk_spec[1] must be a TensorChunkSpec or None", ScheduleGPipe, stage, 4, None, (Spec(0), 1)
+    )
+    _raises(TypeError, "kwargs_chunk_spec must be a dict", ScheduleGPipe, stage, 4, kwargs_chunk_spec=[Spec(0)])
+    _raises(
+        TypeError,
+        "kwargs_chunk_spec['w'] must be a TensorChunkSpec",
+        ScheduleGPipe,
+        stage,
+        4,
+        kwargs_chunk_spec={"w": 1},
+    )
+    _raises(
+        TypeError,
+        "output_merge_spec[0] must be a TensorChunkSpec, got NoneType",
+        ScheduleGPipe,
+        stage,
+        4,
+        output_merge_spec=(None,),
+    )
+    _raises(ValueError, "args_chunk_spec is empty", ScheduleGPipe, stage, 4, args_chunk_spec=())
+    x, _ = batch(0, 10)
+    if rank == 0:
+        two = ScheduleGPipe(stage, 4, F.mse_loss, args_chunk_spec=(Spec(0), Spec(1)))
+        _raises(ValueError, "args_chunk_spec has 2 entries but stage 0 was given 1 positional inputs", two.step, x)
+        far = ScheduleGPipe(stage, 4, F.mse_loss, args_chunk_spec=(Spec(2),))
+        _raises(ValueError, "the batch[0] has shape [10, 8]; args_chunk_spec splits it along dim 2", far.step, x)
+        _raises(
+            ValueError,
+            "has 8 samples along dim 1, fewer than n_microbatches=9",
+            ScheduleGPipe(stage, 9, F.mse_loss, args_chunk_spec=Spec(1)).step,
+            x,
+        )
+        kw = ScheduleGPipe(stage, 4, F.mse_loss, kwargs_chunk_spec={"w": Spec(0), "k": None})
+        _raises(ValueError, "no entry for 'mask'; 'k' not given to step", kw.step, x, w=x, mask=x)
+        kw = ScheduleGPipe(stage, 4, F.mse_loss, kwargs_chunk_spec={"w": Spec(0)})
+        _raises(
+            ValueError,
+            "kwargs_chunk_spec['w'] splits along dim 0 but keyword argument 'w' is a float",
+            kw.step,
+            x,
+            w=0.5,
+        )
+    # the merge spec is checked against the last stage's outputs at set-up: the same error everywhere
+    msgs = [
+        _raises(
+            ValueError,
+            "output_merge_spec has 2 entries but stage 1's module returns 1 tensors",
+            _first_step,
+            ScheduleGPipe(PipelineStage(mod, group=group), 4, F.mse_loss, output_merge_spec=(Spec(0), Spec(0))),
+        ),
+        _raises(
+            ValueError,
+            "output_merge_spec[0] merges along dim 2 but output[0] is float32[2, 4]",
+            _first_step,
+            ScheduleGPipe(PipelineStage(mod, group=group), 4, F.mse_loss, output_merge_spec=Spec(2)),
+        ),
+    ]
+    return msgs
+
+
+class DimHead(nn.Module):
+    """Stage 0 of the sequence-split model: a per-position weight by keyword and a scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x, w=None, scale=1.0):
+        h = torch.tanh(self.fc(x)) * scale
+        return h if w is None else h * w[..., None]
+
+
+def _split_along_dim1(rank):
+    """x (batch 4, sequence 10, 8) split along dim 1 into 4 uneven micro-batches (3, 3, 2, 2), a
+    keyword weight (4, 10) split along dim 1 with it, a float given to every micro-batch, outputs
+    merged along dim 1; the target comes sequence-first (torch splits targets along dim 0). GPipe
+    with fairscale_c's TensorChunkSpec, 1F1B with torch.distributed.pipelining's."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec as TorchSpec
+
+    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe, TensorChunkSpec
+
+    def loss_fn(out, target):
+        return F.mse_loss(out, target.transpose(0, 1))
+
+    done = []
+    for cls, Spec in ((ScheduleGPipe, TensorChunkSpec), (Schedule1F1B, TorchSpec)):
+        torch.manual_seed(4)
+        head, tail = DimHead(), nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        ref_head, ref_tail = copy.deepcopy(head), copy.deepcopy(tail)
+        mod = head if rank == 0 else tail
+        schedule = cls(
+            PipelineStage(mod),
+            4,
+            loss_fn,
+            args_chunk_spec=(Spec(1),),
+            kwargs_chunk_spec={"w": Spec(1), "scale": None},
+            output_merge_spec=Spec(1),
+        )
+        opt = torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(list(ref_head.parameters()) + list(ref_tail.parameters()), lr=0.1, momentum=0.9)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(200 + step)
+            x, w, y = (
+                torch.randn(4, 10, 8, generator=g),
+                torch.rand(4, 10, generator=g),
+                torch.randn(10, 4, 4, generator=g),
+            )
+            opt.zero_grad()
+            losses: list = []
+            out = schedule.step(x, target=y, losses=losses, w=w, scale=0.5)
+            opt.step()
+            ref_opt.zero_grad()
+            ref_out = ref_tail(ref_head(x, w=w, scale=0.5))
+            loss_fn(ref_out, y).backward()
+            ref_opt.step()
+            if rank == 1:
+                torch.testing.assert_close(out, ref_out.detach(), **TOL)
+                want = [loss_fn(o, t) for o, t in zip(ref_out.tensor_split(4, dim=1), y.tensor_split(4))]
+                torch.testing.assert_close(torch.stack(losses), torch.stack(want).detach(), **TOL)
+        stage = schedule.stage
+        sizes = [m[0].shape[1] for m in (stage.input_metas if rank == 1 else stage.output_metas)]
+        assert sizes == [3, 3, 2, 2], sizes
+        for p, q in zip(mod.parameters(), (ref_head if rank == 0 else ref_tail).parameters()):
+            torch.testing.assert_close(p, q, **TOL)
+        done.append(f"{cls.__name__} along dim 1")
+    return done
 
 
 def job_world2(rank, world, device):
@@ -322,7 +475,11 @@ def job_world2(rank, world, device):
     for cls in (ScheduleGPipe, Schedule1F1B):
         for m in (1, 4, 8):
             done.append(_train_and_compare(rank, None, 2, cls, m, 8, device))
+        done.append(_train_and_compare(rank, None, 2, cls, 4, 10, device))  # uneven: 3, 3, 2, 2
     done.append(_train_interleaved(rank, 2, 2, 4, device))
+    done.append(_train_interleaved(rank, 2, 2, 4, device, batch_size=14))  # uneven: 4, 4, 3, 3
+    if device == "cpu":
+        done += _split_along_dim1(rank)
     world_group = fdist.init_group()  # a fairscale_c Group as the pipeline group
     done.append(_train_and_compare(rank, world_group, 2, Schedule1F1B, 2, 8, device))
     if device == "cpu":
@@ -416,9 +573,9 @@ def test_two_stages_match_single_process_and_reject_bad_input():
     before = orphaned_segments()
     results = run_ranks(job_world2, 2, "cpu", timeout=240, env={"FAIRSCALE_C_TIMEOUT": "60"})
     done, msgs = results[0]
-    assert len(done) == 8, done
+    assert len(done) == 13, done
     assert results[0][1] == results[1][1], "set-up errors must be the same on every stage"
-    assert len(msgs) == 4
+    assert len(msgs) == 6
     assert orphaned_segments() <= before
 
 
@@ -450,4 +607,4 @@ def test_two_stages_on_cuda_match_single_process():
     _, nccl_env = _nccl_devices()
     env = {"FAIRSCALE_C_TIMEOUT": "120", **nccl_env}
     results = run_ranks(job_world2, 2, "cuda", timeout=300, env=env)
-    assert len(results[0][0]) == 8
+    assert len(results[0][0]) == 11

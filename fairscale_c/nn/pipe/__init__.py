@@ -8,7 +8,7 @@ docs/pipe_stages.md.
 
 from ..checkpoint import is_checkpointing, is_recomputing
 from .pipe import Pipe
-from .schedule import PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, StepStats
+from .schedule import PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, StepStats, TensorChunkSpec
 from .stage import PipelineStage, TensorMeta
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "StepStats",
+    "TensorChunkSpec",
     "TensorMeta",
 ]

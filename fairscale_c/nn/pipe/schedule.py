@@ -40,6 +40,56 @@ import torch
 from .stage import PipelineStage, as_tuple, describe, metas_of, resolve_group
 
 
+class TensorChunkSpec:
+    """How :meth:`PipelineSchedule.step` splits one input tensor into micro-batches (along
+    ``split_dim``, ``torch.tensor_split``-style: the first ``size % n_microbatches`` micro-batches
+    one larger), or merges the last stage's outputs back (concatenated along ``split_dim``). The
+    same as ``torch.distributed.pipelining.TensorChunkSpec``, which the schedules also accept."""
+
+    def __init__(self, split_dim: int) -> None:
+        if not isinstance(split_dim, int) or isinstance(split_dim, bool):
+            raise TypeError(f"TensorChunkSpec: split_dim must be an int, got {type(split_dim).__name__}")
+        self.split_dim = split_dim
+
+    def __repr__(self) -> str:
+        return f"TensorChunkSpec({self.split_dim})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TensorChunkSpec) and other.split_dim == self.split_dim
+
+    def __hash__(self) -> int:
+        return hash(("TensorChunkSpec", self.split_dim))
+
+    @staticmethod
+    def from_tuple(chunk_dims: Sequence[int]) -> Tuple["TensorChunkSpec", ...]:
+        """One spec per positional input: ``from_tuple((0, 1))``."""
+        return tuple(TensorChunkSpec(d) for d in chunk_dims)
+
+    @staticmethod
+    def from_dict(chunk_dims: Dict[str, int]) -> Dict[str, "TensorChunkSpec"]:
+        """One spec per keyword input: ``from_dict({"ids": 0, "mask": 1})``."""
+        return {k: TensorChunkSpec(d) for k, d in chunk_dims.items()}
+
+
+def _spec_dim(spec: Any, what: str, replicate_ok: bool = True) -> Optional[int]:
+    """The split dimension of one chunk spec; None: given whole to every micro-batch."""
+    if spec is None and replicate_ok:
+        return None
+    kind = type(spec).__name__
+    if kind == "_Replicate" and replicate_ok:  # torch.distributed.pipelining's private "replicate"
+        return None
+    if isinstance(spec, TensorChunkSpec) or (
+        kind == "TensorChunkSpec" and isinstance(getattr(spec, "split_dim", None), int)
+    ):
+        return int(spec.split_dim)
+    allowed = "a TensorChunkSpec" + (" or None (the whole value to every micro-batch)" if replicate_ok else "")
+    raise TypeError(f"{what} must be {allowed}, got {kind}")
+
+
+def _norm_dim(dim: int, ndim: int) -> Optional[int]:
+    return dim + ndim if -ndim <= dim < 0 else dim if 0 <= dim < ndim else None
+
+
 @dataclass(frozen=True)
 class Action:
     """One unit of a rank's work: ``kind`` "F" (forward) or "B" (backward) of micro-batch ``mb``
@@ -78,11 +128,21 @@ class PipelineSchedule:
 
     Args:
         stage: this rank's :class:`PipelineStage` (ScheduleInterleaved1F1B: a list of them).
-        n_microbatches: micro-batches per step (>= 1); the batch is split along dimension 0 and
-            its size must be divisible by it.
+        n_microbatches: micro-batches per step (>= 1); the batch is split along dimension 0 (or
+            as ``args_chunk_spec`` says) ``torch.tensor_split``-style: when it does not divide
+            evenly the first micro-batches are one sample larger.
         loss_fn: ``loss_fn(output, target)`` for one micro-batch, used on the last stage. Give it
             (or any callable) on every stage: without one a step is forward-only.
-        scale_grads: divide each micro-batch's loss by ``n_microbatches`` before its backward, so
+        args_chunk_spec: how to split stage 0's positional inputs: a tuple with one
+            :class:`TensorChunkSpec` (split along its dim) or None (the whole tensor to every
+            micro-batch) per input. Default: all along dim 0.
+        kwargs_chunk_spec: the same for stage 0's keyword inputs, a dict with one entry per
+            keyword. Default: tensors along dim 0, anything else to every micro-batch.
+        output_merge_spec: how the last stage's outputs are merged into the step's result: a
+            :class:`TensorChunkSpec` (one output) or a tuple of them (one per output); default:
+            concatenated along dim 0.
+        scale_grads: weight each micro-batch's loss by its share of the batch (its target's rows
+            over the batch's; ``1 / n_microbatches`` for an even split) before its backward, so
             that a loss averaging over its micro-batch gives the gradients of the average over the
             whole batch (as in a single process).
         dp_group: optional data-parallel group (a torch ProcessGroup or a fairscale_c Group) of the
@@ -95,8 +155,11 @@ class PipelineSchedule:
         stage: PipelineStage,
         n_microbatches: int,
         loss_fn: Optional[Callable[..., torch.Tensor]] = None,
-        *,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Optional[Dict[str, Any]] = None,
+        output_merge_spec: Any = None,
         scale_grads: bool = True,
+        *,
         dp_group: Any = None,
     ) -> None:
         name = type(self).__name__
@@ -123,11 +186,69 @@ class PipelineSchedule:
         self._last = next((st for st in self._stages if st.is_last), None)
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
+        self._args_dims = self._check_args_spec(args_chunk_spec)
+        self._kwargs_dims = self._check_kwargs_spec(kwargs_chunk_spec)
+        self._merge_dims = self._check_merge_spec(output_merge_spec)
         self.scale_grads = bool(scale_grads)
         self.dp_group = resolve_group(dp_group, "default", f"{name}: dp_group") if dp_group is not None else None
         self.last_step: Optional[StepStats] = None
 
     _interleaved = False
+
+    def _check_args_spec(self, spec: Any) -> Optional[Tuple[Optional[int], ...]]:
+        if spec is None:
+            return None
+        what = f"{type(self).__name__}: args_chunk_spec"
+        if not isinstance(spec, (tuple, list)):
+            try:
+                _spec_dim(spec, what, replicate_ok=False)
+                spec = (spec,)  # one spec: one positional input
+            except TypeError:
+                raise TypeError(
+                    f"{what} must be a tuple with one TensorChunkSpec (or None) per positional input, "
+                    f"got {type(spec).__name__}"
+                ) from None
+        if not spec:
+            raise ValueError(f"{what} is empty; give one TensorChunkSpec (or None) per positional input")
+        return tuple(_spec_dim(s, f"{what}[{k}]") for k, s in enumerate(spec))
+
+    def _check_kwargs_spec(self, spec: Any) -> Optional[Dict[str, Optional[int]]]:
+        if spec is None:
+            return None
+        what = f"{type(self).__name__}: kwargs_chunk_spec"
+        if not isinstance(spec, dict):
+            raise TypeError(
+                f"{what} must be a dict of keyword name -> TensorChunkSpec or None, got {type(spec).__name__}"
+            )
+        bad = [k for k in spec if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{what}: keys must be keyword names (str), got {bad[0]!r}")
+        return {k: _spec_dim(s, f"{what}[{k!r}]") for k, s in spec.items()}
+
+    def _check_merge_spec(self, spec: Any) -> Optional[Tuple[int, ...]]:
+        if spec is None:
+            return None
+        what = f"{type(self).__name__}: output_merge_spec"
+        if isinstance(spec, (tuple, list)):
+            if not spec:
+                raise ValueError(f"{what} is empty; give one TensorChunkSpec per output of the last stage")
+            return tuple(_spec_dim(s, f"{what}[{k}]", replicate_ok=False) for k, s in enumerate(spec))  # type: ignore[misc]
+        return (_spec_dim(spec, what, replicate_ok=False),)  # type: ignore[return-value]
+
+    def _check_outputs(self, table: List[Tuple[Any, ...]]) -> str:
+        """The last stage's set-up check of ``output_merge_spec`` against its outputs."""
+        dims, n = self._merge_dims, len(table[0])
+        if dims is None:
+            return ""
+        if len(dims) != n:
+            return (
+                f"output_merge_spec has {len(dims)} entries but stage {self._stages[-1].stage_index}'s module "
+                f"returns {n} tensors"
+            )
+        for k, (dim, meta) in enumerate(zip(dims, table[0])):
+            if _norm_dim(dim, len(meta.shape)) is None:
+                return f"output_merge_spec[{k}] merges along dim {dim} but output[{k}] is {meta}"
+        return ""
 
     @property
     def stage(self) -> PipelineStage:
@@ -187,32 +308,43 @@ class PipelineSchedule:
                     f"{name}.step: the batch is on {', '.join(sorted(set(wrong)))} but stage 0 computes on "
                     f"{first.device}; move it there first"
                 )
-        mbs = self._split(args, "the batch") if first is not None else None
+        mbs = self._split(args, "the batch", self._args_dims) if first is not None else None
         mb_kwargs = self._split_kwargs(kwargs or {}, args) if first is not None else None
-        targets = None
+        targets, divisors = None, [float(m if self.scale_grads else 1)] * m
         if last is not None and self._loss_fn is not None:
             if target is None and has_backward:
                 raise ValueError(f"{name}.step: the last stage needs target= (the loss function's target)")
             if target is not None:
                 targets = self._split(as_tuple(target), "target")
+                rows = [t[0].shape[0] for t in targets]
+                if self.scale_grads and len(set(rows)) > 1:  # uneven: each by its share of the batch
+                    divisors = [sum(rows) / r for r in rows]
+        for stage in self._stages:
+            if stage.ready and len(stage.input_metas or ()) != m:
+                raise ValueError(
+                    f"{name}: stage {stage.stage_index} was set up for {len(stage.input_metas or ())} micro-batches, "
+                    f"this schedule has n_microbatches={m}; a stage serves schedules of one micro-batch count"
+                )
         t0 = time.perf_counter()
         for stage in self._stages:  # every rank in the same order: along the pipeline
             if not stage.ready:
-                if stage.is_first and mbs is not None and mb_kwargs is not None:
-                    stage.setup(mbs[0], mb_kwargs[0])
+                check = self._check_outputs if stage.is_last else None
+                if stage.is_first:
+                    stage.setup(mbs, mb_kwargs, m, check)
                 else:
-                    stage.setup(None)
+                    stage.setup(None, None, m, check)
         if first is not None and mbs is not None:
-            got = metas_of(mbs[0], "step: the micro-batch")
-            if got != first.input_meta:
+            got = [metas_of(mb, "step: the micro-batch") for mb in mbs]
+            if got != first.input_metas:
+                k = next((i for i, (a, b) in enumerate(zip(got, first.input_metas or ())) if a != b), 0)
                 raise ValueError(
-                    f"{name}.step: stage 0's micro-batch is {describe(got)} but the pipeline was set up for "
-                    f"{describe(first.input_meta or ())}; every step must have the same shapes"
+                    f"{name}.step: stage 0's micro-batch {k} is {describe(got[k])} but the pipeline was set up "
+                    f"for {describe((first.input_metas or [()])[k])}; every step must have the same shapes"
                 )
         for stage in self._stages:
             stage.clear()
         mb_losses: List[torch.Tensor] = []
-        compute_s, wait_s = self._run(mbs, targets, mb_losses, has_backward, mb_kwargs)
+        compute_s, wait_s = self._run(mbs, targets, mb_losses, has_backward, mb_kwargs, divisors)
         t1 = time.perf_counter()
         if self.dp_group is not None and has_backward:
             self._reduce_gradients()
@@ -226,56 +358,97 @@ class PipelineSchedule:
                 last.output_chunks = []
             return None
         chunks, last.output_chunks = last.output_chunks, []
-        merged = tuple(torch.cat([c[k] for c in chunks]) for k in range(len(chunks[0])))
+        dims = self._merge_dims or (0,) * len(chunks[0])
+        merged = tuple(torch.cat([c[k] for c in chunks], dim=d) for k, d in enumerate(dims))
         return merged[0] if len(merged) == 1 else merged
 
     def _split_kwargs(self, kwargs: Dict[str, Any], args: tuple) -> List[Dict[str, Any]]:
-        """Stage 0's keyword arguments per micro-batch: a Tensor with a batch dimension (the
-        positional batch's size) is split along it as the batch is; anything else (scalars,
-        0-dim tensors, other objects) goes to every micro-batch unchanged."""
+        """Stage 0's keyword arguments per micro-batch. Without ``kwargs_chunk_spec``: a Tensor with
+        a batch dimension (the positional batch's size) is split along it as the batch is;
+        anything else (scalars, 0-dim tensors, other objects) goes to every micro-batch unchanged.
+        With it, each keyword as its entry says."""
         name, m = type(self).__name__, self._n_microbatches
-        size = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
         device = self._first.device if self._first is not None else None
+        dims = self._kwargs_dims
+        if dims is not None and set(dims) != set(kwargs):
+            missing, extra = sorted(set(kwargs) - set(dims)), sorted(set(dims) - set(kwargs))
+            raise ValueError(
+                f"{name}.step: kwargs_chunk_spec must have one entry per keyword argument"
+                + (f"; no entry for {', '.join(map(repr, missing))}" if missing else "")
+                + (f"; {', '.join(map(repr, extra))} not given to step" if extra else "")
+            )
+        size = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
         out: List[Dict[str, Any]] = [{} for _ in range(m)]
         for key, value in kwargs.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                if value.shape[0] != size:
+            if dims is not None:
+                dim = dims[key]
+                if dim is not None and not isinstance(value, torch.Tensor):
+                    raise ValueError(
+                        f"{name}.step: kwargs_chunk_spec[{key!r}] splits along dim {dim} but keyword argument {key!r} "
+                        f"is a {type(value).__name__}; only tensors can be split (None gives it to every micro-batch)"
+                    )
+            else:
+                dim = 0 if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+                if dim is not None and value.shape[0] != size:
                     raise ValueError(
                         f"{name}.step: keyword argument {key!r} has {value.shape[0]} rows (dim 0) but the batch "
-                        f"has {size}; tensors passed by keyword are split into micro-batches along dim 0 like the batch"
+                        f"has {size}; tensors passed by keyword are split into micro-batches along dim 0 like the "
+                        "batch (kwargs_chunk_spec says otherwise)"
                     )
-                if device is not None and value.device != device:
-                    raise ValueError(
-                        f"{name}.step: keyword argument {key!r} is on {value.device} but stage 0 computes on "
-                        f"{device}; move it there first"
-                    )
-                for i, part in enumerate(torch.tensor_split(value.contiguous(), m, dim=0)):
-                    out[i][key] = part
-            else:
+            if dim is None:
                 for d in out:
                     d[key] = value
+                continue
+            if device is not None and value.device != device:
+                raise ValueError(
+                    f"{name}.step: keyword argument {key!r} is on {value.device} but stage 0 computes on "
+                    f"{device}; move it there first"
+                )
+            for i, part in enumerate(self._chunks(value, dim, f"keyword argument {key!r}", "kwargs_chunk_spec")):
+                out[i][key] = part
         return out
 
-    def _split(self, args: tuple, what: str) -> List[Tuple[torch.Tensor, ...]]:
+    def _chunks(self, t: torch.Tensor, dim: int, what: str, spec_name: str) -> Sequence[torch.Tensor]:
+        """``t`` split into n_microbatches along ``dim`` (the first ones one larger when uneven)."""
+        name, m = type(self).__name__, self._n_microbatches
+        d = _norm_dim(dim, t.dim())
+        if d is None:
+            raise ValueError(
+                f"{name}.step: {what} has shape {list(t.shape)}; {spec_name} splits it along dim {dim}, which it "
+                "does not have"
+            )
+        if t.shape[d] < m:
+            raise ValueError(
+                f"{name}.step: {what} has {t.shape[d]} samples along dim {d}, fewer than n_microbatches={m}"
+            )
+        return torch.tensor_split(t.contiguous() if d == 0 else t, m, dim=d)
+
+    def _split(
+        self, args: tuple, what: str, dims: Optional[Tuple[Optional[int], ...]] = None
+    ) -> List[Tuple[torch.Tensor, ...]]:
         name, m = type(self).__name__, self._n_microbatches
         if not args:
             raise ValueError(f"{name}.step: stage 0 needs the batch as positional Tensors, got none")
-        sizes = set()
+        if dims is not None and len(dims) != len(args):
+            raise ValueError(
+                f"{name}.step: args_chunk_spec has {len(dims)} entries but stage 0 was given {len(args)} "
+                "positional inputs; give one TensorChunkSpec (or None) per input"
+            )
         for k, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 raise TypeError(f"{name}.step: {what}[{k}] must be a Tensor, got {type(a).__name__}")
-            if a.dim() == 0:
-                raise ValueError(f"{name}.step: {what}[{k}] is a scalar; expected a batch dimension (dim 0)")
-            sizes.add(a.shape[0])
-        if len(sizes) != 1:
-            raise ValueError(f"{name}.step: {what} tensors have different batch sizes {sorted(sizes)} (dim 0)")
-        size = sizes.pop()
-        if size % m:
-            raise ValueError(
-                f"{name}.step: {what} has {size} samples (dim 0), not divisible by n_microbatches={m}; "
-                "micro-batches must be equal so that averaging their losses gives the batch's average"
-            )
-        parts = [torch.tensor_split(a.contiguous(), m, dim=0) for a in args]
+        if dims is None:
+            for k, a in enumerate(args):
+                if a.dim() == 0:
+                    raise ValueError(f"{name}.step: {what}[{k}] is a scalar; expected a batch dimension (dim 0)")
+            sizes = sorted({a.shape[0] for a in args})
+            if len(sizes) != 1:
+                raise ValueError(f"{name}.step: {what} tensors have different batch sizes {sizes} (dim 0)")
+        spec_name = "args_chunk_spec" if dims is not None else "the default chunking"
+        parts = []
+        for k, a in enumerate(args):
+            dim = 0 if dims is None else dims[k]
+            parts.append([a] * m if dim is None else self._chunks(a, dim, f"{what}[{k}]", spec_name))
         return [tuple(p[i] for p in parts) for i in range(m)]
 
     def _run(
@@ -285,8 +458,9 @@ class PipelineSchedule:
         mb_losses: List[torch.Tensor],
         has_backward: bool,
         mb_kwargs: Optional[List[Dict[str, Any]]] = None,
+        divisors: Optional[List[float]] = None,
     ) -> Tuple[float, float]:
-        divisor = self._n_microbatches if self.scale_grads else 1
+        divisors = divisors or [float(self._n_microbatches if self.scale_grads else 1)] * self._n_microbatches
         inflight: Deque[Any] = deque()  # Works of sends not yet known to be finished, oldest first
         compute_s = wait_s = 0.0
         sends: list = []  # the previous action's messages, not yet issued
@@ -318,7 +492,7 @@ class PipelineSchedule:
                     if has_backward:
                         stage.set_loss(action.mb, loss)
             else:
-                stage.backward_one(action.mb, divisor)
+                stage.backward_one(action.mb, divisors[action.mb])
             compute_s += time.perf_counter() - t
             sends = self._sends(action)
             sends_group = stage.group if action.kind == "F" else stage.grad_group
@@ -411,11 +585,23 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         stages: Sequence[PipelineStage],
         n_microbatches: int,
         loss_fn: Optional[Callable[..., torch.Tensor]] = None,
-        *,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Optional[Dict[str, Any]] = None,
+        output_merge_spec: Any = None,
         scale_grads: bool = True,
+        *,
         dp_group: Any = None,
     ) -> None:
-        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads, dp_group=dp_group)  # type: ignore[arg-type]
+        super().__init__(
+            stages,  # type: ignore[arg-type]
+            n_microbatches,
+            loss_fn,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            scale_grads,
+            dp_group=dp_group,
+        )
         name, group = type(self).__name__, self._stages[0].group
         p, rank, n = group.size, group.rank, self._stages[0].num_stages
         want = list(range(rank, n, p))
@@ -466,4 +652,12 @@ def _second_group(group: Any) -> Any:
     return group.new_group(list(range(group.size)))
 
 
-__all__ = ["Action", "PipelineSchedule", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "StepStats"]
+__all__ = [
+    "Action",
+    "PipelineSchedule",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "StepStats",
+    "TensorChunkSpec",
+]

@@ -8,11 +8,14 @@ schedule (:class:`~fairscale_c.nn.pipe.schedule.ScheduleGPipe`, :class:`~fairsca
 :class:`~fairscale_c.nn.pipe.schedule.ScheduleInterleaved1F1B`) decides the order of the micro-batches; the
 stage knows how to run one micro-batch forward or backward and which messages that needs.
 
-At the first step every stage takes part in a set-up: stage 0 describes its micro-batch, each
-stage infers the shapes of its outputs (on the meta device when the module allows it) and sends
-them to the next stage, which compares them with the ``input_args`` it was given. Every rank then
-learns every stage's verdict, so a shape mismatch or a module that fails on its inputs is the same
-``ValueError`` on every rank instead of a hang.
+At the first step every stage takes part in a set-up: stage 0 describes each of its
+micro-batches (they may differ in size when the batch does not divide evenly), each stage infers
+the shapes of its outputs for each distinct input (on the meta device when the module allows it)
+and sends the table to the next stage, which compares its first micro-batch with the
+``input_args`` it was given. Every rank then learns every stage's verdict, so a shape mismatch or
+a module that fails on its inputs is the same ``ValueError`` on every rank instead of a hang. The
+receive buffers of every later step are sized from that table: no message carries shapes in the
+steady state.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -96,29 +99,43 @@ def _check_passable(metas: Sequence[TensorMeta], what: str) -> str:
     return ""
 
 
-def _encode(metas: Optional[Sequence[TensorMeta]]) -> torch.Tensor:
-    rec = torch.zeros(_REC_LEN, dtype=torch.int64)
-    if metas is None:
-        rec[0] = _UPSTREAM_FAILED
-        return rec
-    rec[1] = len(metas)
-    for k, m in enumerate(metas):
-        base = 2 + k * (2 + _MAX_DIMS)
-        rec[base] = _DTYPES.index(m.dtype)
-        rec[base + 1] = len(m.shape)
-        rec[base + 2 : base + 2 + len(m.shape)] = torch.tensor(m.shape, dtype=torch.int64)
-    return rec
+def _encode(table: Optional[Sequence[Sequence[TensorMeta]]], n: int) -> torch.Tensor:
+    """``n`` set-up records, one per micro-batch (``table`` None: the upstream failed)."""
+    rec = [[0] * _REC_LEN for _ in range(n)]
+    if table is None:
+        rec[0][0] = _UPSTREAM_FAILED
+        return torch.tensor(rec, dtype=torch.int64)
+    for row, metas in zip(rec, table):
+        row[1] = len(metas)
+        for k, m in enumerate(metas):
+            base = 2 + k * (2 + _MAX_DIMS)
+            row[base] = _DTYPES.index(m.dtype)
+            row[base + 1] = len(m.shape)
+            row[base + 2 : base + 2 + len(m.shape)] = list(m.shape)
+    return torch.tensor(rec, dtype=torch.int64)
 
 
-def _decode(rec: torch.Tensor) -> Optional[Tuple[TensorMeta, ...]]:
-    v = rec.tolist()
-    if v[0] != _OK:
+def _decode(rec: torch.Tensor) -> Optional[List[Tuple[TensorMeta, ...]]]:
+    rows = rec.tolist()
+    if rows[0][0] != _OK:
         return None
-    out = []
-    for k in range(v[1]):
-        base = 2 + k * (2 + _MAX_DIMS)
-        out.append(TensorMeta(tuple(v[base + 2 : base + 2 + v[base + 1]]), _DTYPES[v[base]]))
-    return tuple(out)
+    table = []
+    for v in rows:
+        out = []
+        for k in range(v[1]):
+            base = 2 + k * (2 + _MAX_DIMS)
+            out.append(TensorMeta(tuple(v[base + 2 : base + 2 + v[base + 1]]), _DTYPES[v[base]]))
+        table.append(tuple(out))
+    return table
+
+
+def _kwargs_key(kwargs: Optional[Dict[str, Any]]) -> Any:
+    """What of stage 0's keyword arguments can change its outputs' shapes: their tensors' shapes."""
+    if not kwargs:
+        return None
+    return tuple(
+        (k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, id(v)) for k, v in sorted(kwargs.items())
+    )
 
 
 def as_tuple(x: Any) -> Tuple[Any, ...]:
@@ -232,7 +249,10 @@ class PipelineStage:
         self.declared_inputs = metas_of(input_args, "PipelineStage: input_args") if input_args is not None else None
         if self.device.type == "cuda" and size > 1:
             self.group.init_nccl(self.device)
-        self.input_meta: Optional[Tuple[TensorMeta, ...]] = None  # known after the first step's set-up
+        # known after the first step's set-up: per micro-batch, and the first micro-batch's
+        self.input_metas: Optional[List[Tuple[TensorMeta, ...]]] = None
+        self.output_metas: Optional[List[Tuple[TensorMeta, ...]]] = None
+        self.input_meta: Optional[Tuple[TensorMeta, ...]] = None
         self.output_meta: Optional[Tuple[TensorMeta, ...]] = None
         self._inputs: Dict[int, Tuple[torch.Tensor, ...]] = {}  # micro-batch -> inputs (kept for backward)
         self._outputs: Dict[int, Tuple[torch.Tensor, ...]] = {}  # micro-batch -> outputs (with their graph)
@@ -259,41 +279,75 @@ class PipelineStage:
         return self.input_meta is not None
 
     def setup(
-        self, first_microbatch: Optional[Tuple[torch.Tensor, ...]], first_kwargs: Optional[Dict[str, Any]] = None
+        self,
+        microbatches: Optional[Sequence[Tuple[torch.Tensor, ...]]] = None,
+        kwargs: Optional[Sequence[Dict[str, Any]]] = None,
+        n_microbatches: int = 1,
+        output_check: Optional[Callable[[List[Tuple[TensorMeta, ...]]], str]] = None,
     ) -> None:
-        """Agree on the tensors passed between stages (a collective over the pipeline group; every
-        stage calls it, stage 0 with its first micro-batch). Raises the same ValueError on every
-        rank when any stage's shapes do not fit."""
-        err, metas, upstream_ok = "", None, True
+        """Agree on the tensors passed between stages for each of the ``n_microbatches``
+        micro-batches (a collective over the pipeline group; every stage calls it, stage 0 with
+        its micro-batches and their keyword arguments). ``output_check`` (last stage) may refuse
+        the outputs with a message. Raises the same ValueError on every rank when any stage's
+        shapes do not fit."""
+        err, table, upstream_ok = "", None, True
         if self.is_first:
-            metas = metas_of(first_microbatch, "step: the micro-batch")
+            if microbatches is None or len(microbatches) != n_microbatches:
+                raise ValueError(f"PipelineStage.setup: stage 0 needs its {n_microbatches} micro-batches")
+            table = [metas_of(mb, "step: the micro-batch") for mb in microbatches]
         else:
-            rec = torch.empty(_REC_LEN, dtype=torch.int64)
+            rec = torch.empty(n_microbatches, _REC_LEN, dtype=torch.int64)
             self.group.recv(rec, self.prev)
-            metas = _decode(rec)
-            upstream_ok = metas is not None
-        if upstream_ok and self.declared_inputs is not None and metas != self.declared_inputs:
+            table = _decode(rec)
+            upstream_ok = table is not None
+        if upstream_ok and self.declared_inputs is not None and table[0] != self.declared_inputs:
             source = "its micro-batch is" if self.is_first else f"stage {self.stage_index - 1} sends"
             err = (
                 f"shape mismatch between stages: stage {self.stage_index} was built with input_args "
-                f"{describe(self.declared_inputs)} but {source} {describe(metas)}"
+                f"{describe(self.declared_inputs)} but {source} {describe(table[0])}"
             )
-        out_metas = None
+        out_table: Optional[List[Tuple[TensorMeta, ...]]] = None
         if upstream_ok and not err:
-            out_metas, err = self._infer_outputs(metas, first_microbatch, first_kwargs)
-        if not err and out_metas is not None and not self.is_last:
-            err = _check_passable(out_metas, f"stage {self.stage_index}'s output")
+            out_table, err = self._infer_table(table, microbatches, kwargs)
+        if not err and out_table is not None and not self.is_last:
+            for metas in dict.fromkeys(out_table):
+                err = err or _check_passable(metas, f"stage {self.stage_index}'s output")
+        if not err and out_table is not None and output_check is not None:
+            err = output_check(out_table)
         if not self.is_last:
-            self.group.send(_encode(out_metas if upstream_ok and not err else None), self.next)
+            self.group.send(_encode(out_table if upstream_ok and not err else None, n_microbatches), self.next)
         verdicts = self._agree(err)
         bad = [m for m in verdicts if m]
         if bad:
             raise ValueError("pipeline set-up failed: " + "; ".join(bad))
-        self.input_meta, self.output_meta = metas, out_metas
+        self.input_metas, self.output_metas = table, out_table
+        self.input_meta, self.output_meta = table[0], out_table[0]  # type: ignore[index]
         if self.device.type == "cuda" and self.group.size > 1:
             # the schedules' first messages are one-sided (stage 0 sends and receives in one
             # batch, stage 1 receives, then sends): connect each neighbouring pair symmetrically
             self.group.connect(([] if self.is_first else [self.prev]) + ([] if self.is_last else [self.next]))
+
+    def _infer_table(
+        self,
+        table: List[Tuple[TensorMeta, ...]],
+        microbatches: Optional[Sequence[Tuple[torch.Tensor, ...]]],
+        kwargs: Optional[Sequence[Dict[str, Any]]],
+    ) -> Tuple[Optional[List[Tuple[TensorMeta, ...]]], str]:
+        """Output metadata per micro-batch, inferred once per distinct input (an uneven split
+        has two: the larger micro-batches first, then the smaller ones)."""
+        done: Dict[Any, Tuple[TensorMeta, ...]] = {}
+        out = []
+        for i, metas in enumerate(table):
+            kw = kwargs[i] if kwargs is not None and self.is_first else None
+            key = (metas, _kwargs_key(kw))
+            if key not in done:
+                sample = microbatches[i] if microbatches is not None and self.is_first else None
+                got, err = self._infer_outputs(metas, sample, kw)
+                if err or got is None:
+                    return None, err
+                done[key] = got
+            out.append(done[key])
+        return out, ""
 
     def _infer_outputs(
         self,
@@ -365,10 +419,10 @@ class PipelineStage:
         self.output_chunks = []
 
     def recv_activation_ops(self, mb: int) -> List[fdist.P2POp]:
-        """Receives of micro-batch ``mb``'s inputs from the previous stage (fresh buffers, kept
-        for the backward)."""
-        assert self.input_meta is not None
-        bufs = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in self.input_meta)
+        """Receives of micro-batch ``mb``'s inputs from the previous stage (fresh buffers sized
+        from the set-up's table, kept for the backward)."""
+        assert self.input_metas is not None
+        bufs = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in self.input_metas[mb])
         self._inputs[mb] = bufs
         return [fdist.P2POp("recv", b, self.prev) for b in bufs]
 
@@ -378,8 +432,9 @@ class PipelineStage:
 
     def recv_gradient_ops(self, mb: int) -> List[fdist.P2POp]:
         """Receives of the gradients of micro-batch ``mb``'s floating outputs from the next stage."""
-        assert self.output_meta is not None
-        bufs = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in self.output_meta if m.floating)
+        assert self.output_metas is not None
+        metas = self.output_metas[mb]
+        bufs = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas if m.floating)
         self._grads[mb] = bufs
         return [fdist.P2POp("recv", b, self.next) for b in bufs]
 
@@ -421,7 +476,7 @@ class PipelineStage:
     def set_loss(self, mb: int, loss: torch.Tensor) -> None:
         self._losses[mb] = loss
 
-    def backward_one(self, mb: int, loss_divisor: int) -> None:
+    def backward_one(self, mb: int, loss_divisor: float) -> None:
         """Backward of micro-batch ``mb``: from its loss divided by ``loss_divisor`` (last stage)
         or from the gradients received for its outputs."""
         outs = self._outputs.pop(mb)
