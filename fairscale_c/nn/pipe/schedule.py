@@ -86,6 +86,13 @@ def _spec_dim(spec: Any, what: str, replicate_ok: bool = True) -> Optional[int]:
     raise TypeError(f"{what} must be {allowed}, got {kind}")
 
 
+def _batch_key(args: tuple, kwargs: Optional[Dict[str, Any]]) -> Any:
+    """What decides the micro-batches' shapes (the split is a function of it and the specs)."""
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args) + tuple(
+        (k, tuple(v.shape), v.dtype) for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)
+    )
+
+
 def _norm_dim(dim: int, ndim: int) -> Optional[int]:
     return dim + ndim if -ndim <= dim < 0 else dim if 0 <= dim < ndim else None
 
@@ -192,6 +199,7 @@ class PipelineSchedule:
         self.scale_grads = bool(scale_grads)
         self.dp_group = resolve_group(dp_group, "default", f"{name}: dp_group") if dp_group is not None else None
         self.last_step: Optional[StepStats] = None
+        self._checked: Any = None  # the last batch whose micro-batches matched stage 0's set-up
 
     _interleaved = False
 
@@ -333,7 +341,7 @@ class PipelineSchedule:
                     stage.setup(mbs, mb_kwargs, m, check)
                 else:
                     stage.setup(None, None, m, check)
-        if first is not None and mbs is not None:
+        if first is not None and mbs is not None and self._checked != _batch_key(args, kwargs):
             got = [metas_of(mb, "step: the micro-batch") for mb in mbs]
             if got != first.input_metas:
                 k = next((i for i, (a, b) in enumerate(zip(got, first.input_metas or ())) if a != b), 0)
@@ -341,6 +349,7 @@ class PipelineSchedule:
                     f"{name}.step: stage 0's micro-batch {k} is {describe(got[k])} but the pipeline was set up "
                     f"for {describe((first.input_metas or [()])[k])}; every step must have the same shapes"
                 )
+            self._checked = _batch_key(args, kwargs)  # the split of a batch like this one fits: skip next time
         for stage in self._stages:
             stage.clear()
         mb_losses: List[torch.Tensor] = []
