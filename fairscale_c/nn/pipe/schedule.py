@@ -402,7 +402,7 @@ class PipelineSchedule:
                     raise ValueError(
                         f"{name}.step: keyword argument {key!r} has {value.shape[0]} rows (dim 0) but the batch "
                         f"has {size}; tensors passed by keyword are split into micro-batches along dim 0 like the "
-                        "batch (kwargs_chunk_spec says otherwise)"
+                        "batch (unless kwargs_chunk_spec says otherwise)"
                     )
             if dim is None:
                 for d in out:
