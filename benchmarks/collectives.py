@@ -402,7 +402,7 @@ def bandwidth_verdict(rows: List[Dict]) -> List[str]:
         need = next(share for size, share in BW_TRAFFIC_TARGETS if r["bytes"] >= size)
         misses = []
         if r["vs_traffic"] < need:
-            misses.append(f"{r['vs_traffic']:.2f} of traffic < {need}")
+            misses.append(f"{r['vs_traffic']:.3f} of traffic < {need}")
         if r["vs_gloo"] < BW_GLOO_TARGET:
             misses.append(f"{r['vs_gloo']:.1f}x gloo < {BW_GLOO_TARGET:g}x")
         verdict = "met" if not misses else "NOT met: " + ", ".join(misses)
