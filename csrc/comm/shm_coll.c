@@ -162,40 +162,63 @@ static fsc_status_t run_small_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_
     return FSC_OK;
 }
 
-/* all_reduce and reduce: post the chunk, reduce my 1/size of it into the shared result buffer,
- * barrier, copy the whole result out (reduce: root only; others just announce they are done). */
+/* This rank's part [*lo, *hi) of an all_reduce chunk of n elements: 1/size of it, rounded up to
+ * 64 bytes so that no two ranks write the same cache line of the result. */
+static void reduce_part(const fsc_shm_group_t *g, size_t n, size_t esz, size_t *lo, size_t *hi) {
+    size_t align = 64 / esz;
+    size_t part = ((n + (size_t)g->size - 1) / (size_t)g->size + align - 1) / align * align;
+    *lo = min_sz(n, (size_t)g->rank * part);
+    *hi = min_sz(n, *lo + part);
+}
+
+/* all_reduce and reduce, software-pipelined with one barrier per chunk. Step k: post chunk k into
+ * my slot (every part but my own, which is read straight from `in`); barrier; reduce my part of
+ * chunk k over all ranks into the shared result buffer (step & 1); copy chunk k-1's result out
+ * (reduce: root only). Chunk k-1's result is complete at step k's barrier: every rank reduced its
+ * part of it before arriving there. One more barrier after the last chunk lets its result be
+ * copied out. Reuse: a slot buffer is rewritten two steps later, after the barrier that its
+ * readers enter once they have reduced from it; a result buffer is rewritten two steps later,
+ * after the barrier (of this op or of the next) that its readers enter once they have copied it
+ * out. Each element is reduced by one rank (its own input first, then the others in rank order)
+ * and copied by all, so every rank receives the same bits. */
 static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     if (a->op == FSC_OP_ALL_REDUCE &&
         a->count * fsc_dtype_size(a->dtype) * (size_t)g->size <= FSC_SHM_ONE_BARRIER_MAX &&
         a->count * fsc_dtype_size(a->dtype) <= g->chunk)
         return run_small_all_reduce(g, a);
-    size_t esz = fsc_dtype_size(a->dtype), align = 64 / esz, per = g->chunk / esz;
+    size_t esz = fsc_dtype_size(a->dtype), per = g->chunk / esz, lo = 0, hi = 0;
     const uint8_t *in = a->in;
     uint8_t *out = a->out;
-    int to_all = a->op == FSC_OP_ALL_REDUCE, receives = to_all || a->root == g->rank;
+    int receives = a->op == FSC_OP_ALL_REDUCE || a->root == g->rank;
     int streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
+    size_t nchunks = a->count == 0 ? 1 : (a->count + per - 1) / per;
     const void *srcs[FSC_SHM_MAX_RANKS];
-    for (size_t off = 0, first = 1; first || off < a->count; off += per, first = 0) {
-        size_t n = min_sz(per, a->count - off);
-        size_t part = ((n + (size_t)g->size - 1) / (size_t)g->size + align - 1) / align * align;
-        size_t lo = min_sz(n, (size_t)g->rank * part), hi = min_sz(n, lo + part);
-        const uint8_t *src = in + off * esz;
-        uint8_t *slot = fsc_shm_slot(g, g->rank, g->step), *res = fsc_shm_result(g, g->step);
-        copy(slot, src, lo * esz); /* my own part is read straight from `in` */
-        copy(slot + hi * esz, src + hi * esz, (n - hi) * esz);
-        if (first)
-            FSC_CHECK(open_collective(g, a));
-        else
-            FSC_CHECK(fsc_shm_arrive(g, 1));
-        if (hi > lo) {
-            srcs[0] = src + lo * esz;
-            for (int p = 0, k = 1; p < g->size; p++)
-                if (p != g->rank) srcs[k++] = fsc_shm_slot(g, p, g->step) + lo * esz;
-            FSC_CHECK(fsc_shm_reduce(res + lo * esz, srcs, g->size, hi - lo, a->dtype, a->redop, g->size));
+    for (size_t k = 0; k <= nchunks; k++) {
+        size_t off = k * per, n = k < nchunks ? min_sz(per, a->count - off) : 0;
+        if (k < nchunks) {
+            reduce_part(g, n, esz, &lo, &hi);
+            const uint8_t *src = in + off * esz;
+            uint8_t *slot = fsc_shm_slot(g, g->rank, g->step);
+            copy(slot, src, lo * esz);
+            copy(slot + hi * esz, src + hi * esz, (n - hi) * esz);
         }
-        FSC_CHECK(fsc_shm_arrive(g, receives));
-        if (receives) copy_out(out + off * esz, res, n * esz, streaming);
-        g->step++;
+        if (k == 0)
+            FSC_CHECK(open_collective(g, a));
+        else /* after the last chunk, a rank with nothing to copy out only says its part is done */
+            FSC_CHECK(fsc_shm_arrive(g, k < nchunks || receives));
+        /* reduce before copying out: the peers wait for this part at the next barrier */
+        if (k < nchunks && hi > lo) {
+            srcs[0] = in + (off + lo) * esz;
+            for (int p = 0, j = 1; p < g->size; p++)
+                if (p != g->rank) srcs[j++] = fsc_shm_slot(g, p, g->step) + lo * esz;
+            FSC_CHECK(fsc_shm_reduce(fsc_shm_result(g, g->step) + lo * esz, srcs, g->size, hi - lo, a->dtype, a->redop,
+                                     g->size));
+        }
+        if (k > 0 && receives) {
+            size_t prev = off - per;
+            copy_out(out + prev * esz, fsc_shm_result(g, g->step - 1), min_sz(per, a->count - prev) * esz, streaming);
+        }
+        if (k < nchunks) g->step++;
     }
     return FSC_OK;
 }
