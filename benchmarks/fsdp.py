@@ -1,17 +1,31 @@
 """FSDP benchmark: fairscale_c.nn.FullyShardedDataParallel vs PyTorch's FSDP2 on a GPT-style model.
 
-CPU (always): `--world` ranks as spawned processes on gloo, one fresh set of processes per
-framework so neither inflates the other's memory high-water mark. Both frameworks wrap every
-transformer block, then the root; same init, data, AdamW settings and number of steps.
+CPU (always): `--world` ranks as spawned processes on gloo (fairscale_c on its shared-memory
+engine). Every framework wraps every transformer block, then the root; same init, data, AdamW
+settings and number of steps. Two methods, both printed:
+
+* separate runs: one fresh set of processes per framework, one after the other, so none inflates
+  another's memory high-water mark. Memory always comes from these.
+* paired run (`run_cpu`, `rank_main_paired`; off with --no-paired): one more set of processes
+  holds every framework's model and trains them in turn, one step each per round on the same
+  batch, in orders balanced over positions and predecessors (`paired_orders`), with a gloo barrier
+  before each framework's step. The ratios (step / the floor's step, own time / FSDP2's own time)
+  are taken within each round and their medians decide the time targets; separate runs minutes
+  apart see different machine loads (the floor moved ~36 ms between runs on the 2-core VM).
 
     PYTHONPATH=. python benchmarks/fsdp.py            # default model, fp32
     PYTHONPATH=. python benchmarks/fsdp.py --bf16     # bf16 mixed precision on both
     PYTHONPATH=. python benchmarks/fsdp.py --quick    # tiny model, a few steps (< 1 minute)
+    PYTHONPATH=. python benchmarks/fsdp.py --world 4 --frameworks torch_fsdp2,fairscale_c,local
 
 Reported per framework: median step time over the timed steps (a step is zero_grad + forward +
-loss + backward + optimizer step; per step the slowest rank counts), tokens/s over all ranks,
-and per rank the peak resident-set growth (see `_Mem`). The per-step losses of the two
-frameworks are compared as a guard against timing a broken run.
+loss + backward + optimizer step + loss.item(); per step the slowest rank counts), tokens/s over
+all ranks, and per rank the peak resident-set growth (see `_Mem`); for the paired run median and
+quartiles of the per-round figures, own time per phase, minor page faults per step and the CPU
+time of fairscale_c's progress threads (also during the other frameworks' steps, where it must
+be ~0). The per-step losses of the frameworks are compared (fairscale_c's equal FSDP2's bit for
+bit at world 2) as a guard against timing a broken run. FairScale 0.4.13's FSDP needs CUDA: on
+CPU it is a "fails" row when installed.
 
 CUDA (`--device cuda`, see `run_cuda`): NCCL, one spawned process set per framework (GPU memory
 is freed between them), four rows: fairscale_c's FSDP, PyTorch's FSDP2 (`fully_shard` per block and
@@ -488,9 +502,10 @@ def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dic
     load from elsewhere on the machine falls on all of them within seconds of each other rather
     than on separate runs minutes apart. Before each framework's step the ranks meet at a gloo
     barrier (outside the timing), so no framework's step absorbs the previous one's rank skew.
-    Per framework and step: time, phases, loss, this process's minor page faults, and the CPU
-    time of fairscale_c's progress threads (which must be asleep during the other frameworks'
-    steps: they wait on a condition variable whenever their queue is empty)."""
+    Per framework and step: time, phases, loss, this process's minor page faults and CPU time
+    (all threads, and the training thread alone), and the CPU time of fairscale_c's progress
+    threads (which must be asleep during the other frameworks' steps: they wait on a condition
+    variable whenever their queue is empty)."""
     cfg = Config(**cfg_dict)
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -502,16 +517,19 @@ def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dic
         torch.manual_seed(cfg.seed)
         model = WRAPPERS[fw](GPT(cfg), cfg)
         built[fw] = (model, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
-    out = {fw: {"times": [], "phases": [], "losses": [], "minflt": [], "engine_ms": []} for fw in frameworks}
+    keys = ("times", "phases", "losses", "minflt", "engine_ms", "cpu_ms", "main_cpu_ms")
+    out = {fw: {k: [] for k in keys} for fw in frameworks}
     orders = paired_orders(len(frameworks))
     for i, (x, y) in enumerate(batches):
         for k in orders[i % len(orders)]:
             fw = frameworks[k]
             dist.barrier()
-            flt0, eng0 = _minor_faults(), _engine_cpu_ns()
+            flt0, eng0, cpu0, main0 = _minor_faults(), _engine_cpu_ns(), time.process_time(), time.thread_time()
             t, ph, lv = _phased_step(*built[fw], x, y)
-            flt1, eng1 = _minor_faults(), _engine_cpu_ns()
+            cpu1, main1, flt1, eng1 = time.process_time(), time.thread_time(), _minor_faults(), _engine_cpu_ns()
             rec = out[fw]
+            rec["cpu_ms"].append((cpu1 - cpu0) * 1e3)
+            rec["main_cpu_ms"].append((main1 - main0) * 1e3)
             rec["times"].append(t)
             rec["phases"].append(ph)
             rec["losses"].append(lv)
@@ -652,6 +670,8 @@ def paired_summary(ranks: List[Dict[str, Dict]], cfg: Config) -> Dict[str, Dict[
             "losses": [r[fw]["losses"] for r in ranks],
             "minflt_per_step": spread([statistics.mean(r[fw]["minflt"][i] for r in ranks) for i in timed]),
             "engine_cpu_ms_per_step": spread([max(r[fw]["engine_ms"][i] for r in ranks) for i in timed]),
+            "cpu_ms_per_step": spread([statistics.mean(r[fw]["cpu_ms"][i] for r in ranks) for i in timed]),
+            "main_cpu_ms_per_step": spread([statistics.mean(r[fw]["main_cpu_ms"][i] for r in ranks) for i in timed]),
             # all steps, warm-up included, all ranks: the progress threads' CPU time while this
             # framework stepped (for every framework but fairscale_c it must be 0)
             "engine_cpu_ms_total": sum(sum(r[fw]["engine_ms"]) for r in ranks),
@@ -662,6 +682,11 @@ def paired_summary(ranks: List[Dict[str, Dict]], cfg: Config) -> Dict[str, Dict[
             row["own_vs_fsdp2_dropped"] = sum(math.isnan(r) for r in ratios)  # rounds where FSDP2's own <= 0
         out[fw] = row
     return out
+
+
+def _med(row: Dict, key: str) -> float:
+    """The median of a paired spread in `row`."""
+    return row["paired"][key]["median"]
 
 
 def _first(row: Dict, key: str) -> float:
@@ -892,6 +917,14 @@ def _cpu_verdicts(by: Dict[str, Dict], cfg: Config, paired: bool) -> Dict[str, A
             f"{_first(fc, 'engine_cpu_ms_per_step'):.1f} ms in the separate run (rank 0); during the "
             "other frameworks' steps, all ranks, all steps: "
             + ", ".join(f"{fw} {v:.3f} ms" for fw, v in others.items())
+        )
+        print(
+            "CPU ms per step and rank, paired (median of the rank mean), all threads / training thread: "
+            + ", ".join(
+                f"{fw} {r['paired']['cpu_ms_per_step']['median']:.1f} / {_med(r, 'main_cpu_ms_per_step'):.1f}"
+                for fw, r in by.items()
+            )
+            + f" (wall: the step; {cfg.world} ranks on {os.cpu_count()} cores)"
         )
         print(
             "minor page faults per step, paired (median of the rank mean) / separate (rank 0): "
