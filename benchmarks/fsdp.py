@@ -482,18 +482,22 @@ def paired_orders(n: int) -> List[List[int]]:
 
 def _phased_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> tuple:
     """`_train`'s step, timed in phases: (step seconds, (zero_grad + forward, backward, optimizer
-    step, loss.item()) seconds, loss)."""
+    step, loss.item()) seconds, loss, minor page faults per phase)."""
+    f0 = _minor_faults()
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     loss = model(x, y)
     t1 = time.perf_counter()
+    f1 = _minor_faults()
     loss.backward()
     t2 = time.perf_counter()
+    f2 = _minor_faults()
     opt.step()
     t3 = time.perf_counter()
+    f3 = _minor_faults()
     lv = loss.item()
     t4 = time.perf_counter()
-    return t4 - t0, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), lv
+    return t4 - t0, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), lv, (f1 - f0, f2 - f1, f3 - f2)
 
 
 def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dict[str, Any]) -> Dict:
@@ -517,7 +521,7 @@ def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dic
         torch.manual_seed(cfg.seed)
         model = WRAPPERS[fw](GPT(cfg), cfg)
         built[fw] = (model, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
-    keys = ("times", "phases", "losses", "minflt", "engine_ms", "cpu_ms", "main_cpu_ms")
+    keys = ("times", "phases", "losses", "minflt", "minflt_by_phase", "engine_ms", "cpu_ms", "main_cpu_ms")
     out = {fw: {k: [] for k in keys} for fw in frameworks}
     orders = paired_orders(len(frameworks))
     for i, (x, y) in enumerate(batches):
@@ -525,9 +529,10 @@ def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dic
             fw = frameworks[k]
             dist.barrier()
             flt0, eng0, cpu0, main0 = _minor_faults(), _engine_cpu_ns(), time.process_time(), time.thread_time()
-            t, ph, lv = _phased_step(*built[fw], x, y)
+            t, ph, lv, ph_flt = _phased_step(*built[fw], x, y)
             cpu1, main1, flt1, eng1 = time.process_time(), time.thread_time(), _minor_faults(), _engine_cpu_ns()
             rec = out[fw]
+            rec["minflt_by_phase"].append(ph_flt)
             rec["cpu_ms"].append((cpu1 - cpu0) * 1e3)
             rec["main_cpu_ms"].append((main1 - main0) * 1e3)
             rec["times"].append(t)
@@ -669,6 +674,10 @@ def paired_summary(ranks: List[Dict[str, Dict]], cfg: Config) -> Dict[str, Dict[
             "phase_ms": {name: statistics.median(p[k] * 1e3 for p in phases[fw]) for k, name in enumerate(PHASES)},
             "losses": [r[fw]["losses"] for r in ranks],
             "minflt_per_step": spread([statistics.mean(r[fw]["minflt"][i] for r in ranks) for i in timed]),
+            "minflt_by_phase": {
+                name: statistics.median(statistics.mean(r[fw]["minflt_by_phase"][i][k] for r in ranks) for i in timed)
+                for k, name in enumerate(PHASES[:3])
+            },
             "engine_cpu_ms_per_step": spread([max(r[fw]["engine_ms"][i] for r in ranks) for i in timed]),
             "cpu_ms_per_step": spread([statistics.mean(r[fw]["cpu_ms"][i] for r in ranks) for i in timed]),
             "main_cpu_ms_per_step": spread([statistics.mean(r[fw]["main_cpu_ms"][i] for r in ranks) for i in timed]),
@@ -930,6 +939,11 @@ def _cpu_verdicts(by: Dict[str, Dict], cfg: Config, paired: bool) -> Dict[str, A
             "minor page faults per step, paired (median of the rank mean) / separate (rank 0): "
             + ", ".join(
                 f"{fw} {r['paired']['minflt_per_step']['median']:.0f} / {_first(r, 'minflt_per_step'):.0f}"
+                for fw, r in by.items()
+            )
+            + "; paired by phase: "
+            + "; ".join(
+                f"{fw} " + " ".join(f"{k} {v:.0f}" for k, v in r["paired"]["minflt_by_phase"].items())
                 for fw, r in by.items()
             )
         )

@@ -137,6 +137,7 @@ def _paired_ranks(cfg, steps_ms):
                 "phases": [(t / 4, t / 2, t / 4 - 1e-4, 1e-4) for t in times],
                 "losses": [5.0 - 0.1 * i for i in range(len(ms))],
                 "minflt": [10] * len(ms),
+                "minflt_by_phase": [(4, 5, 1)] * len(ms),
                 "engine_ms": [0.5 if fw == "fairscale_c" else 0.0] * len(ms),
                 "cpu_ms": [m * 1.1 for m in ms],
                 "main_cpu_ms": list(ms),
