@@ -200,6 +200,18 @@ def test_cpu_verdicts_decide_on_the_paired_medians(capsys):
     assert "during the other frameworks' steps, all ranks, all steps: torch_fsdp2 0.000 ms, local 0.000 ms" in text
 
 
+def test_cpu_verdicts_without_the_paired_run_use_the_separate_runs(capsys):
+    cfg = fsdp.quick_config()
+    by = {
+        fw: {"framework": fw, "step_ms": ms, "peak_mib": [400.0, 410.0], "losses": [[5.0, 4.0]] * 2, "hwm_reset": True}
+        for fw, ms in (("torch_fsdp2", 1100.0), ("fairscale_c", 1030.0), ("local", 1000.0))
+    }
+    out = fsdp._cpu_verdicts(by, cfg, paired=False)
+    assert not out["target_own_time_met"] and not out["target_step_met"]  # 30 vs 100 ms; 1.03x
+    assert out["target_own_time_met"] == out["separate_target_own_time_met"] and "paired_max_loss_diff" not in out
+    assert "own time <= 0.1x FSDP2's: NOT met (separate runs: own 30.0 vs FSDP2's 100.0 ms" in capsys.readouterr().out
+
+
 def test_paired_run_trains_every_framework_in_one_process_set():
     """A real (tiny) paired run at world 2, one spawned job: the floor's losses equal plain
     single-process PyTorch trained on the same rank's batches (so sharing the processes does not
