@@ -1,17 +1,31 @@
 """FSDP benchmark: fairscale_c.nn.FullyShardedDataParallel vs PyTorch's FSDP2 on a GPT-style model.
 
-CPU (always): `--world` ranks as spawned processes on gloo, one fresh set of processes per
-framework so neither inflates the other's memory high-water mark. Both frameworks wrap every
-transformer block, then the root; same init, data, AdamW settings and number of steps.
+CPU (always): `--world` ranks as spawned processes on gloo (fairscale_c on its shared-memory
+engine). Every framework wraps every transformer block, then the root; same init, data, AdamW
+settings and number of steps. Two methods, both printed:
+
+* separate runs: one fresh set of processes per framework, one after the other, so none inflates
+  another's memory high-water mark. Memory always comes from these.
+* paired run (`run_cpu`, `rank_main_paired`; off with --no-paired): one more set of processes
+  holds every framework's model and trains them in turn, one step each per round on the same
+  batch, in orders balanced over positions and predecessors (`paired_orders`), with a gloo barrier
+  before each framework's step. The ratios (step / the floor's step, own time / FSDP2's own time)
+  are taken within each round and their medians decide the time targets; separate runs minutes
+  apart see different machine loads (the floor moved ~36 ms between runs on the 2-core VM).
 
     PYTHONPATH=. python benchmarks/fsdp.py            # default model, fp32
     PYTHONPATH=. python benchmarks/fsdp.py --bf16     # bf16 mixed precision on both
     PYTHONPATH=. python benchmarks/fsdp.py --quick    # tiny model, a few steps (< 1 minute)
+    PYTHONPATH=. python benchmarks/fsdp.py --world 4 --frameworks torch_fsdp2,fairscale_c,local
 
 Reported per framework: median step time over the timed steps (a step is zero_grad + forward +
-loss + backward + optimizer step; per step the slowest rank counts), tokens/s over all ranks,
-and per rank the peak resident-set growth (see `_Mem`). The per-step losses of the two
-frameworks are compared as a guard against timing a broken run.
+loss + backward + optimizer step + loss.item(); per step the slowest rank counts), tokens/s over
+all ranks, and per rank the peak resident-set growth (see `_Mem`); for the paired run median and
+quartiles of the per-round figures, own time per phase, minor page faults per step and the CPU
+time of fairscale_c's progress threads (also during the other frameworks' steps, where it must
+be ~0). The per-step losses of the frameworks are compared (fairscale_c's equal FSDP2's bit for
+bit at world 2) as a guard against timing a broken run. FairScale 0.4.13's FSDP needs CUDA: on
+CPU it is a "fails" row when installed.
 
 CUDA (`--device cuda`, see `run_cuda`): NCCL, one spawned process set per framework (GPU memory
 is freed between them), four rows: fairscale_c's FSDP, PyTorch's FSDP2 (`fully_shard` per block and
@@ -46,6 +60,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import resource
 import socket
 import statistics
 import sys
@@ -402,7 +417,9 @@ def rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], p
 
         prof = cProfile.Profile()
         prof.enable()
+    flt0, eng0 = _minor_faults(), _engine_cpu_ns()
     t, lo = _train(model, opt, batches[cfg.warmup :], lambda: None)
+    flt1, eng1 = _minor_faults(), _engine_cpu_ns()
     if prof is not None:
         prof.disable()
         prof.dump_stats(profile)
@@ -417,7 +434,115 @@ def rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], p
         "after_wrap_mib": (after_wrap["VmRSS"] - mem.base_kib) / 1024,
         "shmem_mib": end.get("RssShmem", 0) / 1024,
         "hwm_reset": mem.reset_ok,
+        "minflt_per_step": (flt1 - flt0) / max(1, cfg.steps),
+        "engine_cpu_ms_per_step": (eng1 - eng0) / 1e6 / max(1, cfg.steps),
     }
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (all its threads)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _engine_cpu_ns() -> int:
+    """On-CPU nanoseconds so far of this process's fairscale_c progress threads (named
+    "fsc_progress"), from /proc/self/task/*/schedstat; 0 where there are none or it is unreadable."""
+    total = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "fsc_progress":
+                    continue
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total
+
+
+def paired_orders(n: int) -> List[List[int]]:
+    """Orders for the paired run's rounds (a Williams design): over len(result) consecutive rounds
+    every framework takes every position equally often and directly follows every other framework
+    equally often, so whatever one step leaves behind (freed memory, caches, a busy core) falls on
+    each framework alike. n rows for even n, 2n (the rows and their reverses) for odd n; for n <= 3
+    these are all orders."""
+    if n < 1:
+        raise ValueError(f"paired_orders: n must be >= 1, got {n}")
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo if len(first) % 2 else hi)
+        lo, hi = (lo + 1, hi) if len(first) % 2 == 0 else (lo, hi - 1)
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    return rows + [r[::-1] for r in rows] if n % 2 and n > 1 else rows
+
+
+def _phased_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> tuple:
+    """`_train`'s step, timed in phases: (step seconds, (zero_grad + forward, backward, optimizer
+    step, loss.item()) seconds, loss, minor page faults per phase)."""
+    f0 = _minor_faults()
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = model(x, y)
+    t1 = time.perf_counter()
+    f1 = _minor_faults()
+    loss.backward()
+    t2 = time.perf_counter()
+    f2 = _minor_faults()
+    opt.step()
+    t3 = time.perf_counter()
+    f3 = _minor_faults()
+    lv = loss.item()
+    t4 = time.perf_counter()
+    return t4 - t0, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), lv, (f1 - f0, f2 - f1, f3 - f2)
+
+
+def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dict[str, Any]) -> Dict:
+    """One rank of the paired CPU run (timing only): every framework's model and AdamW in this one
+    process, trained in turn, one step each per round, in the orders of `paired_orders`, so that
+    load from elsewhere on the machine falls on all of them within seconds of each other rather
+    than on separate runs minutes apart. Before each framework's step the ranks meet at a gloo
+    barrier (outside the timing), so no framework's step absorbs the previous one's rank skew.
+    Per framework and step: time, phases, loss, this process's minor page faults and CPU time
+    (all threads, and the training thread alone), and the CPU time of fairscale_c's progress
+    threads (which must be asleep during the other frameworks' steps: they wait on a condition
+    variable whenever their queue is empty)."""
+    cfg = Config(**cfg_dict)
+    torch.set_num_threads(cfg.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    batches = make_batches(cfg, rank, torch.device("cpu"))
+    for fw in frameworks:
+        _load_libraries(fw)
+    built = {}
+    for fw in frameworks:
+        torch.manual_seed(cfg.seed)
+        model = WRAPPERS[fw](GPT(cfg), cfg)
+        built[fw] = (model, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
+    keys = ("times", "phases", "losses", "minflt", "minflt_by_phase", "engine_ms", "cpu_ms", "main_cpu_ms")
+    out = {fw: {k: [] for k in keys} for fw in frameworks}
+    orders = paired_orders(len(frameworks))
+    for i, (x, y) in enumerate(batches):
+        for k in orders[i % len(orders)]:
+            fw = frameworks[k]
+            dist.barrier()
+            flt0, eng0, cpu0, main0 = _minor_faults(), _engine_cpu_ns(), time.process_time(), time.thread_time()
+            t, ph, lv, ph_flt = _phased_step(*built[fw], x, y)
+            cpu1, main1, flt1, eng1 = time.process_time(), time.thread_time(), _minor_faults(), _engine_cpu_ns()
+            rec = out[fw]
+            rec["minflt_by_phase"].append(ph_flt)
+            rec["cpu_ms"].append((cpu1 - cpu0) * 1e3)
+            rec["main_cpu_ms"].append((main1 - main0) * 1e3)
+            rec["times"].append(t)
+            rec["phases"].append(ph)
+            rec["losses"].append(lv)
+            rec["minflt"].append(flt1 - flt0)
+            rec["engine_ms"].append((eng1 - eng0) / 1e6)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
 
 
 # ---------------------------------------------------------------- spawning
@@ -483,7 +608,7 @@ def summarize(framework: str, ranks: List[Dict], cfg: Config) -> Dict[str, Any]:
     per_step = [max(r["times"][i] for r in ranks) for i in range(cfg.warmup, cfg.warmup + cfg.steps)]
     per_step = [t for t in per_step if not math.isnan(t)]
     step_s = statistics.median(per_step)
-    return {
+    row = {
         "framework": framework,
         "step_ms": step_s * 1e3,
         "step_ms_each": [t * 1e3 for t in per_step],
@@ -494,6 +619,10 @@ def summarize(framework: str, ranks: List[Dict], cfg: Config) -> Dict[str, Any]:
         "hwm_reset": all(r["hwm_reset"] for r in ranks),
         "losses": [r["losses"] for r in ranks],
     }
+    for key in ("minflt_per_step", "engine_cpu_ms_per_step"):  # CPU rank_main only
+        if all(key in r for r in ranks):
+            row[key] = [r[key] for r in ranks]
+    return row
 
 
 def max_loss_diff(a: Dict, b: Dict) -> float:
@@ -502,13 +631,94 @@ def max_loss_diff(a: Dict, b: Dict) -> float:
     return max(diffs) if diffs else float("nan")
 
 
+def spread(values: List[float]) -> Dict[str, float]:
+    """Median, quartiles, extremes and count of `values` (NaN for none)."""
+    v = sorted(x for x in values if not math.isnan(x))
+    if not v:
+        nan = float("nan")
+        return {"median": nan, "q1": nan, "q3": nan, "min": nan, "max": nan, "n": 0}
+    q1, _, q3 = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else (v[0], v[0], v[0])
+    return {"median": statistics.median(v), "q1": q1, "q3": q3, "min": v[0], "max": v[-1], "n": len(v)}
+
+
+PHASES = ("fwd", "bwd", "opt", "item")  # zero_grad + forward, backward, optimizer step, loss.item()
+
+
+def paired_summary(ranks: List[Dict[str, Dict]], cfg: Config) -> Dict[str, Dict[str, Any]]:
+    """The paired run's figures per framework, each computed within a round (the frameworks' steps
+    on the same batch, seconds apart) and then summarised over the timed rounds with `spread`:
+    the step (slowest rank), its ratio to the floor's step of the same round, its own time (step
+    minus that floor step), fairscale_c's own time over FSDP2's of the same round, and the own time
+    per phase (the slowest rank's phases minus the floor's slowest rank's). Also the losses (as
+    summarize has them), minor page faults per step and the progress threads' CPU time."""
+    timed = range(cfg.warmup, cfg.warmup + cfg.steps)
+    fws = list(ranks[0])
+    if "local" not in fws:
+        raise ValueError("paired_summary: the local row (the floor) is required")
+    slowest = {fw: [max(range(len(ranks)), key=lambda r: ranks[r][fw]["times"][i]) for i in timed] for fw in fws}
+    step = {fw: [ranks[r][fw]["times"][i] for r, i in zip(slowest[fw], timed)] for fw in fws}
+    phases = {fw: [ranks[r][fw]["phases"][i] for r, i in zip(slowest[fw], timed)] for fw in fws}
+    floor = step["local"]
+    own = {fw: [(a - b) * 1e3 for a, b in zip(step[fw], floor)] for fw in fws}
+    out: Dict[str, Dict[str, Any]] = {}
+    for fw in fws:
+        row: Dict[str, Any] = {
+            "step_ms": spread([t * 1e3 for t in step[fw]]),
+            "step_ms_each": [t * 1e3 for t in step[fw]],
+            "ratio_to_floor": spread([a / b for a, b in zip(step[fw], floor)]),
+            "own_ms": spread(own[fw]),
+            "own_ms_by_phase": {
+                name: statistics.median((p[k] - q[k]) * 1e3 for p, q in zip(phases[fw], phases["local"]))
+                for k, name in enumerate(PHASES)
+            },
+            "phase_ms": {name: statistics.median(p[k] * 1e3 for p in phases[fw]) for k, name in enumerate(PHASES)},
+            "losses": [r[fw]["losses"] for r in ranks],
+            "minflt_per_step": spread([statistics.mean(r[fw]["minflt"][i] for r in ranks) for i in timed]),
+            "minflt_by_phase": {
+                name: statistics.median(statistics.mean(r[fw]["minflt_by_phase"][i][k] for r in ranks) for i in timed)
+                for k, name in enumerate(PHASES[:3])
+            },
+            "engine_cpu_ms_per_step": spread([max(r[fw]["engine_ms"][i] for r in ranks) for i in timed]),
+            "cpu_ms_per_step": spread([statistics.mean(r[fw]["cpu_ms"][i] for r in ranks) for i in timed]),
+            "main_cpu_ms_per_step": spread([statistics.mean(r[fw]["main_cpu_ms"][i] for r in ranks) for i in timed]),
+            # all steps, warm-up included, all ranks: the progress threads' CPU time while this
+            # framework stepped (for every framework but fairscale_c it must be 0)
+            "engine_cpu_ms_total": sum(sum(r[fw]["engine_ms"]) for r in ranks),
+        }
+        if BASELINE in fws and fw not in (BASELINE, "local"):
+            ratios = [o / b if b > 0 else float("nan") for o, b in zip(own[fw], own[BASELINE])]
+            row["own_vs_fsdp2"] = spread(ratios)
+            row["own_vs_fsdp2_dropped"] = sum(math.isnan(r) for r in ratios)  # rounds where FSDP2's own <= 0
+        out[fw] = row
+    return out
+
+
+def _med(row: Dict, key: str) -> float:
+    """The median of a paired spread in `row`."""
+    return row["paired"][key]["median"]
+
+
+def _first(row: Dict, key: str) -> float:
+    """Rank 0's value of a per-rank list in `row`, NaN without it."""
+    return row[key][0] if row.get(key) else float("nan")
+
+
+def _sp(s: Dict[str, float], spec: str) -> str:
+    """'median [q1–q3]' of a spread."""
+    return f"{_fmt(s['median'], spec)} [{_fmt(s['q1'], spec)}-{_fmt(s['q3'], spec)}]"
+
+
 def print_table(rows: List[Dict], mem_label: str) -> None:
+    """Separate runs only (the layout before the paired run existed; --no-paired prints it)."""
     base = next((r for r in rows if r["framework"] == BASELINE), None)
     mem_head = mem_label + " per rank"
     head = f"{'framework':<14}{'step ms':>10}{'tokens/s':>11}  {mem_head:<24}{'step/FSDP2':>11}{'mem/FSDP2':>11}"
     print(head)
     print("-" * len(head))
     for r in rows:
+        if "error" in r:
+            print(f"{r['framework']:<14}fails: {r['error']}")
+            continue
         mem = " / ".join(f"{m:.0f}" for m in r["peak_mib"])
         sr = r["step_ms"] / base["step_ms"] if base else float("nan")
         mr = max(r["peak_mib"]) / max(base["peak_mib"]) if base else float("nan")
@@ -516,54 +726,235 @@ def print_table(rows: List[Dict], mem_label: str) -> None:
         print(f"{r['framework']:<14}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}  {mem:<24}{sr:>11.2f}{mr:>11.2f}")
 
 
-def run_cpu(cfg: Config, profile: Optional[str]) -> Dict[str, Any]:
-    rows = []
-    for fw in ("torch_fsdp2", "fairscale_c", "local"):
+def print_paired_table(rows: List[Dict], cfg: Config) -> None:
+    """Both methods side by side: the separate runs' median step and memory, and the paired run's
+    per-round figures as median [quartiles] over the timed rounds."""
+    base = next((r for r in rows if r["framework"] == BASELINE and "error" not in r), None)
+    head = (
+        f"{'framework':<13}{'sep. ms':>9}{'paired ms':>11}  {'step/floor [IQR]':<22}{'own ms [IQR]':<21}"
+        f"{'own/FSDP2 own [IQR]':<21}{'tok/s':>7}  {'peak MiB/rank (sep.)':<21}{'mem/FSDP2':>9}{'dloss FSDP2':>12}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['framework']:<13}fails: {r['error']}")
+            continue
+        p = r.get("paired")
+        mem = " / ".join(f"{m:.0f}" for m in r["peak_mib"])
+        r["mem_ratio_vs_fsdp2"] = max(r["peak_mib"]) / max(base["peak_mib"]) if base else float("nan")
+        r["step_ratio_vs_fsdp2"] = r["step_ms"] / base["step_ms"] if base else float("nan")
+        dl = max_loss_diff(p, base["paired"]) if p and base and r is not base and base.get("paired") else float("nan")
+        if p is None:
+            cells = f"{'-':>11}  {'(not in the paired run)':<64}{'':<21}{'':>7}"
+        else:
+            own = "-" if r["framework"] == "local" else _sp(p["own_ms"], ".1f")
+            ov = _sp(p["own_vs_fsdp2"], ".3f") if "own_vs_fsdp2" in p else "-"
+            tok = cfg.world * cfg.batch * cfg.seq / (p["step_ms"]["median"] / 1e3)
+            ratio = _sp(p["ratio_to_floor"], ".3f")
+            cells = f"{p['step_ms']['median']:>11.1f}  {ratio:<22}{own:<21}{ov:<21}{tok:>7.0f}"
+        print(
+            f"{r['framework']:<13}{r['step_ms']:>9.1f}{cells}  {mem:<21}{r['mem_ratio_vs_fsdp2']:>9.2f}"
+            f"{_fmt(dl, '.3g'):>12}"
+        )
+
+
+def run_cpu(
+    cfg: Config, profile: Optional[str], frameworks: Optional[List[str]] = None, paired: bool = True
+) -> Dict[str, Any]:
+    """Separate runs (one fresh process set per framework: memory, and times as before), then with
+    `paired` one more process set training every framework that ran in turn (rank_main_paired),
+    whose per-round figures decide the time targets. fairscale (0.4.13) is optional: skipped when
+    not importable, a "fails" row when it fails (its FSDP needs CUDA)."""
+    frameworks = list(frameworks or CPU_FRAMEWORKS)
+    if "local" not in frameworks:
+        frameworks.append("local")
+    rows: List[Dict[str, Any]] = []
+    skipped: Dict[str, str] = {}
+    for fw in frameworks:
+        if fw == "fairscale" and importlib.util.find_spec("fairscale") is None:
+            skipped[fw] = "fairscale is not installed (pip install fairscale==0.4.13)"
+            print(f"[cpu] {fw}: skipped, {skipped[fw]}", flush=True)
+            continue
         t0 = time.perf_counter()
-        ranks = spawn(rank_main, cfg.world, fw, asdict(cfg), profile if fw == "fairscale_c" else None)
+        try:
+            ranks = spawn(rank_main, cfg.world, fw, asdict(cfg), profile if fw == "fairscale_c" else None)
+        except RuntimeError as e:
+            if fw != "fairscale":
+                raise
+            rows.append({"framework": fw, "error": _failure_reason(e)})
+            print(f"[cpu] {fw}: fails: {rows[-1]['error']}", flush=True)
+            continue
         rows.append(summarize(fw, ranks, cfg))
         print(f"[cpu] {fw}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    by = {r["framework"]: r for r in rows if "error" not in r}
+    if paired:
+        fws = [r["framework"] for r in rows if "error" not in r]
+        t0 = time.perf_counter()
+        ranks = spawn(rank_main_paired, cfg.world, fws, asdict(cfg))
+        print(f"[cpu] paired run ({', '.join(fws)} in turn): done in {time.perf_counter() - t0:.1f} s", flush=True)
+        for fw, summary in paired_summary(ranks, cfg).items():
+            by[fw]["paired"] = summary
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
     print(
-        f"\nCPU, gloo, world {cfg.world}, {'bf16 mixed precision' if cfg.bf16 else 'fp32'}, "
-        f"{cfg.threads} thread(s) per rank, {n_params(cfg) / 1e6:.2f}M params, "
-        f"median of {cfg.steps} steps after {cfg.warmup} warm-up"
+        f"\nCPU, gloo (fairscale_c on its shared-memory engine), world {cfg.world}, "
+        f"{'bf16 mixed precision' if cfg.bf16 else 'fp32'}, {cfg.threads} thread(s) per rank, "
+        f"{n_params(cfg) / 1e6:.2f}M params, {cfg.steps} timed steps after {cfg.warmup} warm-up; load {load:.2f}; "
+        + (
+            "separate runs (one process set per framework) and a paired run (every framework in one process "
+            "set, one step each per round, orders balanced); floor = local"
+            if paired
+            else "separate runs (one process set per framework)"
+        )
     )
-    print_table(rows, "peak RSS growth MiB")
-    diff = max_loss_diff(rows[0], rows[1])
-    print(f"max |loss(fairscale_c) - loss(torch_fsdp2)| over steps and ranks: {diff:.3g}")
-    fc, local = rows[1], rows[2]
-    own_ours, own_fsdp2 = fc["step_ms"] - local["step_ms"], rows[0]["step_ms"] - local["step_ms"]
-    over_floor = fc["step_ms"] / local["step_ms"]
-    met_step = over_floor <= TARGET_STEP_OVER_FLOOR
-    met_own = own_fsdp2 > 0 and own_ours <= TARGET_OWN_VS_FSDP2 * own_fsdp2
-    met_mem = fc["mem_ratio_vs_fsdp2"] <= TARGET_MEM_RATIO
-    floor = local["step_ratio_vs_fsdp2"]
-    print(
-        f"compute floor (local: each rank trains an unsharded copy, no communication): {floor:.2f}x FSDP2's step; "
-        f"fairscale_c's own time above it: {own_ours:.1f} ms, FSDP2's: {own_fsdp2:.1f} ms"
-    )
-    print(
-        f"target step <= {TARGET_STEP_OVER_FLOOR}x the floor: {'met' if met_step else 'NOT met'} ({over_floor:.3f}x); "
-        f"own time <= {TARGET_OWN_VS_FSDP2}x FSDP2's: {'met' if met_own else 'NOT met'} "
-        f"({own_ours:.1f} vs {own_fsdp2:.1f} ms); peak memory <= FSDP2: {'met' if met_mem else 'NOT met'} "
-        f"({fc['mem_ratio_vs_fsdp2']:.2f}x)"
-    )
-    if not all(r["hwm_reset"] for r in rows):
+    if paired:
+        print_paired_table(rows, cfg)
+        print(
+            "sep. ms: median step of the separate run; paired: per round (same batch, seconds apart), median "
+            "[quartiles] over the timed rounds; own = step - the floor's step of the same round; "
+            "dloss = max |loss - FSDP2's| over steps and ranks (paired run); peak memory from the separate runs"
+        )
+    else:
+        print_table(rows, "peak RSS growth MiB")
+    for fw, why in skipped.items():
+        print(f"{fw}: skipped ({why})")
+    result = _cpu_verdicts(by, cfg, paired)
+    result.update(rows=rows, skipped=skipped, method="paired" if paired else "separate", load_at_end=load)
+    if not all(r["hwm_reset"] for r in by.values()):
         print("note: /proc/self/clear_refs was not writable; peaks include model construction")
-    return {
-        "rows": rows,
-        "max_loss_diff": diff,
-        "target_step_met": met_step,
-        "target_own_time_met": met_own,
-        "target_mem_met": met_mem,
-        "compute_floor_vs_fsdp2": floor,
-    }
+    return result
+
+
+def _cpu_verdicts(by: Dict[str, Dict], cfg: Config, paired: bool) -> Dict[str, Any]:
+    """The target lines (decided on the paired medians when there is a paired run, else on the
+    separate runs) and the diagnostics under the table."""
+    fc, f2, local = by.get("fairscale_c"), by.get(BASELINE), by["local"]
+    out: Dict[str, Any] = {}
+    if fc is None or f2 is None:
+        print("targets: not judged (fairscale_c or torch_fsdp2 row missing)")
+        return out
+    diff = max_loss_diff(fc, f2)
+    out["max_loss_diff"] = diff
+    print(f"max |loss(fairscale_c) - loss(torch_fsdp2)| over steps and ranks, separate runs: {diff:.3g}", end="")
+    if paired:
+        out["paired_max_loss_diff"] = max_loss_diff(fc["paired"], f2["paired"])
+        same = {fw: r["paired"]["losses"] == r["losses"] for fw, r in by.items()}
+        out["paired_losses_equal_separate"] = same
+        print(
+            f"; paired run: {out['paired_max_loss_diff']:.3g}; paired losses equal the separate runs': "
+            + ", ".join(f"{fw} {'yes' if ok else 'NO'}" for fw, ok in same.items())
+        )
+    else:
+        print()
+    own_sep, own_f2_sep = fc["step_ms"] - local["step_ms"], f2["step_ms"] - local["step_ms"]
+    over_sep = fc["step_ms"] / local["step_ms"]
+    mem = max(fc["peak_mib"]) / max(f2["peak_mib"])
+    out.update(
+        separate_step_vs_floor=over_sep,
+        separate_own_ms=own_sep,
+        separate_fsdp2_own_ms=own_f2_sep,
+        separate_target_step_met=over_sep <= TARGET_STEP_OVER_FLOOR,
+        separate_target_own_time_met=own_f2_sep > 0 and own_sep <= TARGET_OWN_VS_FSDP2 * own_f2_sep,
+        compute_floor_vs_fsdp2=local["step_ms"] / f2["step_ms"],
+        target_mem_met=mem <= TARGET_MEM_RATIO,
+        mem_vs_fsdp2=mem,
+    )
+    sep_step = f"separate runs: {over_sep:.3f}x"
+    sep_own = f"separate runs: own {own_sep:.1f} vs FSDP2's {own_f2_sep:.1f} ms" + (
+        f" = {own_sep / own_f2_sep:.3f}x" if own_f2_sep > 0 else ""
+    )
+    if paired:
+        p, p2 = fc["paired"], f2["paired"]
+        over, ratio = p["ratio_to_floor"], p["own_vs_fsdp2"]
+        out.update(
+            step_vs_floor=over["median"],
+            own_vs_fsdp2=ratio["median"],
+            own_ms=p["own_ms"]["median"],
+            fsdp2_own_ms=p2["own_ms"]["median"],
+            target_step_met=over["median"] <= TARGET_STEP_OVER_FLOOR,
+            target_own_time_met=ratio["n"] > 0 and ratio["median"] <= TARGET_OWN_VS_FSDP2,
+        )
+        dropped = p["own_vs_fsdp2_dropped"]
+        print(
+            f"target step <= {TARGET_STEP_OVER_FLOOR}x the floor: {'met' if out['target_step_met'] else 'NOT met'} "
+            f"(paired: median per-round ratio {_sp(over, '.3f')} over {over['n']} rounds; {sep_step})"
+        )
+        print(
+            f"target own time <= {TARGET_OWN_VS_FSDP2}x FSDP2's: {'met' if out['target_own_time_met'] else 'NOT met'} "
+            f"(paired: median per-round ratio {_sp(ratio, '.3f')}"
+            + (f", {dropped} round(s) with FSDP2's own <= 0 left out" if dropped else "")
+            + f"; median own ms {p['own_ms']['median']:.1f} vs FSDP2's {p2['own_ms']['median']:.1f}; {sep_own})"
+        )
+    else:
+        out.update(
+            step_vs_floor=over_sep,
+            target_step_met=out["separate_target_step_met"],
+            target_own_time_met=out["separate_target_own_time_met"],
+        )
+        print(
+            f"target step <= {TARGET_STEP_OVER_FLOOR}x the floor: {'met' if out['target_step_met'] else 'NOT met'} "
+            f"({sep_step}); own time <= {TARGET_OWN_VS_FSDP2}x FSDP2's: "
+            f"{'met' if out['target_own_time_met'] else 'NOT met'} ({sep_own})"
+        )
+    print(
+        f"target peak memory <= FSDP2's (separate runs): {'met' if out['target_mem_met'] else 'NOT met'} ({mem:.2f}x)"
+    )
+    if paired:
+        for fw in (r for r in ("fairscale_c", BASELINE, "fairscale") if r in by):
+            ph = by[fw]["paired"]["own_ms_by_phase"]
+            print(
+                f"own time by phase, {fw} (paired, median of per-round differences from local, ms): "
+                + ", ".join(f"{k} {v:+.1f}" for k, v in ph.items())
+            )
+        lp = local["paired"]["phase_ms"]
+        adj = lp["opt"] * (1 - 1 / cfg.world)
+        print(
+            "local's phases (ms): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in lp.items())
+            + f"; its AdamW steps every parameter, FSDP's 1/{cfg.world} of them: about {adj:.1f} ms of each "
+            "FSDP's own time is hidden by that"
+        )
+        eng = p["engine_cpu_ms_per_step"]
+        others = {fw: r["paired"]["engine_cpu_ms_total"] for fw, r in by.items() if fw != "fairscale_c"}
+        out["engine_cpu_ms_during_others"] = others
+        out["engine_cpu_ms_per_step"] = eng["median"]
+        print(
+            f"fairscale_c's progress threads: {eng['median']:.1f} ms CPU per step of its own (paired, slowest rank), "
+            f"{_first(fc, 'engine_cpu_ms_per_step'):.1f} ms in the separate run (rank 0); during the "
+            "other frameworks' steps, all ranks, all steps: "
+            + ", ".join(f"{fw} {v:.3f} ms" for fw, v in others.items())
+        )
+        print(
+            "CPU ms per step and rank, paired (median of the rank mean), all threads / training thread: "
+            + ", ".join(
+                f"{fw} {r['paired']['cpu_ms_per_step']['median']:.1f} / {_med(r, 'main_cpu_ms_per_step'):.1f}"
+                for fw, r in by.items()
+            )
+            + f" (wall: the step; {cfg.world} ranks on {os.cpu_count()} cores)"
+        )
+        print(
+            "minor page faults per step, paired (median of the rank mean) / separate (rank 0): "
+            + ", ".join(
+                f"{fw} {r['paired']['minflt_per_step']['median']:.0f} / {_first(r, 'minflt_per_step'):.0f}"
+                for fw, r in by.items()
+            )
+            + "; paired by phase: "
+            + "; ".join(
+                f"{fw} " + " ".join(f"{k} {v:.0f}" for k, v in r["paired"]["minflt_by_phase"].items())
+                for fw, r in by.items()
+            )
+        )
+    return out
 
 
 # ---------------------------------------------------------------- CUDA (NCCL)
 
 
 CUDA_FRAMEWORKS = ["torch_fsdp2", "fairscale_c", "fairscale", "local"]  # FSDP2 first: the baseline
+CPU_FRAMEWORKS = CUDA_FRAMEWORKS
 CUDA_TIMEOUT_S = 600.0  # per framework; a hung NCCL run becomes a "fails" row
 # World-1 targets on CUDA (issue 17): step <= 1.03x the floor and <= 0.9x FSDP2's, tokens/s >= 1.2x
 # FairScale's, peak memory <= FSDP2's.
@@ -876,7 +1267,13 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     p.add_argument(
         "--frameworks",
         default=",".join(CUDA_FRAMEWORKS),
-        help=f"CUDA: comma-separated subset of {','.join(CUDA_FRAMEWORKS)} (default all, in that order)",
+        help=f"comma-separated subset of {','.join(CUDA_FRAMEWORKS)} (default all, in that order; on CPU "
+        "local is always run, and fairscale, whose FSDP needs CUDA, becomes a 'fails' row)",
+    )
+    p.add_argument(
+        "--no-paired",
+        action="store_true",
+        help="CPU: time from the separate runs only (no paired run; the targets are then decided on them)",
     )
     p.add_argument(
         "--peak-tflops",
@@ -959,7 +1356,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "machine": platform.machine(),
     }
     if args.device in ("auto", "cpu"):
-        result["cpu"] = run_cpu(cfg, args.profile)
+        result["cpu"] = run_cpu(cfg, args.profile, args.frameworks, paired=not args.no_paired)
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         result["cuda"] = run_cuda(cfg, args.frameworks, args.peak_tflops)
     elif args.device == "auto":

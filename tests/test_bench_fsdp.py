@@ -106,3 +106,132 @@ def test_device_cuda_without_cuda_is_a_clear_error(capsys, tmp_path):
     assert fsdp.main(["--device", "cuda", "--quick", "--out", str(tmp_path / "x.json")]) == 2
     assert "--device cuda needs a GPU" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+# ---------------------------------------------------------------- the paired CPU method
+
+
+def test_paired_orders_balance_positions_and_predecessors():
+    for n in (2, 3, 4, 5):
+        orders = fsdp.paired_orders(n)
+        assert all(sorted(o) == list(range(n)) for o in orders)
+        for pos in range(n):  # every framework in every position equally often
+            counts = [sum(o[pos] == f for o in orders) for f in range(n)]
+            assert len(set(counts)) == 1, (n, pos, counts)
+        pairs = [(o[k], o[k + 1]) for o in orders for k in range(n - 1)]  # who directly follows whom
+        assert len(set(pairs)) == n * (n - 1) and len(set(pairs.count(p) for p in set(pairs))) == 1
+    assert fsdp.paired_orders(1) == [[0]]
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        fsdp.paired_orders(0)
+
+
+def _paired_ranks(cfg, steps_ms):
+    """Synthetic rank results of rank_main_paired: framework -> per-step ms (rank 1 a little faster)."""
+    ranks = []
+    for slow in (0.0, -1.0):
+        per = {}
+        for fw, ms in steps_ms.items():
+            times = [(m + slow) / 1e3 for m in ms]
+            per[fw] = {
+                "times": times,
+                "phases": [(t / 4, t / 2, t / 4 - 1e-4, 1e-4) for t in times],
+                "losses": [5.0 - 0.1 * i for i in range(len(ms))],
+                "minflt": [10] * len(ms),
+                "minflt_by_phase": [(4, 5, 1)] * len(ms),
+                "engine_ms": [0.5 if fw == "fairscale_c" else 0.0] * len(ms),
+                "cpu_ms": [m * 1.1 for m in ms],
+                "main_cpu_ms": list(ms),
+            }
+        ranks.append(per)
+    return ranks
+
+
+def test_paired_summary_is_computed_within_rounds():
+    cfg = fsdp.quick_config()
+    cfg.warmup, cfg.steps = 1, 4
+    # the floor drifts by 100 ms over the run; within each round ours is 1% above it and FSDP2 10%
+    floor = [1000.0, 1000.0, 1050.0, 1100.0, 950.0]
+    steps = {
+        "torch_fsdp2": [f * 1.10 for f in floor],
+        "fairscale_c": [f * 1.01 for f in floor],
+        "local": floor,
+    }
+    out = fsdp.paired_summary(_paired_ranks(cfg, steps), cfg)
+    ours = out["fairscale_c"]
+    assert ours["ratio_to_floor"]["n"] == 4 and math.isclose(ours["ratio_to_floor"]["median"], 1.01)
+    assert math.isclose(ours["own_vs_fsdp2"]["median"], 0.1)
+    assert math.isclose(ours["own_ms"]["median"], 10.25)  # 1% of the timed floors' median, 1025 ms
+    assert "own_vs_fsdp2" not in out["local"] and "own_vs_fsdp2" not in out["torch_fsdp2"]
+    assert ours["engine_cpu_ms_total"] == 5.0 and out["local"]["engine_cpu_ms_total"] == 0.0
+    # phases are the slowest rank's and sum to its step
+    assert math.isclose(sum(ours["phase_ms"].values()), ours["step_ms"]["median"], rel_tol=1e-9)
+    # separate medians would compare 1.01 * median(ours) with median(floor) of other runs; the paired
+    # ratio is unaffected by how the floor moves between rounds
+    with pytest.raises(ValueError, match="local"):
+        fsdp.paired_summary([{"fairscale_c": r["fairscale_c"]} for r in _paired_ranks(cfg, steps)], cfg)
+
+
+def test_cpu_verdicts_decide_on_the_paired_medians(capsys):
+    cfg = fsdp.quick_config()
+    cfg.warmup, cfg.steps = 1, 4
+    floor = [1000.0, 1000.0, 1050.0, 1100.0, 950.0]
+    steps = {"torch_fsdp2": [f + 100 for f in floor], "fairscale_c": [f + 5 for f in floor], "local": floor}
+    paired = fsdp.paired_summary(_paired_ranks(cfg, steps), cfg)
+    by = {}
+    # separate runs: the floor's run happened to be 30 ms faster than the others' runs
+    for fw, sep_ms, peak in (("torch_fsdp2", 1100.0, 500.0), ("fairscale_c", 1030.0, 450.0), ("local", 1000.0, 400)):
+        by[fw] = {
+            "framework": fw,
+            "step_ms": sep_ms,
+            "tokens_per_s": 1.0,
+            "peak_mib": [peak, peak],
+            "losses": paired[fw]["losses"],
+            "hwm_reset": True,
+            "paired": paired[fw],
+        }
+    out = fsdp._cpu_verdicts(by, cfg, paired=True)
+    assert out["target_step_met"] and out["target_own_time_met"] and out["target_mem_met"]
+    assert math.isclose(out["own_vs_fsdp2"], 0.05) and out["paired_max_loss_diff"] == 0
+    assert not out["separate_target_own_time_met"]  # 30 ms of own time in the separate numbers
+    fsdp.print_paired_table(list(by.values()), cfg)
+    text = capsys.readouterr().out
+    assert "target own time <= 0.1x FSDP2's: met (paired: median per-round ratio 0.050" in text
+    assert "separate runs: own 30.0 vs FSDP2's 100.0 ms = 0.300x" in text
+    assert "during the other frameworks' steps, all ranks, all steps: torch_fsdp2 0.000 ms, local 0.000 ms" in text
+
+
+def test_cpu_verdicts_without_the_paired_run_use_the_separate_runs(capsys):
+    cfg = fsdp.quick_config()
+    by = {
+        fw: {"framework": fw, "step_ms": ms, "peak_mib": [400.0, 410.0], "losses": [[5.0, 4.0]] * 2, "hwm_reset": True}
+        for fw, ms in (("torch_fsdp2", 1100.0), ("fairscale_c", 1030.0), ("local", 1000.0))
+    }
+    out = fsdp._cpu_verdicts(by, cfg, paired=False)
+    assert not out["target_own_time_met"] and not out["target_step_met"]  # 30 vs 100 ms; 1.03x
+    assert out["target_own_time_met"] == out["separate_target_own_time_met"] and "paired_max_loss_diff" not in out
+    assert "own time <= 0.1x FSDP2's: NOT met (separate runs: own 30.0 vs FSDP2's 100.0 ms" in capsys.readouterr().out
+
+
+def test_paired_run_trains_every_framework_in_one_process_set():
+    """A real (tiny) paired run at world 2, one spawned job: the floor's losses equal plain
+    single-process PyTorch trained on the same rank's batches (so sharing the processes does not
+    disturb a model), fairscale_c's equal FSDP2's bit for bit, and fairscale_c's progress threads
+    stay asleep while the other frameworks step."""
+    from dist_utils import orphaned_segments, run_ranks
+
+    cfg = fsdp.quick_config()
+    cfg.warmup, cfg.steps, cfg.threads = 1, 2, 1
+    before = orphaned_segments()
+    ranks = run_ranks(fsdp.rank_main_paired, 2, ["torch_fsdp2", "fairscale_c", "local"], asdict(cfg), timeout=300)
+    out = fsdp.paired_summary(ranks, cfg)
+    assert fsdp.max_loss_diff(out["fairscale_c"], out["torch_fsdp2"]) == 0
+    for rank in range(2):
+        torch.manual_seed(cfg.seed)
+        model = fsdp.GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        _, losses = fsdp._train(model, opt, fsdp.make_batches(cfg, rank, torch.device("cpu")), lambda: None)
+        torch.testing.assert_close(out["local"]["losses"][rank], losses, atol=1e-6, rtol=0)
+    assert out["fairscale_c"]["engine_cpu_ms_total"] > 0  # the threads are found at all
+    # asleep on their condition variable: at most a wake-up's tail (microseconds) may land here
+    assert out["torch_fsdp2"]["engine_cpu_ms_total"] < 5 and out["local"]["engine_cpu_ms_total"] < 5
+    assert orphaned_segments() - before == set()
