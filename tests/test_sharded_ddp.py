@@ -100,6 +100,7 @@ def train(
     clip=None,
     freeze_at=None,
     zero_before_backward=False,
+    zero="opt",
     **sdp_kw,
 ):
     from fairscale_c.nn import ShardedDataParallel
@@ -141,7 +142,9 @@ def train(
             torch.testing.assert_close(norm, ref_norm, **tol)
         opt.step()
         ref_opt.step()
-        if not zero_before_backward:
+        if zero == "sdp":  # FairScale's documented loop: the wrapper zeroes the gradients it handed out
+            sdp.zero_grad()
+        elif not zero_before_backward:
             opt.zero_grad()
         ref_opt.zero_grad()
         _compare(sdp, ref, tol, f"step {step}")
@@ -174,6 +177,11 @@ def scenario_accumulation(rank, world):
     # without no_sync: every backward reduces, and the sum of the reductions is what DDP would give
     train(rank, world, micro=2, accumulate="every_backward", reduce_buffer_size=200)
     train(rank, world, micro=2, accumulate="every_backward", zero_before_backward=True)
+    # gradients zeroed by the wrapper: dropped unread when the next one comes (micro=1), copied
+    # out of the reused bucket and added back when a second backward accumulates onto them
+    train(rank, world, micro=1, steps=4, zero="sdp")
+    train(rank, world, micro=2, accumulate="every_backward", zero="sdp")
+    train(rank, world, micro=3, accumulate="no_sync", zero="sdp", reduce_buffer_size=200)
     train(rank, world, zero_before_backward=True)
 
 

@@ -5,7 +5,10 @@ Every rank holds all parameters but steps, and keeps optimizer state for, only i
 After the step each owner's updated parameters reach the other ranks through
 ``fairscale_c.distributed``: trainable parameters are views of one flat buffer per (device, dtype)
 in which every rank's parameters are one contiguous block, so the exchange is one collective per
-buffer (an in-place all-gather when the blocks are near-equal, else one broadcast per rank).
+buffer and rank: on CPU one broadcast per rank, in descending rank order, those of the ranks above
+this one issued before this rank's optimizer step (they travel while it steps); on CUDA (and with
+``broadcast_fp16``) an in-place all-gather when the blocks are near-equal, else one broadcast per
+rank.
 
 Beyond FairScale: ``clip_grad_norm`` reduces over the OSS group (FairScale uses the world group);
 ``consolidate_state_dict`` moves one rank's shard at a time as one flat buffer and never holds more
@@ -306,13 +309,50 @@ class OSS(Optimizer):
             _log.info("OSS: parameters moved since the buffers were built; rebuilding them")
             self._device_params = {}  # owners stay; only the device grouping and buffers are rebuilt
             self.refresh_trainable()
+        early = self._receive_early() if closure is None else None
         loss = self.optim.step(closure=closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
-        self._broadcast_params()
+        self._broadcast_params(early)
         OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
 
+    def _ordered_exchange(self) -> bool:
+        """Whether the exchange is one broadcast per rank and bucket, ranks in descending order,
+        those of ranks above this one issued before this rank's step (see _receive_early). On CPU
+        only (the shared-memory engine, measured in docs/benchmarks.md); CUDA buffers keep the
+        one in-place all-gather."""
+        return self.world_size > 1 and not self.broadcast_fp16 and all(b.device.type == "cpu" for b in self.buckets)
+
     @torch.no_grad()
-    def _broadcast_params(self) -> None:
+    def _receive_early(self) -> Optional[List[Any]]:
+        """Issue, before this rank's optimizer step, the broadcasts of the blocks of the ranks
+        that come before it in the exchange order (ranks N-1 .. rank+1): they write only
+        parameters this rank does not step, and travel while it steps, as soon as their owners
+        are done. A rank whose step is slow (rank 0 when it owns the largest parameter, as
+        FairScale's greedy partition makes it for a tied embedding) then has only its own block
+        to send once it is done. Not with a closure (it may read every parameter meanwhile)."""
+        if not self._ordered_exchange():
+            return None
+        return [
+            self.comm.broadcast(b.block(b.flat, r), root=r, async_op=True)
+            for r in range(self.world_size - 1, self.rank, -1)
+            for b in self.buckets
+            if b.lengths[r]
+        ]
+
+    @torch.no_grad()
+    def _broadcast_params(self, early: Optional[List[Any]] = None) -> None:
+        if self._ordered_exchange() and early is None:
+            early = self._receive_early()  # a step with a closure: the same order, after the step
+        if early is not None:
+            works = early + [
+                self.comm.broadcast(b.block(b.flat, r), root=r, async_op=True)
+                for r in range(self.rank, -1, -1)
+                for b in self.buckets
+                if b.lengths[r]
+            ]
+            for w in works:
+                w.wait()
+            return
         works = []
         wires = []
         for b in self.buckets:

@@ -3,12 +3,14 @@
 
 During backward each trainable parameter's gradient is copied, as soon as autograd has accumulated
 it, into the flat buffer of its bucket (parameters of one owner rank, device and dtype, up to
-``reduce_buffer_size`` elements) and dropped; a full bucket is averaged onto its owner with one
-asynchronous ``reduce`` through ``fairscale_c.distributed``, so the reduction overlaps the rest of
-backward. A gradient of ``_DIRECT_MIN`` (2**20) elements or more skips the copy: it is averaged in
-place, in autograd's own tensor, by an operation of its own. Buckets are launched in a fixed order
+``reduce_buffer_size`` elements; allocated once, reused by every backward) and dropped; a full
+bucket is averaged onto its owner with one asynchronous ``reduce`` through
+``fairscale_c.distributed``, so the reduction overlaps the rest of backward. A gradient of
+``_DIRECT_MIN`` (2**20) elements or more skips the copy: it is averaged in place, in autograd's
+own tensor, by an operation of its own. Buckets are launched in a fixed order
 on every rank. At the end of backward every reduction is waited for: the owner's ``p.grad`` is a
-view of the reduced bucket (or the reduced tensor itself), every other rank's is None. The
+view of the reduced bucket (or the reduced tensor itself), every other rank's is None; the
+next backward overwrites the bucket (a gradient still accumulating is copied out first). The
 optimizer then steps (OSS broadcasts the updated parameters).
 """
 
@@ -40,7 +42,9 @@ _DIRECT_MIN = 1 << 20
 @dataclass
 class _Bucket:
     """Gradients of ``params`` (one owner, device and dtype) reduced together; ``offsets[i]`` is
-    where params[i] sits in ``flat``. Per-backward state: ``flat``, ``pending``, ``work``."""
+    where params[i] sits in ``flat``. Per-backward state: ``flat``, ``pending``, ``work``.
+    ``buffer``: the bucket's flat buffer, allocated at its first use and kept across backward
+    passes (``flat`` is it, or autograd's own gradient for a bucket reduced in place)."""
 
     owner: int
     device: torch.device
@@ -50,6 +54,7 @@ class _Bucket:
     offsets: List[int]
     numel: int
     flat: Optional[torch.Tensor] = None
+    buffer: Optional[torch.Tensor] = None
     pending: int = 0
     work: Any = None
     checked_in: List[bool] = field(default_factory=list)
@@ -154,6 +159,7 @@ class ShardedDataParallel(nn.Module):
         self._buffer_works: List[Any] = []
         self._reduced: Dict[nn.Parameter, torch.Tensor] = {}  # owner gradients set by the last reduction
         self._saved: Dict[nn.Parameter, torch.Tensor] = {}  # ... set aside while the next is accumulated
+        self._zeroed: Dict[nn.Parameter, int] = {}  # ... zeroed by zero_grad: its version counter then
         if sync_models_at_startup:
             self._sync_params_and_buffers()
 
@@ -302,11 +308,19 @@ class ShardedDataParallel(nn.Module):
     def _before_accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """A new gradient is about to be added to ``p.grad``: if that still holds what the last
         reduction gave this owner (accumulation without no_sync), set it aside and add it back
-        after the next reduction, so that it is not averaged over the ranks a second time."""
+        after the next reduction, so that it is not averaged over the ranks a second time. One
+        that zero_grad zeroed and nothing wrote since is dropped instead (there is nothing to add);
+        one living in a bucket's buffer is copied out first (the buffer is about to be reused)."""
         g = self._reduced.pop(p, None)
+        zeroed = self._zeroed.pop(p, None)
         if g is not None and p.grad is g:
-            self._saved[p] = g
             p.grad = None
+            if zeroed is not None and zeroed == g._version:
+                return
+            where = self._where.get(p)
+            buf = self._buckets[where[0]].buffer if where is not None else None
+            in_buffer = buf is not None and g.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+            self._saved[p] = g.clone() if in_buffer else g
 
     @torch.no_grad()
     def _grad_ready(self, p: nn.Parameter) -> None:
@@ -336,7 +350,9 @@ class ShardedDataParallel(nn.Module):
         ):
             b.flat = grad.view(-1)  # autograd's own gradient tensor, averaged in place
         elif b.flat is None:
-            b.flat = torch.empty(b.numel, dtype=b.wire_dtype, device=b.device)
+            if b.buffer is None:  # kept across backward passes: a fresh one costs its page faults every time
+                b.buffer = torch.empty(b.numel, dtype=b.wire_dtype, device=b.device)
+            b.flat = b.buffer
         view = b.flat[b.offsets[j] : b.offsets[j] + b.params[j].numel()]
         if grad is None:
             view.zero_()  # no gradient here (unused on this rank): contributes zeros
@@ -377,7 +393,7 @@ class ShardedDataParallel(nn.Module):
             if b.owner == self._rank and b.flat is not None:
                 flat = b.flat if b.wire_dtype == b.dtype else b.flat.to(b.dtype)
                 for p, off in zip(b.params, b.offsets):
-                    g = flat[off : off + p.numel()].view_as(p)
+                    g = _own_version(flat, off, p)
                     saved = self._saved.pop(p, None)
                     if saved is not None:
                         g = g.add_(saved)
@@ -417,6 +433,7 @@ class ShardedDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero (or drop, with ``set_to_none``) the gradients of the trainable parameters."""
         self._saved.clear()
+        self._zeroed.clear()
         for p in self._trainable_params:
             if set_to_none:
                 p.grad = None
@@ -426,6 +443,8 @@ class ShardedDataParallel(nn.Module):
                 else:
                     p.grad.requires_grad_(False)
                 p.grad.zero_()
+                if self._reduced.get(p) is p.grad:
+                    self._zeroed[p] = p.grad._version
 
     # ------------------------------------------------------------------ buffers and start-up sync
 
@@ -466,6 +485,15 @@ def _unique(tensors: Any) -> List[torch.Tensor]:
             seen.add(key)
             out.append(t)
     return out
+
+
+def _own_version(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """``flat[offset : offset + p.numel()]`` shaped as ``p``, as a tensor of its own rather than a
+    view: it shares the memory but not the version counter, so writes into the rest of ``flat``
+    do not count as writes to it (zero_grad's "zeroed and not written since" test relies on it)."""
+    return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
+        flat.untyped_storage(), flat.storage_offset() + offset, p.shape
+    )
 
 
 def _wire_view(t: torch.Tensor) -> torch.Tensor:
