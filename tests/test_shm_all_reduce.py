@@ -1,7 +1,8 @@
 """The shm engine's pipelined all_reduce and reduce with a 4 KiB chunk, so that every size runs
 through many pipeline steps: sizes that are not a multiple of the chunk (an uneven last chunk,
-a last chunk shorter than one rank's part), every dtype and reduction, 2, 3 and 4 ranks, in place
-and out of place, against a torch reference, and every rank's result bit-identical to rank 0's."""
+a last chunk shorter than one rank's part), every dtype and reduction, 2, 3 and 4 ranks, reduce
+to the first, the last and another root, in place and out of place, against a torch reference,
+and every rank's result bit-identical to rank 0's."""
 
 from __future__ import annotations
 
@@ -46,12 +47,13 @@ def _job(rank: int, world: int):
                     group.all_reduce(t, op=op)
                     _check(t, want, f"all_reduce {op} {dtype} n={n}", failures)
                     digests[("all_reduce", str(dtype), n, op)] = _digest(t)
-                    root = n % world
-                    t = xs[rank].clone()
-                    group.reduce(t, root=root, op=op, async_op=True).wait()
-                    _check(t, want if rank == root else xs[rank], f"reduce {op} {dtype} n={n} root={root}", failures)
-                    if rank == root:
-                        digests[("reduce", str(dtype), n, op)] = _digest(t)
+                    for root in sorted({0, n % world, world - 1}):
+                        t = xs[rank].clone()
+                        group.reduce(t, root=root, op=op, async_op=True).wait()
+                        what = f"reduce {op} {dtype} n={n} root={root}"
+                        _check(t, want if rank == root else xs[rank], what, failures)
+                        if rank == root:
+                            digests[("reduce", str(dtype), n, op, root)] = _digest(t)
         # back to back with other ops, async, so their steps follow the all_reduce's last ones
         n = 40_003
         xs = [_data(r, n, torch.float32, 6) for r in range(world)]
@@ -67,7 +69,7 @@ def _job(rank: int, world: int):
     return failures, digests
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_pipelined_all_reduce_small_chunk(world):
     env = {"FAIRSCALE_C_SHM_CHUNK": str(CHUNK), "FAIRSCALE_C_TIMEOUT": "60"}
     results = run_ranks(_job, world, env=env)
