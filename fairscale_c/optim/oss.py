@@ -332,9 +332,14 @@ class OSS(Optimizer):
         to send once it is done. Not with a closure (it may read every parameter meanwhile)."""
         if not self._ordered_exchange():
             return None
+        return self._broadcast_blocks(range(self.world_size - 1, self.rank, -1))
+
+    def _broadcast_blocks(self, ranks: Any) -> List[Any]:
+        """One asynchronous broadcast per rank in ``ranks`` (in that order) and bucket, of that
+        rank's block of the bucket from its owner."""
         return [
             self.comm.broadcast(b.block(b.flat, r), root=r, async_op=True)
-            for r in range(self.world_size - 1, self.rank, -1)
+            for r in ranks
             for b in self.buckets
             if b.lengths[r]
         ]
@@ -344,13 +349,7 @@ class OSS(Optimizer):
         if self._ordered_exchange() and early is None:
             early = self._receive_early()  # a step with a closure: the same order, after the step
         if early is not None:
-            works = early + [
-                self.comm.broadcast(b.block(b.flat, r), root=r, async_op=True)
-                for r in range(self.rank, -1, -1)
-                for b in self.buckets
-                if b.lengths[r]
-            ]
-            for w in works:
+            for w in early + self._broadcast_blocks(range(self.rank, -1, -1)):
                 w.wait()
             return
         works = []

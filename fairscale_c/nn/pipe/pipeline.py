@@ -177,9 +177,8 @@ class Pipeline:
         # The calling thread only waits. With one micro-batch nothing can overlap and partition
         # 0's worker runs every partition in turn (one hand-over). Not running the forward on the
         # caller's thread keeps the activations saved for backward out of its malloc arena, where
-        # the backward's gradients and the caller's optimizer allocate: sharing one arena made
-        # glibc trim and re-grow its heap every step (2000-4000 page faults a step, 3-5 ms of the
-        # benchmark's 80 ms step; docs/pipe.md, "Memory and page faults").
+        # the backward's gradients and the caller's optimizer allocate, so glibc does not trim and
+        # re-grow that heap every step (docs/pipe.md, "Memory and page faults").
         if m == 1:
             self.workers.submit(0, run.board.job(lambda: self._forward_partitions(run, range(n))))
         else:

@@ -466,10 +466,11 @@ class PipelineSchedule:
         targets: Optional[List[Tuple[torch.Tensor, ...]]],
         mb_losses: List[torch.Tensor],
         has_backward: bool,
-        mb_kwargs: Optional[List[Dict[str, Any]]] = None,
-        divisors: Optional[List[float]] = None,
+        mb_kwargs: Optional[List[Dict[str, Any]]],
+        divisors: List[float],
     ) -> Tuple[float, float]:
-        divisors = divisors or [float(self._n_microbatches if self.scale_grads else 1)] * self._n_microbatches
+        """Run this rank's actions; micro-batch i's loss is divided by ``divisors[i]`` before its
+        backward."""
         inflight: Deque[Any] = deque()  # Works of sends not yet known to be finished, oldest first
         compute_s = wait_s = 0.0
         sends: list = []  # the previous action's messages, not yet issued

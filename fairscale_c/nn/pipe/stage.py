@@ -249,11 +249,9 @@ class PipelineStage:
         self.declared_inputs = metas_of(input_args, "PipelineStage: input_args") if input_args is not None else None
         if self.device.type == "cuda" and size > 1:
             self.group.init_nccl(self.device)
-        # known after the first step's set-up: per micro-batch, and the first micro-batch's
+        # known after the first step's set-up: the tensors of each micro-batch
         self.input_metas: Optional[List[Tuple[TensorMeta, ...]]] = None
         self.output_metas: Optional[List[Tuple[TensorMeta, ...]]] = None
-        self.input_meta: Optional[Tuple[TensorMeta, ...]] = None
-        self.output_meta: Optional[Tuple[TensorMeta, ...]] = None
         self._inputs: Dict[int, Tuple[torch.Tensor, ...]] = {}  # micro-batch -> inputs (kept for backward)
         self._outputs: Dict[int, Tuple[torch.Tensor, ...]] = {}  # micro-batch -> outputs (with their graph)
         self._losses: Dict[int, torch.Tensor] = {}
@@ -276,7 +274,17 @@ class PipelineStage:
     # ------------------------------------------------------------------ set-up
     @property
     def ready(self) -> bool:
-        return self.input_meta is not None
+        return self.input_metas is not None
+
+    @property
+    def input_meta(self) -> Optional[Tuple[TensorMeta, ...]]:
+        """The first micro-batch's inputs (None before the set-up)."""
+        return self.input_metas[0] if self.input_metas is not None else None
+
+    @property
+    def output_meta(self) -> Optional[Tuple[TensorMeta, ...]]:
+        """The first micro-batch's outputs (None before the set-up)."""
+        return self.output_metas[0] if self.output_metas is not None else None
 
     def setup(
         self,
@@ -321,7 +329,6 @@ class PipelineStage:
         if bad:
             raise ValueError("pipeline set-up failed: " + "; ".join(bad))
         self.input_metas, self.output_metas = table, out_table
-        self.input_meta, self.output_meta = table[0], out_table[0]  # type: ignore[index]
         if self.device.type == "cuda" and self.group.size > 1:
             # the schedules' first messages are one-sided (stage 0 sends and receives in one
             # batch, stage 1 receives, then sends): connect each neighbouring pair symmetrically
