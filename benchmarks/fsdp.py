@@ -67,7 +67,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -464,6 +464,34 @@ def _engine_cpu_ns() -> int:
     return total
 
 
+# glibc settings for the paired run's processes: blocks under 32 MiB come from the heap and the heap
+# is never trimmed. Several frameworks in one process share one heap, and what one framework frees
+# at the top of it decides whether the next one's allocations fault pages in again; run alone,
+# each framework keeps its own steady state. The separate runs keep glibc's defaults (what a user
+# gets), and both methods print the faults per step, so the difference is visible.
+PAIRED_MALLOC = {
+    "kept": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296",
+    "default": "",
+}
+
+
+@contextlib.contextmanager
+def malloc_env(setting: str) -> Iterator[None]:
+    """While spawning, add the glibc tunables of PAIRED_MALLOC[setting] to the environment the
+    ranks inherit (after any the caller set, so the caller's own settings of other tunables stay)."""
+    extra = PAIRED_MALLOC[setting]
+    old = os.environ.get("GLIBC_TUNABLES")
+    if extra:
+        os.environ["GLIBC_TUNABLES"] = f"{old}:{extra}" if old else extra
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GLIBC_TUNABLES", None)
+        else:
+            os.environ["GLIBC_TUNABLES"] = old
+
+
 def paired_orders(n: int) -> List[List[int]]:
     """Orders for the paired run's rounds (a Williams design): over len(result) consecutive rounds
     every framework takes every position equally often and directly follows every other framework
@@ -760,12 +788,17 @@ def print_paired_table(rows: List[Dict], cfg: Config) -> None:
 
 
 def run_cpu(
-    cfg: Config, profile: Optional[str], frameworks: Optional[List[str]] = None, paired: bool = True
+    cfg: Config,
+    profile: Optional[str],
+    frameworks: Optional[List[str]] = None,
+    paired: bool = True,
+    paired_malloc: str = "kept",
 ) -> Dict[str, Any]:
     """Separate runs (one fresh process set per framework: memory, and times as before), then with
     `paired` one more process set training every framework that ran in turn (rank_main_paired),
-    whose per-round figures decide the time targets. fairscale (0.4.13) is optional: skipped when
-    not importable, a "fails" row when it fails (its FSDP needs CUDA)."""
+    whose per-round figures decide the time targets; its processes get the glibc settings
+    PAIRED_MALLOC[paired_malloc]. fairscale (0.4.13) is optional: skipped when not importable, a
+    "fails" row when it fails (its FSDP needs CUDA)."""
     frameworks = list(frameworks or CPU_FRAMEWORKS)
     if "local" not in frameworks:
         frameworks.append("local")
@@ -791,7 +824,8 @@ def run_cpu(
     if paired:
         fws = [r["framework"] for r in rows if "error" not in r]
         t0 = time.perf_counter()
-        ranks = spawn(rank_main_paired, cfg.world, fws, asdict(cfg))
+        with malloc_env(paired_malloc):
+            ranks = spawn(rank_main_paired, cfg.world, fws, asdict(cfg))
         print(f"[cpu] paired run ({', '.join(fws)} in turn): done in {time.perf_counter() - t0:.1f} s", flush=True)
         for fw, summary in paired_summary(ranks, cfg).items():
             by[fw]["paired"] = summary
@@ -804,8 +838,10 @@ def run_cpu(
         f"{'bf16 mixed precision' if cfg.bf16 else 'fp32'}, {cfg.threads} thread(s) per rank, "
         f"{n_params(cfg) / 1e6:.2f}M params, {cfg.steps} timed steps after {cfg.warmup} warm-up; load {load:.2f}; "
         + (
-            "separate runs (one process set per framework) and a paired run (every framework in one process "
-            "set, one step each per round, orders balanced); floor = local"
+            "separate runs (one process set per framework, glibc malloc defaults) and a paired run (every "
+            "framework in one process set, one step each per round, orders balanced; malloc "
+            + (f"GLIBC_TUNABLES {PAIRED_MALLOC[paired_malloc]}" if PAIRED_MALLOC[paired_malloc] else "defaults")
+            + "); floor = local"
             if paired
             else "separate runs (one process set per framework)"
         )
@@ -823,6 +859,8 @@ def run_cpu(
         print(f"{fw}: skipped ({why})")
     result = _cpu_verdicts(by, cfg, paired)
     result.update(rows=rows, skipped=skipped, method="paired" if paired else "separate", load_at_end=load)
+    if paired:
+        result["paired_malloc"] = {"setting": paired_malloc, "glibc_tunables": PAIRED_MALLOC[paired_malloc]}
     if not all(r["hwm_reset"] for r in by.values()):
         print("note: /proc/self/clear_refs was not writable; peaks include model construction")
     return result
@@ -1276,6 +1314,14 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
         help="CPU: time from the separate runs only (no paired run; the targets are then decided on them)",
     )
     p.add_argument(
+        "--paired-malloc",
+        choices=sorted(PAIRED_MALLOC),
+        default="kept",
+        help="CPU: glibc malloc settings of the paired run's processes: 'kept' (default) keeps freed memory "
+        "in the heap (blocks under 32 MiB from the heap, no trimming), so that frameworks sharing one heap "
+        "do not make each other fault pages in again; 'default' leaves glibc's defaults",
+    )
+    p.add_argument(
         "--peak-tflops",
         type=float,
         default=H100_SXM_BF16_DENSE_TFLOPS,
@@ -1356,7 +1402,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "machine": platform.machine(),
     }
     if args.device in ("auto", "cpu"):
-        result["cpu"] = run_cpu(cfg, args.profile, args.frameworks, paired=not args.no_paired)
+        result["cpu"] = run_cpu(
+            cfg, args.profile, args.frameworks, paired=not args.no_paired, paired_malloc=args.paired_malloc
+        )
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         result["cuda"] = run_cuda(cfg, args.frameworks, args.peak_tflops)
     elif args.device == "auto":

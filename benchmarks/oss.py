@@ -265,9 +265,13 @@ def rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], p
 
 def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dict[str, Any]) -> Dict:
     """Timing only: every framework's model and optimizer in one process per rank, trained in
-    turn, one step each, the order rotating from step to step. Load from elsewhere on the machine
-    then falls on every framework alike, where separate runs minutes apart see different loads.
-    (Memory cannot be told apart here: rank_main measures it.)"""
+    turn, one step each per round, in the balanced orders of fsdp.py's `paired_orders`. Load from
+    elsewhere on the machine then falls on every framework alike, where separate runs minutes apart
+    see different loads. Before each framework's step the ranks meet at a gloo barrier (outside the
+    timing): without it a framework would start while its peer was still in the previous
+    framework's step and would pay for that skew, which the floor, whose ranks never synchronise,
+    never does. Per step: time, phases, loss and this process's minor page faults. (Memory cannot
+    be told apart here: rank_main measures it.)"""
     cfg = base.Config(**cfg_dict)
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -278,11 +282,15 @@ def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dic
             importlib.import_module(name)
         torch.manual_seed(cfg.seed)
         built[fw] = BUILDERS[fw](base.GPT(cfg), cfg)
-    out: Dict[str, Dict[str, list]] = {fw: {"times": [], "phases": [], "losses": []} for fw in frameworks}
+    out: Dict[str, Dict[str, list]] = {fw: {"times": [], "phases": [], "losses": [], "minflt": []} for fw in frameworks}
+    orders = base.paired_orders(len(frameworks))
     for i, xy in enumerate(batches):
-        k = i % len(frameworks)
-        for fw in frameworks[k:] + frameworks[:k]:
+        for k in orders[i % len(orders)]:
+            fw = frameworks[k]
+            dist.barrier()
+            f0 = base._minor_faults()
             t, ph, lo = train(*built[fw], [xy], fw)
+            out[fw]["minflt"].append(base._minor_faults() - f0)
             out[fw]["times"] += t
             out[fw]["phases"] += ph
             out[fw]["losses"] += lo
@@ -513,17 +521,25 @@ def _apply_paired(rows: Dict[str, Dict], ranks: List[Dict[str, Dict]], cfg: base
         for k, name in enumerate(("fwd_ms", "bwd_ms", "opt_ms")):
             row[name] = statistics.median(max(r[fw]["phases"][i][k] for r in ranks) for i in timed) * 1e3
         row["paired_step_ratio_to_floor"] = statistics.median(a / b for a, b in zip(steps, floor_steps))
+        row["paired_own_ms_each"] = [(a - b) * 1e3 for a, b in zip(steps, floor_steps)]
+        row["paired_minflt"] = statistics.median(statistics.mean(r[fw]["minflt"][i] for r in ranks) for i in timed)
         row["paired_losses_equal_separate"] = [r[fw]["losses"] for r in ranks] == row["losses"]
         row["timing"] = "paired"
 
 
 def run_cpu(
-    cfg: base.Config, frameworks: List[str], profile: Optional[str], repeats: int = 1, paired: bool = True
+    cfg: base.Config,
+    frameworks: List[str],
+    profile: Optional[str],
+    repeats: int = 1,
+    paired: bool = True,
+    paired_malloc: str = "kept",
 ) -> Dict[str, Any]:
     """Every framework once per round, `repeats` rounds (interleaved, so that a burst of load on
     the machine falls on one run of each framework rather than on all runs of one): memory,
     optimizer state, losses and (without `paired`) times. With `paired`, the times come from one
-    more run in which every framework trains in turn in the same processes (rank_main_paired)."""
+    more run in which every framework trains in turn in the same processes (rank_main_paired),
+    with fsdp.py's glibc settings PAIRED_MALLOC[paired_malloc]."""
     runs: Dict[str, List[List[Dict]]] = {}
     skipped: Dict[str, str] = {}
     for fw in frameworks:
@@ -544,7 +560,8 @@ def run_cpu(
     if paired:
         t0 = time.perf_counter()
         fws = [fw for fw in frameworks if fw in rows]
-        ranks = base.spawn(rank_main_paired, cfg.world, fws, asdict(cfg))
+        with base.malloc_env(paired_malloc):
+            ranks = base.spawn(rank_main_paired, cfg.world, fws, asdict(cfg))
         print(f"[cpu] paired timing run ({', '.join(fws)} in turn): done in {time.perf_counter() - t0:.1f} s")
         _apply_paired(rows, ranks, cfg)
     n = base.n_params(cfg)
@@ -553,7 +570,8 @@ def run_cpu(
         f"{cfg.threads} thread(s) per rank, {n / 1e6:.2f}M params, median of {cfg.steps} steps after "
         f"{cfg.warmup} warm-up; "
         + (
-            "times from one run training every framework in turn, step by step, in the same processes; "
+            "times from one run training every framework in turn, step by step, in the same processes "
+            f"(malloc: {base.PAIRED_MALLOC[paired_malloc] or 'glibc defaults'}); "
             f"memory from {repeats} separate run(s) per framework"
             if paired
             else f"{repeats} separate run(s) per framework, interleaved"
@@ -570,11 +588,30 @@ def run_cpu(
             + ", ".join(f"{r['framework']} {r['paired_step_ratio_to_floor']:.3f}" for r in order)
         )
         print(
+            "paired: minor page faults per step (median of the ranks' mean): "
+            + ", ".join(f"{r['framework']} {r['paired_minflt']:.0f}" for r in order)
+        )
+        if REFERENCE in rows and "fairscale_c" in rows:
+            ratios = [
+                a / b
+                for a, b in zip(rows["fairscale_c"]["paired_own_ms_each"], rows[REFERENCE]["paired_own_ms_each"])
+                if b > 0
+            ]
+            if ratios:
+                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+                print(
+                    "paired: fairscale_c's own time / FairScale's own time, per step: median "
+                    f"{statistics.median(ratios):.3f} "
+                    f"[{q[0]:.3f}-{q[2]:.3f}] over {len(ratios)} steps with FairScale's own time > 0"
+                )
+        print(
             "separate runs' medians (ms), for comparison: "
             + ", ".join(f"{r['framework']} {r['step_ms_separate']:.1f}" for r in order)
         )
     _print_run_notes(order, rows, repeats, skipped, {})
     result: Dict[str, Any] = {"rows": order, "skipped": skipped}
+    if paired:
+        result["paired_malloc"] = {"setting": paired_malloc, "glibc_tunables": base.PAIRED_MALLOC[paired_malloc]}
     result.update(verdicts(rows, cfg))
     if not all(r["hwm_reset"] for r in order):
         print("note: /proc/self/clear_refs was not writable; peaks include model construction")
@@ -683,6 +720,13 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
         help="take times from the separate runs instead of a run that trains every framework in turn",
     )
     p.add_argument(
+        "--paired-malloc",
+        choices=sorted(base.PAIRED_MALLOC),
+        default="kept",
+        help="glibc malloc settings of the paired run's processes (as benchmarks/fsdp.py's): 'kept' (default) "
+        "or 'default'",
+    )
+    p.add_argument(
         "--profile", metavar="FILE", help="cProfile rank 0 of fairscale_c's timed steps (last round) into FILE"
     )
     p.add_argument(
@@ -761,7 +805,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         result["fairscale"] = fairscale.__version__
     if cuda_note is None:
-        result["cpu"] = run_cpu(cfg, frameworks, args.profile, args.repeats, paired=not args.no_paired)
+        result["cpu"] = run_cpu(
+            cfg, frameworks, args.profile, args.repeats, paired=not args.no_paired, paired_malloc=args.paired_malloc
+        )
     else:
         result.update(cuda_info(), device="cuda", cuda_ranks=cuda_note, bf16_autocast=args.bf16)
         result["preset"] = "quick" if args.quick else (args.preset or "125m")
