@@ -437,7 +437,10 @@ def verdicts(rows: Dict[str, Dict], cfg: base.Config) -> Dict[str, Any]:
     if ours is None:
         print("targets: not judged (no fairscale_c row)")
         return out
-    over = ours["step_ms"] / floor["step_ms"]
+    # Paired: decided on the median of the per-step ratios (each step against the floor's step of
+    # the same round, as benchmarks/fsdp.py decides); otherwise on the ratio of the median steps.
+    paired = "paired_step_ratio_to_floor" in ours
+    over = ours["paired_step_ratio_to_floor"] if paired else ours["step_ms"] / floor["step_ms"]
     out["target_step_met"] = over <= TARGET_STEP_OVER_FLOOR
     total_state = max(floor["state_bytes"])  # the unsharded AdamW state
     per_param = total_state / floor["param_numel"][0]  # state bytes per parameter element
@@ -446,7 +449,8 @@ def verdicts(rows: Dict[str, Dict], cfg: base.Config) -> Dict[str, Any]:
     out["target_state_met"] = max(ours["state_bytes"]) <= bound
     line = (
         f"target step <= {TARGET_STEP_OVER_FLOOR}x the floor: {'met' if out['target_step_met'] else 'NOT met'} "
-        f"({over:.3f}x); optimizer state per rank <= 1/{cfg.world} + one parameter's share: "
+        f"({over:.3f}x{', median per-step ratio' if paired else ''}); "
+        f"optimizer state per rank <= 1/{cfg.world} + one parameter's share: "
         f"{'met' if out['target_state_met'] else 'NOT met'} "
         f"({max(ours['state_bytes']) / 2**20:.1f} <= {bound / 2**20:.1f} MiB)"
     )
@@ -454,7 +458,11 @@ def verdicts(rows: Dict[str, Dict], cfg: base.Config) -> Dict[str, Any]:
         print(line + f"; own time and losses vs FairScale: not judged ({REFERENCE} row missing)")
         return out
     own, own_fs = ours["step_ms"] - floor["step_ms"], ref["step_ms"] - floor["step_ms"]
-    out["target_own_time_met"] = own_fs > 0 and own <= TARGET_OWN_VS_FAIRSCALE * own_fs
+    per_step = ours.get("paired_own_ratio_to_fairscale")
+    if paired:
+        out["target_own_time_met"] = per_step is not None and per_step <= TARGET_OWN_VS_FAIRSCALE
+    else:
+        out["target_own_time_met"] = own_fs > 0 and own <= TARGET_OWN_VS_FAIRSCALE * own_fs
     # The floor's AdamW steps every parameter; a sharded optimizer steps 1/world of them. The
     # floor with its measured optimizer step cut to that share is the tighter reference.
     adj = floor["step_ms"] - floor["opt_ms"] * (1 - 1 / cfg.world)
@@ -470,7 +478,19 @@ def verdicts(rows: Dict[str, Dict], cfg: base.Config) -> Dict[str, Any]:
         f"(local's AdamW step: {floor['opt_ms']:.1f} ms); own time above it: fairscale_c {own_adj:.1f} ms, "
         f"FairScale {own_fs_adj:.1f} ms"
     )
-    judged = "met" if out["target_own_time_met"] else ("NOT met" if own_fs > 0 else "not judgeable")
+    if paired:
+        judged = "met" if out["target_own_time_met"] else ("NOT met" if per_step is not None else "not judgeable")
+        if per_step is not None:
+            lo, hi = ours["paired_own_ratio_quartiles"]
+            judged += (
+                f" (median per-step ratio {per_step:.3f} [{lo:.3f}-{hi:.3f}] over "
+                f"{ours['paired_own_ratio_steps']} steps with FairScale's own time > 0)"
+            )
+        else:
+            judged += " (FairScale's own time was never positive)"
+        judged += "; medians of the steps"
+    else:
+        judged = "met" if out["target_own_time_met"] else ("NOT met" if own_fs > 0 else "not judgeable")
     judged_adj = "met" if out["target_own_time_adjusted_met"] else "NOT met"
     print(
         f"target own time <= {TARGET_OWN_VS_FAIRSCALE}x FairScale's: {judged} ({own:.1f} vs {own_fs:.1f} ms"
@@ -525,6 +545,14 @@ def _apply_paired(rows: Dict[str, Dict], ranks: List[Dict[str, Dict]], cfg: base
         row["paired_minflt"] = statistics.median(statistics.mean(r[fw]["minflt"][i] for r in ranks) for i in timed)
         row["paired_losses_equal_separate"] = [r[fw]["losses"] for r in ranks] == row["losses"]
         row["timing"] = "paired"
+    ours, ref = rows.get("fairscale_c"), rows.get(REFERENCE)
+    if ours is not None and ref is not None:
+        ratios = [a / b for a, b in zip(ours["paired_own_ms_each"], ref["paired_own_ms_each"]) if b > 0]
+        ours["paired_own_ratio_steps"] = len(ratios)
+        if ratios:
+            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+            ours["paired_own_ratio_to_fairscale"] = statistics.median(ratios)
+            ours["paired_own_ratio_quartiles"] = [q[0], q[2]]
 
 
 def run_cpu(
@@ -591,19 +619,6 @@ def run_cpu(
             "paired: minor page faults per step (median of the ranks' mean): "
             + ", ".join(f"{r['framework']} {r['paired_minflt']:.0f}" for r in order)
         )
-        if REFERENCE in rows and "fairscale_c" in rows:
-            ratios = [
-                a / b
-                for a, b in zip(rows["fairscale_c"]["paired_own_ms_each"], rows[REFERENCE]["paired_own_ms_each"])
-                if b > 0
-            ]
-            if ratios:
-                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-                print(
-                    "paired: fairscale_c's own time / FairScale's own time, per step: median "
-                    f"{statistics.median(ratios):.3f} "
-                    f"[{q[0]:.3f}-{q[2]:.3f}] over {len(ratios)} steps with FairScale's own time > 0"
-                )
         print(
             "separate runs' medians (ms), for comparison: "
             + ", ".join(f"{r['framework']} {r['step_ms_separate']:.1f}" for r in order)

@@ -235,3 +235,21 @@ def test_paired_run_trains_every_framework_in_one_process_set():
     # asleep on their condition variable: at most a wake-up's tail (microseconds) may land here
     assert out["torch_fsdp2"]["engine_cpu_ms_total"] < 5 and out["local"]["engine_cpu_ms_total"] < 5
     assert orphaned_segments() - before == set()
+
+
+def test_malloc_env_adds_the_tunables_for_the_spawn_and_restores(monkeypatch):
+    """The paired run's glibc settings reach the ranks through GLIBC_TUNABLES, after any tunables
+    the caller set, and the parent's environment is as before afterwards."""
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    with fsdp.malloc_env("kept"):
+        assert fsdp.os.environ["GLIBC_TUNABLES"] == fsdp.PAIRED_MALLOC["kept"]
+    assert "GLIBC_TUNABLES" not in fsdp.os.environ
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    with fsdp.malloc_env("kept"):
+        assert fsdp.os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:" + fsdp.PAIRED_MALLOC["kept"]
+    with fsdp.malloc_env("default"):
+        assert fsdp.os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    assert fsdp.os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    with pytest.raises(KeyError):
+        with fsdp.malloc_env("none such"):
+            pass
