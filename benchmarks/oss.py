@@ -70,7 +70,7 @@ FRAMEWORKS = ("fairscale_c", "fairscale", "torch_zero", "ddp", "local")
 
 def default_config() -> base.Config:
     """27.3M parameters (vocab 16384 x 512 tied embedding, 6 blocks of d_model 512)."""
-    return base.Config(layers=6, d_model=512, heads=8, seq=64, vocab=16384, batch=4, steps=10, warmup=3)
+    return base.Config(layers=6, d_model=512, heads=8, seq=64, vocab=16384, batch=4, steps=20, warmup=3)
 
 
 # --device cuda models: GPT-2 small and medium shapes (vocab 50304, tied head), 8 sequences of 512
