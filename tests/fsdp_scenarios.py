@@ -824,9 +824,10 @@ def _held():
 def steady_state(rank, world):
     """Many training steps hold nothing new: after warm-up, 40 more steps (bf16 mixed precision,
     gradients in buckets and alone, clip_grad_norm_, a full and a local state dict every 10 steps)
-    leave the same file descriptors, threads, shared-memory mappings and live tensors, and resident
-    memory grows by less than one step's worth of leaked gradients would add (the model's
-    gradients are 1.8 MiB in fp32)."""
+    leave the same file descriptors, threads, shared-memory mappings and live tensors (counted
+    exactly), and resident memory grows by less than 8 MiB: a leak of the model's gradients (1.8 MiB
+    in fp32) at every fifth step would add 14 MiB. The allowance covers what glibc and Python keep
+    of memory freed during the window (the state dicts, the buckets)."""
     from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
 
     torch.manual_seed(0)
@@ -860,7 +861,7 @@ def steady_state(rank, world):
         assert after[key] <= before[key], f"{key}: {before[key]} -> {after[key]} over 40 steps"
     if "asan" not in os.environ.get("LD_PRELOAD", ""):  # ASan's quarantine keeps freed memory resident
         grown = after["rss"] - before["rss"]
-        assert grown < 4 * 2**20, f"resident memory grew {grown / 2**20:.1f} MiB over 40 steps"
+        assert grown < 8 * 2**20, f"resident memory grew {grown / 2**20:.1f} MiB over 40 steps"
 
 
 SCENARIOS.update(steady_state=steady_state)
