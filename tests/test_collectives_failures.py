@@ -423,9 +423,9 @@ def test_rank_leaves_promptly_while_its_peer_is_absent(tmp_path, mode):
 # A segment is attached only when it is this user's and private to it, and only after its layout
 # has been checked; a planted or corrupted one is a DistributedError, never a crash or a hang.
 
-_HEADER = struct.Struct("<QIiQQQQQQQQ")  # magic, version, size, chunk, p2p_chunk, total, off_ranks..off_p2p
-_FIELDS = ("magic", "version", "size", "chunk", "p2p_chunk", "total", "off_ranks", "off_chans", "off_slots",
-           "off_result", "off_p2p")  # fmt: skip
+_HEADER = struct.Struct("<QIiQQQQQQQQQ")  # magic, version, size, chunk, p2p_chunk, piece, total, off_ranks..off_p2p
+_FIELDS = ("magic", "version", "size", "chunk", "p2p_chunk", "piece", "total", "off_ranks", "off_chans",
+           "off_slots", "off_result", "off_p2p")  # fmt: skip
 
 
 def _genuine_segment(size=2):
@@ -441,6 +441,16 @@ def _genuine_segment(size=2):
         g.close()  # removes the name
     data[128:132] = bytes(4)  # nattached: nobody yet
     return data
+
+
+def test_segment_piece_follows_the_cpus_the_ranks_can_use():
+    """all_gather, broadcast and reduce step through a quarter of the chunk only when every rank of
+    the group can have a CPU of the creator's affinity mask; rank 0 writes the choice in the header."""
+    cpus = len(os.sched_getaffinity(0))
+    for size in sorted({2, cpus, cpus + 1} - {1}):
+        header = dict(zip(_FIELDS, _HEADER.unpack_from(_genuine_segment(size))))
+        want = header["chunk"] // 4 if size <= cpus else header["chunk"]
+        assert header["piece"] == want, (size, cpus, header)
 
 
 def _plant(data, mode=0o600, **fields):
@@ -536,6 +546,8 @@ def test_planted_segment_layout_is_refused():
         "chunk smaller than an item": dict(chunk=1),
         "chunk not a multiple of 4096": dict(chunk=header["chunk"] + 8),
         "p2p_chunk 0": dict(p2p_chunk=0),
+        "piece neither the chunk nor a quarter of it": dict(piece=header["chunk"] // 2),
+        "piece larger than the chunk": dict(piece=header["chunk"] * 2),
         "off_ranks outside the mapping": dict(off_ranks=1 << 50),
         "off_slots outside the mapping": dict(off_slots=1 << 50),
         "off_p2p overlapping the slots": dict(off_p2p=header["off_slots"]),

@@ -57,6 +57,19 @@ static size_t chunk_from_env(void) {
     return round_up((size_t)v, FSC_SHM_MIN_CHUNK);
 }
 
+/* Bytes per pipeline step of all_gather, broadcast and reduce (the creator's rule; attachers check
+ * that it is chunk or chunk / 4). A quarter of the slot per step lets the readers of step k work
+ * while the writer fills step k + 1 within a chunk-sized op, which made these ops up to 1.6x as fast
+ * at 2 ranks on 2 cores; but each step is a barrier, and ranks that share cores pay a context switch
+ * per barrier, which made them up to 2x as slow at 3 and 4 ranks on 2 cores (docs/benchmarks.md,
+ * "Why these settings"). So the quarter is used only when this process may run on at least as many
+ * CPUs as the group has ranks. */
+static size_t piece_for(size_t chunk, int size) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) != 0) return chunk;
+    return CPU_COUNT(&set) >= size ? chunk / 4 : chunk;
+}
+
 /* Bytes per send/recv buffer for a given slot chunk (the creator's rule; attachers check it). */
 static size_t p2p_chunk_for(size_t chunk) {
     return chunk / 4 < 65536 ? 65536 : chunk / 4;
@@ -203,6 +216,7 @@ static size_t layout(fsc_shm_seg_t *s, int size, size_t chunk, size_t p2p_chunk)
     off += n * n * 2 * p2p_chunk;
     s->chunk = chunk;
     s->p2p_chunk = p2p_chunk;
+    s->piece = chunk;
     s->size = size;
     s->total = off;
     return off;
@@ -213,6 +227,7 @@ static size_t layout(fsc_shm_seg_t *s, int size, size_t chunk, size_t p2p_chunk)
 static void use_layout(fsc_shm_group_t *g, const fsc_shm_seg_t *l) {
     g->chunk = (size_t)l->chunk;
     g->p2p_chunk = (size_t)l->p2p_chunk;
+    g->piece = (size_t)l->piece;
     g->off_slots = (size_t)l->off_slots;
     g->off_result = (size_t)l->off_result;
     g->off_p2p = (size_t)l->off_p2p;
@@ -231,7 +246,7 @@ static fsc_status_t bad_layout(const fsc_shm_group_t *g, const char *what) {
  * imply: every region inside the mapping, nothing overlapping, chunks the algorithms can step
  * through. A planted or corrupted header is an error here instead of a crash later. */
 static fsc_status_t check_layout(const fsc_shm_group_t *g, fsc_shm_seg_t *out) {
-    char what[192];
+    char what[256];
     fsc_shm_seg_t h, want;
     memcpy(&h, (const void *)g->seg, sizeof(h));
     if (atomic_load_explicit(&g->seg->magic, memory_order_acquire) != FSC_SHM_MAGIC || h.version != FSC_SHM_VERSION) {
@@ -244,14 +259,15 @@ static fsc_status_t check_layout(const fsc_shm_group_t *g, fsc_shm_seg_t *out) {
         return bad_layout(g, what);
     }
     if (h.chunk < FSC_SHM_MIN_CHUNK || h.chunk > FSC_SHM_MAX_CHUNK || h.chunk % FSC_SHM_MIN_CHUNK != 0 ||
-        h.p2p_chunk != p2p_chunk_for((size_t)h.chunk)) {
+        h.p2p_chunk != p2p_chunk_for((size_t)h.chunk) || (h.piece != h.chunk && h.piece != h.chunk / 4)) {
         snprintf(what, sizeof(what),
-                 "chunk=%llu, p2p_chunk=%llu bytes; expected a chunk that is a multiple of 4096 in [4096, 2^30] and "
-                 "p2p_chunk=max(chunk/4, 65536)",
-                 (unsigned long long)h.chunk, (unsigned long long)h.p2p_chunk);
+                 "chunk=%llu, p2p_chunk=%llu, piece=%llu bytes; expected a chunk that is a multiple of 4096 in "
+                 "[4096, 2^30], p2p_chunk=max(chunk/4, 65536) and piece=chunk or chunk/4",
+                 (unsigned long long)h.chunk, (unsigned long long)h.p2p_chunk, (unsigned long long)h.piece);
         return bad_layout(g, what);
     }
     layout(&want, g->size, (size_t)h.chunk, (size_t)h.p2p_chunk);
+    want.piece = h.piece;
     if (h.off_ranks != want.off_ranks || h.off_chans != want.off_chans || h.off_slots != want.off_slots ||
         h.off_result != want.off_result || h.off_p2p != want.off_p2p || h.total != want.total) {
         snprintf(what, sizeof(what), "region offsets or total size differ from the layout of %d ranks with chunk=%llu",
@@ -388,7 +404,9 @@ static fsc_status_t init_or_check(fsc_shm_group_t *g, int create) {
     if (create) {
         fsc_shm_seg_t *s = g->seg;
         layout(&l, g->size, g->chunk, g->p2p_chunk);
+        l.piece = piece_for(g->chunk, g->size);
         layout(s, g->size, g->chunk, g->p2p_chunk);
+        s->piece = l.piece;
         s->version = FSC_SHM_VERSION;
         atomic_store(&s->nattached, 0);
         atomic_store_explicit(&s->magic, FSC_SHM_MAGIC, memory_order_release);

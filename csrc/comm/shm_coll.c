@@ -1,8 +1,10 @@
 /* shm_coll.c — the collective algorithms over a group's segment. Data moves in chunks through
  * per-rank double-buffered slots: a rank fills slot buffer (step & 1), everyone passes a barrier,
- * everyone reads. Buffer (step & 1) is written again only at step + 2, after a barrier every rank
- * enters once it has finished reading step's data, so one barrier per step suffices. Reductions
- * are split so each rank reduces 1/size of every chunk in parallel. */
+ * everyone reads. all_gather, broadcast and reduce fill g->piece bytes of a slot buffer per step
+ * (the chunk or a quarter of it: shm.c, piece_for). Buffer (step & 1) is written again only at
+ * step + 2, after a barrier every rank enters once it has finished reading step's data, so one
+ * barrier per step suffices. all_reduce and reduce_scatter are split so each rank reduces 1/size
+ * of every chunk in parallel; reduce on a small group is done by its root alone. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -88,7 +90,7 @@ static fsc_status_t open_collective(fsc_shm_group_t *g, const fsc_shm_args_t *a)
 }
 
 static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    size_t esz = fsc_dtype_size(a->dtype), per = g->chunk / esz;
+    size_t esz = fsc_dtype_size(a->dtype), per = g->piece / esz;
     const uint8_t *in = a->in;
     uint8_t *out = a->out;
     size_t count = a->count, row = count * esz;
@@ -171,7 +173,7 @@ static void reduce_part(const fsc_shm_group_t *g, size_t n, size_t esz, size_t *
     *hi = min_sz(n, *lo + part);
 }
 
-/* all_reduce and reduce, software-pipelined with one barrier per chunk. Step k: post chunk k into
+/* all_reduce, and reduce on larger groups, software-pipelined with one barrier per chunk. Step k: post chunk k into
  * my slot (every part but my own, which is read straight from `in`); barrier; reduce my part of
  * chunk k over all ranks into the shared result buffer (step & 1); copy chunk k-1's result out
  * (reduce: root only). Chunk k-1's result is complete at step k's barrier: every rank reduced its
@@ -223,8 +225,43 @@ static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
     return FSC_OK;
 }
 
+/* reduce on a group of at most this many ranks: run_reduce_to_root. */
+#define FSC_SHM_ROOT_REDUCE_MAX_RANKS 3
+
+/* reduce on a small group: the other ranks post each piece into their slots, one barrier, and the
+ * root reduces its own input and the slots (its own first, then the others in rank order) straight
+ * into its output. Per n bytes the root reads size * n and writes n, and each other rank copies n;
+ * the split reduction of run_all_reduce has the root also copy its share in and the whole result
+ * out, with one more barrier per op. At 2 and 3 ranks the root, which every other rank waits for,
+ * does less, and every rank moves fewer bytes. Slots are reused as in run_all_gather: buffer
+ * (step & 1) is written again at step + 2, after a barrier the root enters once it has reduced
+ * from it. */
+static fsc_status_t run_reduce_to_root(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    size_t esz = fsc_dtype_size(a->dtype), per = g->piece / esz;
+    int is_root = a->root == g->rank;
+    const uint8_t *in = a->in;
+    uint8_t *out = a->out;
+    const void *srcs[FSC_SHM_MAX_RANKS];
+    for (size_t off = 0, first = 1; first || off < a->count; off += per, first = 0) {
+        size_t n = min_sz(per, a->count - off);
+        if (!is_root) copy(fsc_shm_slot(g, g->rank, g->step), in + off * esz, n * esz);
+        if (first)
+            FSC_CHECK(open_collective(g, a));
+        else
+            FSC_CHECK(fsc_shm_arrive(g, 1));
+        if (is_root && n > 0) {
+            srcs[0] = in + off * esz; /* `out` may alias it (in place) */
+            for (int p = 0, j = 1; p < g->size; p++)
+                if (p != g->rank) srcs[j++] = fsc_shm_slot(g, p, g->step);
+            FSC_CHECK(fsc_shm_reduce(out + off * esz, srcs, g->size, n, a->dtype, a->redop, g->size));
+        }
+        g->step++;
+    }
+    return FSC_OK;
+}
+
 static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    size_t esz = fsc_dtype_size(a->dtype), per = g->chunk / esz;
+    size_t esz = fsc_dtype_size(a->dtype), per = g->piece / esz;
     int is_root = a->root == g->rank, streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
     for (size_t off = 0, first = 1; first || off < a->count; off += per, first = 0) {
         size_t nb = min_sz(per, a->count - off) * esz;
@@ -248,8 +285,9 @@ static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
         case FSC_OP_BARRIER: return open_collective(g, a);
         case FSC_OP_ALL_GATHER: return run_all_gather(g, a);
         case FSC_OP_REDUCE_SCATTER: return run_reduce_scatter(g, a);
-        case FSC_OP_ALL_REDUCE:
-        case FSC_OP_REDUCE: return run_all_reduce(g, a);
+        case FSC_OP_ALL_REDUCE: return run_all_reduce(g, a);
+        case FSC_OP_REDUCE:
+            return g->size <= FSC_SHM_ROOT_REDUCE_MAX_RANKS ? run_reduce_to_root(g, a) : run_all_reduce(g, a);
         case FSC_OP_BROADCAST: return run_broadcast(g, a);
         default: break;
     }

@@ -11,7 +11,7 @@
 
 #define FSC_SHM_LINE 128                    /* two x86 lines: adjacent-line prefetch must not cause false sharing */
 #define FSC_SHM_MAGIC 0x31306d6873637366ull /* "fscshm01" */
-#define FSC_SHM_VERSION 3u
+#define FSC_SHM_VERSION 4u
 #define FSC_SHM_MAX_RANKS 256
 
 /* Per-rank control block, written only by its rank. */
@@ -49,6 +49,7 @@ typedef struct {
     int32_t size;
     uint64_t chunk;     /* bytes per data slot buffer */
     uint64_t p2p_chunk; /* bytes per send/recv buffer */
+    uint64_t piece;     /* bytes per pipeline step of all_gather, broadcast and reduce: chunk or chunk / 4 */
     uint64_t total;
     uint64_t off_ranks, off_chans, off_slots, off_result, off_p2p;
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t nattached;
@@ -90,7 +91,7 @@ struct fsc_shm_group {
     fsc_shm_seg_t *seg;
     fsc_shm_rank_ctrl_t *ranks;
     fsc_shm_chan_t *chans; /* [src * size + dst] */
-    size_t chunk, p2p_chunk;
+    size_t chunk, p2p_chunk, piece;
     /* private copies of the segment's offsets, validated once at attach: a peer that rewrites
      * the header afterwards cannot move this rank's reads and writes */
     size_t off_slots, off_result, off_p2p;
