@@ -59,11 +59,10 @@ static size_t chunk_from_env(void) {
 
 /* Bytes per pipeline step of all_gather, broadcast and reduce (the creator's rule; attachers check
  * that it is chunk or chunk / 4). A quarter of the slot per step lets the readers of step k work
- * while the writer fills step k + 1 within a chunk-sized op, which made these ops up to 1.6x as fast
- * at 2 ranks on 2 cores; but each step is a barrier, and ranks that share cores pay a context switch
- * per barrier, which made them up to 2x as slow at 3 and 4 ranks on 2 cores (docs/benchmarks.md,
- * "Why these settings"). So the quarter is used only when this process may run on at least as many
- * CPUs as the group has ranks. */
+ * while the writer fills step k + 1 within a chunk-sized op; but each step is a barrier, and ranks
+ * that share cores pay a context switch per barrier. So the quarter is used only when this process
+ * may run on at least as many CPUs as the group has ranks (measurements: docs/benchmarks.md, "Why
+ * these settings"). */
 static size_t piece_for(size_t chunk, int size) {
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof(set), &set) != 0) return chunk;
@@ -202,7 +201,7 @@ fsc_status_t fsc_shm_arrive(fsc_shm_group_t *g, int wait) {
 }
 
 /* Offsets of every region for `size` ranks; returns the total byte count. */
-static size_t layout(fsc_shm_seg_t *s, int size, size_t chunk, size_t p2p_chunk) {
+static size_t layout(fsc_shm_seg_t *s, int size, size_t chunk, size_t p2p_chunk, size_t piece) {
     size_t n = (size_t)size, off = round_up(sizeof(fsc_shm_seg_t), 4096);
     s->off_ranks = off;
     off = round_up(off + n * sizeof(fsc_shm_rank_ctrl_t), 4096);
@@ -216,7 +215,7 @@ static size_t layout(fsc_shm_seg_t *s, int size, size_t chunk, size_t p2p_chunk)
     off += n * n * 2 * p2p_chunk;
     s->chunk = chunk;
     s->p2p_chunk = p2p_chunk;
-    s->piece = chunk;
+    s->piece = piece;
     s->size = size;
     s->total = off;
     return off;
@@ -266,8 +265,7 @@ static fsc_status_t check_layout(const fsc_shm_group_t *g, fsc_shm_seg_t *out) {
                  (unsigned long long)h.chunk, (unsigned long long)h.p2p_chunk, (unsigned long long)h.piece);
         return bad_layout(g, what);
     }
-    layout(&want, g->size, (size_t)h.chunk, (size_t)h.p2p_chunk);
-    want.piece = h.piece;
+    layout(&want, g->size, (size_t)h.chunk, (size_t)h.p2p_chunk, (size_t)h.piece);
     if (h.off_ranks != want.off_ranks || h.off_chans != want.off_chans || h.off_slots != want.off_slots ||
         h.off_result != want.off_result || h.off_p2p != want.off_p2p || h.total != want.total) {
         snprintf(what, sizeof(what), "region offsets or total size differ from the layout of %d ranks with chunk=%llu",
@@ -373,7 +371,8 @@ static fsc_status_t map_segment(fsc_shm_group_t *g, int create, pid_t creator_pi
         memset(&tmp, 0, sizeof(tmp));
         g->chunk = chunk_from_env();
         g->p2p_chunk = p2p_chunk_for(g->chunk);
-        g->bytes = layout(&tmp, g->size, g->chunk, g->p2p_chunk);
+        g->piece = piece_for(g->chunk, g->size);
+        g->bytes = layout(&tmp, g->size, g->chunk, g->p2p_chunk, g->piece);
         fd = shm_open(g->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd < 0) return fsc_error(FSC_ERR_SYSTEM, "shm_open(%s): %s", g->seg_name, strerror(errno));
         if (ftruncate(fd, (off_t)g->bytes) != 0) {
@@ -403,10 +402,8 @@ static fsc_status_t init_or_check(fsc_shm_group_t *g, int create) {
     memset(&l, 0, sizeof(l));
     if (create) {
         fsc_shm_seg_t *s = g->seg;
-        layout(&l, g->size, g->chunk, g->p2p_chunk);
-        l.piece = piece_for(g->chunk, g->size);
-        layout(s, g->size, g->chunk, g->p2p_chunk);
-        s->piece = l.piece;
+        layout(&l, g->size, g->chunk, g->p2p_chunk, g->piece);
+        layout(s, g->size, g->chunk, g->p2p_chunk, g->piece);
         s->version = FSC_SHM_VERSION;
         atomic_store(&s->nattached, 0);
         atomic_store_explicit(&s->magic, FSC_SHM_MAGIC, memory_order_release);
