@@ -17,6 +17,7 @@ from fairscale_c.nn.pipe.balance import balance_by_size, balance_by_time
 from fairscale_c.nn.pipe.balance.blockpartition import solve
 from fairscale_c.nn.pipe.batchnorm import DeferredBatchNorm
 from fairscale_c.nn.pipe.skip import Namespace, pop, skippable, stash, verify_skippables
+from fairscale_c.nn.pipe.threads import _load_setters
 
 HAS_FAIRSCALE = importlib.util.find_spec("fairscale") is not None
 MODES = ["always", "except_last", "never"]
@@ -123,6 +124,49 @@ def test_partitions_run_under_callers_grad_mode(chunks):
         p.seen.clear()
     pipe(x).sum().backward()
     assert [p.seen for p in probes] == [[True] * chunks] * 2
+
+
+class ThreadCount(nn.Module):
+    """Records the operator threads of each call; can hold its first call until `gate` is set,
+    or set `gate` on its second call."""
+
+    def __init__(self, wait=None, signal=None):
+        super().__init__()
+        self.seen, self.wait, self.signal = [], wait, signal
+
+    def forward(self, x):
+        self.seen.append(torch.get_num_threads())
+        if self.signal is not None and len(self.seen) == 2:
+            self.signal.set()
+        if self.wait is not None and len(self.seen) == 1:
+            assert self.wait.wait(timeout=30), "partition 0 never ran its second micro-batch"
+        return x
+
+
+def test_partitions_computing_at_once_share_the_callers_threads():
+    if not _load_setters():
+        pytest.skip("torch's CPU library exports no per-thread OpenMP/MKL thread setters")
+    gate = threading.Event()
+    first, second = ThreadCount(signal=gate), ThreadCount(wait=gate)
+    model = nn.Sequential(nn.Linear(8, 8), first, nn.Linear(8, 8), second)
+    pipe = Pipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4, checkpoint="never")
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        out = pipe(torch.randn(8, 8))
+        # Micro-batch 0: partition 0 alone has work, so it gets all 4 threads. Micro-batch 1:
+        # partition 1 holds micro-batch 0 (it waits for this call), so each gets 4 // 2.
+        assert first.seen[:2] == [4, 2]
+        assert len(first.seen) == len(second.seen) == 4
+        out.sum().backward()
+        assert torch.get_num_threads() == 4  # the caller's setting is not touched
+        elsewhere = []
+        t = threading.Thread(target=lambda: elsewhere.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert elsewhere == [4]  # nor is the default other threads take
+    finally:
+        torch.set_num_threads(before)
 
 
 class Split(nn.Module):

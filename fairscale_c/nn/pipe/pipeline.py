@@ -10,12 +10,14 @@ first when checkpointed, before the gradient arrives) and hands its input leaves
 the partition before it. Parameter gradients accumulate into ``.grad`` as usual.
 
 Tasks hand values over through the run's Board (worker.py); partitions on CUDA devices compute
-on the caller's current stream of their device and copy through copy streams (copy.py).
+on the caller's current stream of their device and copy through copy streams (copy.py). CPU
+partitions that have work at the same time share the caller's intra-op threads (threads.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple
 
@@ -28,6 +30,7 @@ from .copy import Hold, Streams, move
 from .microbatch import Tensors
 from .skip.layout import Key, SkipLayout
 from .skip.tracker import SkipTracker, use_skip_tracker
+from .threads import ThreadShare
 from .worker import Board, Workers
 
 
@@ -56,6 +59,7 @@ class Run:
     probing: bool
     signature: Tuple[bool, ...]
     autocast: List[Tuple[str, torch.dtype]]
+    share: ThreadShare  # of the pass in progress
     tasks: Dict[Tuple[int, int], Task] = field(default_factory=dict)
     holds: List[Hold] = field(default_factory=list)
     turn: int = 0
@@ -144,6 +148,7 @@ class Pipeline:
         self.mode = mode
         self.workers = Workers(len(self.partitions))
         self.streams = Streams()
+        self.share_threads = True  # False: every CPU partition uses the caller's count (threads.py)
         self.drawing: Dict[Tuple[bool, ...], List[bool]] = {}  # learned per training-flag setting
 
     # ----------------------------------------------------------------- forward
@@ -167,6 +172,7 @@ class Pipeline:
             probing=learned is None,
             signature=signature,
             autocast=_autocast_state(),
+            share=self._share(),
             drew=[False] * n,
         )
         if any(d.type == "cuda" for d in self.devices):
@@ -174,6 +180,7 @@ class Pipeline:
         for i, values in enumerate(batches):
             flags = tuple(_needs_grad(x, grad, False) for x in values)
             run.board.put(("act", i, 0), (values, flags, atomic))
+            run.share.arrived(0)
         # The calling thread only waits. With one micro-batch nothing can overlap and partition
         # 0's worker runs every partition in turn (one hand-over). Not running the forward on the
         # caller's thread keeps the activations saved for backward out of its malloc arena, where
@@ -227,6 +234,9 @@ class Pipeline:
                     run.tasks[(i, j)] = task
                 out_flags = tuple(_needs_grad(y, run.grad, checkpointed) for y in outs)
                 run.board.put(("act", i, j + 1), (tuple(y.detach() for y in outs), out_flags, isinstance(out, Tensor)))
+                if j + 1 < len(self.partitions):
+                    run.share.arrived(j + 1)
+                run.share.used(j)
                 del task, out, outs, values, leaves
 
     def _run_task(self, run: Run, i: int, j: int, task: Task) -> Any:
@@ -240,7 +250,7 @@ class Pipeline:
             tracker = _PipeSkipTracker(self, run, i, j, task, recomputing=False)
             partition = self.partitions[j]
             inputs = _inputs_of(task.leaves)
-            with use_skip_tracker(tracker):
+            with use_skip_tracker(tracker), run.share.computing(j):
                 if task.checkpointed:
                     with torch.no_grad(), enable_checkpointing():
                         out = partition(inputs[0] if task.atomic else inputs)
@@ -261,8 +271,10 @@ class Pipeline:
         """Gradients of each micro-batch's inputs, given those of its outputs."""
         n = len(self.partitions)
         run.board = Board()  # the forward's board ended with that pass
+        run.share = self._share()
         for i, g in enumerate(grads):
             run.board.put(("grad", i, n - 1), g)
+            run.share.arrived(n - 1)
         # This thread runs every partition for one micro-batch (as FairScale's backward, which is
         # the autograd engine's, runs on the caller's thread), and always those on its own CUDA
         # device: a CUDA node runs on autograd's thread for its device, which the partitions' own
@@ -294,7 +306,8 @@ class Pipeline:
         device = self.devices[j]
         task = run.tasks.pop((i, j))
         if task.checkpointed:
-            self._recompute(run, i, j, task)  # before the gradient arrives: overlaps later partitions
+            with run.share.computing(j):
+                self._recompute(run, i, j, task)  # before the gradient arrives: overlaps later partitions
         grads = move(run.board.take(("grad", i, j)), device, self.streams, run.holds)
         tensors, grad_tensors = [], []
         for y, g in zip(task.outputs, grads):
@@ -308,12 +321,16 @@ class Pipeline:
                 (g,) = move((g,), device, self.streams, run.holds)
                 grad_tensors.append(g)
         if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
+            with run.share.computing(j):
+                torch.autograd.backward(tensors, grad_tensors)
         for key, leaf in task.popped.items():
             run.board.put(("skip_grad", i, key), None if leaf is None else leaf.grad)
         input_grads = tuple(x.grad if x.requires_grad else None for x in task.leaves)
         del task, tensors, grad_tensors
         run.board.put(("grad", i, j - 1), input_grads)
+        if j > 0:
+            run.share.arrived(j - 1)
+        run.share.used(j)
 
     def _recompute(self, run: Run, i: int, j: int, task: Task) -> None:
         device = self.devices[j]
@@ -333,6 +350,11 @@ class Pipeline:
         task.outputs = microbatch.as_tuple(out)
 
     # ------------------------------------------------------------------ helpers
+
+    def _share(self) -> ThreadShare:
+        """The thread share of a pass started on this thread."""
+        cpu = [d.type == "cpu" and self.share_threads for d in self.devices]
+        return ThreadShare(cpu, torch.get_num_threads(), threading.get_ident())
 
     @contextlib.contextmanager
     def _on_device(self, device: torch.device) -> Generator[None, None, None]:
