@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/pipe.py                 # = `single`
     PYTHONPATH=. python benchmarks/pipe.py single --quick  # small model, chunks 1, 2, 4 (seconds)
+    PYTHONPATH=. python benchmarks/pipe.py single --unshared  # + fairscale_c without thread sharing
     PYTHONPATH=. python benchmarks/pipe.py multi [--quick] # 2 stages in 2 processes (benchmarks/pipe_stages.py)
 
 `single` (one process, CPU): the same MLP split in two partitions on devices=["cpu", "cpu"], for
@@ -15,6 +16,10 @@ run that computes something else). Without fairscale installed, its column says 
 fairscale_c is timed.
 
 Target: fairscale_c's throughput >= FairScale's at every chunk count.
+
+`--unshared` times a third Pipe in the same rounds: fairscale_c with every CPU partition using
+torch's full thread count (the partitions' thread sharing switched off, docs/pipe.md), and
+prints the paired ratio of the default to it.
 
 `multi` (two processes, one stage each, CPU): fairscale_c's GPipe, 1F1B and interleaved 1F1B
 schedules against torch.distributed.pipelining (gloo); its arguments and output are
@@ -131,7 +136,10 @@ def time_steps(step: Callable[[], Any], steps: int) -> Tuple[float, float]:
     return (time.perf_counter() - start) / steps, (minor_faults() - faults) / steps
 
 
-def run_single(cfg: SingleConfig) -> Dict[str, Any]:
+UNSHARED = "fairscale_c_unshared"
+
+
+def run_single(cfg: SingleConfig, unshared: bool = False) -> Dict[str, Any]:
     import fairscale_c.nn
 
     if cfg.threads:
@@ -142,6 +150,8 @@ def run_single(cfg: SingleConfig) -> Dict[str, Any]:
         print("FairScale: not installed (pip install fairscale==0.4.13) -- its column is skipped", flush=True)
     else:
         frameworks = {"fairscale": fairscale_pipe, **frameworks}
+    if unshared:
+        frameworks[UNSHARED] = fairscale_c.nn.Pipe
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(cfg.batch, cfg.width, generator=gen)
     target = torch.randn(cfg.batch, cfg.width, generator=gen)
@@ -149,10 +159,13 @@ def run_single(cfg: SingleConfig) -> Dict[str, Any]:
     header = (
         f"{'chunks':>6} {'fairscale samples/s':>20} {'fairscale_c samples/s':>22} {'ratio':>6} {'paired':>7}"
         f" {'faults/step (fairscale, fairscale_c)':>38}"
+        + (f" {'unshared samples/s':>19} {'shared/unshared':>16}" if unshared else "")
     )
     print(header, flush=True)
     for chunks in parse_chunks(cfg.chunks):
         trainers = {name: Trainer(cls, cfg, chunks) for name, cls in frameworks.items()}
+        if unshared:
+            trainers[UNSHARED].pipe._pipeline.share_threads = False
         _guard(trainers, x, target)
         for t in trainers.values():
             for _ in range(cfg.warmup):
@@ -178,11 +191,17 @@ def run_single(cfg: SingleConfig) -> Dict[str, Any]:
         if theirs:  # the two measured back to back in each round: their ratio cancels slow drifts in load
             paired = [a / b for a, b in zip(per_round["fairscale_c"], per_round["fairscale"])]
             row["paired_ratio_median"] = statistics.median(paired)
+        if unshared:
+            paired = [a / b for a, b in zip(per_round["fairscale_c"], per_round[UNSHARED])]
+            row["shared_vs_unshared_paired"] = statistics.median(paired)
         rows.append(row)
         theirs_text = f"{theirs:20.1f}" if theirs else f"{'(not installed)':>20}"
         ratio_text = f"{row['ratio']:6.2f} {row['paired_ratio_median']:7.2f}" if theirs else f"{'-':>6} {'-':>7}"
-        fault_text = " ".join(f"{row[name]['minor_faults_per_step']:8.0f}" for name in per_round)
-        print(f"{chunks:>6} {theirs_text} {ours:22.1f} {ratio_text} {fault_text:>38}", flush=True)
+        fault_text = " ".join(f"{row[name]['minor_faults_per_step']:8.0f}" for name in per_round if name != UNSHARED)
+        extra = ""
+        if unshared:
+            extra = f" {row[UNSHARED]['samples_per_s']:19.1f} {row['shared_vs_unshared_paired']:16.2f}"
+        print(f"{chunks:>6} {theirs_text} {ours:22.1f} {ratio_text} {fault_text:>38}{extra}", flush=True)
         del trainers
     result: Dict[str, Any] = {"config": asdict(cfg), "torch_threads": torch.get_num_threads(), "rows": rows}
     if fairscale_pipe is not None:
@@ -233,6 +252,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     for field_name, value in asdict(d).items():
         flag = "--" + field_name.replace("_", "-")
         single.add_argument(flag, type=type(value), default=None, help=f"default {value}")
+    single.add_argument("--unshared", action="store_true", help="also time fairscale_c without thread sharing")
     single.add_argument("--out", default=RESULTS, help="JSON results path (merged: one key per mode)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("single", "-h", "--help"):
@@ -270,7 +290,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if value is not None:
                 setattr(cfg, field_name, value)
         print(f"single: {asdict(cfg)}; torch {torch.__version__}; {os.cpu_count()} CPU cores", flush=True)
-        out = run_single(cfg)
+        out = run_single(cfg, unshared=args.unshared)
     else:
         raise SystemExit(f"unknown mode {args.mode!r}")
     meta["load_average_after"] = load_average()
