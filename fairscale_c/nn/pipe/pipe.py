@@ -189,6 +189,9 @@ class Pipe(nn.Module):
         atomic = isinstance(input, torch.Tensor)
         inputs = microbatch.as_tuple(input)
         batches = microbatch.scatter(inputs, self.chunks)
+        if self._pipeline.can_run_whole(len(batches), self.chunks):
+            outputs, out_atomic = self._pipeline.forward_whole(batches[0], atomic)
+            return microbatch.from_tuple(outputs, out_atomic)
         run = self._pipeline.forward(batches, atomic, self.chunks)
         if run.grad and self._needs_autograd(inputs):
             phony = torch.empty(0, requires_grad=True)

@@ -157,9 +157,7 @@ class Pipeline:
         """Run every micro-batch through every partition; the outputs are in ``run.outputs``."""
         n, m = len(self.partitions), len(batches)
         grad = torch.is_grad_enabled()
-        stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[self.mode]
-        if not self.partitions[0].training:
-            stop = 0
+        stop = self._checkpoint_stop(chunks)
         signature = tuple(mod.training for p in self.partitions for mod in p.modules())
         learned = self.drawing.get(signature)
         ordered = [True] * n if learned is None else list(learned)
@@ -206,6 +204,41 @@ class Pipeline:
         if not grad:
             run.release()
         return run
+
+    def _checkpoint_stop(self, chunks: int) -> int:
+        """Micro-batches below this index are checkpointed (FairScale's rule)."""
+        if not self.partitions[0].training:
+            return 0
+        return {"always": chunks, "except_last": chunks - 1, "never": 0}[self.mode]
+
+    def can_run_whole(self, m: int, chunks: int) -> bool:
+        """Whether `forward_whole` can take a run of `m` micro-batches: one, on CPU partitions
+        only, and not checkpointed."""
+        if m != 1 or any(d.type != "cpu" for d in self.devices):
+            return False
+        return not torch.is_grad_enabled() or self._checkpoint_stop(chunks) == 0
+
+    def forward_whole(self, values: Tensors, atomic: bool) -> Tuple[Tensors, bool]:
+        """One micro-batch through every partition in turn, on partition 0's worker, building
+        one autograd graph in the caller's: its backward is a plain one, with nothing to hand
+        over. Returns the outputs and whether the last partition returned a Tensor."""
+        board, share, result = Board(), self._share(), []
+        grad, autocast = torch.is_grad_enabled(), _autocast_state()
+        share.arrived(0)
+
+        def body() -> None:
+            with torch.set_grad_enabled(grad), _autocast(autocast), use_skip_tracker(SkipTracker()):
+                xs, single = _inputs_of(values), atomic
+                with share.computing(0):  # alone: all of the caller's threads
+                    for j, partition in enumerate(self.partitions):
+                        out = partition(xs[0] if single else xs)
+                        microbatch.check(out, f"the output of partition {j}")
+                        xs, single = microbatch.as_tuple(out), isinstance(out, Tensor)
+                result.append((xs, single))
+
+        self.workers.submit(0, board.job(body))
+        board.join()
+        return result[0]
 
     def _forward_partitions(self, run: Run, parts: Iterable[int]) -> None:
         # The caller's grad mode is thread-local: the worker takes it from the run.
