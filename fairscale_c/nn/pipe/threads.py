@@ -30,6 +30,13 @@ _setters: Optional[List[Callable[[int], object]]] = None
 _setters_lock = threading.Lock()
 
 
+class _Set(threading.local):
+    count: Optional[int] = None  # what this thread was last set to; None: never set
+
+
+_set = _Set()
+
+
 def _load_setters() -> List[Callable[[int], object]]:
     """The per-thread thread-count setters of the libraries torch's CPU operators use, or none."""
     global _setters
@@ -80,12 +87,15 @@ class ThreadShare:
         with self._lock:
             self._running[j] += 1
             busy = sum(self._has_work(k) for k in range(len(self.cpu)))
-        if self.cpu[j] and threading.get_ident() != self.caller:
+        share = max(1, self.total // busy)
+        # A thread never set and given the whole count is left alone (with one thread, always).
+        if self.cpu[j] and threading.get_ident() != self.caller and share != (_set.count or self.total):
             setters = _load_setters()
             if setters:
                 torch.get_num_threads()  # torch's first-use setting of this thread comes before ours
                 for setter in setters:
-                    setter(max(1, self.total // busy))
+                    setter(share)
+                _set.count = share
         try:
             yield
         finally:
