@@ -566,6 +566,19 @@ def test_cuda_skips_and_dropout_replay():
     torch.testing.assert_close(x.grad, y.detach() / x.detach())
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_thread_sharing_off_matches_sequential(chunks):
+    # Partitions that share no threads (as CUDA partitions) are counted the same way.
+    model = mlp()
+    pipe = Pipe(copy.deepcopy(model), [4, 5], devices=["cpu", "cpu"], chunks=chunks)
+    pipe._pipeline.share_threads = False
+    x = torch.randn(6, 8)
+    pipe(x).square().sum().backward()
+    model(x).square().sum().backward()
+    for got, want in zip(pipe.parameters(), model.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_one_micro_batch_on_cpu_is_one_autograd_graph(mode):
     model = mlp()

@@ -86,18 +86,24 @@ class ThreadShare:
         """Around partition `j`'s computation on the current thread."""
         with self._lock:
             self._running[j] += 1
-            busy = sum(self._has_work(k) for k in range(len(self.cpu)))
-        share = max(1, self.total // busy)
-        # A thread never set and given the whole count is left alone (with one thread, always).
-        if self.cpu[j] and threading.get_ident() != self.caller and share != (_set.count or self.total):
-            setters = _load_setters()
-            if setters:
-                torch.get_num_threads()  # torch's first-use setting of this thread comes before ours
-                for setter in setters:
-                    setter(share)
-                _set.count = share
+            busy = sum(self._has_work(k) for k in range(len(self.cpu)))  # counts j if on CPU
         try:
+            if self.cpu[j] and threading.get_ident() != self.caller:
+                _set_threads(max(1, self.total // busy), self.total)
             yield
         finally:
             with self._lock:
                 self._running[j] -= 1
+
+
+def _set_threads(share: int, total: int) -> None:
+    """Set this thread's operator threads to `share`; a thread never set and given the whole
+    count is left alone (with one thread, always)."""
+    if share == (_set.count or total):
+        return
+    setters = _load_setters()
+    if setters:
+        torch.get_num_threads()  # torch's first-use setting of this thread comes before ours
+        for setter in setters:
+            setter(share)
+        _set.count = share
