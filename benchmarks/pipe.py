@@ -38,6 +38,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -290,7 +291,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             if value is not None:
                 setattr(cfg, field_name, value)
         print(f"single: {asdict(cfg)}; torch {torch.__version__}; {os.cpu_count()} CPU cores", flush=True)
-        out = run_single(cfg, unshared=args.unshared)
+        try:
+            out = run_single(cfg, unshared=args.unshared)
+        except BaseException:
+            # FairScale 0.4.13's Pipe joins its worker threads in __del__, which can block forever
+            # at interpreter exit once a step has failed: report and leave without finalizers.
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
     else:
         raise SystemExit(f"unknown mode {args.mode!r}")
     meta["load_average_after"] = load_average()
