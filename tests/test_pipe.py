@@ -128,8 +128,8 @@ def test_partitions_run_under_callers_grad_mode(chunks):
 
 
 class ThreadCount(nn.Module):
-    """Records the operator threads of each call; can hold its first call until `gate` is set,
-    or set `gate` on its second call."""
+    """Records the operator threads of each call; can hold its first call until the event `wait`
+    is set, or set the event `signal` on its second call."""
 
     def __init__(self, wait=None, signal=None):
         super().__init__()

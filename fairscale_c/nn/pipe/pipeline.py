@@ -224,7 +224,6 @@ class Pipeline:
         over. Returns the outputs and whether the last partition returned a Tensor."""
         board, share, result = Board(), self._share(), []
         grad, autocast = torch.is_grad_enabled(), _autocast_state()
-        share.arrived(0)
 
         def body() -> None:
             with torch.set_grad_enabled(grad), _autocast(autocast), use_skip_tracker(SkipTracker()):
