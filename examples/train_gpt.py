@@ -351,8 +351,14 @@ def main(argv: Optional[list] = None) -> int:
     if args.device == "cuda":
         if not torch.cuda.is_available():
             sys.exit("--device cuda: torch sees no CUDA device")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        n_gpus = torch.cuda.device_count()
+        if local_rank >= n_gpus and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+            sys.exit(
+                f"--device cuda: local rank {local_rank} but {n_gpus} GPU(s) here; start at most {n_gpus} "
+                "processes per node, or set NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30) to share GPUs"
+            )
+        device = torch.device("cuda", local_rank % n_gpus)
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
