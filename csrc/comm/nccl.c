@@ -448,6 +448,19 @@ static void watchdog_stop(fsc_nccl_comm_t *c) {
     }
 }
 
+fsc_status_t fsc_nccl_blocking_get(int *out) {
+    const char *s = getenv("FAIRSCALE_C_NCCL_BLOCKING");
+    if (s == NULL || *s == '\0' || strcmp(s, "0") == 0) {
+        *out = 0;
+        return FSC_OK;
+    }
+    if (strcmp(s, "1") == 0) {
+        *out = 1;
+        return FSC_OK;
+    }
+    return fsc_error(FSC_ERR_VALUE, "FAIRSCALE_C_NCCL_BLOCKING='%.64s': expected 0 (default) or 1", s);
+}
+
 fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES], int rank, int nranks, int device,
                                 double timeout_s, fsc_nccl_comm_t **out) {
     fsc_status_t st = FSC_OK;
@@ -456,6 +469,8 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     if (nranks < 1) return fsc_error(FSC_ERR_VALUE, "nccl init: size must be >= 1, got %d", nranks);
     if (rank < 0 || rank >= nranks)
         return fsc_error(FSC_ERR_VALUE, "nccl init: rank must be in [0, %d), got %d", nranks, rank);
+    int blocking = 0;
+    FSC_CHECK(fsc_nccl_blocking_get(&blocking));
     FSC_CHECK(ensure_loaded());
     FSC_CHECK(fsc_gpu_ctx_enter(device, &g)); /* NCCL binds the comm to the current device */
     fsc_nccl_comm_t *c = calloc(1, sizeof(*c));
@@ -476,6 +491,7 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     if (nccl.CommInitRankConfig != NULL) {
         nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC,        NCCL_CONFIG_LAYOUT_VERSION, 0,
                              NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,      NULL};
+        cfg.blocking = blocking;
         r = nccl.CommInitRankConfig(&c->comm, nranks, uid, rank, &cfg);
     } else {
         FSC_INFO("nccl", "NCCL %d has no ncclCommInitRankConfig; using blocking ncclCommInitRank", nccl_version_code);
@@ -493,7 +509,8 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
         goto fail;
     }
     c->wd_started = 1;
-    FSC_INFO("nccl", "rank %d of %d joined on cuda:%d", rank, nranks, device);
+    FSC_INFO("nccl", "rank %d of %d joined on cuda:%d (%s communicator)", rank, nranks, device,
+             blocking ? "blocking" : "non-blocking");
     *out = c;
     goto exit;
 fail:

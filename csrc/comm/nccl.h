@@ -35,11 +35,20 @@ const char *fsc_nccl_path(void);
  * Loads NCCL with no extra paths if it is not loaded yet. */
 fsc_status_t fsc_nccl_get_unique_id(unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]);
 
+/* The communicator mode FAIRSCALE_C_NCCL_BLOCKING asks for: 0 (unset, empty or "0") for
+ * non-blocking, 1 ("1") for blocking; anything else is FSC_ERR_VALUE naming the variable.
+ * Non-blocking bounds init and every enqueue by the timeout, but NCCL then submits each call
+ * from a thread of its own, which adds host latency to every operation; a blocking
+ * communicator submits on the calling thread, and its init and enqueue calls wait without a
+ * bound (the watchdog still bounds the device work). */
+fsc_status_t fsc_nccl_blocking_get(int *out);
+
 /* Join the group identified by `id` as `rank` of `nranks` on CUDA device `device`, and store
- * the new communicator in *out. Non-blocking communicator (ncclCommInitRankConfig with
- * blocking=0) where the library has it, else ncclCommInitRank. Blocks until every rank has
- * joined or `timeout_s` (<= 0: fsc_comm_timeout_s()) has passed; on error or timeout the
- * half-made communicator is aborted and FSC_ERR_COMM / FSC_ERR_TIMEOUT returned.
+ * the new communicator in *out. ncclCommInitRankConfig, non-blocking unless
+ * fsc_nccl_blocking_get says blocking, where the library has it, else ncclCommInitRank.
+ * Non-blocking: blocks until every rank has joined or `timeout_s` (<= 0: fsc_comm_timeout_s())
+ * has passed; on error or timeout the half-made communicator is aborted and FSC_ERR_COMM /
+ * FSC_ERR_TIMEOUT returned. Blocking: waits for every rank without a bound.
  * The new communicator has a watchdog thread ("fsc_nccl_wd") that every 100 ms polls NCCL's
  * asynchronous error state and the oldest enqueued operation that has not completed (an event
  * is recorded after each). An NCCL error, or an operation still pending `timeout_s` after it

@@ -267,10 +267,19 @@ EXPORT int ncclCommInitRank(void **comm, int nranks, unique_id_t id, int rank) {
     (void)id;
     return new_comm(comm, nranks, rank, 0);
 }
-/* Non-blocking, as with config.blocking = 0: the caller polls ncclCommGetAsyncError. */
+/* config.blocking = 0: returns ncclInProgress and the caller polls ncclCommGetAsyncError;
+ * config.blocking = 1: done on return. (ncclConfig_t: size_t size, unsigned magic, unsigned
+ * version, int blocking, ...) */
+static int last_blocking = -1;
+EXPORT int fake_last_blocking(void) {
+    return last_blocking;
+}
 EXPORT int ncclCommInitRankConfig(void **comm, int nranks, unique_id_t id, int rank, void *config) {
-    (void)id, (void)config;
-    return new_comm(comm, nranks, rank, 3);
+    (void)id;
+    int blocking;
+    memcpy(&blocking, (char *)config + sizeof(size_t) + 2 * sizeof(unsigned), sizeof(int));
+    last_blocking = blocking;
+    return new_comm(comm, nranks, rank, blocking == 1 ? 0 : 3);
 }
 EXPORT int ncclCommGetAsyncError(void *comm, int *async) {
     comm_t *c = comm;

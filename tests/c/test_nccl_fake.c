@@ -18,6 +18,7 @@
 
 enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2 };
 static void (*fake_set_mode)(int);
+static int (*fake_last_blocking)(void);
 static int (*fake_aborts)(void);
 static int (*fake_live_events)(void);
 static int (*fake_copies)(int);
@@ -104,6 +105,34 @@ static void test_ops_and_wait(void) {
     EXPECT(fsc_nccl_comm_destroy(c, 1.0) == FSC_OK, "destroy: %s", fsc_last_error());
     fsc_nccl_comm_free(c);
     EXPECT(fake_live_events() == 0, "%d events leaked", fake_live_events());
+}
+
+/* FAIRSCALE_C_NCCL_BLOCKING picks the communicator's mode: unset or 0 non-blocking (as every
+ * other test here), 1 blocking; anything else is refused before NCCL is called. */
+static void test_blocking_mode(void) {
+    fake_set_mode(FAKE_OK);
+    fsc_nccl_comm_t *c = new_comm(0);
+    EXPECT(fake_last_blocking() == 0, "unset: config.blocking=%d", fake_last_blocking());
+    if (c) fsc_nccl_comm_free(c);
+    setenv("FAIRSCALE_C_NCCL_BLOCKING", "1", 1);
+    c = new_comm(0);
+    EXPECT(fake_last_blocking() == 1, "FAIRSCALE_C_NCCL_BLOCKING=1: config.blocking=%d", fake_last_blocking());
+    if (c != NULL) {
+        float in[2] = {1, 2}, out[2] = {0};
+        fsc_tensor_t ti = cuda_view(in, 2), to = cuda_view(out, 2);
+        EXPECT(fsc_nccl_all_gather(c, &to, &ti, 0) == FSC_OK && fsc_nccl_wait(c, 0, 1.0) == FSC_OK,
+               "all_gather on a blocking communicator: %s", fsc_last_error());
+        EXPECT(out[1] == 2.0f, "all_gather copied %g", out[1]);
+        fsc_nccl_comm_free(c);
+    }
+    setenv("FAIRSCALE_C_NCCL_BLOCKING", "yes", 1);
+    unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES];
+    fsc_nccl_comm_t *bad = NULL;
+    EXPECT(fsc_nccl_get_unique_id(id) == FSC_OK, "unique id: %s", fsc_last_error());
+    EXPECT(fsc_nccl_comm_init(id, 0, 1, 0, 0, &bad) == FSC_ERR_VALUE && bad == NULL &&
+               strstr(fsc_last_error(), "FAIRSCALE_C_NCCL_BLOCKING='yes': expected 0 (default) or 1"),
+           "FAIRSCALE_C_NCCL_BLOCKING=yes: %s", fsc_last_error());
+    unsetenv("FAIRSCALE_C_NCCL_BLOCKING");
 }
 
 /* Block counts whose product with the group size overflows int64 are refused, not wrapped: at 4
@@ -265,12 +294,14 @@ int main(void) {
     *(void **)&fake_aborts = dlsym(fake, "fake_aborts");
     *(void **)&fake_live_events = dlsym(fake, "fake_live_events");
     *(void **)&fake_copies = dlsym(fake, "fake_copies");
+    *(void **)&fake_last_blocking = dlsym(fake, "fake_last_blocking");
     EXPECT(fsc_nccl_load(NULL, 0) == FSC_OK, "load: %s", fsc_last_error());
     EXPECT(fsc_nccl_version() == 23102, "version %d", fsc_nccl_version());
     EXPECT(fsc_gpu_load() == FSC_OK, "driver: %s", fsc_last_error());
     test_pack_blocks();
     test_block_count_overflow();
     test_ops_and_wait();
+    test_blocking_mode();
     test_watchdog_timeout();
     test_watchdog_async_error();
     test_free_while_pending();
