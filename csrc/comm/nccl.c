@@ -263,13 +263,17 @@ static double deadline_after(double timeout_s) {
     return fsc_comm_now() + (timeout_s > 0 ? timeout_s : fsc_comm_timeout_s());
 }
 
-/* Poll pacing: yield for the first polls (fast collectives), then sleep 100 us. */
-static void backoff(int *polls) {
-    if ((*polls)++ < 200) {
+/* Poll pacing for a wait that began at `since` (fsc_comm_now()): yield for its first
+ * millisecond, so that an enqueue NCCL finishes on its own thread, or a short collective, is
+ * seen within microseconds instead of at the end of a sleep; then sleep 50 us per poll. Time-
+ * based rather than a poll count: a yield returns at once on an idle core, so 200 of them
+ * lasted well under the time NCCL takes to submit. */
+static void backoff(double since) {
+    if (fsc_comm_now() - since < 1e-3) {
         sched_yield();
         return;
     }
-    struct timespec ts = {0, 100 * 1000};
+    struct timespec ts = {0, 50 * 1000};
     nanosleep(&ts, NULL);
 }
 
@@ -306,7 +310,7 @@ static fsc_status_t fail_locked(fsc_nccl_comm_t *c, nccl_result_t r, const char 
  * communicator answers ncclInProgress while it works in the background; poll its async error
  * state until the call has settled or `deadline` passes. */
 static fsc_status_t settle_locked(fsc_nccl_comm_t *c, nccl_result_t r, const char *what, double deadline, int fatal) {
-    int polls = 0;
+    double since = fsc_comm_now();
     while (r == NCCL_IN_PROGRESS) {
         if (fsc_comm_now() > deadline) {
             char msg[384];
@@ -316,7 +320,7 @@ static fsc_status_t settle_locked(fsc_nccl_comm_t *c, nccl_result_t r, const cha
             return fsc_error(FSC_ERR_TIMEOUT, "%s (FAIRSCALE_C_TIMEOUT=%g s); communicator aborted", msg,
                              fsc_comm_timeout_s());
         }
-        backoff(&polls);
+        backoff(since);
         nccl_result_t async = NCCL_OK;
         nccl_result_t q = nccl.CommGetAsyncError(c->comm, &async);
         r = q != NCCL_OK ? q : async;
@@ -699,7 +703,7 @@ fsc_status_t fsc_nccl_wait(fsc_nccl_comm_t *c, fsc_stream_t stream, double timeo
     fsc_gpu_event_t ev = NULL;
     double timeout = timeout_s > 0 ? timeout_s : fsc_comm_timeout_s();
     double deadline = fsc_comm_now() + timeout;
-    int polls = 0;
+    double since = fsc_comm_now();
 
     FSC_CHECK(check_owner(c, "wait"));
     pthread_mutex_lock(&c->lock);
@@ -737,7 +741,7 @@ fsc_status_t fsc_nccl_wait(fsc_nccl_comm_t *c, fsc_stream_t stream, double timeo
         }
         pthread_mutex_unlock(&c->lock);
         if (st != FSC_OK) goto exit;
-        backoff(&polls);
+        backoff(since);
     }
 exit:
     fsc_gpu_event_destroy(c->device, ev);
