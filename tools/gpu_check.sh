@@ -3,10 +3,14 @@
 #
 #   tools/gpu_check.sh LOGDIR [STEP...]
 #
-# Steps (default: all but bench and coll): env build tests demo sanitizer bench coll. Each step runs under a
-# time limit and goes on after a failure; the last lines print one status line per step.
+# Steps (default: all but bench and coll*): env build tests demo sanitizer bench coll coll_blocking.
+# Each step runs under a time limit and goes on after a failure; the last lines print one status
+# line per step.
 # PYTHON picks the interpreter (default python3); BENCH_ARGS are extra benchmarks/fsdp.py flags
 # (with one GPU, --world 2 needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment).
+# MPS=1 runs every step under an MPS server started here and stopped at the end (needs root): ranks
+# sharing a GPU then run their kernels at the same time instead of time-slicing the GPU, which is
+# what makes one-GPU collective and world-2 timings mean something (docs/gpu.md, 2026-11-25).
 set -u
 LOG=${1:?usage: tools/gpu_check.sh LOGDIR [STEP...]}
 shift
@@ -27,6 +31,14 @@ run_step() {  # name limit_s command...
     SUMMARY+="$name rc=$rc $(($(date +%s) - start))s"$'\n'
     tail -n "${TAIL:-12}" "$LOG/$name.log"
 }
+
+if [ "${MPS:-0}" = 1 ]; then
+    export CUDA_MPS_PIPE_DIRECTORY="$LOG/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$LOG/mps-log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "MPS=1: nvidia-cuda-mps-control -d failed" >&2; exit 2; }
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    SUMMARY+="(under MPS)"$'\n'
+fi
 
 for step in $STEPS; do
     case $step in
@@ -60,6 +72,15 @@ print(json.dumps(fairscale_c.build_info(), indent=1, default=str))'"
         # 2 ranks: two GPUs, or one with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 set
         run_step coll 400 "$PY" benchmarks/collectives.py --device cuda --worlds 2 --sizes 1M 16M 256M \
             --json "$LOG/collectives_cuda.json"
+        ;;
+    coll_blocking)
+        # the same, alternating non-blocking (default) and blocking NCCL communicators
+        for i in 1 2; do
+            for b in 0 1; do
+                FAIRSCALE_C_NCCL_BLOCKING=$b run_step "coll_b${b}_$i" 200 "$PY" benchmarks/collectives.py \
+                    --device cuda --worlds 2 --sizes 1M 16M 256M --json "$LOG/collectives_cuda_b${b}_$i.json"
+            done
+        done
         ;;
     bench)
         # shellcheck disable=SC2086
