@@ -2,7 +2,8 @@
 
 This is the text to paste into a bug report: the package version and where it was imported from,
 the compiler, whether the CUDA kernels were compiled in, and the CUDA driver, CUDA runtime and
-NCCL this process finds (versions and files), plus Python and torch. ``--json`` prints the same
+NCCL this process finds (versions and files), plus Python, torch and the FAIRSCALE_C_* and NCCL_*
+environment variables that are set. ``--json`` prints the same
 facts as one JSON object. NCCL is loaded the way the NCCL backend loads it (the copy torch's
 nvidia-nccl wheel ships, else ``libnccl.so.2`` from the loader's path), so the report says what a
 training run on CUDA would use.
@@ -56,8 +57,15 @@ def _torch_facts() -> Dict[str, Any]:
     }
 
 
+def _settings() -> Dict[str, str]:
+    """The FAIRSCALE_C_* and NCCL_* variables set in the environment: they change timeouts, the
+    NCCL communicators' mode (FAIRSCALE_C_NCCL_BLOCKING) and whether ranks may share a GPU."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FAIRSCALE_C_", "NCCL_"))}
+
+
 def collect() -> Dict[str, Any]:
-    """build_info() after loading NCCL, plus where the package, Python and torch are."""
+    """build_info() after loading NCCL, plus where the package, Python and torch are, and the
+    settings taken from the environment."""
     nccl_error = _load_nccl()
     info = fairscale_c.build_info()
     info["nccl_error"] = nccl_error
@@ -66,6 +74,7 @@ def collect() -> Dict[str, Any]:
     info["python"] = f"{platform.python_version()} ({platform.python_implementation()}) at {sys.executable}"
     info["platform"] = platform.platform()
     info.update(_torch_facts())
+    info["settings"] = _settings()
     return info
 
 
@@ -109,6 +118,7 @@ def format_report(info: Dict[str, Any]) -> str:
         ("python", info["python"]),
         ("platform", info["platform"]),
         ("torch", torch_line),
+        ("settings", ", ".join(f"{k}={v}" for k, v in info["settings"].items()) or "no FAIRSCALE_C_* or NCCL_* set"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(["fairscale_c build info"] + [f"  {k:<{width}}  {v}" for k, v in rows])

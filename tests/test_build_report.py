@@ -56,6 +56,18 @@ def test_report_is_readable_and_agrees_with_build_info():
     assert lines["torch"].startswith(torch.__version__)
 
 
+def test_report_lists_the_settings_from_the_environment():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAIRSCALE_C_", "NCCL_"))}
+    r = subprocess.run(
+        [sys.executable, "-m", "fairscale_c"], capture_output=True, text=True, timeout=120, env=env, check=True
+    )
+    assert re.search(r"^  settings +no FAIRSCALE_C_\* or NCCL_\* set$", r.stdout, re.M), r.stdout
+    text = report(env={"FAIRSCALE_C_NCCL_BLOCKING": "1", "NCCL_DEBUG": "WARN"})
+    assert re.search(r"^  settings +.*FAIRSCALE_C_NCCL_BLOCKING=1.*NCCL_DEBUG=WARN", text, re.M), text
+    info = json.loads(report("--json", env={"FAIRSCALE_C_TIMEOUT": "30"}))
+    assert info["settings"]["FAIRSCALE_C_TIMEOUT"] == "30"
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the fake driver is a Linux shared object")
 def test_report_names_the_driver_and_nccl_files_it_loaded():
     # The fake CUDA driver and NCCL of the C tests stand in for the real libraries.
