@@ -135,6 +135,15 @@ def _torch_nccl_version() -> Optional[Tuple[int, ...]]:
     return tuple(v)
 
 
+def mps_running() -> bool:
+    """Whether an MPS control daemon answers for this process: its pipe directory
+    (CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps) holds the `control` pipe while it runs.
+    Under MPS, ranks sharing a GPU run their kernels at the same time; without it the GPU
+    time-slices between their processes, and collectives then wait for the other's slice."""
+    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return os.path.exists(os.path.join(pipe_dir, "control"))
+
+
 def check_cuda_ranks(world: int, flag: str = "--device cuda") -> str:
     """For `flag`: check that `world` ranks can run on this machine's GPUs and return a one-line
     note saying how (GPU per rank, or sharing). Exits with a message (SystemExit, status 1) when
@@ -171,9 +180,13 @@ def check_cuda_ranks(world: int, flag: str = "--device cuda") -> str:
                 f"torch reports an older version than the library it loads), or run with --world {count}."
             )
         os.environ[NCCL_SHARE_ENV] = "1"
+    shared = f"{world} ranks share {count} GPU(s) ({NCCL_SHARE_ENV}=1, torch's NCCL {shown})"
+    if mps_running():
+        return f"{shared} under MPS: their kernels run at the same time, so step times include each other's work"
     return (
-        f"{world} ranks share {count} GPU(s) ({NCCL_SHARE_ENV}=1, torch's NCCL {shown}): they time-slice the GPU, "
-        "so step times include each other's work"
+        f"{shared} without MPS: they time-slice the GPU, so collectives wait for the other process's slice and "
+        "step times include each other's work (start an MPS server, nvidia-cuda-mps-control -d, for timings that "
+        "compare communication)"
     )
 
 

@@ -1,4 +1,4 @@
-"""The `--device cuda` choice of benchmarks/oss.py and benchmarks/pipe_stages.py, checked without a
+"""The `--device cuda` choice of benchmarks/oss.py, pipe_stages.py and collectives.py, checked without a
 GPU: a clear exit where CUDA ranks cannot run, the sharing rule of _harness.check_cuda_ranks (with
 torch.cuda's answers stood in), and the CUDA-only flags. Nothing here spawns a process."""
 
@@ -15,6 +15,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import _harness  # noqa: E402
+import collectives  # noqa: E402
 import oss as oss_script  # noqa: E402
 import pipe_stages  # noqa: E402
 
@@ -22,11 +23,15 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messa
 
 
 @no_cuda
-@pytest.mark.parametrize("main", [oss_script.main, pipe_stages.main], ids=["oss", "pipe_stages"])
-def test_device_cuda_without_cuda_exits_with_a_message(main, tmp_path):
+@pytest.mark.parametrize(
+    "main, out_flag",
+    [(oss_script.main, "--out"), (pipe_stages.main, "--out"), (collectives.main, "--json")],
+    ids=["oss", "pipe_stages", "collectives"],
+)
+def test_device_cuda_without_cuda_exits_with_a_message(main, out_flag, tmp_path):
     out = str(tmp_path / "r.json")
     with pytest.raises(SystemExit) as e:
-        main(["--device", "cuda", "--out", out])
+        main(["--device", "cuda", out_flag, out])
     assert "--device cuda: no CUDA device: torch.cuda.is_available() is False" in str(e.value.code)
     assert not (tmp_path / "r.json").exists()
 
@@ -37,7 +42,7 @@ def _gpus(monkeypatch, count, nccl):
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: nccl)
 
 
-def test_check_cuda_ranks_sharing_rule(monkeypatch):
+def test_check_cuda_ranks_sharing_rule(monkeypatch, tmp_path):
     env = _harness.NCCL_SHARE_ENV
     monkeypatch.delenv(env, raising=False)
     _gpus(monkeypatch, 2, (2, 28, 9))
@@ -52,8 +57,12 @@ def test_check_cuda_ranks_sharing_rule(monkeypatch):
         _harness.check_cuda_ranks(2)
 
     _gpus(monkeypatch, 1, (2, 31, 2))
-    assert "share 1 GPU" in _harness.check_cuda_ranks(2)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    note = _harness.check_cuda_ranks(2)
+    assert "share 1 GPU" in note and "without MPS: they time-slice the GPU" in note
     assert os.environ[env] == "1"  # inherited by the ranks spawned next
+    (tmp_path / "control").touch()  # what a running MPS control daemon leaves in its pipe directory
+    assert "under MPS: their kernels run at the same time" in _harness.check_cuda_ranks(2)
 
     monkeypatch.setenv(env, "1")  # set by the user: trusted whatever torch reports
     _gpus(monkeypatch, 1, (2, 28, 9))
