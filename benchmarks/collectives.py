@@ -67,7 +67,9 @@ KiB, MiB = 1024, 1024 * 1024
 
 
 def _fmt_size(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+    if n >= MiB:
+        return f"{n // MiB} MiB"
+    return f"{n // KiB} KiB" if n >= KiB else f"{n} B"
 
 
 def _parse_size(text: str) -> int:
@@ -350,6 +352,7 @@ def print_table(result: Dict) -> None:
     head = (
         f"{'op':<19}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{base + ' busbw':>12}"
         f"{'memcpy':>9}{'memcpy/all':>11}{'x ' + base:>8}{'/memcpy':>9}{'/m.all':>8}{'traffic':>9}{'/traffic':>9}"
+        f"{'us ours':>10}{'us ' + base:>10}"
     )
     print(head)
     print("-" * len(head))
@@ -359,9 +362,11 @@ def print_table(result: Dict) -> None:
             f"{r['busbw_gloo']:>12.2f}{r['memcpy_gbps']:>9.2f}{r.get('memcpy_all_gbps', float('nan')):>11.2f}"
             f"{r['vs_gloo']:>8.2f}{r['vs_memcpy']:>9.2f}{r.get('vs_memcpy_all', float('nan')):>8.2f}"
             f"{r.get('traffic_busbw', float('nan')):>9.2f}{r.get('vs_traffic', float('nan')):>9.2f}"
+            f"{r['t_ours'] * 1e6:>10.1f}{r['t_gloo'] * 1e6:>10.1f}"
         )
     roof = "device-to-device copy" if result.get("device") == "cuda" else "single-thread libc memcpy"
     print(f"bandwidths in GB/s (1e9 bytes/s); busbw per nccl-tests; {base} = torch.distributed; memcpy = {roof}")
+    print(f"us = median microseconds per call{', each ending with a device synchronisation' if base == 'nccl' else ''}")
     if result.get("device") != "cuda":
         print("memcpy/all = the same memcpy run by every rank of the world at once (per-rank bandwidth)")
         print(

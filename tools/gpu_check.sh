@@ -3,7 +3,7 @@
 #
 #   tools/gpu_check.sh LOGDIR [STEP...]
 #
-# Steps (default: all but bench and coll*): env build tests demo sanitizer bench coll coll_blocking.
+# Steps (default: env build tests demo sanitizer): those and bench coll coll_blocking cpu_coll cpu_pipe.
 # Each step runs under a time limit and goes on after a failure; the last lines print one status
 # line per step.
 # PYTHON picks the interpreter (default python3); BENCH_ARGS are extra benchmarks/fsdp.py flags
@@ -78,9 +78,18 @@ print(json.dumps(fairscale_c.build_info(), indent=1, default=str))'"
         for i in 1 2; do
             for b in 0 1; do
                 FAIRSCALE_C_NCCL_BLOCKING=$b run_step "coll_b${b}_$i" 200 "$PY" benchmarks/collectives.py \
-                    --device cuda --worlds 2 --sizes 1M 16M 256M --json "$LOG/collectives_cuda_b${b}_$i.json"
+                    --device cuda --worlds 2 --sizes 8 4K 64K 1M 16M 256M --json "$LOG/collectives_cuda_b${b}_$i.json"
             done
         done
+        ;;
+    cpu_coll)
+        # the shared-memory engine's large-message targets on this machine's quieter, larger CPU
+        run_step cpu_coll 560 "$PY" benchmarks/collectives.py --worlds 2 4 --sizes 16M 64M 256M --repeats 5 \
+            --json "$LOG/collectives_cpu.json"
+        ;;
+    cpu_pipe)
+        # single-process Pipe against FairScale's (on PYTHONPATH), with and without thread sharing
+        run_step cpu_pipe 500 "$PY" benchmarks/pipe.py single --unshared --out "$LOG/pipe_cpu.json"
         ;;
     bench)
         # shellcheck disable=SC2086
