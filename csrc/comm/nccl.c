@@ -1,10 +1,12 @@
-/* nccl.c — NCCL backend: dlopen'ed libnccl, non-blocking communicators, collectives on caller
+/* nccl.c — NCCL backend: dlopen'ed libnccl, non-blocking communicators (blocking ones on request,
+ * with their init on a thread of their own so that it stays bounded), collectives on caller
  * streams, waits that poll ncclCommGetAsyncError, and a watchdog thread per communicator, so a
  * dead peer becomes an error, not a hang, even when the host never waits. The NCCL ABI below is
  * declared from the documented nccl.h; no header is needed. */
 #include "comm/nccl.h"
 
 #include <dlfcn.h>
+#include <errno.h>
 #include <limits.h>
 #include <pthread.h>
 #include <sched.h>
@@ -234,6 +236,7 @@ struct fsc_nccl_comm {
     pthread_mutex_t lock; /* serialises every NCCL call on `comm`, and guards everything below */
     nccl_comm_h comm;     /* NULL once aborted or destroyed */
     int rank, nranks, device;
+    int blocking;  /* created with config.blocking = 1 (or ncclCommInitRank): see fsc_nccl_comm_destroy */
     int owner_pid; /* the process that created it; a fork() child must not touch NCCL or the lock */
     comm_state_t state;
     char why_dead[768];    /* the error that aborted it */
@@ -465,6 +468,106 @@ fsc_status_t fsc_nccl_blocking_get(int *out) {
     return fsc_error(FSC_ERR_VALUE, "FAIRSCALE_C_NCCL_BLOCKING='%.64s': expected 0 (default) or 1", s);
 }
 
+/* ---- blocking init ------------------------------------------------------------------------
+ * A blocking NCCL init returns only once every rank has joined, and hands out no communicator to
+ * abort before then. It therefore runs on a thread of its own while the caller waits up to the
+ * deadline; a caller that gives up leaves the thread behind, and the thread aborts whatever
+ * communicator it gets later. The state is shared by the two and freed by whichever lets go last. */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* CLOCK_MONOTONIC, as fsc_comm_now() */
+    int refs;          /* the caller and the thread */
+    int done, abandoned;
+    int device, rank, nranks;
+    nccl_unique_id_t uid;
+    nccl_comm_h comm;
+    nccl_result_t r;
+} blocking_init_t;
+
+/* Drop one reference; called with b->mu held, returns with it released. */
+static void blocking_init_release(blocking_init_t *b) {
+    int last = --b->refs == 0;
+    pthread_mutex_unlock(&b->mu);
+    if (!last) return;
+    pthread_mutex_destroy(&b->mu);
+    pthread_cond_destroy(&b->cv);
+    free(b);
+}
+
+static void *blocking_init_main(void *arg) {
+    blocking_init_t *b = arg;
+    nccl_comm_h comm = NULL;
+    nccl_result_t r = NCCL_INTERNAL_ERROR;
+    fsc_gpu_ctx_t g;
+    int entered = fsc_gpu_ctx_enter(b->device, &g) == FSC_OK;
+    if (entered && nccl.CommInitRankConfig != NULL) {
+        nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC,        NCCL_CONFIG_LAYOUT_VERSION, 1,
+                             NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,      NULL};
+        r = nccl.CommInitRankConfig(&comm, b->nranks, b->uid, b->rank, &cfg);
+    } else if (entered) {
+        r = nccl.CommInitRank(&comm, b->nranks, b->uid, b->rank);
+    }
+    pthread_mutex_lock(&b->mu);
+    int abandoned = b->abandoned;
+    b->done = 1;
+    b->r = r;
+    b->comm = abandoned ? NULL : comm;
+    pthread_cond_broadcast(&b->cv);
+    blocking_init_release(b);
+    if (abandoned && comm != NULL) nccl.CommAbort(comm); /* its caller timed out and is gone */
+    if (entered) fsc_gpu_ctx_exit(&g);
+    return NULL;
+}
+
+/* Join as a blocking communicator (config.blocking = 1, or ncclCommInitRank where the library has
+ * no config) on a thread of its own; store the result of NCCL's call in *r and the communicator
+ * in *comm. FSC_ERR_TIMEOUT when `deadline` passes first (the thread is left to finish). */
+static fsc_status_t init_blocking(const nccl_unique_id_t *uid, int rank, int nranks, int device, double deadline,
+                                  nccl_comm_h *comm, nccl_result_t *r) {
+    blocking_init_t *b = calloc(1, sizeof(*b));
+    if (b == NULL) return fsc_error(FSC_ERR_NOMEM, "nccl init: out of memory");
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&b->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_mutex_init(&b->mu, NULL);
+    b->refs = 2;
+    b->device = device, b->rank = rank, b->nranks = nranks, b->uid = *uid;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t t;
+    int rc = pthread_create(&t, &attr, blocking_init_main, b);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        pthread_mutex_lock(&b->mu);
+        b->refs = 1;
+        blocking_init_release(b);
+        return fsc_error(FSC_ERR_SYSTEM, "nccl init: cannot start the init thread: %s", strerror(rc));
+    }
+    struct timespec until; /* `deadline` on CLOCK_MONOTONIC, as fsc_comm_now() reads it */
+    until.tv_sec = (time_t)deadline;
+    until.tv_nsec = (long)((deadline - (double)until.tv_sec) * 1e9);
+    if (until.tv_nsec >= 1000000000L) until.tv_nsec = 999999999L;
+    pthread_mutex_lock(&b->mu);
+    while (!b->done && pthread_cond_timedwait(&b->cv, &b->mu, &until) != ETIMEDOUT) {
+    }
+    fsc_status_t st = FSC_OK;
+    if (b->done) {
+        *comm = b->comm;
+        *r = b->r;
+    } else {
+        b->abandoned = 1;
+        st = fsc_error(FSC_ERR_TIMEOUT,
+                       "nccl init on rank %d of %d (cuda:%d): not every rank joined the blocking communicator "
+                       "within FAIRSCALE_C_TIMEOUT=%g s (FAIRSCALE_C_NCCL_BLOCKING=1)",
+                       rank, nranks, device, fsc_comm_timeout_s());
+    }
+    blocking_init_release(b);
+    return st;
+}
+
 fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES], int rank, int nranks, int device,
                                 double timeout_s, fsc_nccl_comm_t **out) {
     fsc_status_t st = FSC_OK;
@@ -484,6 +587,7 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     c->rank = rank;
     c->nranks = nranks;
     c->device = device;
+    c->blocking = blocking || nccl.CommInitRankConfig == NULL;
     c->owner_pid = (int)getpid();
     c->op_timeout = timeout_s > 0 ? timeout_s : fsc_comm_timeout_s();
     c->pending = calloc(WD_MAX_PENDING, sizeof(pending_op_t));
@@ -491,15 +595,16 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     memcpy(uid.internal, id, FSC_NCCL_UNIQUE_ID_BYTES);
 
     double deadline = deadline_after(timeout_s);
-    nccl_result_t r;
-    if (nccl.CommInitRankConfig != NULL) {
+    nccl_result_t r = NCCL_INTERNAL_ERROR;
+    if (nccl.CommInitRankConfig != NULL && !blocking) {
         nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC,        NCCL_CONFIG_LAYOUT_VERSION, 0,
                              NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,      NULL};
-        cfg.blocking = blocking;
         r = nccl.CommInitRankConfig(&c->comm, nranks, uid, rank, &cfg);
     } else {
-        FSC_INFO("nccl", "NCCL %d has no ncclCommInitRankConfig; using blocking ncclCommInitRank", nccl_version_code);
-        r = nccl.CommInitRank(&c->comm, nranks, uid, rank);
+        if (nccl.CommInitRankConfig == NULL)
+            FSC_INFO("nccl", "NCCL %d has no ncclCommInitRankConfig; using blocking ncclCommInitRank",
+                     nccl_version_code);
+        FSC_CHECK_GOTO(init_blocking(&uid, rank, nranks, device, deadline, &c->comm, &r), st, fail);
     }
     if (r == NCCL_IN_PROGRESS && c->comm == NULL) r = NCCL_INTERNAL_ERROR; /* no handle to poll */
     pthread_mutex_lock(&c->lock);
@@ -756,6 +861,23 @@ fsc_status_t fsc_nccl_comm_abort(fsc_nccl_comm_t *c) {
     return FSC_OK;
 }
 
+/* Under c->lock: wait until every tracked operation of `c` has completed, or abort it and return
+ * FSC_ERR_TIMEOUT once `deadline` passes. */
+static fsc_status_t drain_locked(fsc_nccl_comm_t *c, double deadline) {
+    double since = fsc_comm_now();
+    for (reap_locked(c); c->pend_count > 0; reap_locked(c)) {
+        if (fsc_comm_now() > deadline) {
+            char msg[256];
+            snprintf(msg, sizeof(msg), "nccl destroy on rank %d of %d (cuda:%d): %zu operation(s) still running",
+                     c->rank, c->nranks, c->device, c->pend_count);
+            abort_locked(c, msg);
+            return fsc_error(FSC_ERR_TIMEOUT, "%s; communicator aborted", msg);
+        }
+        backoff(since);
+    }
+    return FSC_OK;
+}
+
 fsc_status_t fsc_nccl_comm_destroy(fsc_nccl_comm_t *c, double timeout_s) {
     fsc_status_t st = FSC_OK;
     fsc_gpu_ctx_t g;
@@ -763,6 +885,16 @@ fsc_status_t fsc_nccl_comm_destroy(fsc_nccl_comm_t *c, double timeout_s) {
     pthread_mutex_lock(&c->lock);
     if (c->state != COMM_ALIVE) goto unlock; /* already gone: idempotent */
     FSC_CHECK_GOTO(fsc_gpu_ctx_enter(c->device, &g), st, unlock);
+    if (c->blocking) {
+        /* A blocking finalize (and a destroy, which finalizes) waits for every peer without a
+         * bound. Wait for this rank's own operations up to the deadline instead, then release the
+         * communicator locally: ncclCommAbort frees its resources without talking to peers. */
+        FSC_CHECK_GOTO(drain_locked(c, deadline_after(timeout_s)), st, exit);
+        nccl.CommAbort(c->comm);
+        c->comm = NULL;
+        c->state = COMM_DESTROYED;
+        goto exit;
+    }
     if (nccl.CommFinalize != NULL)
         FSC_CHECK_GOTO(settle_locked(c, nccl.CommFinalize(c->comm), "finalize", deadline_after(timeout_s), 1), st,
                        exit);

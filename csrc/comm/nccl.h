@@ -38,17 +38,19 @@ fsc_status_t fsc_nccl_get_unique_id(unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]);
 /* The communicator mode FAIRSCALE_C_NCCL_BLOCKING asks for: 0 (unset, empty or "0") for
  * non-blocking, 1 ("1") for blocking; anything else is FSC_ERR_VALUE naming the variable.
  * Non-blocking bounds init and every enqueue by the timeout, but NCCL then submits each call
- * from a thread of its own, which adds host latency to every operation; a blocking
- * communicator submits on the calling thread, and its init and enqueue calls wait without a
- * bound (the watchdog still bounds the device work). */
+ * from a thread of its own, which adds host latency to every operation. A blocking
+ * communicator submits on the calling thread; its init runs on a thread of its own under the
+ * timeout, and destroy is bounded too, but an enqueue that has to wait for a peer (the first
+ * connection to it) waits without a bound. The watchdog bounds the device work in both modes. */
 fsc_status_t fsc_nccl_blocking_get(int *out);
 
 /* Join the group identified by `id` as `rank` of `nranks` on CUDA device `device`, and store
  * the new communicator in *out. ncclCommInitRankConfig, non-blocking unless
- * fsc_nccl_blocking_get says blocking, where the library has it, else ncclCommInitRank.
- * Non-blocking: blocks until every rank has joined or `timeout_s` (<= 0: fsc_comm_timeout_s())
- * has passed; on error or timeout the half-made communicator is aborted and FSC_ERR_COMM /
- * FSC_ERR_TIMEOUT returned. Blocking: waits for every rank without a bound.
+ * fsc_nccl_blocking_get says blocking, where the library has it, else ncclCommInitRank (a
+ * blocking communicator). Blocks until every rank has joined or `timeout_s` (<= 0:
+ * fsc_comm_timeout_s()) has passed; on error or timeout the half-made communicator is aborted
+ * (a blocking init that times out is left to finish on its thread, which then aborts it) and
+ * FSC_ERR_COMM / FSC_ERR_TIMEOUT returned.
  * The new communicator has a watchdog thread ("fsc_nccl_wd") that every 100 ms polls NCCL's
  * asynchronous error state and the oldest enqueued operation that has not completed (an event
  * is recorded after each). An NCCL error, or an operation still pending `timeout_s` after it
@@ -121,7 +123,9 @@ fsc_status_t fsc_nccl_comm_abort(fsc_nccl_comm_t *c);
 
 /* Orderly teardown (ncclCommFinalize, wait up to `timeout_s`, ncclCommDestroy); every rank
  * should call it. Aborts instead when finalisation fails or times out, and returns that
- * error. Idempotent. Blocks. */
+ * error. A blocking communicator, whose finalize would wait for the peers without a bound,
+ * instead waits up to `timeout_s` for this rank's own operations and is then released locally
+ * (ncclCommAbort). Idempotent. Blocks. */
 fsc_status_t fsc_nccl_comm_destroy(fsc_nccl_comm_t *c, double timeout_s);
 
 /* Release `c` (aborting it first if it was neither destroyed nor aborted). NULL is a no-op. */

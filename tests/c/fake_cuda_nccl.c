@@ -268,7 +268,8 @@ EXPORT int ncclCommInitRank(void **comm, int nranks, unique_id_t id, int rank) {
     return new_comm(comm, nranks, rank, 0);
 }
 /* config.blocking = 0: returns ncclInProgress and the caller polls ncclCommGetAsyncError;
- * config.blocking = 1: done on return. (ncclConfig_t: size_t size, unsigned magic, unsigned
+ * config.blocking = 1: done on return, and in FAKE_HANG mode it does not return until the mode
+ * changes (a peer that never joins). (ncclConfig_t: size_t size, unsigned magic, unsigned
  * version, int blocking, ...) */
 static int last_blocking = -1;
 EXPORT int fake_last_blocking(void) {
@@ -279,6 +280,16 @@ EXPORT int ncclCommInitRankConfig(void **comm, int nranks, unique_id_t id, int r
     int blocking;
     memcpy(&blocking, (char *)config + sizeof(size_t) + 2 * sizeof(unsigned), sizeof(int));
     last_blocking = blocking;
+    if (blocking == 1) {
+        struct timespec nap = {0, 10 * 1000 * 1000};
+        for (;;) {
+            pthread_mutex_lock(&mu);
+            int hang = mode == FAKE_HANG;
+            pthread_mutex_unlock(&mu);
+            if (!hang) break;
+            nanosleep(&nap, NULL);
+        }
+    }
     return new_comm(comm, nranks, rank, blocking == 1 ? 0 : 3);
 }
 EXPORT int ncclCommGetAsyncError(void *comm, int *async) {

@@ -123,12 +123,45 @@ static void test_blocking_mode(void) {
         EXPECT(fsc_nccl_all_gather(c, &to, &ti, 0) == FSC_OK && fsc_nccl_wait(c, 0, 1.0) == FSC_OK,
                "all_gather on a blocking communicator: %s", fsc_last_error());
         EXPECT(out[1] == 2.0f, "all_gather copied %g", out[1]);
+        /* destroy releases it locally (a blocking finalize would wait for peers without a bound) */
+        int before = fake_aborts();
+        EXPECT(fsc_nccl_comm_destroy(c, 1.0) == FSC_OK, "destroy: %s", fsc_last_error());
+        EXPECT(fake_aborts() == before + 1, "destroy of a blocking communicator did not release it");
         fsc_nccl_comm_free(c);
     }
-    setenv("FAIRSCALE_C_NCCL_BLOCKING", "yes", 1);
+    /* ... and a destroy while one of its operations never completes ends at its timeout */
+    c = new_comm(0);
+    if (c != NULL) {
+        float x[2] = {1, 2};
+        fsc_tensor_t tx = cuda_view(x, 2);
+        fake_set_mode(FAKE_HANG);
+        EXPECT(fsc_nccl_all_reduce(c, &tx, FSC_RED_SUM, 0) == FSC_OK, "all_reduce: %s", fsc_last_error());
+        double t = now();
+        fsc_status_t dst = fsc_nccl_comm_destroy(c, 0.3);
+        double waited = now() - t;
+        EXPECT(dst == FSC_ERR_TIMEOUT && strstr(fsc_last_error(), "1 operation(s) still running"),
+               "destroy with a hung operation: status %d, %s", (int)dst, fsc_last_error());
+        EXPECT(waited < 2.0, "destroy with a hung operation took %.2f s (timeout 0.3 s)", waited);
+        fake_set_mode(FAKE_OK);
+        fsc_nccl_comm_free(c);
+    }
+    /* A blocking init whose peers never join: the caller gets FSC_ERR_TIMEOUT at the deadline, and
+     * the init thread it leaves behind aborts the communicator once NCCL's call returns. */
     unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES];
     fsc_nccl_comm_t *bad = NULL;
     EXPECT(fsc_nccl_get_unique_id(id) == FSC_OK, "unique id: %s", fsc_last_error());
+    fake_set_mode(FAKE_HANG);
+    int aborts = fake_aborts();
+    double t0 = now();
+    fsc_status_t st = fsc_nccl_comm_init(id, 0, 1, 0, 0.3, &bad);
+    double took = now() - t0;
+    EXPECT(st == FSC_ERR_TIMEOUT && bad == NULL && strstr(fsc_last_error(), "not every rank joined the blocking"),
+           "blocking init without peers: status %d, %s", (int)st, fsc_last_error());
+    EXPECT(took >= 0.25 && took < 2.0, "blocking init gave up after %.2f s (timeout 0.3 s)", took);
+    EXPECT(fake_aborts() == aborts, "aborted before NCCL's init returned");
+    fake_set_mode(FAKE_OK);
+    EXPECT(wait_for_aborts(aborts + 1, 2.0) < 2.0, "the abandoned blocking communicator was not aborted");
+    setenv("FAIRSCALE_C_NCCL_BLOCKING", "yes", 1);
     EXPECT(fsc_nccl_comm_init(id, 0, 1, 0, 0, &bad) == FSC_ERR_VALUE && bad == NULL &&
                strstr(fsc_last_error(), "FAIRSCALE_C_NCCL_BLOCKING='yes': expected 0 (default) or 1"),
            "FAIRSCALE_C_NCCL_BLOCKING=yes: %s", fsc_last_error());
