@@ -402,3 +402,37 @@ def test_pickling_and_deepcopy_raise_a_clear_error():
     for fn in (copy.deepcopy, pickle.dumps):
         with pytest.raises(TypeError, match="cannot be pickled or deep-copied.*state_dict"):
             fn(m)
+
+
+def test_reduce_scatters_share_the_group_where_ranks_share_a_gpu(monkeypatch):
+    """Two NCCL communicators per rank deadlocked with ranks sharing a GPU under MPS (docs/fsdp.md):
+    there the default reduce-scatter group is process_group's, with a warning; elsewhere the
+    default is a group of its own, as in FairScale."""
+    import types
+
+    import fairscale_c.distributed as fdist
+    from fairscale_c.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+    from fairscale_c.nn.data_parallel.fully_sharded_data_parallel import ProcessGroupName
+
+    roles = []
+    monkeypatch.setattr(fdist, "group_for", lambda pg, role="default", **kw: roles.append(role) or "own group")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    fsdp_module._warn_shared_gpu.cache_clear()
+    fake = types.SimpleNamespace(comm=types.SimpleNamespace(size=2), process_group="pg")
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 ranks on this node, 1 GPU
+    assert fdist.ranks_share_gpus()
+    with pytest.warns(UserWarning, match="more ranks than GPUs"):
+        assert FSDP._reduce_scatter_comm(fake, ProcessGroupName.reduce_scatter) is fake.comm
+    assert roles == []
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert not fdist.ranks_share_gpus()
+    assert FSDP._reduce_scatter_comm(fake, ProcessGroupName.reduce_scatter) == "own group"
+    assert roles == ["reduce_scatter"]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not under torchrun: unknown, so no sharing assumed
+    assert not fdist.ranks_share_gpus()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no CUDA: nothing to share
+    assert not fdist.ranks_share_gpus()

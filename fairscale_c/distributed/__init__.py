@@ -24,6 +24,7 @@ Errors: ValueError/TypeError for bad arguments (raised before anything is sent);
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -59,6 +60,7 @@ __all__ = [
     "recv",
     "barrier",
     "timeout_s",
+    "ranks_share_gpus",
 ]
 
 _default: Optional[Group] = None
@@ -158,6 +160,20 @@ def group_for(process_group: Any = None, role: str = "default", *, device: Any =
     if device is not None and not isinstance(group, LocalGroup):
         group.init_nccl(device)
     return group
+
+
+def ranks_share_gpus() -> bool:
+    """Whether this node runs more ranks than it has GPUs, so that CUDA ranks share one (NCCL >= 2.30
+    with NCCL_MULTI_RANK_GPU_ENABLE=1): torchrun's LOCAL_WORLD_SIZE against torch's device count.
+    False where either is unknown (no LOCAL_WORLD_SIZE, no CUDA). There, a second NCCL communicator
+    per rank can deadlock when the ranks' kernels run at the same time (MPS; docs/fsdp.md), which
+    is why FSDP then keeps its reduce-scatters on its all-gathers' group."""
+    import torch
+
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not local.isdigit() or not torch.cuda.is_available():
+        return False
+    return int(local) > torch.cuda.device_count()
 
 
 def _is_torch_group(pg: Any) -> bool:

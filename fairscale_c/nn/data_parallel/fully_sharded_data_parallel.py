@@ -15,6 +15,7 @@ gradient released); at the end of backward the root retires the rest, casts to f
 
 import contextlib
 import functools
+import warnings
 from enum import Enum, auto
 from typing import Any, Dict, Generator, Iterator, List, NamedTuple, Optional, Tuple
 
@@ -268,7 +269,9 @@ class FullyShardedDataParallel(nn.Module):
     def _reduce_scatter_comm(self, pg: Any) -> Any:
         """FairScale's rule: ProcessGroupName.reduce_scatter (the default) gives reduce-scatters a
         group of their own over the same ranks, ProcessGroupName.default or None reuses
-        process_group, and a group whose ranks differ from process_group's falls back to it."""
+        process_group, and a group whose ranks differ from process_group's falls back to it.
+        Beyond FairScale: where ranks share a GPU (fdist.ranks_share_gpus()) the default reuses
+        process_group too, with a warning, since two NCCL communicators per rank deadlocked there."""
         import torch.distributed as dist
 
         if isinstance(pg, str) and not isinstance(pg, ProcessGroupName):
@@ -276,6 +279,9 @@ class FullyShardedDataParallel(nn.Module):
         if pg is None or pg == ProcessGroupName.default or self.comm.size == 1:
             return self.comm
         if pg == ProcessGroupName.reduce_scatter:
+            if fdist.ranks_share_gpus():
+                _warn_shared_gpu()
+                return self.comm
             return fdist.group_for(self.process_group, role="reduce_scatter")
         if pg is dist.GroupMember.NON_GROUP_MEMBER:
             return self.comm
@@ -739,6 +745,18 @@ class FullyShardedDataParallel(nn.Module):
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's shard of a state from gather_full_optim_state_dict(), for optim.load_state_dict."""
         return _optim_state.shard_from_full(get_fsdp_instances(self), full_optim_state_dict)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_shared_gpu() -> None:
+    """Once per process: why the reduce-scatters share the all-gathers' group."""
+    warnings.warn(
+        "FullyShardedDataParallel: this node runs more ranks than GPUs (LOCAL_WORLD_SIZE > "
+        "torch.cuda.device_count()), so reduce-scatters use process_group instead of a group of their "
+        "own: with ranks sharing a GPU, a second NCCL communicator per rank deadlocked under MPS. Pass a "
+        "torch process group as process_group_reduce_scatter to have a separate one anyway.",
+        stacklevel=3,
+    )
 
 
 def _local_norm_term(grads: List[torch.Tensor], norm_type: float) -> float:
