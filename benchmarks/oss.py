@@ -10,7 +10,7 @@ benchmarks/fsdp.py's, reused here
 
     PYTHONPATH=. python benchmarks/oss.py            # default model (27M parameters), fp32
     PYTHONPATH=. python benchmarks/oss.py --quick    # tiny model, a few steps (< 1 minute)
-    PYTHONPATH=. python benchmarks/oss.py --device cuda [--preset 350m] [--bf16]   # on GPUs, NCCL
+    PYTHONPATH=. python benchmarks/oss.py --device cuda [--preset 350m] [--bf16] [--deterministic]   # on GPUs, NCCL
 
 Reported per framework: median step time (zero_grad + forward + loss + backward + optimizer
 step + loss.item(); per step the slowest rank counts), own time above the floor, optimizer-state
@@ -341,13 +341,20 @@ def train_cuda(
     return times, phases, losses
 
 
-def cuda_rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], bf16: bool) -> Dict:
+def cuda_rank_main(
+    rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], bf16: bool, deterministic: bool = False
+) -> Dict:
     """One rank of a CUDA run of `framework` (torch group on nccl; fairscale_c's groups are built
     from it and send CUDA tensors over their own NCCL communicators). Returns what rank_main
     returns, memory from torch.cuda: "peak_mib" = max_memory_allocated over the timed steps,
-    "after_wrap_mib" = memory_allocated once the model and wrapper are built."""
+    "after_wrap_mib" = memory_allocated once the model and wrapper are built. `deterministic`:
+    torch's deterministic kernels (cuBLAS's included), so that losses compare arithmetic, not
+    run-to-run atomics."""
     import datetime
 
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+        torch.use_deterministic_algorithms(True, warn_only=True)
     cfg = base.Config(**cfg_dict)
     torch.set_num_threads(cfg.threads)
     dev = rank_cuda_device(rank)
@@ -651,7 +658,9 @@ def _print_run_notes(
         print(f"for scale: plain DDP's losses differ from FairScale's by up to {absd:.3g} (relative {reld:.3g})")
 
 
-def run_cuda(cfg: base.Config, frameworks: List[str], repeats: int, bf16: bool, note: str) -> Dict[str, Any]:
+def run_cuda(
+    cfg: base.Config, frameworks: List[str], repeats: int, bf16: bool, note: str, deterministic: bool = False
+) -> Dict[str, Any]:
     """The CUDA counterpart of run_cpu: every framework once per round, `repeats` rounds, each run a
     fresh set of `cfg.world` processes (cuda_rank_main); no paired run (all models in one process
     per rank would not fit the larger presets twice on one GPU, and the host load that pairing
@@ -672,7 +681,9 @@ def run_cuda(cfg: base.Config, frameworks: List[str], repeats: int, bf16: bool, 
                 continue
             t0 = time.perf_counter()
             try:
-                ranks = base.spawn(cuda_rank_main, cfg.world, fw, asdict(cfg), bf16, timeout=CUDA_RUN_TIMEOUT_S)
+                ranks = base.spawn(
+                    cuda_rank_main, cfg.world, fw, asdict(cfg), bf16, deterministic, timeout=CUDA_RUN_TIMEOUT_S
+                )
             except RuntimeError as e:
                 if fw == "local":
                     raise
@@ -683,9 +694,10 @@ def run_cuda(cfg: base.Config, frameworks: List[str], repeats: int, bf16: bool, 
             print(f"[cuda] round {rnd + 1}/{repeats} {fw}: done in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = {fw: _row(fw, r, cfg) for fw, r in runs.items() if fw not in failed}
     n = base.n_params(cfg)
+    kernels = ", deterministic kernels" if deterministic else ""
     print(
         f"\nCUDA, world {cfg.world} ({note}); FairScale, ZeRO, DDP on torch's nccl, fairscale_c on its own NCCL "
-        f"communicators; {'bf16 autocast' if bf16 else 'fp32'}, AdamW, {n / 1e6:.2f}M params, "
+        f"communicators; {'bf16 autocast' if bf16 else 'fp32'}{kernels}, AdamW, {n / 1e6:.2f}M params, "
         f"{cfg.batch} x {cfg.seq} tokens per rank per step, median of {cfg.steps} steps after {cfg.warmup} warm-up, "
         f"{repeats} separate run(s) per framework; floor = local (each rank trains an unsharded copy, no "
         "communication); phases: CUDA events on the compute stream; memory: torch.cuda.max_memory_allocated"
@@ -699,6 +711,11 @@ def run_cuda(cfg: base.Config, frameworks: List[str], repeats: int, bf16: bool, 
         print(
             "note: the loss target is fp32's; under bf16 autocast the frameworks' losses differ by bf16 rounding "
             "(compare with the DDP line above)"
+        )
+    elif not deterministic:
+        print(
+            "note: without --deterministic, CUDA kernels that accumulate with atomics make every run's losses "
+            "drift from any other's; the loss target then also measures that"
         )
     return result
 
@@ -759,11 +776,18 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
         "--layers etc. override its fields",
     )
     p.add_argument("--bf16", action="store_true", help="--device cuda: bf16 autocast of forward and loss")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="--device cuda: torch.use_deterministic_algorithms in every rank, so the loss comparison sees "
+        "the frameworks' arithmetic rather than run-to-run atomics (kernels may be slower)",
+    )
     p.add_argument("--out", default=None, help=f"JSON results path (default {RESULTS}, or {RESULTS_CUDA} for cuda)")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
     if not cuda:
-        for flag, given in (("--preset", a.preset is not None), ("--bf16", a.bf16)):
+        cuda_only = (("--preset", a.preset is not None), ("--bf16", a.bf16), ("--deterministic", a.deterministic))
+        for flag, given in cuda_only:
             if given:
                 p.error(f"{flag} is for --device cuda (the CPU run is fp32 on the default or --quick model)")
     elif a.profile:
@@ -824,12 +848,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             cfg, frameworks, args.profile, args.repeats, paired=not args.no_paired, paired_malloc=args.paired_malloc
         )
     else:
-        result.update(cuda_info(), device="cuda", cuda_ranks=cuda_note, bf16_autocast=args.bf16)
+        result.update(
+            cuda_info(), device="cuda", cuda_ranks=cuda_note, bf16_autocast=args.bf16, deterministic=args.deterministic
+        )
         result["preset"] = "quick" if args.quick else (args.preset or "125m")
         print(f"[cuda] {cuda_note} ({result['gpu']})", flush=True)
         if args.no_paired:
             print("[cuda] note: --no-paired changes nothing here (CUDA runs are always separate)")
-        result["cuda"] = run_cuda(cfg, frameworks, args.repeats, args.bf16, cuda_note)
+        result["cuda"] = run_cuda(cfg, frameworks, args.repeats, args.bf16, cuda_note, args.deterministic)
     try:
         result["load_avg_at_end"] = os.getloadavg()
     except OSError:

@@ -77,7 +77,7 @@ def test_check_cuda_ranks_sharing_rule(monkeypatch, tmp_path):
 
 
 def test_cuda_only_flags_and_models():
-    for bad in (["--bf16"], ["--preset", "350m"], ["--device", "cuda", "--profile", "x"]):
+    for bad in (["--bf16"], ["--deterministic"], ["--preset", "350m"], ["--device", "cuda", "--profile", "x"]):
         with pytest.raises(SystemExit) as e:
             oss_script.parse_args(bad)
         assert e.value.code == 2
@@ -85,6 +85,7 @@ def test_cuda_only_flags_and_models():
         oss_script.parse_args(["--device", "cuda", "--quick", "--preset", "350m"])
     args, cfg, fws = oss_script.parse_args(["--device", "cuda"])
     assert args.out == oss_script.RESULTS_CUDA and cfg.vocab == 50304 and fws[-1] == "local"
+    assert not args.deterministic and oss_script.parse_args(["--device", "cuda", "--deterministic"])[0].deterministic
     assert 120e6 < oss_script.base.n_params(cfg) < 130e6
     _, cfg, _ = oss_script.parse_args(["--device", "cuda", "--preset", "350m", "--layers", "2"])
     assert (cfg.layers, cfg.d_model) == (2, 1024)

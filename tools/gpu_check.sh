@@ -3,7 +3,8 @@
 #
 #   tools/gpu_check.sh LOGDIR [STEP...]
 #
-# Steps (default: env build tests demo sanitizer): those and bench coll coll_blocking cpu_coll cpu_pipe.
+# Steps (default: env build tests demo sanitizer): those and bench coll coll_blocking oss cpu_coll
+# cpu_pipe.
 # Each step runs under a time limit and goes on after a failure; the last lines print one status
 # line per step.
 # PYTHON picks the interpreter (default python3); BENCH_ARGS are extra benchmarks/fsdp.py flags
@@ -81,6 +82,10 @@ print(json.dumps(fairscale_c.build_info(), indent=1, default=str))'"
                     --device cuda --worlds 2 --sizes 8 4K 64K 1M 16M 256M --json "$LOG/collectives_cuda_b${b}_$i.json"
             done
         done
+        ;;
+    oss)
+        # OSS + ShardedDataParallel against FairScale, ZeRO and DDP, deterministic kernels (loss check)
+        run_step oss 500 "$PY" benchmarks/oss.py --device cuda --deterministic --out "$LOG/oss_cuda.json"
         ;;
     cpu_coll)
         # the shared-memory engine's large-message targets on this machine's quieter, larger CPU
