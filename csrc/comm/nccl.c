@@ -1,9 +1,9 @@
 /* nccl.c — NCCL backend: dlopen'ed libnccl, non-blocking communicators (blocking ones on request,
  * with their init on a thread of their own so that it stays bounded), collectives on caller
- * streams, waits that poll ncclCommGetAsyncError, and a watchdog thread per communicator, so a
- * dead peer becomes an error, not a hang, even when the host never waits. The NCCL ABI below is
- * declared from the documented nccl.h; no header is needed. */
-#include "comm/nccl.h"
+ * streams, and waits that poll ncclCommGetAsyncError. With the watchdog thread per communicator
+ * (nccl_watchdog.c), a dead peer becomes an error, not a hang, even when the host never waits.
+ * The NCCL ABI (nccl_internal.h) is declared from the documented nccl.h; no header is needed. */
+#include "comm/nccl_internal.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -18,76 +18,6 @@
 #include <unistd.h>
 
 #include "base/log.h"
-
-/* ---- ABI ------------------------------------------------------------------------------------ */
-
-typedef int nccl_result_t; /* ncclResult_t */
-#define NCCL_OK 0
-#define NCCL_INTERNAL_ERROR 3
-#define NCCL_INVALID_ARGUMENT 4
-#define NCCL_IN_PROGRESS 7
-#define NCCL_TIMEOUT_RESULT 8 /* ncclTimeout, 2.23+ */
-
-typedef void *nccl_comm_h; /* ncclComm_t */
-typedef void *cuda_stream_h;
-
-typedef struct {
-    char internal[FSC_NCCL_UNIQUE_ID_BYTES];
-} nccl_unique_id_t;
-
-/* ncclConfig_t as of NCCL 2.17 (struct ncclConfig_v21700). NCCL reads `size` bytes of it and
- * resets any field newer than `version`, so this prefix of the current struct is accepted by
- * every release that has ncclCommInitRankConfig; fields added later keep NCCL's defaults. */
-typedef struct {
-    size_t size;
-    unsigned int magic;   /* NCCL_API_MAGIC */
-    unsigned int version; /* NCCL_VERSION code of this layout */
-    int blocking;
-    int cgaClusterSize;
-    int minCTAs;
-    int maxCTAs;
-    const char *netName;
-} nccl_config_t;
-#define NCCL_API_MAGIC 0xcafebeefu
-#define NCCL_CONFIG_LAYOUT_VERSION 21700
-#define NCCL_CONFIG_UNDEF_INT INT_MIN
-
-/* ncclDataType_t and ncclRedOp_t values. */
-enum {
-    NCCL_UINT8 = 1,
-    NCCL_INT32 = 2,
-    NCCL_INT64 = 4,
-    NCCL_FLOAT16 = 6,
-    NCCL_FLOAT32 = 7,
-    NCCL_FLOAT64 = 8,
-    NCCL_BFLOAT16 = 9
-};
-enum { NCCL_SUM = 0, NCCL_MAX = 2, NCCL_MIN = 3, NCCL_AVG = 4 };
-
-#define NCCL_MIN_VERSION_BF16_AVG 21003 /* ncclBfloat16 (2.10) and ncclAvg (2.10.3) */
-
-typedef struct {
-    nccl_result_t (*GetVersion)(int *);
-    nccl_result_t (*GetUniqueId)(nccl_unique_id_t *);
-    nccl_result_t (*CommInitRank)(nccl_comm_h *, int, nccl_unique_id_t, int);
-    nccl_result_t (*CommDestroy)(nccl_comm_h);
-    nccl_result_t (*CommAbort)(nccl_comm_h);
-    nccl_result_t (*CommGetAsyncError)(nccl_comm_h, nccl_result_t *);
-    const char *(*GetErrorString)(nccl_result_t);
-    nccl_result_t (*AllGather)(const void *, void *, size_t, int, nccl_comm_h, cuda_stream_h);
-    nccl_result_t (*ReduceScatter)(const void *, void *, size_t, int, int, nccl_comm_h, cuda_stream_h);
-    nccl_result_t (*AllReduce)(const void *, void *, size_t, int, int, nccl_comm_h, cuda_stream_h);
-    nccl_result_t (*Broadcast)(const void *, void *, size_t, int, int, nccl_comm_h, cuda_stream_h);
-    nccl_result_t (*Reduce)(const void *, void *, size_t, int, int, int, nccl_comm_h, cuda_stream_h);
-    nccl_result_t (*Send)(const void *, size_t, int, int, nccl_comm_h, cuda_stream_h);
-    nccl_result_t (*Recv)(void *, size_t, int, int, nccl_comm_h, cuda_stream_h);
-    nccl_result_t (*GroupStart)(void);
-    nccl_result_t (*GroupEnd)(void);
-    /* optional: absent from old releases */
-    nccl_result_t (*CommInitRankConfig)(nccl_comm_h *, int, nccl_unique_id_t, int, nccl_config_t *); /* 2.14 */
-    nccl_result_t (*CommFinalize)(nccl_comm_h);                                                      /* 2.14 */
-    const char *(*GetLastError)(nccl_comm_h);                                                        /* 2.13 */
-} nccl_api_t;
 
 static const struct {
     const char *name;
@@ -121,8 +51,8 @@ static const struct {
 /* ---- library loading ------------------------------------------------------------------------- */
 
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
-static nccl_api_t nccl;
-static int nccl_loaded; /* written once under load_lock, read after fsc_nccl_load returned OK */
+nccl_api_t fsc_nccl_api; /* the entry points, filled once by fsc_nccl_load */
+static int nccl_loaded;  /* written once under load_lock, read after fsc_nccl_load returned OK */
 static int nccl_version_code;
 static char nccl_lib_path[512];
 
@@ -158,7 +88,7 @@ static int try_handle(void *h, const char *what, char *tried, size_t cap) {
     }
     int version = 0;
     if (api.GetVersion(&version) != NCCL_OK) version = 0;
-    nccl = api;
+    fsc_nccl_api = api;
     nccl_version_code = version;
     Dl_info info;
     void *sym;
@@ -209,48 +139,14 @@ static fsc_status_t ensure_loaded(void) {
 fsc_status_t fsc_nccl_get_unique_id(unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]) {
     nccl_unique_id_t uid;
     FSC_CHECK(ensure_loaded());
-    nccl_result_t r = nccl.GetUniqueId(&uid);
+    nccl_result_t r = fsc_nccl_api.GetUniqueId(&uid);
     if (r != NCCL_OK)
-        return fsc_error(FSC_ERR_COMM, "nccl unique_id: ncclGetUniqueId failed: %s", nccl.GetErrorString(r));
+        return fsc_error(FSC_ERR_COMM, "nccl unique_id: ncclGetUniqueId failed: %s", fsc_nccl_api.GetErrorString(r));
     memcpy(id, uid.internal, FSC_NCCL_UNIQUE_ID_BYTES);
     return FSC_OK;
 }
 
 /* ---- communicators --------------------------------------------------------------------------- */
-
-typedef enum { COMM_ALIVE = 0, COMM_ABORTED, COMM_DESTROYED } comm_state_t;
-
-#define WD_MAX_PENDING 1024   /* operations the watchdog tracks at once; later ones go untracked */
-#define WD_POLL_NS 100000000L /* watchdog period: 100 ms */
-
-/* An enqueued operation the watchdog has not yet seen complete: an event recorded on its
- * stream right after it, and when it was enqueued. */
-typedef struct {
-    fsc_gpu_event_t ev;
-    fsc_comm_op_t op;
-    uint64_t seq;
-    double t;
-} pending_op_t;
-
-struct fsc_nccl_comm {
-    pthread_mutex_t lock; /* serialises every NCCL call on `comm`, and guards everything below */
-    nccl_comm_h comm;     /* NULL once aborted or destroyed */
-    int rank, nranks, device;
-    int blocking;  /* created with config.blocking = 1 (or ncclCommInitRank): see fsc_nccl_comm_destroy */
-    int owner_pid; /* the process that created it; a fork() child must not touch NCCL or the lock */
-    comm_state_t state;
-    char why_dead[768];    /* the error that aborted it */
-    fsc_comm_op_t last_op; /* last operation enqueued, for wait's messages */
-    uint64_t nops;         /* operations enqueued so far */
-    double op_timeout;     /* an operation older than this makes the watchdog abort */
-    /* watchdog (see watchdog_main): a ring of pending operations, oldest at pend_head */
-    pending_op_t *pending;
-    size_t pend_head, pend_count;
-    uint64_t untracked; /* operations enqueued while the ring was full or an event failed */
-    pthread_t wd_thread;
-    pthread_cond_t wd_cv;
-    int wd_started, wd_stop;
-};
 
 int fsc_nccl_comm_rank(const fsc_nccl_comm_t *c) {
     return c->rank;
@@ -271,7 +167,7 @@ static double deadline_after(double timeout_s) {
  * seen within microseconds instead of at the end of a sleep; then sleep 50 us per poll. Time-
  * based rather than a poll count: a yield returns at once on an idle core, so 200 of them
  * lasted well under the time NCCL takes to submit. */
-static void backoff(double since) {
+void fsc_nccl_backoff(double since) {
     if (fsc_comm_now() - since < 1e-3) {
         sched_yield();
         return;
@@ -281,11 +177,11 @@ static void backoff(double since) {
 }
 
 /* Abort under c->lock and remember why. */
-static void abort_locked(fsc_nccl_comm_t *c, const char *why) {
+void fsc_nccl_abort_locked(fsc_nccl_comm_t *c, const char *why) {
     if (c->comm != NULL) {
         fsc_gpu_ctx_t g;
         int entered = fsc_gpu_ctx_enter(c->device, &g) == FSC_OK;
-        nccl.CommAbort(c->comm);
+        fsc_nccl_api.CommAbort(c->comm);
         if (entered) fsc_gpu_ctx_exit(&g);
         c->comm = NULL;
     }
@@ -298,14 +194,14 @@ static void abort_locked(fsc_nccl_comm_t *c, const char *why) {
 
 /* Record the failure `r` of `what` on `c` (under c->lock). An invalid argument had no effect,
  * so the communicator stays usable (unless `fatal`); anything else aborts it. */
-static fsc_status_t fail_locked(fsc_nccl_comm_t *c, nccl_result_t r, const char *what, int fatal) {
+fsc_status_t fsc_nccl_fail_locked(fsc_nccl_comm_t *c, nccl_result_t r, const char *what, int fatal) {
     char msg[768];
-    const char *last = (nccl.GetLastError && c->comm) ? nccl.GetLastError(c->comm) : NULL;
+    const char *last = (fsc_nccl_api.GetLastError && c->comm) ? fsc_nccl_api.GetLastError(c->comm) : NULL;
     snprintf(msg, sizeof(msg), "nccl %s on rank %d of %d (cuda:%d) failed: %s%s%s%s", what, c->rank, c->nranks,
-             c->device, nccl.GetErrorString(r), last && *last ? " (" : "", last && *last ? last : "",
+             c->device, fsc_nccl_api.GetErrorString(r), last && *last ? " (" : "", last && *last ? last : "",
              last && *last ? ")" : "");
     if (r == NCCL_INVALID_ARGUMENT && !fatal) return fsc_error(FSC_ERR_VALUE, "%s", msg);
-    abort_locked(c, msg);
+    fsc_nccl_abort_locked(c, msg);
     return fsc_error(r == NCCL_TIMEOUT_RESULT ? FSC_ERR_TIMEOUT : FSC_ERR_COMM, "%s; communicator aborted", msg);
 }
 
@@ -319,140 +215,21 @@ static fsc_status_t settle_locked(fsc_nccl_comm_t *c, nccl_result_t r, const cha
             char msg[384];
             snprintf(msg, sizeof(msg), "nccl %s on rank %d of %d (cuda:%d) did not complete in time", what, c->rank,
                      c->nranks, c->device);
-            abort_locked(c, msg);
+            fsc_nccl_abort_locked(c, msg);
             return fsc_error(FSC_ERR_TIMEOUT, "%s (FAIRSCALE_C_TIMEOUT=%g s); communicator aborted", msg,
                              fsc_comm_timeout_s());
         }
-        backoff(since);
+        fsc_nccl_backoff(since);
         nccl_result_t async = NCCL_OK;
-        nccl_result_t q = nccl.CommGetAsyncError(c->comm, &async);
+        nccl_result_t q = fsc_nccl_api.CommGetAsyncError(c->comm, &async);
         r = q != NCCL_OK ? q : async;
     }
-    return r == NCCL_OK ? FSC_OK : fail_locked(c, r, what, fatal);
+    return r == NCCL_OK ? FSC_OK : fsc_nccl_fail_locked(c, r, what, fatal);
 }
 
 static fsc_status_t dead_error(const fsc_nccl_comm_t *c, const char *what) {
     if (c->state == COMM_DESTROYED) return fsc_error(FSC_ERR_COMM, "nccl %s: the communicator was destroyed", what);
     return fsc_error(FSC_ERR_COMM, "nccl %s: the communicator was aborted earlier: %s", what, c->why_dead);
-}
-
-/* ---- watchdog ----------------------------------------------------------------------------------
- * FSDP on CUDA never waits on the host, so a peer that dies mid-collective would otherwise leave
- * this rank's NCCL kernels spinning, and the next loss.item() or synchronize() blocked for good.
- * Each enqueued operation is followed by an event; a thread per communicator checks every
- * 100 ms the communicator's asynchronous error state and the age of the oldest operation whose
- * event has not fired. An error, or an operation older than the timeout, aborts the
- * communicator: NCCL's kernels then return, the blocked host call comes back, and the next call
- * on the communicator raises with the reason. Everything below runs under c->lock. */
-
-/* Drop the operations at the head of the ring that have completed. */
-static void reap_locked(fsc_nccl_comm_t *c) {
-    while (c->pend_count > 0) {
-        pending_op_t *p = &c->pending[c->pend_head];
-        int done = 0;
-        if (fsc_gpu_event_query(c->device, p->ev, &done) == FSC_OK && !done) return;
-        fsc_gpu_event_destroy(c->device, p->ev); /* done, or unqueryable: stop tracking it */
-        c->pend_head = (c->pend_head + 1) % WD_MAX_PENDING;
-        c->pend_count--;
-    }
-}
-
-/* Record an event after the operation just enqueued on `stream`. Never fails the operation:
- * when the ring is full or the event cannot be made, the operation goes untracked (an older
- * tracked one still exposes a hang). */
-static void track_locked(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_stream_t stream) {
-    fsc_gpu_event_t ev = NULL;
-    reap_locked(c);
-    if (c->pending == NULL || c->pend_count == WD_MAX_PENDING ||
-        fsc_gpu_event_record(c->device, stream, &ev) != FSC_OK) {
-        if (c->untracked++ == 0)
-            FSC_WARN("nccl", "rank %d of %d: watchdog cannot track %s #%llu (%s)", c->rank, c->nranks,
-                     fsc_comm_op_name(op), (unsigned long long)c->nops,
-                     c->pend_count == WD_MAX_PENDING ? "too many pending operations" : fsc_last_error());
-        return;
-    }
-    pending_op_t *p = &c->pending[(c->pend_head + c->pend_count) % WD_MAX_PENDING];
-    p->ev = ev;
-    p->op = op;
-    p->seq = c->nops;
-    p->t = fsc_comm_now();
-    c->pend_count++;
-}
-
-static void watchdog_check_locked(fsc_nccl_comm_t *c) {
-    fsc_gpu_ctx_t g;
-    if (fsc_gpu_ctx_enter(c->device, &g) != FSC_OK) return;
-    nccl_result_t async = NCCL_OK;
-    nccl_result_t q = nccl.CommGetAsyncError(c->comm, &async);
-    nccl_result_t r = q != NCCL_OK ? q : async;
-    if (r != NCCL_OK && r != NCCL_IN_PROGRESS) {
-        char what[96];
-        snprintf(what, sizeof(what), "operation (watchdog, after %s #%llu)", fsc_comm_op_name(c->last_op),
-                 (unsigned long long)c->nops);
-        fail_locked(c, r, what, 1);
-    } else {
-        reap_locked(c);
-        if (c->pend_count > 0) {
-            const pending_op_t *p = &c->pending[c->pend_head];
-            double age = fsc_comm_now() - p->t;
-            if (age > c->op_timeout) {
-                char msg[384];
-                snprintf(msg, sizeof(msg),
-                         "nccl watchdog on rank %d of %d (cuda:%d): %s #%llu has not completed %.1f s after it "
-                         "was enqueued (timeout %g s, FAIRSCALE_C_TIMEOUT); a peer has probably died or stopped "
-                         "issuing collectives",
-                         c->rank, c->nranks, c->device, fsc_comm_op_name(p->op), (unsigned long long)p->seq, age,
-                         c->op_timeout);
-                abort_locked(c, msg);
-            }
-        }
-    }
-    fsc_gpu_ctx_exit(&g);
-}
-
-/* Set at process exit: the driver and NCCL may be tearing down, so watchdogs stop touching them. */
-static _Atomic int wd_exiting;
-static pthread_once_t wd_atexit_once = PTHREAD_ONCE_INIT;
-static void wd_at_exit(void) {
-    atomic_store(&wd_exiting, 1);
-}
-static void wd_register_atexit(void) {
-    atexit(wd_at_exit);
-}
-
-static void *watchdog_main(void *arg) {
-    fsc_nccl_comm_t *c = arg;
-    pthread_setname_np(pthread_self(), "fsc_nccl_wd");
-    fsc_log_set_rank(c->rank);
-    pthread_mutex_lock(&c->lock);
-    while (!c->wd_stop && c->state == COMM_ALIVE) {
-        struct timespec abs;
-        clock_gettime(CLOCK_REALTIME, &abs);
-        abs.tv_nsec += WD_POLL_NS;
-        if (abs.tv_nsec >= 1000000000L) {
-            abs.tv_sec++;
-            abs.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&c->wd_cv, &c->lock, &abs);
-        if (!c->wd_stop && c->state == COMM_ALIVE && !atomic_load(&wd_exiting)) watchdog_check_locked(c);
-    }
-    pthread_mutex_unlock(&c->lock);
-    return NULL;
-}
-
-/* Stop and join the watchdog (idempotent), then release the events it still tracked. */
-static void watchdog_stop(fsc_nccl_comm_t *c) {
-    pthread_mutex_lock(&c->lock);
-    int started = c->wd_started;
-    c->wd_stop = 1;
-    c->wd_started = 0;
-    pthread_cond_broadcast(&c->wd_cv);
-    pthread_mutex_unlock(&c->lock);
-    if (started) pthread_join(c->wd_thread, NULL);
-    for (; c->pend_count > 0; c->pend_count--) {
-        fsc_gpu_event_destroy(c->device, c->pending[c->pend_head].ev);
-        c->pend_head = (c->pend_head + 1) % WD_MAX_PENDING;
-    }
 }
 
 fsc_status_t fsc_nccl_blocking_get(int *out) {
@@ -500,12 +277,12 @@ static void *blocking_init_main(void *arg) {
     nccl_result_t r = NCCL_INTERNAL_ERROR;
     fsc_gpu_ctx_t g;
     int entered = fsc_gpu_ctx_enter(b->device, &g) == FSC_OK;
-    if (entered && nccl.CommInitRankConfig != NULL) {
+    if (entered && fsc_nccl_api.CommInitRankConfig != NULL) {
         nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC,        NCCL_CONFIG_LAYOUT_VERSION, 1,
                              NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,      NULL};
-        r = nccl.CommInitRankConfig(&comm, b->nranks, b->uid, b->rank, &cfg);
+        r = fsc_nccl_api.CommInitRankConfig(&comm, b->nranks, b->uid, b->rank, &cfg);
     } else if (entered) {
-        r = nccl.CommInitRank(&comm, b->nranks, b->uid, b->rank);
+        r = fsc_nccl_api.CommInitRank(&comm, b->nranks, b->uid, b->rank);
     }
     pthread_mutex_lock(&b->mu);
     int abandoned = b->abandoned;
@@ -514,7 +291,7 @@ static void *blocking_init_main(void *arg) {
     b->comm = abandoned ? NULL : comm;
     pthread_cond_broadcast(&b->cv);
     blocking_init_release(b);
-    if (abandoned && comm != NULL) nccl.CommAbort(comm); /* its caller timed out and is gone */
+    if (abandoned && comm != NULL) fsc_nccl_api.CommAbort(comm); /* its caller timed out and is gone */
     if (entered) fsc_gpu_ctx_exit(&g);
     return NULL;
 }
@@ -587,7 +364,7 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     c->rank = rank;
     c->nranks = nranks;
     c->device = device;
-    c->blocking = blocking || nccl.CommInitRankConfig == NULL;
+    c->blocking = blocking || fsc_nccl_api.CommInitRankConfig == NULL;
     c->owner_pid = (int)getpid();
     c->op_timeout = timeout_s > 0 ? timeout_s : fsc_comm_timeout_s();
     c->pending = calloc(WD_MAX_PENDING, sizeof(pending_op_t));
@@ -596,12 +373,12 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
 
     double deadline = deadline_after(timeout_s);
     nccl_result_t r = NCCL_INTERNAL_ERROR;
-    if (nccl.CommInitRankConfig != NULL && !blocking) {
+    if (fsc_nccl_api.CommInitRankConfig != NULL && !blocking) {
         nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC,        NCCL_CONFIG_LAYOUT_VERSION, 0,
                              NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,      NULL};
-        r = nccl.CommInitRankConfig(&c->comm, nranks, uid, rank, &cfg);
+        r = fsc_nccl_api.CommInitRankConfig(&c->comm, nranks, uid, rank, &cfg);
     } else {
-        if (nccl.CommInitRankConfig == NULL)
+        if (fsc_nccl_api.CommInitRankConfig == NULL)
             FSC_INFO("nccl", "NCCL %d has no ncclCommInitRankConfig; using blocking ncclCommInitRank",
                      nccl_version_code);
         FSC_CHECK_GOTO(init_blocking(&uid, rank, nranks, device, deadline, &c->comm, &r), st, fail);
@@ -611,13 +388,7 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     st = settle_locked(c, r, "init", deadline, 1);
     pthread_mutex_unlock(&c->lock);
     if (st != FSC_OK) goto fail;
-    pthread_once(&wd_atexit_once, wd_register_atexit);
-    int rc = pthread_create(&c->wd_thread, NULL, watchdog_main, c);
-    if (rc != 0) {
-        st = fsc_error(FSC_ERR_SYSTEM, "nccl init: cannot start the watchdog thread: %s", strerror(rc));
-        goto fail;
-    }
-    c->wd_started = 1;
+    FSC_CHECK_GOTO(fsc_nccl_watchdog_start(c), st, fail);
     FSC_INFO("nccl", "rank %d of %d joined on cuda:%d (%s communicator)", rank, nranks, device,
              blocking ? "blocking" : "non-blocking");
     *out = c;
@@ -694,7 +465,7 @@ static fsc_status_t op_end(fsc_nccl_comm_t *c, fsc_comm_op_t op, nccl_result_t r
     if (st == FSC_OK) {
         c->last_op = op;
         c->nops++;
-        track_locked(c, op, stream);
+        fsc_nccl_track_locked(c, op, stream);
     }
     fsc_gpu_ctx_exit(g);
     pthread_mutex_unlock(&c->lock);
@@ -712,16 +483,20 @@ static fsc_status_t op_dtype(const fsc_nccl_op_t *o, int *dt) {
 static nccl_result_t issue_op(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, int dt, cuda_stream_h s) {
     fsc_tensor_t *t = o->tensor;
     switch (o->op) {
-        case FSC_OP_ALL_GATHER: return nccl.AllGather(o->input->data, t->data, (size_t)o->input->numel, dt, c->comm, s);
+        case FSC_OP_ALL_GATHER:
+            return fsc_nccl_api.AllGather(o->input->data, t->data, (size_t)o->input->numel, dt, c->comm, s);
         case FSC_OP_REDUCE_SCATTER:
-            return nccl.ReduceScatter(o->input->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), c->comm, s);
+            return fsc_nccl_api.ReduceScatter(o->input->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop),
+                                              c->comm, s);
         case FSC_OP_ALL_REDUCE:
-            return nccl.AllReduce(t->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), c->comm, s);
-        case FSC_OP_BROADCAST: return nccl.Broadcast(t->data, t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
+            return fsc_nccl_api.AllReduce(t->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), c->comm, s);
+        case FSC_OP_BROADCAST:
+            return fsc_nccl_api.Broadcast(t->data, t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
         case FSC_OP_REDUCE:
-            return nccl.Reduce(t->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), o->peer, c->comm, s);
-        case FSC_OP_SEND: return nccl.Send(t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
-        default: return nccl.Recv(t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
+            return fsc_nccl_api.Reduce(t->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), o->peer, c->comm,
+                                       s);
+        case FSC_OP_SEND: return fsc_nccl_api.Send(t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
+        default: return fsc_nccl_api.Recv(t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
     }
 }
 
@@ -742,7 +517,7 @@ static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t
     if (n == 0) return FSC_OK;
     fsc_comm_op_t last = ops[n - 1].op;
     FSC_CHECK(op_begin(c, last, &g));
-    nccl_result_t r = grouped ? nccl.GroupStart() : NCCL_OK;
+    nccl_result_t r = grouped ? fsc_nccl_api.GroupStart() : NCCL_OK;
     if (r == NCCL_OK) {
         nccl_result_t first = NCCL_OK;
         for (size_t i = 0; i < n; i++) {
@@ -751,7 +526,7 @@ static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t
             if (!grouped) r = ri;
         }
         if (grouped) {
-            r = nccl.GroupEnd(); /* always close the group, even after a failed call inside it */
+            r = fsc_nccl_api.GroupEnd(); /* always close the group, even after a failed call inside it */
             if (first != NCCL_OK) r = first;
         }
     }
@@ -829,24 +604,24 @@ fsc_status_t fsc_nccl_wait(fsc_nccl_comm_t *c, fsc_stream_t stream, double timeo
             st = dead_error(c, "wait");
         } else {
             nccl_result_t async = NCCL_OK;
-            nccl_result_t q = nccl.CommGetAsyncError(c->comm, &async);
+            nccl_result_t q = fsc_nccl_api.CommGetAsyncError(c->comm, &async);
             nccl_result_t r = q != NCCL_OK ? q : async;
             if (r != NCCL_OK && r != NCCL_IN_PROGRESS) {
                 char what[64];
                 snprintf(what, sizeof(what), "wait for %s #%llu", fsc_comm_op_name(last), (unsigned long long)nops);
-                st = fail_locked(c, r, what, 1);
+                st = fsc_nccl_fail_locked(c, r, what, 1);
             } else if (fsc_comm_now() > deadline) {
                 char msg[256];
                 snprintf(msg, sizeof(msg),
                          "nccl wait on rank %d of %d (cuda:%d): %s #%llu did not complete within %g s", c->rank,
                          c->nranks, c->device, fsc_comm_op_name(last), (unsigned long long)nops, timeout);
-                abort_locked(c, msg);
+                fsc_nccl_abort_locked(c, msg);
                 st = fsc_error(FSC_ERR_TIMEOUT, "%s; communicator aborted", msg);
             }
         }
         pthread_mutex_unlock(&c->lock);
         if (st != FSC_OK) goto exit;
-        backoff(since);
+        fsc_nccl_backoff(since);
     }
 exit:
     fsc_gpu_event_destroy(c->device, ev);
@@ -856,25 +631,8 @@ exit:
 fsc_status_t fsc_nccl_comm_abort(fsc_nccl_comm_t *c) {
     FSC_CHECK(check_owner(c, "abort"));
     pthread_mutex_lock(&c->lock);
-    abort_locked(c, "aborted by the user");
+    fsc_nccl_abort_locked(c, "aborted by the user");
     pthread_mutex_unlock(&c->lock);
-    return FSC_OK;
-}
-
-/* Under c->lock: wait until every tracked operation of `c` has completed, or abort it and return
- * FSC_ERR_TIMEOUT once `deadline` passes. */
-static fsc_status_t drain_locked(fsc_nccl_comm_t *c, double deadline) {
-    double since = fsc_comm_now();
-    for (reap_locked(c); c->pend_count > 0; reap_locked(c)) {
-        if (fsc_comm_now() > deadline) {
-            char msg[256];
-            snprintf(msg, sizeof(msg), "nccl destroy on rank %d of %d (cuda:%d): %zu operation(s) still running",
-                     c->rank, c->nranks, c->device, c->pend_count);
-            abort_locked(c, msg);
-            return fsc_error(FSC_ERR_TIMEOUT, "%s; communicator aborted", msg);
-        }
-        backoff(since);
-    }
     return FSC_OK;
 }
 
@@ -889,21 +647,21 @@ fsc_status_t fsc_nccl_comm_destroy(fsc_nccl_comm_t *c, double timeout_s) {
         /* A blocking finalize (and a destroy, which finalizes) waits for every peer without a
          * bound. Wait for this rank's own operations up to the deadline instead, then release the
          * communicator locally: ncclCommAbort frees its resources without talking to peers. */
-        FSC_CHECK_GOTO(drain_locked(c, deadline_after(timeout_s)), st, exit);
-        nccl.CommAbort(c->comm);
+        FSC_CHECK_GOTO(fsc_nccl_drain_locked(c, deadline_after(timeout_s)), st, exit);
+        fsc_nccl_api.CommAbort(c->comm);
         c->comm = NULL;
         c->state = COMM_DESTROYED;
         goto exit;
     }
-    if (nccl.CommFinalize != NULL)
-        FSC_CHECK_GOTO(settle_locked(c, nccl.CommFinalize(c->comm), "finalize", deadline_after(timeout_s), 1), st,
-                       exit);
-    nccl_result_t r = nccl.CommDestroy(c->comm);
+    if (fsc_nccl_api.CommFinalize != NULL)
+        FSC_CHECK_GOTO(settle_locked(c, fsc_nccl_api.CommFinalize(c->comm), "finalize", deadline_after(timeout_s), 1),
+                       st, exit);
+    nccl_result_t r = fsc_nccl_api.CommDestroy(c->comm);
     c->comm = NULL;
     c->state = COMM_DESTROYED;
     if (r != NCCL_OK)
         st = fsc_error(FSC_ERR_COMM, "nccl destroy on rank %d of %d failed: %s", c->rank, c->nranks,
-                       nccl.GetErrorString(r));
+                       fsc_nccl_api.GetErrorString(r));
 exit:
     fsc_gpu_ctx_exit(&g);
 unlock:
@@ -918,9 +676,9 @@ void fsc_nccl_comm_free(fsc_nccl_comm_t *c) {
         free(c);
         return;
     }
-    watchdog_stop(c);
+    fsc_nccl_watchdog_stop(c);
     pthread_mutex_lock(&c->lock);
-    if (c->comm != NULL) abort_locked(c, "released without destroy()");
+    if (c->comm != NULL) fsc_nccl_abort_locked(c, "released without destroy()");
     pthread_mutex_unlock(&c->lock);
     pthread_cond_destroy(&c->wd_cv);
     pthread_mutex_destroy(&c->lock);
