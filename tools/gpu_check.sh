@@ -11,7 +11,9 @@
 # (with one GPU, --world 2 needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment).
 # MPS=1 runs every step under an MPS server started here and stopped at the end (needs root): ranks
 # sharing a GPU then run their kernels at the same time instead of time-slicing the GPU, which is
-# what makes one-GPU collective and world-2 timings mean something (docs/gpu.md, 2026-11-25).
+# what makes one-GPU collective and world-2 timings mean something (docs/gpu.md, 2026-11-25). Run
+# the tests step without it: world-2 FSDP tests build two NCCL communicators per rank, which
+# deadlocked under MPS with the ranks sharing a GPU.
 set -u
 LOG=${1:?usage: tools/gpu_check.sh LOGDIR [STEP...]}
 shift
