@@ -365,6 +365,14 @@ def _nccl_worker(rank, size, devices, env, q, results, scenario):
 
         dev = devices[rank]
         torch.cuda.set_device(dev)
+        if scenario == "absent_at_init":  # rank 1 never joins: rank 0's init must give up, not hang
+            if rank == 0:
+                start = time.monotonic()
+                join = lambda: NcclBackend(rank, size, _make_exchange(rank, size, q), device=dev, timeout=5)  # noqa: E731
+                _expect(join, DistributedError, "init")
+                assert time.monotonic() - start < 60, f"init gave up after {time.monotonic() - start:.0f} s"
+            results.put((rank, "ok"))
+            return
         timeout = 5 if scenario == "watchdog" else 120
         be = NcclBackend(rank, size, _make_exchange(rank, size, q), device=dev, timeout=timeout)
         assert be.rank == rank and be.size == size and be.version > 0
@@ -408,8 +416,9 @@ def _nccl_worker(rank, size, devices, env, q, results, scenario):
         results.put((rank, traceback.format_exc()))
 
 
-def _run_ranks(scenario):
+def _run_ranks(scenario, blocking="0"):
     devices, env = _nccl_devices()
+    env = dict(env, FAIRSCALE_C_NCCL_BLOCKING=blocking)
     ctx = torch.multiprocessing.get_context("spawn")
     q, results = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_nccl_worker, args=(r, 2, devices, env, q, results, scenario)) for r in range(2)]
@@ -430,8 +439,18 @@ def _run_ranks(scenario):
 
 @gpu
 @needs_cuda
-def test_nccl_two_rank_collectives():
-    _run_ranks("collectives")
+@pytest.mark.parametrize("blocking", ["0", "1"], ids=["non_blocking", "blocking"])
+def test_nccl_two_rank_collectives(blocking):
+    _run_ranks("collectives", blocking)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("blocking", ["0", "1"], ids=["non_blocking", "blocking"])
+def test_nccl_init_gives_up_when_a_peer_never_joins(blocking):
+    """Both communicator modes bound the init by the timeout (a blocking init runs on a thread of
+    its own that the caller stops waiting for)."""
+    _run_ranks("absent_at_init", blocking)
 
 
 @gpu
