@@ -298,9 +298,10 @@ static void *blocking_init_main(void *arg) {
 
 /* Join as a blocking communicator (config.blocking = 1, or ncclCommInitRank where the library has
  * no config) on a thread of its own; store the result of NCCL's call in *r and the communicator
- * in *comm. FSC_ERR_TIMEOUT when `deadline` passes first (the thread is left to finish). */
-static fsc_status_t init_blocking(const nccl_unique_id_t *uid, int rank, int nranks, int device, double deadline,
+ * in *comm. FSC_ERR_TIMEOUT when `timeout_s` passes first (the thread is left to finish). */
+static fsc_status_t init_blocking(const nccl_unique_id_t *uid, int rank, int nranks, int device, double timeout_s,
                                   nccl_comm_h *comm, nccl_result_t *r) {
+    double deadline = fsc_comm_now() + timeout_s;
     blocking_init_t *b = calloc(1, sizeof(*b));
     if (b == NULL) return fsc_error(FSC_ERR_NOMEM, "nccl init: out of memory");
     pthread_condattr_t ca;
@@ -328,7 +329,9 @@ static fsc_status_t init_blocking(const nccl_unique_id_t *uid, int rank, int nra
     until.tv_nsec = (long)((deadline - (double)until.tv_sec) * 1e9);
     if (until.tv_nsec >= 1000000000L) until.tv_nsec = 999999999L;
     pthread_mutex_lock(&b->mu);
-    while (!b->done && pthread_cond_timedwait(&b->cv, &b->mu, &until) != ETIMEDOUT) {
+    while (!b->done) {
+        int e = pthread_cond_timedwait(&b->cv, &b->mu, &until);
+        if (e != 0 && e != EINTR) break; /* ETIMEDOUT, or a wait that cannot work: stop waiting */
     }
     fsc_status_t st = FSC_OK;
     if (b->done) {
@@ -338,8 +341,8 @@ static fsc_status_t init_blocking(const nccl_unique_id_t *uid, int rank, int nra
         b->abandoned = 1;
         st = fsc_error(FSC_ERR_TIMEOUT,
                        "nccl init on rank %d of %d (cuda:%d): not every rank joined the blocking communicator "
-                       "within FAIRSCALE_C_TIMEOUT=%g s (FAIRSCALE_C_NCCL_BLOCKING=1)",
-                       rank, nranks, device, fsc_comm_timeout_s());
+                       "within %g s (the timeout; FAIRSCALE_C_TIMEOUT by default)",
+                       rank, nranks, device, timeout_s);
     }
     blocking_init_release(b);
     return st;
@@ -381,7 +384,8 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
         if (fsc_nccl_api.CommInitRankConfig == NULL)
             FSC_INFO("nccl", "NCCL %d has no ncclCommInitRankConfig; using blocking ncclCommInitRank",
                      nccl_version_code);
-        FSC_CHECK_GOTO(init_blocking(&uid, rank, nranks, device, deadline, &c->comm, &r), st, fail);
+        double timeout = timeout_s > 0 ? timeout_s : fsc_comm_timeout_s();
+        FSC_CHECK_GOTO(init_blocking(&uid, rank, nranks, device, timeout, &c->comm, &r), st, fail);
     }
     if (r == NCCL_IN_PROGRESS && c->comm == NULL) r = NCCL_INTERNAL_ERROR; /* no handle to poll */
     pthread_mutex_lock(&c->lock);
