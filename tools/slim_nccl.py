@@ -76,8 +76,7 @@ def main(argv=None) -> int:
     with open(args.src, "rb") as f:
         data = bytearray(f.read())
     sections = elf_sections(bytes(data))
-    missing = [name for name in SECTIONS if name not in sections]
-    if len(missing) == len(SECTIONS):
+    if not any(name in sections for name in SECTIONS):
         print(f"{args.src}: no {' or '.join(SECTIONS)} section", file=sys.stderr)
         return 1
     for name in SECTIONS:

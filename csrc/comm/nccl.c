@@ -165,8 +165,7 @@ static double deadline_after(double timeout_s) {
 /* Poll pacing for a wait that began at `since` (fsc_comm_now()): yield for its first
  * millisecond, so that an enqueue NCCL finishes on its own thread, or a short collective, is
  * seen within microseconds instead of at the end of a sleep; then sleep 50 us per poll. Time-
- * based rather than a poll count: a yield returns at once on an idle core, so 200 of them
- * lasted well under the time NCCL takes to submit. */
+ * based rather than a poll count, since a yield returns at once on an idle core. */
 void fsc_nccl_backoff(double since) {
     if (fsc_comm_now() - since < 1e-3) {
         sched_yield();
@@ -245,6 +244,13 @@ fsc_status_t fsc_nccl_blocking_get(int *out) {
     return fsc_error(FSC_ERR_VALUE, "FAIRSCALE_C_NCCL_BLOCKING='%.64s': expected 0 (default) or 1", s);
 }
 
+/* A communicator config with NCCL's defaults but for `blocking`. */
+static nccl_config_t config_of(int blocking) {
+    nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC,        NCCL_CONFIG_LAYOUT_VERSION, blocking,
+                         NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,      NULL};
+    return cfg;
+}
+
 /* ---- blocking init ------------------------------------------------------------------------
  * A blocking NCCL init returns only once every rank has joined, and hands out no communicator to
  * abort before then. It therefore runs on a thread of its own while the caller waits up to the
@@ -278,8 +284,7 @@ static void *blocking_init_main(void *arg) {
     fsc_gpu_ctx_t g;
     int entered = fsc_gpu_ctx_enter(b->device, &g) == FSC_OK;
     if (entered && fsc_nccl_api.CommInitRankConfig != NULL) {
-        nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC,        NCCL_CONFIG_LAYOUT_VERSION, 1,
-                             NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,      NULL};
+        nccl_config_t cfg = config_of(1);
         r = fsc_nccl_api.CommInitRankConfig(&comm, b->nranks, b->uid, b->rank, &cfg);
     } else if (entered) {
         r = fsc_nccl_api.CommInitRank(&comm, b->nranks, b->uid, b->rank);
@@ -374,18 +379,16 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     if (c->pending == NULL) FSC_CHECK_GOTO(fsc_error(FSC_ERR_NOMEM, "nccl init: out of memory"), st, fail);
     memcpy(uid.internal, id, FSC_NCCL_UNIQUE_ID_BYTES);
 
-    double deadline = deadline_after(timeout_s);
+    double deadline = fsc_comm_now() + c->op_timeout;
     nccl_result_t r = NCCL_INTERNAL_ERROR;
     if (fsc_nccl_api.CommInitRankConfig != NULL && !blocking) {
-        nccl_config_t cfg = {sizeof(nccl_config_t), NCCL_API_MAGIC,        NCCL_CONFIG_LAYOUT_VERSION, 0,
-                             NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,      NULL};
+        nccl_config_t cfg = config_of(0);
         r = fsc_nccl_api.CommInitRankConfig(&c->comm, nranks, uid, rank, &cfg);
     } else {
         if (fsc_nccl_api.CommInitRankConfig == NULL)
             FSC_INFO("nccl", "NCCL %d has no ncclCommInitRankConfig; using blocking ncclCommInitRank",
                      nccl_version_code);
-        double timeout = timeout_s > 0 ? timeout_s : fsc_comm_timeout_s();
-        FSC_CHECK_GOTO(init_blocking(&uid, rank, nranks, device, timeout, &c->comm, &r), st, fail);
+        FSC_CHECK_GOTO(init_blocking(&uid, rank, nranks, device, c->op_timeout, &c->comm, &r), st, fail);
     }
     if (r == NCCL_IN_PROGRESS && c->comm == NULL) r = NCCL_INTERNAL_ERROR; /* no handle to poll */
     pthread_mutex_lock(&c->lock);
@@ -394,7 +397,7 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     if (st != FSC_OK) goto fail;
     FSC_CHECK_GOTO(fsc_nccl_watchdog_start(c), st, fail);
     FSC_INFO("nccl", "rank %d of %d joined on cuda:%d (%s communicator)", rank, nranks, device,
-             blocking ? "blocking" : "non-blocking");
+             c->blocking ? "blocking" : "non-blocking");
     *out = c;
     goto exit;
 fail:

@@ -271,7 +271,7 @@ class FullyShardedDataParallel(nn.Module):
         group of their own over the same ranks, ProcessGroupName.default or None reuses
         process_group, and a group whose ranks differ from process_group's falls back to it.
         Beyond FairScale: where ranks share a GPU (fdist.ranks_share_gpus()) the default reuses
-        process_group too, with a warning, since two NCCL communicators per rank deadlocked there."""
+        process_group too, with a warning: two NCCL communicators per rank can deadlock there."""
         import torch.distributed as dist
 
         if isinstance(pg, str) and not isinstance(pg, ProcessGroupName):
