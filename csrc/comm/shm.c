@@ -57,6 +57,14 @@ static size_t chunk_from_env(void) {
     return round_up((size_t)v, FSC_SHM_MIN_CHUNK);
 }
 
+/* CPUs this process may run on (its affinity mask; the online count when that cannot be read). */
+static int cpus_available(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
 /* Bytes per pipeline step of all_gather, broadcast and reduce (the creator's rule; attachers check
  * that it is chunk or chunk / 4). A quarter of the slot per step lets the readers of step k work
  * while the writer fills step k + 1 within a chunk-sized op; but each step is a barrier, and ranks
@@ -64,9 +72,7 @@ static size_t chunk_from_env(void) {
  * may run on at least as many CPUs as the group has ranks (measurements: docs/benchmarks.md, "Why
  * these settings"). */
 static size_t piece_for(size_t chunk, int size) {
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) != 0) return chunk;
-    return CPU_COUNT(&set) >= size ? chunk / 4 : chunk;
+    return cpus_available() >= size ? chunk / 4 : chunk;
 }
 
 /* Bytes per send/recv buffer for a given slot chunk (the creator's rule; attachers check it). */
@@ -140,12 +146,12 @@ static fsc_status_t wait_failed(fsc_shm_group_t *g, int peer, int dead) {
 
 fsc_status_t fsc_shm_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, _Atomic uint32_t *word,
                              _Atomic uint32_t *sleepers, uint32_t seen, int peer) {
-    if (b->spins < FSC_SHM_SPINS) {
+    if (b->spins < g->spins) {
         b->spins++;
         cpu_relax();
         return FSC_OK;
     }
-    if (b->yields < FSC_SHM_YIELDS) {
+    if (b->yields < g->yields) {
         b->yields++;
         sched_yield();
         return FSC_OK;
@@ -397,6 +403,16 @@ exit:
     return st;
 }
 
+/* A waiter spins and yields before it sleeps only when every rank of the group can have a CPU of
+ * its own. With more ranks than CPUs the awaited peer is most likely waiting for this CPU, and
+ * spinning only delays it: there the waiter sleeps at once (measurements: docs/benchmarks.md,
+ * "Why these settings"). */
+static void wait_budget(fsc_shm_group_t *g) {
+    int own = cpus_available() >= g->size;
+    g->spins = own ? FSC_SHM_SPINS : 0;
+    g->yields = own ? FSC_SHM_YIELDS : 0;
+}
+
 static fsc_status_t init_or_check(fsc_shm_group_t *g, int create) {
     fsc_shm_seg_t l;
     memset(&l, 0, sizeof(l));
@@ -411,6 +427,7 @@ static fsc_status_t init_or_check(fsc_shm_group_t *g, int create) {
         FSC_CHECK(check_layout(g, &l));
     }
     use_layout(g, &l);
+    wait_budget(g);
     return FSC_OK;
 }
 

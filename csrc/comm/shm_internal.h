@@ -92,6 +92,7 @@ struct fsc_shm_group {
     fsc_shm_rank_ctrl_t *ranks;
     fsc_shm_chan_t *chans; /* [src * size + dst] */
     size_t chunk, p2p_chunk, piece;
+    int spins, yields; /* a waiter's pause and sched_yield budget before it sleeps (shm.c, wait_budget) */
     /* private copies of the segment's offsets, validated once at attach: a peer that rewrites
      * the header afterwards cannot move this rank's reads and writes */
     size_t off_slots, off_result, off_p2p;
