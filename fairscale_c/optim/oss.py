@@ -30,6 +30,7 @@ from torch.optim import SGD, Optimizer
 
 from fairscale_c import distributed as fdist
 
+from ._blocked import stepped_in_blocks
 from ._oss_state import copy_state, merge_shards, pack, to_cpu, unpack
 
 __all__ = ["OSS"]
@@ -310,7 +311,8 @@ class OSS(Optimizer):
             self._device_params = {}  # owners stay; only the device grouping and buffers are rebuilt
             self.refresh_trainable()
         early = self._receive_early() if closure is None else None
-        loss = self.optim.step(closure=closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
+        with stepped_in_blocks(self.optim):
+            loss = self.optim.step(closure=closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
         self._broadcast_params(early)
         OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
