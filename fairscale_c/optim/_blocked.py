@@ -22,14 +22,14 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
+from ._oss_state import PER_ELEMENT_STATE
+
 # Parameters with at least this many elements are stepped in blocks of _BLOCK elements: 64K float32
 # elements are 256 KiB per tensor, so a block's parameter, gradient and two state tensors fit in a
 # 1 MiB L2 cache.
 _MIN_ELEMENTS = 1 << 20
 _BLOCK = 1 << 16
 _CLASSES = (SGD, Adam, AdamW)
-# State entries that are per element (sliced per block); every other entry must be a scalar.
-_PER_ELEMENT = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def _group_eligible(group: dict) -> bool:
@@ -51,7 +51,7 @@ def _param_eligible(optim: Optimizer, group: dict, p: torch.Tensor) -> bool:
     if not state or "step" not in state:
         return False
     for key, value in state.items():
-        if key in _PER_ELEMENT:
+        if key in PER_ELEMENT_STATE:
             if not (torch.is_tensor(value) and value.shape == p.shape and value.is_contiguous()):
                 return False
         elif torch.is_tensor(value) and value.numel() != 1:
@@ -70,7 +70,7 @@ def _blocks(optim: Optimizer, p: torch.Tensor) -> List[torch.Tensor]:
         v = flat[lo:hi]
         v.grad = grad[lo:hi]
         optim.state[v] = {
-            k: (s.view(-1)[lo:hi] if k in _PER_ELEMENT else s.clone() if torch.is_tensor(s) else s)
+            k: (s.view(-1)[lo:hi] if k in PER_ELEMENT_STATE else s.clone() if torch.is_tensor(s) else s)
             for k, s in state.items()
         }
         out.append(v)
@@ -104,7 +104,7 @@ def stepped_in_blocks(optim: Optimizer) -> Iterator[None]:
             if state is None:
                 continue
             for key, value in state.items():  # scalars advance alike in every block: take the first's
-                if key not in _PER_ELEMENT and torch.is_tensor(value):
+                if key not in PER_ELEMENT_STATE and torch.is_tensor(value):
                     value.copy_(optim.state[views[0]][key])
     finally:
         for group, params in swapped:
@@ -112,4 +112,3 @@ def stepped_in_blocks(optim: Optimizer) -> Iterator[None]:
         for views in blocks.values():
             for v in views:
                 optim.state.pop(v, None)
-                v.grad = None

@@ -10,6 +10,9 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 
 ALIGN = 64  # bytes: alignment of each tensor inside a packed state shard
+# State entries of torch's optimizers that have the parameter's shape (checked when loading,
+# sliced when stepping in blocks).
+PER_ELEMENT_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum")
 
 
 def map_tensors(value: Any, fn: Callable[[Any], Any], leaf: Callable[[Any], bool] = torch.is_tensor) -> Any:

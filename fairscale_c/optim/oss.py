@@ -31,7 +31,7 @@ from torch.optim import SGD, Optimizer
 from fairscale_c import distributed as fdist
 
 from ._blocked import stepped_in_blocks
-from ._oss_state import copy_state, merge_shards, pack, to_cpu, unpack
+from ._oss_state import PER_ELEMENT_STATE, copy_state, merge_shards, pack, to_cpu, unpack
 
 __all__ = ["OSS"]
 
@@ -40,8 +40,6 @@ _log = logging.getLogger(__name__)
 # Padding an all-gather's blocks to the largest rank's block is accepted when it adds at most this
 # fraction of the buffer's real size; otherwise each rank's block is broadcast from its owner.
 _MAX_GATHER_PADDING = 1 / 16
-# State entries of torch's optimizers that have the parameter's shape (checked when loading).
-_PER_ELEMENT_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum")
 
 
 @dataclass
@@ -537,7 +535,7 @@ class OSS(Optimizer):
             if p is None:
                 raise ValueError(f"OSS.load_state_dict: state key {key!r} names no parameter of its param_groups")
             for name, v in value.items() if isinstance(value, dict) else ():
-                if name in _PER_ELEMENT_STATE and torch.is_tensor(v) and v.shape != p.shape:
+                if name in PER_ELEMENT_STATE and torch.is_tensor(v) and v.shape != p.shape:
                     raise ValueError(
                         f"OSS.load_state_dict: state '{name}' of parameter {key} has shape {tuple(v.shape)}, but "
                         f"that parameter has shape {tuple(p.shape)} (a state dict of another model?)"
