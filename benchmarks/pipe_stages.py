@@ -35,7 +35,12 @@ Reported per configuration:
   * bubble per stage: 1 - (forward + backward compute time) / step time, with compute timed the
     same way for both frameworks (the module's forward; backward from the gradient reaching the
     stage's output to the last parameter gradient accumulated), against the ideal
-    (p - 1) / (m + p - 1), and (p - 1) / (2m + p - 1) for the interleaved schedules.
+    (p - 1) / (m + p - 1), and (p - 1) / (2m + p - 1) for the interleaved schedules;
+  * critical path: the step's length if every message cost nothing, each rank running the
+    schedule's actions in order at the measured speed of its compute (per rank: forward, the
+    loss's forward, backward, optimizer step; the faster framework's median over rounds; the loss's
+    backward and zero_grad are left out, so it is a lower bound). torch's step over it is the most
+    any framework running this schedule could be ahead of torch on this machine at that moment.
 
 Targets (printed as verdict lines): throughput >= 1.2x torch.distributed.pipelining's with the same
 schedule; fairscale_c's 1F1B peak activation memory <= its GPipe's at equal throughput (+-5%; a
@@ -165,6 +170,7 @@ class Meter:
         self.params: List[torch.Tensor] = []
         self.tracker: Optional[_Tracker] = None
         self.fwd_s = self.bwd_s = 0.0
+        self.other_s: Dict[str, float] = {"loss": 0.0, "opt": 0.0}  # the loss's forward, optimizer.step
         self._bwd_open: Optional[Any] = None
         self._last_grad: Any = 0.0
         self.cuda = cuda
@@ -183,6 +189,13 @@ class Meter:
             self._intervals.append(("fwd", start, self.mark()))
         else:
             self.fwd_s += time.perf_counter() - start
+
+    def add(self, kind: str, start: Any) -> None:
+        """An interval of `kind` ("loss" or "opt") from `start` to now."""
+        if self.cuda:
+            self._intervals.append((kind, start, self.mark()))
+        else:
+            self.other_s[kind] += time.perf_counter() - start
 
     def watch(self, module: torch.nn.Module) -> None:
         for p in module.parameters():
@@ -214,14 +227,17 @@ class Meter:
             seconds = start.elapsed_time(end) / 1e3
             if kind == "fwd":
                 self.fwd_s += seconds
-            else:
+            elif kind == "bwd":
                 self.bwd_s += seconds
+            else:
+                self.other_s[kind] += seconds
         self._intervals = []
 
     def reset(self, track: bool) -> None:
         self.flush()
         self._intervals = []
         self.fwd_s = self.bwd_s = 0.0
+        self.other_s = {"loss": 0.0, "opt": 0.0}
         self.tracker = _Tracker({p.untyped_storage().data_ptr() for p in self.params}) if track else None
 
 
@@ -280,6 +296,17 @@ def rank_setup(state: RankState, cfg_dict: Dict[str, Any]) -> None:
     meters = {"plain": Meter(cuda), "interleaved": Meter(cuda)}
     probe = Probe(_stage_modules(cfg, rank, 1, dev)[0], meters["plain"])
     probes = [Probe(mod, meters["interleaved"]) for mod in _stage_modules(cfg, rank, INTERLEAVE, dev)]
+
+    def timed_loss(meter: Meter) -> Any:
+        def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            t0 = meter.mark()
+            value = F.mse_loss(out, target)
+            meter.add("loss", t0)
+            return value
+
+        return loss
+
+    mse, mse_i = timed_loss(meters["plain"]), timed_loss(meters["interleaved"])
     g = torch.Generator().manual_seed(cfg.seed + 1)
     x, y = torch.randn(cfg.batch, cfg.d, generator=g), torch.randn(cfg.batch, cfg.d, generator=g)
     if cuda:
@@ -290,27 +317,70 @@ def rank_setup(state: RankState, cfg_dict: Dict[str, Any]) -> None:
         for name in ("gpipe", "1f1b"):
             ours = {"gpipe": fpp.ScheduleGPipe, "1f1b": fpp.Schedule1F1B}[name]
             theirs = {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[name]
-            scheds[("fairscale_c", name, m)] = ours(fpp.PipelineStage(probe, rank, STAGES), m, F.mse_loss)
+            scheds[("fairscale_c", name, m)] = ours(fpp.PipelineStage(probe, rank, STAGES), m, mse)
             tstage = tpp.PipelineStage(probe, rank, STAGES, dev, input_args=(sample,))
-            scheds[("torch", name, m)] = theirs(tstage, m, loss_fn=F.mse_loss)
+            scheds[("torch", name, m)] = theirs(tstage, m, loss_fn=mse)
         n, ks = STAGES * INTERLEAVE, range(rank, STAGES * INTERLEAVE, STAGES)
         ours_i = [fpp.PipelineStage(pr, k, n) for pr, k in zip(probes, ks)]
-        scheds[("fairscale_c", "interleaved", m)] = fpp.ScheduleInterleaved1F1B(ours_i, m, F.mse_loss)
+        scheds[("fairscale_c", "interleaved", m)] = fpp.ScheduleInterleaved1F1B(ours_i, m, mse_i)
         theirs_i = [tpp.PipelineStage(pr, k, n, dev, input_args=(sample,)) for pr, k in zip(probes, ks)]
-        scheds[("torch", "interleaved", m)] = tpp.ScheduleInterleaved1F1B(theirs_i, m, loss_fn=F.mse_loss)
+        scheds[("torch", "interleaved", m)] = tpp.ScheduleInterleaved1F1B(theirs_i, m, loss_fn=mse_i)
     params = list(probe.parameters()) + [p for pr in probes for p in pr.parameters()]
     opt = torch.optim.SGD(params, lr=cfg.lr)
     state.case = {"cfg": cfg, "meters": meters, "x": x, "y": y, "scheds": scheds, "opt": opt}
 
 
-def _one_step(state: RankState, sched: Any, losses: Optional[list] = None) -> None:
+def _one_step(state: RankState, sched: Any, meter: Optional[Meter] = None) -> None:
     c = state.case
     c["opt"].zero_grad(set_to_none=True)
     if state.rank == 0:
         sched.step(c["x"])
     else:
-        sched.step(target=c["y"], losses=losses if losses is not None else [])
+        sched.step(target=c["y"], losses=[])
+    t0 = meter.mark() if meter is not None else None
     c["opt"].step()
+    if meter is not None:
+        meter.add("opt", t0)
+
+
+def schedule_orders(state: RankState) -> Dict[str, List[tuple]]:
+    """Rank command: this rank's actions in fairscale_c's order for each schedule and micro-batch
+    count, as (kind, micro-batch, global stage index)."""
+    out = {}
+    for (fw, name, m), sched in state.case["scheds"].items():
+        if fw == "fairscale_c":
+            stages = [st.stage_index for st in sched.stages]
+            out[f"{name}/{m}"] = [(a.kind, a.mb, stages[a.stage]) for a in sched.order()]
+    return out
+
+
+def critical_path(orders: List[List[tuple]], action_s: List[Dict[str, float]], n_stages: int) -> float:
+    """The step's length if every message cost nothing: each rank runs its actions in `orders`
+    order, a forward once the previous stage's forward of that micro-batch is done, a backward once
+    the next stage's backward of it is; then its optimizer step. action_s[r]: rank r's seconds per
+    forward ("fwd", on the last stage plus "loss"), per backward ("bwd") and per step ("opt")."""
+    done: Dict[tuple, float] = {}
+    nxt, free = [0] * len(orders), [0.0] * len(orders)
+    while any(i < len(o) for i, o in zip(nxt, orders)):
+        moved = False
+        for r, order in enumerate(orders):
+            while nxt[r] < len(order):
+                kind, mb, s = order[nxt[r]]
+                dep = None
+                if kind == "F" and s > 0:
+                    dep = ("F", s - 1, mb)
+                elif kind == "B" and s < n_stages - 1:
+                    dep = ("B", s + 1, mb)
+                if dep is not None and dep not in done:
+                    break
+                cost = action_s[r]["fwd"] + (action_s[r]["loss"] if s == n_stages - 1 else 0.0)
+                start = max(free[r], done[dep] if dep is not None else 0.0)
+                free[r] = done[(kind, s, mb)] = start + (cost if kind == "F" else action_s[r]["bwd"])
+                nxt[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("critical_path: the ranks' orders wait on each other")
+    return max(f + a["opt"] for f, a in zip(free, action_s))
 
 
 def run_case(state: RankState, framework: str, schedule: str, m: int, steps: int, track: bool) -> Dict[str, float]:
@@ -331,7 +401,7 @@ def run_case(state: RankState, framework: str, schedule: str, m: int, steps: int
     state.group.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
-        _one_step(state, sched)
+        _one_step(state, sched, meter)
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
@@ -339,6 +409,7 @@ def run_case(state: RankState, framework: str, schedule: str, m: int, steps: int
     if cuda:
         meter.collect()
     out = {"elapsed_s": elapsed, "fwd_s": meter.fwd_s, "bwd_s": meter.bwd_s, "peak_bytes": 0}
+    out.update({f"{k}_s": v for k, v in meter.other_s.items()})
     if meter.tracker is not None:
         out["peak_bytes"] = meter.tracker.peak
         if cuda:
@@ -384,6 +455,8 @@ def _run_case_timed(pool: RankPool, fw: str, name: str, m: int, steps: int, trac
     step_s = max(r["elapsed_s"] for r in res) / steps
     bubbles = [1.0 - (r["fwd_s"] + r["bwd_s"]) / r["elapsed_s"] for r in res]
     out = {"step_s": step_s, "bubble": bubbles, "peak_bytes": [r["peak_bytes"] for r in res]}
+    # per rank and step: seconds of forward, backward, loss and optimizer step
+    out["compute"] = [{k: r[f"{k}_s"] / steps for k in ("fwd", "bwd", "loss", "opt")} for r in res]
     if "cuda_peak_bytes" in res[0]:
         out["cuda_peak_bytes"] = [r["cuda_peak_bytes"] for r in res]
     return out
@@ -398,15 +471,32 @@ def run(cfg: Config, device: str = "cpu") -> Dict[str, Any]:
             pool.run(run_case, *key, cfg.warmup, False)
         times: Dict[tuple, List[float]] = {k: [] for k in keys}
         bubbles: Dict[tuple, List[List[float]]] = {k: [] for k in keys}
+        compute: Dict[tuple, List[List[Dict[str, float]]]] = {k: [] for k in keys}
         for r in range(cfg.rounds):
             order = keys if r % 2 == 0 else list(reversed(keys))
             for key in order:
                 res = _run_case_timed(pool, *key, cfg.steps, False)
                 times[key].append(res["step_s"])
                 bubbles[key].append(res["bubble"])
+                compute[key].append(res["compute"])
         mem = {k: _run_case_timed(pool, *k, cfg.memory_steps, True) for k in keys}
         peaks = {k: v["peak_bytes"] for k, v in mem.items()}
         check = pool.run(check_losses, cfg.microbatches[0])[STAGES - 1]
+        orders = pool.run(schedule_orders)
+    floors = {}
+    for name in SCHEDULES:
+        for m in cfg.microbatches:
+            # per rank and kind of work: the faster framework's median over rounds, per action
+            v = INTERLEAVE if name == "interleaved" else 1
+            per_action = []
+            for r in range(STAGES):
+                med = {
+                    k: min(statistics.median(c[r][k] for c in compute[(fw, name, m)]) for fw in FRAMEWORKS)
+                    for k in ("fwd", "bwd", "loss", "opt")
+                }
+                per_mb = {"fwd": med["fwd"] / (m * v), "bwd": med["bwd"] / (m * v), "loss": med["loss"] / m}
+                per_action.append({**per_mb, "opt": med["opt"]})
+            floors[(name, m)] = critical_path([o[f"{name}/{m}"] for o in orders], per_action, STAGES * v)
     for key in keys:
         fw, name, m = key
         step_s = statistics.median(times[key])
@@ -423,6 +513,7 @@ def run(cfg: Config, device: str = "cpu") -> Dict[str, Any]:
             "bubble_mean": statistics.mean(per_stage_bubble),
             "bubble_ideal": (STAGES - 1) / (m * (INTERLEAVE if name == "interleaved" else 1) + STAGES - 1),
             "peak_activation_bytes_per_stage": peaks[key],
+            "critical_path_s": floors[(name, m)],
         }
         if "cuda_peak_bytes" in mem[key]:
             rows[key]["cuda_peak_bytes_per_stage"] = mem[key]["cuda_peak_bytes"]
@@ -448,9 +539,10 @@ def report(result: Dict[str, Any], cfg: Config) -> List[str]:
     cuda_mem = all("cuda_peak_bytes_per_stage" in r for r in result["rows"])
     lines = [
         "| schedule | m | fairscale_c samples/s | torch samples/s | ratio | fairscale_c peak act. MiB (stage 0 / 1) "
-        "| torch peak act. MiB (stage 0 / 1) | bubble fairscale_c (s0 / s1) | bubble torch (s0 / s1) | ideal |"
+        "| torch peak act. MiB (stage 0 / 1) | bubble fairscale_c (s0 / s1) | bubble torch (s0 / s1) | ideal "
+        "| critical path ms | fairscale_c step ÷ path | torch step ÷ path |"
         + (" fairscale_c CUDA peak MiB (s0 / s1) | torch CUDA peak MiB (s0 / s1) |" if cuda_mem else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda_mem else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda_mem else ""),
     ]
     verdicts = []
     for name in SCHEDULES:
@@ -463,14 +555,24 @@ def report(result: Dict[str, Any], cfg: Config) -> List[str]:
             if cuda_mem:
                 ca, cb = a["cuda_peak_bytes_per_stage"], b["cuda_peak_bytes_per_stage"]
                 extra = f" {_mib(ca[0])} / {_mib(ca[1])} | {_mib(cb[0])} / {_mib(cb[1])} |"
+            path = a.get("critical_path_s")  # absent from results saved before it was measured
+            floor = (
+                f"| {path * 1e3:.1f} | {a['step_s'] / path:.3f} | {b['step_s'] / path:.3f} " if path else "| – | – | – "
+            )
             lines.append(
                 f"| {name} | {m} | {a['samples_per_s']:.0f} | {b['samples_per_s']:.0f} | {ratio:.2f} "
                 f"| {_mib(pa[0])} / {_mib(pa[1])} | {_mib(pb[0])} / {_mib(pb[1])} "
-                f"| {ba[0]:.2f} / {ba[1]:.2f} | {bb[0]:.2f} / {bb[1]:.2f} | {a['bubble_ideal']:.2f} |" + extra
+                f"| {ba[0]:.2f} / {ba[1]:.2f} | {bb[0]:.2f} / {bb[1]:.2f} | {a['bubble_ideal']:.2f} {floor}|" + extra
+            )
+            reach = (
+                f"; with free messages at most {b['step_s'] / path:.2f}x (torch's step over the critical path; "
+                f"ours is {a['step_s'] / path:.2f}x the path)"
+                if path
+                else ""
             )
             verdicts.append(
                 f"{'MET   ' if ratio >= TARGET_THROUGHPUT_RATIO else 'MISSED'} throughput {name} m={m}: "
-                f"{ratio:.2f}x torch.distributed.pipelining (target >= {TARGET_THROUGHPUT_RATIO}x)"
+                f"{ratio:.2f}x torch.distributed.pipelining (target >= {TARGET_THROUGHPUT_RATIO}x){reach}"
             )
     for m in cfg.microbatches:
         g, o = rows[("fairscale_c", "gpipe", m)], rows[("fairscale_c", "1f1b", m)]
