@@ -514,6 +514,11 @@ def run(cfg: Config, device: str = "cpu") -> Dict[str, Any]:
             "bubble_ideal": (STAGES - 1) / (m * (INTERLEAVE if name == "interleaved" else 1) + STAGES - 1),
             "peak_activation_bytes_per_stage": peaks[key],
             "critical_path_s": floors[(name, m)],
+            # per rank, seconds per step (median over rounds): forward, backward, loss, optimizer step
+            "compute_s_per_rank": [
+                {k: statistics.median(c[r][k] for c in compute[key]) for k in ("fwd", "bwd", "loss", "opt")}
+                for r in range(STAGES)
+            ],
         }
         if "cuda_peak_bytes" in mem[key]:
             rows[key]["cuda_peak_bytes_per_stage"] = mem[key]["cuda_peak_bytes"]
