@@ -49,3 +49,40 @@ def test_orders_that_wait_on_each_other_are_refused():
     stuck = [[("B", 0, 0), ("F", 0, 0)], [("F", 0, 1), ("B", 0, 1)]]
     with pytest.raises(RuntimeError, match="wait on each other"):
         pipe_stages.critical_path(stuck, costs, 2)
+
+
+def _row(fw: str, name: str, m: int, step_s: float, path: float = 0.0) -> dict:
+    row = {
+        "framework": fw,
+        "schedule": name,
+        "microbatches": m,
+        "step_s": step_s,
+        "step_s_rounds": [step_s] * 3,
+        "samples_per_s": 48 / step_s,
+        "peak_activation_bytes_per_stage": [2**20, 2**19],
+        "bubble_per_stage": [0.3, 0.2],
+        "bubble_ideal": 0.2,
+    }
+    if path:
+        row["critical_path_s"] = path
+    return row
+
+
+@pytest.mark.parametrize("with_path", [True, False])
+def test_report_puts_the_critical_path_beside_both_frameworks(with_path):
+    cfg = pipe_stages.Config(microbatches=[4])
+    path = 0.030 if with_path else 0.0
+    rows = [
+        _row(fw, name, 4, {"fairscale_c": 0.033, "torch": 0.036}[fw], path)
+        for name in pipe_stages.SCHEDULES
+        for fw in pipe_stages.FRAMEWORKS
+    ]
+    lines = pipe_stages.report({"rows": rows}, cfg)
+    gpipe = next(ln for ln in lines if ln.startswith("| gpipe | 4 |"))
+    verdict = next(ln for ln in lines if ln.startswith("MISSED throughput gpipe m=4"))  # 0.036 / 0.033 = 1.09
+    if with_path:
+        assert gpipe.endswith("| 30.0 | 1.100 | 1.200 |")
+        assert "with free messages at most 1.20x" in verdict and "ours is 1.10x the path" in verdict
+    else:  # results saved before the path was measured
+        assert gpipe.endswith("| – | – | – |")
+        assert "free messages" not in verdict
