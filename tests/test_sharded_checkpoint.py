@@ -138,3 +138,70 @@ def test_rank_killed_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path
         assert state["step"] == 1 and torch.equal(state["w"], _state(1, rank)["w"]), (rank, state["step"])
     with pytest.raises(CheckpointError, match="saved by 2 ranks and is loaded by 1"):
         load_sharded(d)
+
+
+# ---------------------------------------------------------------- failures that are not deaths
+
+
+def test_a_manifest_that_cannot_be_written_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    from fairscale_c.utils import checkpoint
+
+    d = str(tmp_path)
+    save_sharded(_state(1), d, step=1)
+    real = checkpoint._write_durably
+
+    def no_manifest(path, write):
+        if path.endswith("manifest.json"):
+            raise OSError(28, "No space left on device")
+        real(path, write)
+
+    monkeypatch.setattr(checkpoint, "_write_durably", no_manifest)
+    with pytest.raises(CheckpointError, match="rank 0 could not write manifest.json .*No space left.*unchanged"):
+        save_sharded(_state(2), d, step=2)
+    monkeypatch.undo()
+    assert read_manifest(d)["step"] == 1
+    assert load_sharded(d)["step"] == 1 and torch.equal(load_sharded(d)["w"], _state(1)["w"])
+
+
+def test_a_manifest_that_is_not_one_is_refused(tmp_path):
+    d = str(tmp_path)
+    for text in ("not json", json.dumps({"format": "other"}), json.dumps([1, 2])):
+        with open(os.path.join(d, "manifest.json"), "w") as f:
+            f.write(text)
+        with pytest.raises(CheckpointError, match="is not a .* manifest"):
+            read_manifest(d)
+    save_sharded(_state(1), d, step=1)
+    manifest = read_manifest(d)
+    manifest["world_size"] = 2  # a shard missing from the list
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(CheckpointError, match="is not a .* manifest"):
+        load_sharded(d)
+
+
+def _one_rank_fails_job(rank, world, directory):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    save_sharded(_state(1, rank), directory, step=1)
+    state = {"unpicklable": lambda: None} if rank == 1 else _state(2, rank)
+    try:
+        save_sharded(state, directory, step=2)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        dist.destroy_process_group()
+    return "saved"
+
+
+def test_a_rank_that_cannot_write_makes_every_rank_raise_and_keeps_the_previous_checkpoint(tmp_path):
+    d = str(tmp_path)
+    results = run_ranks(_one_rank_fails_job, 2, d, timeout=240)
+    for msg in results:  # the same error on both ranks, naming the rank that failed
+        assert "rank 1 could not write its shard" in msg and "previous checkpoint is unchanged" in msg, msg
+    manifest = read_manifest(d)
+    assert manifest["step"] == 1
+    for rank, state in enumerate(load_all_shards(d)):
+        assert state["step"] == 1 and torch.equal(state["w"], _state(1, rank)["w"])
+    # rank 0 wrote its new shard before it learnt of rank 1's failure: it removed it again
+    assert sorted(os.listdir(d)) == sorted(["manifest.json"] + [s["file"] for s in manifest["shards"]])
