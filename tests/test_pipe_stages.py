@@ -608,3 +608,19 @@ def test_two_stages_on_cuda_match_single_process():
     env = {"FAIRSCALE_C_TIMEOUT": "120", **nccl_env}
     results = run_ranks(job_world2, 2, "cuda", timeout=300, env=env)
     assert len(results[0][0]) == 11
+
+
+def test_tensor_chunk_spec_helpers_match_torchs():
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec as TorchSpec
+
+    from fairscale_c.nn.pipe import TensorChunkSpec as Spec
+
+    ours, theirs = Spec.from_tuple((0, 1)), TorchSpec.from_tuple((0, 1))
+    assert isinstance(ours, tuple) and [s.split_dim for s in ours] == [s.split_dim for s in theirs] == [0, 1]
+    ours_d, theirs_d = Spec.from_dict({"ids": 0, "mask": 1}), TorchSpec.from_dict({"ids": 0, "mask": 1})
+    assert {k: s.split_dim for k, s in ours_d.items()} == {k: s.split_dim for k, s in theirs_d.items()}
+    assert Spec(1) == Spec(1) and Spec(1) != Spec(0) and Spec(0) != 0 and len({Spec(2), Spec(2), Spec(3)}) == 2
+    assert repr(Spec(-1)) == "TensorChunkSpec(-1)"
+    for bad in ("0", 1.0, True, None):
+        with pytest.raises(TypeError, match="split_dim must be an int"):
+            Spec(bad)
