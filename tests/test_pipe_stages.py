@@ -624,3 +624,31 @@ def test_tensor_chunk_spec_helpers_match_torchs():
     for bad in ("0", 1.0, True, None):
         with pytest.raises(TypeError, match="split_dim must be an int"):
             Spec(bad)
+
+
+def test_input_args_descriptions_and_what_may_pass_between_stages():
+    from fairscale_c.nn.pipe.stage import TensorMeta, _check_passable, metas_of
+
+    what = "PipelineStage: input_args"
+    f32 = torch.get_default_dtype()
+    assert metas_of(torch.empty(2, 3, dtype=torch.float16), what) == (TensorMeta((2, 3), torch.float16),)
+    assert metas_of((4, 5), what) == (TensorMeta((4, 5), f32),)  # a shape, not two tensors
+    assert metas_of((), what) == (TensorMeta((), f32),)  # the shape of a scalar
+    assert metas_of([torch.Size([1]), torch.empty(0, device="meta")], what) == (
+        TensorMeta((1,), f32),
+        TensorMeta((0,), f32),
+    )
+    for bad, err, text in (
+        ("x", TypeError, "must be a Tensor, a shape, or a non-empty tuple of them, got str"),
+        ((torch.empty(1), "x"), TypeError, r"input_args\[1\] must be a Tensor or a shape"),
+        (((2, -1),), ValueError, r"input_args\[0\]: shape \(2, -1\) has a negative dimension"),
+    ):
+        with pytest.raises(err, match=text):
+            metas_of(bad, what)
+    ok = [TensorMeta((2, 3), torch.float32), TensorMeta((2,), torch.int64)]
+    assert _check_passable(ok, "outputs") == ""
+    assert "at most 8 may pass" in _check_passable([ok[0]] * 9, "outputs")
+    assert "outputs[1] has dtype torch.complex64" in _check_passable(
+        [ok[0], TensorMeta((1,), torch.complex64)], "outputs"
+    )
+    assert "outputs[0] has 9 dimensions; at most 8" in _check_passable([TensorMeta((1,) * 9, torch.float32)], "outputs")
