@@ -104,6 +104,55 @@ def test_consolidation_orders_shards_by_rank_and_refuses_bad_sets(world2_checkpo
             FSDP.consolidate_shard_weights(w, m)
 
 
+def test_consolidation_with_missing_keys_strict_or_not_and_bad_padding(world2_checkpoint):
+    """A shard missing a flat parameter is a KeyError naming the shard and the key (strict or
+    not, when shard 0 has it); strict=False skips a flat parameter or buffer missing from every
+    shard, and the aliases of a skipped parameter (it used to raise a bare KeyError there);
+    padding that leaves the wrong number of elements is a ValueError."""
+    import copy
+
+    import torch
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    shards = [torch.load(os.path.join(world2_checkpoint, f"rank{r}_local.pt")) for r in range(2)]
+    weights, metas = [s["weights"] for s in shards], [s["metadata"] for s in shards]
+    full = FSDP.consolidate_shard_weights(weights, metas)
+    meta0 = metas[0]["param_metadata"][0]
+    key = f"{meta0['fsdp_path']}.flat_param_0" if meta0["fsdp_path"] else "flat_param_0"
+    names = meta0["params"]["flat_param_0"]["names"]
+    assert key in weights[0] and key in weights[1]
+
+    def without(i, k):
+        w = [dict(x) for x in weights]
+        for j in [i] if i is not None else range(len(w)):
+            del w[j][k]
+        return w
+
+    for strict in (True, False):
+        with pytest.raises(KeyError, match=f"shard 1 has no '{key}'"):
+            FSDP.consolidate_shard_weights(without(1, key), metas, strict=strict)
+    with pytest.raises(KeyError, match=f"shard 0 has no '{key}'"):
+        FSDP.consolidate_shard_weights(without(None, key), metas)
+    partial = FSDP.consolidate_shard_weights(without(None, key), metas, strict=False)
+    prefix = f"{meta0['fsdp_path']}." if meta0["fsdp_path"] else ""
+    assert not any(prefix + n in partial for n in names) and set(partial) < set(full)
+    shared = meta0["shared_param_info"]  # the tied head: an alias of a skipped parameter is skipped too
+    assert shared and not any(prefix + dst in partial for _, dst in shared)
+    buffers = metas[0]["buffer_names"]
+    if buffers:
+        assert buffers[0] in FSDP.consolidate_shard_weights(weights, metas)
+        got = FSDP.consolidate_shard_weights(without(0, buffers[0]), metas, strict=False)
+        assert buffers[0] not in got
+    no_buffers = FSDP.consolidate_shard_weights(weights, metas, with_module_buffers=False)
+    assert not any(b in no_buffers for b in buffers)
+    padded = copy.deepcopy(metas)
+    for m in padded:  # both shards alike, so the layouts agree; one element too many cut off
+        m["param_metadata"][0]["params"]["flat_param_0"]["padding"] += 1
+    with pytest.raises(ValueError, match="elements after unpadding, metadata says"):
+        FSDP.consolidate_shard_weights(weights, padded)
+
+
 def test_tango_style_engine_resumes_exactly(tmp_path):
     """A Tango-style training engine (pattern-wrapped blocks, micro-batches, autocast, clip, AdamW
     over the flat shards, per-worker local checkpoints written atomically): resuming from the

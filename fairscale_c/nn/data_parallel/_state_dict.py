@@ -274,7 +274,8 @@ def consolidate(shard_weights, shard_metadata, with_module_buffers: bool, strict
                 out[f"{path}.{name}" if path else name] = t.view(shape)
         for src, dst in meta["shared_param_info"]:
             src_key, dst_key = (f"{path}.{src}", f"{path}.{dst}") if path else (src, dst)
-            out[dst_key] = out[src_key]
+            if src_key in out or strict:  # not strict: a parameter skipped above takes its aliases along
+                out[dst_key] = out[src_key]
     if with_module_buffers:
         for name in shard_metadata[0]["buffer_names"]:
             if name not in shard_weights[0] and not strict:
