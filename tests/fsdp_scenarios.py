@@ -9,6 +9,7 @@ autocast) atol/rtol 3e-2, since bf16 keeps 8 bits of mantissa.
 import copy
 import functools
 import os
+import re
 import traceback
 
 import torch
@@ -595,6 +596,49 @@ def state_save(rank, world):
     fresh.load_state_dict(shard)
 
 
+def state_errors(rank, world):
+    """Bad input to the state-dict and optimizer-state methods: a clear exception on every rank
+    (the same on all, before any collective), and the model and optimizer untouched."""
+    model, opt = _trained_lm(rank, world)
+    before = {k: v.clone() for k, v in model.local_state_dict().items()}
+
+    def raises(exc, text, fn, *args):
+        try:
+            fn(*args)
+        except exc as e:
+            assert re.search(text, str(e)), f"{exc.__name__} {e!s} does not match {text!r}"
+        else:
+            raise AssertionError(f"{fn.__name__} did not raise {exc.__name__} ({text})")
+
+    grouped = torch.optim.AdamW([{"params": [p]} for p in model.parameters()], lr=1e-2)
+    raises(ValueError, r"has \d+ parameter groups; FairScale.s format", model.gather_full_optim_state_dict, grouped)
+    first = opt.param_groups[0]["params"][0]
+    saved = opt.state[first]["exp_avg"]
+    opt.state[first]["exp_avg"] = saved[:-1]  # one element short, on every rank alike
+    raises(
+        ValueError,
+        r"state 'exp_avg' of flat parameter 0 has \d+ elements, expected the shard's \d+",
+        model.gather_full_optim_state_dict,
+        opt,
+    )
+    opt.state[first]["exp_avg"] = saved
+    raises(
+        ValueError, "has no 'param_id_map'", model.get_shard_from_optim_state_dict, {"state": {}, "param_groups": []}
+    )
+    local = model.local_state_dict()
+    key = next(iter(before))
+    raises(TypeError, f"'{key}' is a list; expected a tensor", model.load_local_state_dict, {**local, key: [1.0]})
+    raises(
+        TypeError,
+        f"'{key}' is torch.float64 but this rank's shard is torch.float32",
+        model.load_local_state_dict,
+        {**local, key: local[key].double()},
+    )
+    for k, v in model.local_state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by a refused load"
+    assert model.gather_full_optim_state_dict(opt) is not None or rank != 0  # still works
+
+
 def state_load(rank, world):
     """Load the full state saved at another world size; outputs must be identical."""
     d = CKPT["dir"]
@@ -768,6 +812,7 @@ def tango_engine(rank, world):
 
 
 SCENARIOS.update(state_save=state_save, state_load=state_load, memory_per_rank=memory_per_rank)
+SCENARIOS.update(state_errors=state_errors)
 SCENARIOS.update(tango_engine=tango_engine)
 
 

@@ -32,9 +32,10 @@ def test_fsdp_matches_pytorch(world):
 
 @pytest.fixture(scope="module")
 def world2_checkpoint(tmp_path_factory):
-    """The files of state_save at world 2 (full, local shards + metadata, optimizer), made once."""
+    """The files of state_save at world 2 (full, local shards + metadata, optimizer), made once;
+    the same job checks the state methods' bad-input errors (state_errors)."""
     ckpt = str(tmp_path_factory.mktemp("world2"))
-    spawn(2, ["state_save"], extra=(ckpt,))
+    spawn(2, ["state_save", "state_errors"], extra=(ckpt,))
     return ckpt
 
 
