@@ -265,6 +265,29 @@ def _cross_host_job(rank, world, how):
         out = torch.empty(4)
         group.reduce_scatter(out, torch.arange(8.0), op="sum")
         assert out.tolist() == [2.0 * (4 * rank + i) for i in range(4)]
+        full = torch.empty(6)
+        group.all_gather(full, torch.full((3,), float(rank)))
+        assert full.tolist() == [0.0] * 3 + [1.0] * 3
+        b = torch.full((5,), float(rank))
+        group.broadcast(b, root=1)
+        assert b.tolist() == [1.0] * 5
+        for op, want in (("max", 2.0), ("avg", 1.5)):
+            r = torch.full((3,), float(rank + 1))
+            group.reduce(r, root=1, op=op)
+            if rank == 1:
+                assert r.tolist() == [want] * 3, (op, r)
+        got = torch.empty(4)
+        if rank == 0:
+            group.send(torch.arange(4.0), 1, tag=7)
+        else:
+            group.recv(got, 0, tag=7)
+            assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+        # a ring exchange as one batch, sends listed first on both ranks, then a collective in it
+        mine, theirs, total = torch.full((2,), float(rank)), torch.empty(2), torch.ones(1)
+        peer = 1 - rank
+        group.batch([fdist.P2POp("send", mine, peer), fdist.P2POp("recv", theirs, peer), ("all_reduce", total, "sum")])
+        assert theirs.tolist() == [float(peer)] * 2 and total.tolist() == [2.0]
+        group.barrier()
         assert "torch" in repr(group)
         group.destroy()
         return "fallback"
