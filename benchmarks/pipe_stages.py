@@ -75,6 +75,7 @@ INTERLEAVE = 2  # stages per rank of the interleaved schedule
 TARGET_THROUGHPUT_RATIO = 1.2
 TARGET_EQUAL_THROUGHPUT = 0.05
 STAGES = 2
+COMPUTE_KINDS = ("fwd", "bwd", "loss", "opt")  # a rank's measured compute: forward, backward, loss, optimizer
 
 
 @dataclass
@@ -456,7 +457,7 @@ def _run_case_timed(pool: RankPool, fw: str, name: str, m: int, steps: int, trac
     bubbles = [1.0 - (r["fwd_s"] + r["bwd_s"]) / r["elapsed_s"] for r in res]
     out = {"step_s": step_s, "bubble": bubbles, "peak_bytes": [r["peak_bytes"] for r in res]}
     # per rank and step: seconds of forward, backward, loss and optimizer step
-    out["compute"] = [{k: r[f"{k}_s"] / steps for k in ("fwd", "bwd", "loss", "opt")} for r in res]
+    out["compute"] = [{k: r[f"{k}_s"] / steps for k in COMPUTE_KINDS} for r in res]
     if "cuda_peak_bytes" in res[0]:
         out["cuda_peak_bytes"] = [r["cuda_peak_bytes"] for r in res]
     return out
@@ -483,17 +484,19 @@ def run(cfg: Config, device: str = "cpu") -> Dict[str, Any]:
         peaks = {k: v["peak_bytes"] for k, v in mem.items()}
         check = pool.run(check_losses, cfg.microbatches[0])[STAGES - 1]
         orders = pool.run(schedule_orders)
+    # per configuration, rank and kind of work: seconds per step, median over rounds
+    medians = {
+        key: [{k: statistics.median(c[r][k] for c in compute[key]) for k in COMPUTE_KINDS} for r in range(STAGES)]
+        for key in keys
+    }
     floors = {}
     for name in SCHEDULES:
         for m in cfg.microbatches:
-            # per rank and kind of work: the faster framework's median over rounds, per action
+            # per action: the faster framework's median
             v = INTERLEAVE if name == "interleaved" else 1
             per_action = []
             for r in range(STAGES):
-                med = {
-                    k: min(statistics.median(c[r][k] for c in compute[(fw, name, m)]) for fw in FRAMEWORKS)
-                    for k in ("fwd", "bwd", "loss", "opt")
-                }
+                med = {k: min(medians[(fw, name, m)][r][k] for fw in FRAMEWORKS) for k in COMPUTE_KINDS}
                 per_mb = {"fwd": med["fwd"] / (m * v), "bwd": med["bwd"] / (m * v), "loss": med["loss"] / m}
                 per_action.append({**per_mb, "opt": med["opt"]})
             floors[(name, m)] = critical_path([o[f"{name}/{m}"] for o in orders], per_action, STAGES * v)
@@ -514,11 +517,7 @@ def run(cfg: Config, device: str = "cpu") -> Dict[str, Any]:
             "bubble_ideal": (STAGES - 1) / (m * (INTERLEAVE if name == "interleaved" else 1) + STAGES - 1),
             "peak_activation_bytes_per_stage": peaks[key],
             "critical_path_s": floors[(name, m)],
-            # per rank, seconds per step (median over rounds): forward, backward, loss, optimizer step
-            "compute_s_per_rank": [
-                {k: statistics.median(c[r][k] for c in compute[key]) for k in ("fwd", "bwd", "loss", "opt")}
-                for r in range(STAGES)
-            ],
+            "compute_s_per_rank": medians[key],
         }
         if "cuda_peak_bytes" in mem[key]:
             rows[key]["cuda_peak_bytes_per_stage"] = mem[key]["cuda_peak_bytes"]

@@ -108,7 +108,7 @@ def test_consolidation_orders_shards_by_rank_and_refuses_bad_sets(world2_checkpo
 def test_consolidation_with_missing_keys_strict_or_not_and_bad_padding(world2_checkpoint):
     """A shard missing a flat parameter is a KeyError naming the shard and the key (strict or
     not, when shard 0 has it); strict=False skips a flat parameter or buffer missing from every
-    shard, and the aliases of a skipped parameter (it used to raise a bare KeyError there);
+    shard, and the tied names that alias a skipped parameter;
     padding that leaves the wrong number of elements is a ValueError."""
     import copy
 
