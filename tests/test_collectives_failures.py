@@ -166,7 +166,7 @@ def _create_and_die(name, conn):
 
 def test_rank0_dies_after_creating_the_segment():
     # Rank 0 set the segment up and died before any peer attached: the last rank to attach
-    # removes the name, and the first collective names the dead rank.
+    # removes the name, and joining names the dead rank (it never agreed on direct reads).
     import multiprocessing as mp
 
     import fairscale_c
@@ -181,8 +181,11 @@ def test_rank0_dies_after_creating_the_segment():
     proc.join(30)
     g = _C.ShmGroup("abandoned", 1, 2, name, creator_pid=pid)
     try:
-        g.join()
         assert not os.path.exists("/dev/shm" + name)
+        start = time.perf_counter()
+        with pytest.raises(fairscale_c.DistributedError, match=rf"rank 0 \(pid {pid}\) exited while joining"):
+            g.join()
+        assert time.perf_counter() - start < 5
         with pytest.raises(fairscale_c.DistributedError, match="rank 0"):
             g.all_reduce(torch.ones(4))
     finally:

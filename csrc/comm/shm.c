@@ -16,6 +16,7 @@
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -55,6 +56,23 @@ static size_t chunk_from_env(void) {
         return def;
     }
     return round_up((size_t)v, FSC_SHM_MIN_CHUNK);
+}
+
+/* Default FAIRSCALE_C_SHM_DIRECT_MAX: above it the direct reads were no faster than the slots
+ * (measurements: docs/benchmarks.md, "Direct reads"). */
+#define FSC_SHM_DIRECT_MAX_DEFAULT ((size_t)16 << 20)
+
+static size_t direct_max_from_env(void) {
+    const char *s = getenv("FAIRSCALE_C_SHM_DIRECT_MAX");
+    if (s == NULL || *s == '\0') return FSC_SHM_DIRECT_MAX_DEFAULT;
+    char *end = NULL;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s || *end != '\0' || s[0] == '-') {
+        FSC_WARN("shm", "FAIRSCALE_C_SHM_DIRECT_MAX='%s' must be a byte count (0: off); using %zu", s,
+                 FSC_SHM_DIRECT_MAX_DEFAULT);
+        return FSC_SHM_DIRECT_MAX_DEFAULT;
+    }
+    return (size_t)v;
 }
 
 /* CPUs this process may run on (its affinity mask; the online count when that cannot be read). */
@@ -467,6 +485,12 @@ fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, in
     FSC_CHECK_GOTO(map_segment(g, create, (pid_t)creator_pid), st, fail);
     FSC_CHECK_GOTO(init_or_check(g, create), st, fail);
     fsc_shm_rank_ctrl_t *me = &g->ranks[rank];
+    if (getrandom(&g->direct_cookie, sizeof(g->direct_cookie), GRND_NONBLOCK) != (ssize_t)sizeof(g->direct_cookie))
+        g->direct_cookie = (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ (uint64_t)(fsc_comm_now() * 1e9);
+    me->direct_cookie = g->direct_cookie;
+    me->direct_cookie_addr = (uint64_t)(uintptr_t)&g->direct_cookie;
+    me->direct_max = direct_max_from_env();
+    atomic_store(&me->direct_ok, 0);
     atomic_store(&me->pid, (int32_t)getpid());
     atomic_store(&me->attached, 1);
     g->epoch = atomic_load(&me->arrive);
@@ -494,6 +518,9 @@ const char *fsc_shm_group_segment_name(const fsc_shm_group_t *g) {
 }
 int fsc_shm_group_rank(const fsc_shm_group_t *g) {
     return g->rank;
+}
+size_t fsc_shm_group_direct_max(const fsc_shm_group_t *g) {
+    return g->direct_max;
 }
 int fsc_shm_group_size(const fsc_shm_group_t *g) {
     return g->size;
@@ -556,6 +583,65 @@ int fsc_shm_sweep_stale(void) {
     return removed;
 }
 
+int fsc_shm_peer_read(const fsc_shm_group_t *g, int peer, void *dst, uint64_t src, size_t n) {
+    pid_t pid = (pid_t)atomic_load(&g->ranks[peer].pid);
+    size_t done = 0;
+    while (done < n) {
+        struct iovec l = {(uint8_t *)dst + done, n - done}, r = {(void *)(uintptr_t)(src + done), n - done};
+        ssize_t got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) return got < 0 ? errno : EIO;
+        done += (size_t)got;
+    }
+    return 0;
+}
+
+/* Decide with the peers whether this group uses direct reads: every rank reads every peer's
+ * cookie through process_vm_readv (which the kernel allows only where this process may trace the
+ * peer: same user, and no stricter ptrace policy) and publishes whether all matched. Direct
+ * reads are on when every rank could, up to the smallest FAIRSCALE_C_SHM_DIRECT_MAX of any
+ * rank. A peer in another pid namespace, or a kernel that refuses, turns them off for the whole
+ * group; nothing else changes. */
+static fsc_status_t agree_direct(fsc_shm_group_t *g, double deadline) {
+    fsc_shm_rank_ctrl_t *me = &g->ranks[g->rank];
+    uint64_t max = me->direct_max;
+    int ok = g->size > 1 && max > 0;
+    for (int p = 0; p < g->size && ok; p++) {
+        if (p == g->rank) continue;
+        uint64_t v = 0;
+        if (g->ranks[p].direct_max < max) max = g->ranks[p].direct_max;
+        int err = fsc_shm_peer_read(g, p, &v, g->ranks[p].direct_cookie_addr, sizeof(v));
+        if (err != 0 || v != g->ranks[p].direct_cookie) {
+            FSC_INFO("shm", "group '%s' rank %d: cannot read rank %d's memory (%s); direct reads off", g->name, g->rank,
+                     p, err != 0 ? strerror(err) : "cookie differs");
+            ok = 0;
+        }
+    }
+    atomic_store_explicit(&me->direct_ok, ok ? 1u : 2u, memory_order_release);
+    for (int p = 0; p < g->size; p++) {
+        uint32_t v;
+        while ((v = atomic_load_explicit(&g->ranks[p].direct_ok, memory_order_acquire)) == 0) {
+            if (pid_dead((pid_t)atomic_load(&g->ranks[p].pid)))
+                return fsc_shm_fail(g, fsc_error(FSC_ERR_COMM,
+                                                 "rendezvous of group '%s' (rank %d of %d): rank %d (pid %d) exited "
+                                                 "while joining",
+                                                 g->name, g->rank, g->size, p, (int)atomic_load(&g->ranks[p].pid)));
+            if (fsc_comm_now() > deadline)
+                return fsc_shm_fail(g, fsc_error(FSC_ERR_TIMEOUT,
+                                                 "rendezvous of group '%s' (rank %d of %d): rank %d did not finish "
+                                                 "joining within FAIRSCALE_C_TIMEOUT=%g s",
+                                                 g->name, g->rank, g->size, p, g->timeout));
+            struct timespec ts = {0, 100000};
+            nanosleep(&ts, NULL);
+        }
+        if (v != 1) ok = 0;
+    }
+    g->direct_max = ok ? (size_t)max : 0;
+    FSC_INFO("shm", "group '%s' rank %d: direct reads %s (up to %zu bytes)", g->name, g->rank, ok ? "on" : "off",
+             g->direct_max);
+    return FSC_OK;
+}
+
 fsc_status_t fsc_shm_group_join(fsc_shm_group_t *g) {
     double deadline = fsc_comm_now() + g->timeout;
     while (atomic_load(&g->seg->nattached) < (uint32_t)g->size) {
@@ -566,17 +652,16 @@ fsc_status_t fsc_shm_group_join(fsc_shm_group_t *g) {
             for (int r = 0; r < g->size && n < sizeof(missing) - 16; r++)
                 if (!atomic_load(&g->ranks[r].attached))
                     n += (size_t)snprintf(missing + n, sizeof(missing) - n, "%s%d", n ? ", " : "", r);
-            g->broken = FSC_ERR_TIMEOUT;
-            return fsc_error(FSC_ERR_TIMEOUT,
-                             "rendezvous of group '%s' (rank %d of %d): rank(s) %s did not join "
-                             "within FAIRSCALE_C_TIMEOUT=%g s",
-                             g->name, g->rank, g->size, missing, g->timeout);
+            return fsc_shm_fail(g, fsc_error(FSC_ERR_TIMEOUT,
+                                             "rendezvous of group '%s' (rank %d of %d): rank(s) %s did not join "
+                                             "within FAIRSCALE_C_TIMEOUT=%g s",
+                                             g->name, g->rank, g->size, missing, g->timeout));
         }
         struct timespec ts = {0, 1000000};
         nanosleep(&ts, NULL);
     }
     fsc_shm_group_unlink(g);
-    return FSC_OK;
+    return agree_direct(g, deadline);
 }
 
 void fsc_shm_group_close(fsc_shm_group_t *g, double grace_s) {

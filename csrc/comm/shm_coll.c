@@ -89,7 +89,54 @@ static fsc_status_t open_collective(fsc_shm_group_t *g, const fsc_shm_args_t *a)
     return FSC_OK;
 }
 
+/* Direct reads: an all_gather or broadcast whose blocks are at least FSC_SHM_DIRECT_MIN bytes and
+ * whose output is at most g->direct_max moves each byte once, the reader copying it straight out of
+ * the owner's buffer (process_vm_readv), instead of twice through the slots. Two barriers per op,
+ * none per chunk: the first publishes every rank's source address, the second tells each rank that
+ * nobody reads its buffer any more. Below the minimum the system call costs more than the slots
+ * (measurements: docs/benchmarks.md, "Direct reads"). Every rank decides from the op's sizes and
+ * the group's agreed limit, so all take the same path. */
+#define FSC_SHM_DIRECT_MIN ((size_t)32 << 10)
+
+static int use_direct(const fsc_shm_group_t *g, size_t block, size_t total) {
+    return g->direct_max != 0 && block >= FSC_SHM_DIRECT_MIN && total <= g->direct_max;
+}
+
+static fsc_status_t read_peer(fsc_shm_group_t *g, int p, void *dst, size_t n) {
+    int err = fsc_shm_peer_read(g, p, dst, g->ranks[p].direct_addr, n);
+    if (err == 0) return FSC_OK;
+    char mine[192];
+    return fsc_error(FSC_ERR_COMM, "%s on group '%s' (rank %d of %d): reading rank %d's buffer (pid %d) failed: %s",
+                     fsc_shm_op_desc(g, mine, sizeof(mine)), g->name, g->rank, g->size, p,
+                     (int)atomic_load(&g->ranks[p].pid), strerror(err));
+}
+
+static fsc_status_t run_all_gather_direct(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t row) {
+    uint8_t *out = a->out;
+    g->ranks[g->rank].direct_addr = (uint64_t)(uintptr_t)a->in; /* published by the barrier's release */
+    copy(out + (size_t)g->rank * row, a->in, row);              /* skipped in place */
+    FSC_CHECK(open_collective(g, a));
+    for (int k = 1; k < g->size; k++) { /* each rank starts at its right-hand peer: the sources spread */
+        int p = (g->rank + k) % g->size;
+        FSC_CHECK(read_peer(g, p, out + (size_t)p * row, row));
+    }
+    return fsc_shm_arrive(g, 1);
+}
+
+static fsc_status_t run_broadcast_direct(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t nb) {
+    int is_root = a->root == g->rank;
+    if (is_root) {
+        g->ranks[g->rank].direct_addr = (uint64_t)(uintptr_t)a->in;
+        copy(a->out, a->in, nb);
+    }
+    FSC_CHECK(open_collective(g, a));
+    if (!is_root) FSC_CHECK(read_peer(g, a->root, a->out, nb));
+    return fsc_shm_arrive(g, 1);
+}
+
 static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    if (use_direct(g, a->count * fsc_dtype_size(a->dtype), a->count * fsc_dtype_size(a->dtype) * (size_t)g->size))
+        return run_all_gather_direct(g, a, a->count * fsc_dtype_size(a->dtype));
     size_t esz = fsc_dtype_size(a->dtype), per = g->piece / esz;
     const uint8_t *in = a->in;
     uint8_t *out = a->out;
@@ -261,6 +308,8 @@ static fsc_status_t run_reduce_to_root(fsc_shm_group_t *g, const fsc_shm_args_t 
 }
 
 static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    if (use_direct(g, a->count * fsc_dtype_size(a->dtype), a->count * fsc_dtype_size(a->dtype)))
+        return run_broadcast_direct(g, a, a->count * fsc_dtype_size(a->dtype));
     size_t esz = fsc_dtype_size(a->dtype), per = g->piece / esz;
     int is_root = a->root == g->rank, streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
     for (size_t off = 0, first = 1; first || off < a->count; off += per, first = 0) {

@@ -11,7 +11,7 @@
 
 #define FSC_SHM_LINE 128                    /* two x86 lines: adjacent-line prefetch must not cause false sharing */
 #define FSC_SHM_MAGIC 0x31306d6873637366ull /* "fscshm01" */
-#define FSC_SHM_VERSION 4u
+#define FSC_SHM_VERSION 5u
 #define FSC_SHM_MAX_RANKS 256
 
 /* Per-rank control block, written only by its rank. */
@@ -26,6 +26,14 @@ typedef struct {
      * several point-to-point ops in flight sleeps on one futex word. */
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t bell;
     _Atomic uint32_t bell_sleepers;
+    /* Direct reads (shm_coll.c): the peers copy this rank's buffer with process_vm_readv. Before
+     * joining, the rank publishes its limit and a random cookie that it also keeps in its own
+     * memory at cookie_addr; at join every rank reads every peer's cookie that way and says
+     * whether it could (direct_ok). */
+    _Alignas(FSC_SHM_LINE) uint64_t direct_addr; /* the current direct op's source, in this rank's address space */
+    uint64_t direct_max;                         /* this rank's FAIRSCALE_C_SHM_DIRECT_MAX */
+    uint64_t direct_cookie, direct_cookie_addr;
+    _Atomic uint32_t direct_ok; /* 0: not probed yet; 1: read every peer's cookie; 2: could not */
 } fsc_shm_rank_ctrl_t;
 
 /* One direction of a send/recv pair. Messages travel in chunks through two buffers; chunk j (counted
@@ -92,6 +100,11 @@ struct fsc_shm_group {
     fsc_shm_rank_ctrl_t *ranks;
     fsc_shm_chan_t *chans; /* [src * size + dst] */
     size_t chunk, p2p_chunk, piece;
+    /* all_gather outputs and broadcasts of at most this many bytes are read straight from the
+     * peers' memory (agreed by every rank at join; 0: never). direct_cookie is what peers read to
+     * check that they can. */
+    size_t direct_max;
+    uint64_t direct_cookie;
     int spins, yields; /* a waiter's pause and sched_yield budget before it sleeps (shm.c, wait_budget) */
     /* private copies of the segment's offsets, validated once at attach: a peer that rewrites
      * the header afterwards cannot move this rank's reads and writes */
@@ -197,6 +210,10 @@ fsc_status_t fsc_shm_fail(fsc_shm_group_t *g, fsc_status_t st);
  * name g->op_desc, the group and the peer. */
 fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t target,
                           int peer);
+
+/* Copy n bytes at address `src` of rank `peer`'s process into `dst` (process_vm_readv). Returns 0,
+ * or the errno of the failed read (EIO for a read that moved nothing). */
+int fsc_shm_peer_read(const fsc_shm_group_t *g, int peer, void *dst, uint64_t src, size_t n);
 
 /* Bump this rank's barrier epoch; with `wait`, block until every other rank has reached it. */
 fsc_status_t fsc_shm_arrive(fsc_shm_group_t *g, int wait);

@@ -229,6 +229,11 @@ static PyObject *Group_get_size(GroupObject *self, void *Py_UNUSED(c)) {
     return PyLong_FromLong(fsc_shm_group_size(self->g));
 }
 
+static PyObject *Group_get_direct_max(GroupObject *self, void *Py_UNUSED(c)) {
+    if (check_open(self) < 0) return NULL;
+    return PyLong_FromSize_t(fsc_shm_group_direct_max(self->g));
+}
+
 static PyObject *Group_get_closed(GroupObject *self, void *Py_UNUSED(c)) {
     return PyBool_FromLong(self->g == NULL);
 }
@@ -509,6 +514,10 @@ static PyGetSetDef Group_getset[] = {
     {"segment", (getter)Group_get_segment, NULL, "Name of the shm segment (for rendezvous).", NULL},
     {"rank", (getter)Group_get_rank, NULL, "This process's rank in the group.", NULL},
     {"size", (getter)Group_get_size, NULL, "Number of ranks.", NULL},
+    {"direct_max", (getter)Group_get_direct_max, NULL,
+     "Largest all_gather output or broadcast, in bytes, that ranks read straight from each other's memory "
+     "(agreed at join; 0: never).",
+     NULL},
     {"closed", (getter)Group_get_closed, NULL, "True after close().", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
