@@ -1,13 +1,15 @@
-"""Direct reads in the shared-memory engine: all_gather and broadcast in a size window copy each
-byte once, straight out of the owner's buffer (process_vm_readv), when every rank of the group can
-read its peers' memory. Checked here: the ranks agree on the window (or on none, where the kernel
-refuses), results equal a torch reference on both sides of the window's edges, in place and out
-of place, sync and async, interleaved with ops that go through the slots, and a peer that dies
-during a direct op is reported, not waited for."""
+"""Direct reads in the shared-memory engine: all_gather, broadcast, reduce_scatter and all_reduce
+in a size window read the peers' data straight out of their buffers (process_vm_readv), when every
+rank of the group can read its peers' memory. Checked here: the ranks agree on the window (or on
+none, where the kernel refuses), results equal a torch reference on both sides of the window's
+edges, in place and out of place, sync and async, interleaved with ops that go through the slots,
+every rank gets the same all_reduce bits, and a peer that dies during a direct op is reported, not
+waited for."""
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import subprocess
 import sys
@@ -86,27 +88,45 @@ def test_ranks_agree_on_the_window(world, limits, agreed):
     assert got[0] == (agreed if can else 0), (got, "peers readable" if can else "peers not readable")
 
 
+LIMIT = 4 * MiB  # FAIRSCALE_C_SHM_DIRECT_MAX in the jobs below
+ALL_REDUCE_MIN = 2 * MiB  # csrc/comm/shm_direct.c, FSC_SHM_DIRECT_ALL_REDUCE_MIN
+
+
 def _ops_job(rank: int, world: int):
     import fairscale_c.distributed as fdist
 
     group = fdist.init_group(name="direct")
     limit = group._shm.direct_max
-    failures = []
+    failures, digests = [], []
 
-    def check(got, want, what):
-        if not torch.equal(got, want):
-            bad = (got != want).nonzero()
-            failures.append(f"{what}: {bad.numel()} elements differ, first at {bad[0].tolist()}")
+    def check(got, want, what, reduced=False):
+        # copies are exact; so is a reduction over two ranks (either order gives the same bits), while
+        # over more ranks its order may differ from torch's
+        try:
+            if not reduced or world == 2 or not got.dtype.is_floating_point:
+                assert torch.equal(got, want), f"{(got != want).sum().item()} elements differ"
+            elif got.element_size() == 2:
+                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+            else:
+                torch.testing.assert_close(got, want)
+        except AssertionError as exc:
+            failures.append(f"{what}: {str(exc).splitlines()[0]}")
 
-    # blocks just below the minimum (slots), at it (direct), odd byte counts, and outputs above the
-    # limit (slots again); the limit is 1 MiB in this job
+    def summed(blocks, dtype, op="sum"):
+        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        acc = torch.stack([b.to(wide) for b in blocks]).sum(0)
+        return (acc / world if op == "avg" else acc).to(dtype)
+
+    # blocks just below the minimum (slots), at it (direct), odd byte counts, and ops just above
+    # the limit (slots again) and at it
     for dtype, nbytes in [
         (torch.float32, DIRECT_MIN - 4),
         (torch.float32, DIRECT_MIN),
         (torch.uint8, DIRECT_MIN + 1),
         (torch.float64, 96 * KiB),
-        (torch.uint8, (1 * MiB) // world + 3),  # output just above the limit
-        (torch.float32, (1 * MiB) // world),  # output at the limit (or a little under)
+        (torch.bfloat16, 200 * KiB + 2),
+        (torch.uint8, LIMIT // world + 3),
+        (torch.float32, LIMIT // world),
     ]:
         n = nbytes // torch.empty(0, dtype=dtype).element_size()
         xs = [_data(r, n, dtype, 1) for r in range(world)]
@@ -122,8 +142,36 @@ def _ops_job(rank: int, world: int):
             t = xs[rank].clone()
             group.broadcast(t, root=root)
             check(t, xs[root], f"broadcast root {root} {dtype} {nbytes} B")
+        full = [_data(r, n * world, dtype, 2) for r in range(world)]
+        ops = ["sum", "max"] + (["avg"] if dtype.is_floating_point else [])
+        for op in ops:
+            blocks = [f[rank * n : (rank + 1) * n] for f in full]
+            want = torch.stack(blocks).amax(0) if op == "max" else summed(blocks, dtype, op)
+            out = torch.empty(n, dtype=dtype)
+            group.reduce_scatter(out, full[rank], op=op)
+            check(out, want, f"reduce_scatter {op} {dtype} block {nbytes} B", reduced=True)
+            inp = full[rank].clone()  # in place: the output is this rank's block of the input
+            group.reduce_scatter(inp[rank * n : (rank + 1) * n], inp, op=op)
+            check(
+                inp[rank * n : (rank + 1) * n], want, f"reduce_scatter in place {op} {dtype} {nbytes} B", reduced=True
+            )
+    for dtype, nbytes in [
+        (torch.float32, ALL_REDUCE_MIN - 4),
+        (torch.float32, ALL_REDUCE_MIN),
+        (torch.bfloat16, ALL_REDUCE_MIN + 2 * 997),
+        (torch.float64, LIMIT),
+        (torch.int32, LIMIT + 4),
+    ]:
+        n = nbytes // torch.empty(0, dtype=dtype).element_size()
+        xs = [_data(r, n, dtype, 3) for r in range(world)]
+        for op in ["sum", "avg", "min"] if dtype.is_floating_point else ["sum", "min"]:
+            t = xs[rank].clone()
+            group.all_reduce(t, op=op)
+            want = torch.stack(xs).amin(0) if op == "min" else summed(xs, dtype, op)
+            check(t, want, f"all_reduce {op} {dtype} {nbytes} B", reduced=True)
+            digests.append(hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest())
     # async: direct ops queued behind and between slot ops, each with its own buffers
-    n = 64 * KiB
+    n = 72 * KiB  # divisible by 2 and 3
     works, checks = [], []
     for i in range(6):
         xs = [_data(r, n, torch.float32, 10 + i) for r in range(world)]
@@ -132,34 +180,42 @@ def _ops_job(rank: int, world: int):
         checks.append((out, torch.cat(xs), f"async all_gather {i}"))
         t = xs[rank].clone()
         works.append(group.all_reduce(t, async_op=True))
-        checks.append((t, torch.stack(xs).sum(0), f"async all_reduce {i}"))
+        checks.append((t, summed(xs, torch.float32), f"async all_reduce {i}"))
         b = xs[rank].clone()
         works.append(group.broadcast(b, root=i % world, async_op=True))
         checks.append((b, xs[i % world], f"async broadcast {i}"))
+        rs = torch.empty(n // world)
+        works.append(group.reduce_scatter(rs, xs[rank], async_op=True))
+        checks.append(
+            (
+                rs,
+                summed([x[rank * (n // world) : (rank + 1) * (n // world)] for x in xs], torch.float32),
+                f"async reduce_scatter {i}",
+            )
+        )
     for w in works:
         w.wait()
     for got, want, what in checks:
-        if what.startswith("async all_reduce"):
-            torch.testing.assert_close(got, want)
-        else:
-            check(got, want, what)
+        check(got, want, what, reduced=True)
     group.destroy()
-    return limit, failures
+    return limit, failures, digests
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_results_on_both_sides_of_the_window(world):
-    results = run_ranks(_ops_job, world, env={"FAIRSCALE_C_TIMEOUT": "60", "FAIRSCALE_C_SHM_DIRECT_MAX": str(MiB)})
-    limits = {limit for limit, _ in results}
-    assert limits == {MiB if _peers_can_read() else 0}, limits
-    failures = [f"rank {r}: {f}" for r, (_, fs) in enumerate(results) for f in fs]
+    results = run_ranks(_ops_job, world, env={"FAIRSCALE_C_TIMEOUT": "60", "FAIRSCALE_C_SHM_DIRECT_MAX": str(LIMIT)})
+    limits = {limit for limit, _, _ in results}
+    assert limits == {LIMIT if _peers_can_read() else 0}, limits
+    failures = [f"rank {r}: {f}" for r, (_, fs, _) in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:20])
+    digests = [d for _, _, d in results]
+    assert all(d == digests[0] for d in digests), "all_reduce gave the ranks different bits"
 
 
 def test_results_with_direct_reads_off():
     results = run_ranks(_ops_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60", "FAIRSCALE_C_SHM_DIRECT_MAX": "0"})
-    assert {limit for limit, _ in results} == {0}
-    failures = [f"rank {r}: {f}" for r, (_, fs) in enumerate(results) for f in fs]
+    assert {limit for limit, _, _ in results} == {0}
+    failures = [f"rank {r}: {f}" for r, (_, fs, _) in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:20])
 
 

@@ -676,5 +676,6 @@ void fsc_shm_group_close(fsc_shm_group_t *g, double grace_s) {
     free(g->recv_next);
     free(g->send_busy);
     free(g->recv_busy);
+    free(g->direct_scratch);
     free(g);
 }

@@ -4,7 +4,8 @@
  * (the chunk or a quarter of it: shm.c, piece_for). Buffer (step & 1) is written again only at
  * step + 2, after a barrier every rank enters once it has finished reading step's data, so one
  * barrier per step suffices. all_reduce and reduce_scatter are split so each rank reduces 1/size
- * of every chunk in parallel; reduce on a small group is done by its root alone. */
+ * of every chunk in parallel; reduce on a small group is done by its root alone. Ops in the window
+ * of direct reads skip the slots altogether (shm_direct.c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,7 @@
 #endif
 
 #include "base/log.h"
+#include "comm/shm_direct.h"
 #include "comm/shm_internal.h"
 #include "comm/shm_reduce.h"
 
@@ -75,8 +77,7 @@ static void begin_op(fsc_shm_group_t *g, const fsc_shm_args_t *a, uint64_t seq, 
     g->deadline = fsc_comm_now() + g->timeout;
 }
 
-/* First barrier of a collective: publish the header, wait for everyone, compare. */
-static fsc_status_t open_collective(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+fsc_status_t fsc_shm_open_collective(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     fsc_comm_header_t h;
     uint64_t seq = g->coll_seq++;
     begin_op(g, a, seq, &h);
@@ -89,54 +90,7 @@ static fsc_status_t open_collective(fsc_shm_group_t *g, const fsc_shm_args_t *a)
     return FSC_OK;
 }
 
-/* Direct reads: an all_gather or broadcast whose blocks are at least FSC_SHM_DIRECT_MIN bytes and
- * whose output is at most g->direct_max moves each byte once, the reader copying it straight out of
- * the owner's buffer (process_vm_readv), instead of twice through the slots. Two barriers per op,
- * none per chunk: the first publishes every rank's source address, the second tells each rank that
- * nobody reads its buffer any more. Below the minimum the system call costs more than the slots
- * (measurements: docs/benchmarks.md, "Direct reads"). Every rank decides from the op's sizes and
- * the group's agreed limit, so all take the same path. */
-#define FSC_SHM_DIRECT_MIN ((size_t)32 << 10)
-
-static int use_direct(const fsc_shm_group_t *g, size_t block, size_t total) {
-    return g->direct_max != 0 && block >= FSC_SHM_DIRECT_MIN && total <= g->direct_max;
-}
-
-static fsc_status_t read_peer(fsc_shm_group_t *g, int p, void *dst, size_t n) {
-    int err = fsc_shm_peer_read(g, p, dst, g->ranks[p].direct_addr, n);
-    if (err == 0) return FSC_OK;
-    char mine[192];
-    return fsc_error(FSC_ERR_COMM, "%s on group '%s' (rank %d of %d): reading rank %d's buffer (pid %d) failed: %s",
-                     fsc_shm_op_desc(g, mine, sizeof(mine)), g->name, g->rank, g->size, p,
-                     (int)atomic_load(&g->ranks[p].pid), strerror(err));
-}
-
-static fsc_status_t run_all_gather_direct(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t row) {
-    uint8_t *out = a->out;
-    g->ranks[g->rank].direct_addr = (uint64_t)(uintptr_t)a->in; /* published by the barrier's release */
-    copy(out + (size_t)g->rank * row, a->in, row);              /* skipped in place */
-    FSC_CHECK(open_collective(g, a));
-    for (int k = 1; k < g->size; k++) { /* each rank starts at its right-hand peer: the sources spread */
-        int p = (g->rank + k) % g->size;
-        FSC_CHECK(read_peer(g, p, out + (size_t)p * row, row));
-    }
-    return fsc_shm_arrive(g, 1);
-}
-
-static fsc_status_t run_broadcast_direct(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t nb) {
-    int is_root = a->root == g->rank;
-    if (is_root) {
-        g->ranks[g->rank].direct_addr = (uint64_t)(uintptr_t)a->in;
-        copy(a->out, a->in, nb);
-    }
-    FSC_CHECK(open_collective(g, a));
-    if (!is_root) FSC_CHECK(read_peer(g, a->root, a->out, nb));
-    return fsc_shm_arrive(g, 1);
-}
-
 static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    if (use_direct(g, a->count * fsc_dtype_size(a->dtype), a->count * fsc_dtype_size(a->dtype) * (size_t)g->size))
-        return run_all_gather_direct(g, a, a->count * fsc_dtype_size(a->dtype));
     size_t esz = fsc_dtype_size(a->dtype), per = g->piece / esz;
     const uint8_t *in = a->in;
     uint8_t *out = a->out;
@@ -148,7 +102,7 @@ static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
         uint8_t *mine_out = out + (size_t)g->rank * row + off * esz;
         copy(fsc_shm_slot(g, g->rank, g->step), mine, nb);
         if (first)
-            FSC_CHECK(open_collective(g, a));
+            FSC_CHECK(fsc_shm_open_collective(g, a));
         else
             FSC_CHECK(fsc_shm_arrive(g, 1));
         /* The own block is skipped when the input already is that block of the output (in-place,
@@ -179,7 +133,7 @@ static fsc_status_t run_reduce_scatter(fsc_shm_group_t *g, const fsc_shm_args_t 
         for (int p = 0; p < g->size; p++)
             if (p != g->rank) copy(slot + (size_t)p * per * esz, in + (size_t)p * row + off * esz, nb);
         if (first)
-            FSC_CHECK(open_collective(g, a));
+            FSC_CHECK(fsc_shm_open_collective(g, a));
         else
             FSC_CHECK(fsc_shm_arrive(g, 1));
         /* own block first: `out` may alias it (in-place reduce-scatter) */
@@ -204,7 +158,7 @@ static fsc_status_t run_small_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_
     const void *srcs[FSC_SHM_MAX_RANKS];
     size_t nb = a->count * fsc_dtype_size(a->dtype);
     copy(fsc_shm_slot(g, g->rank, g->step), a->in, nb);
-    FSC_CHECK(open_collective(g, a));
+    FSC_CHECK(fsc_shm_open_collective(g, a));
     for (int p = 0; p < g->size; p++) srcs[p] = fsc_shm_slot(g, p, g->step);
     FSC_CHECK(fsc_shm_reduce(a->out, srcs, g->size, a->count, a->dtype, a->redop, g->size));
     g->step++;
@@ -252,7 +206,7 @@ static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
             copy(slot + hi * esz, src + hi * esz, (n - hi) * esz);
         }
         if (k == 0)
-            FSC_CHECK(open_collective(g, a));
+            FSC_CHECK(fsc_shm_open_collective(g, a));
         else /* after the last chunk, a rank with nothing to copy out only says its part is done */
             FSC_CHECK(fsc_shm_arrive(g, k < nchunks || receives));
         /* reduce before copying out: the peers wait for this part at the next barrier */
@@ -293,7 +247,7 @@ static fsc_status_t run_reduce_to_root(fsc_shm_group_t *g, const fsc_shm_args_t 
         size_t n = min_sz(per, a->count - off);
         if (!is_root) copy(fsc_shm_slot(g, g->rank, g->step), in + off * esz, n * esz);
         if (first)
-            FSC_CHECK(open_collective(g, a));
+            FSC_CHECK(fsc_shm_open_collective(g, a));
         else
             FSC_CHECK(fsc_shm_arrive(g, 1));
         if (is_root && n > 0) {
@@ -308,8 +262,6 @@ static fsc_status_t run_reduce_to_root(fsc_shm_group_t *g, const fsc_shm_args_t 
 }
 
 static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    if (use_direct(g, a->count * fsc_dtype_size(a->dtype), a->count * fsc_dtype_size(a->dtype)))
-        return run_broadcast_direct(g, a, a->count * fsc_dtype_size(a->dtype));
     size_t esz = fsc_dtype_size(a->dtype), per = g->piece / esz;
     int is_root = a->root == g->rank, streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
     for (size_t off = 0, first = 1; first || off < a->count; off += per, first = 0) {
@@ -320,7 +272,7 @@ static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
             copy((uint8_t *)a->out + off * esz, (const uint8_t *)a->in + off * esz, nb);
         }
         if (first)
-            FSC_CHECK(open_collective(g, a));
+            FSC_CHECK(fsc_shm_open_collective(g, a));
         else
             FSC_CHECK(fsc_shm_arrive(g, 1));
         if (!is_root) copy_out((uint8_t *)a->out + off * esz, slot, nb, streaming);
@@ -330,8 +282,9 @@ static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
 }
 
 static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    if (fsc_shm_direct_fits(g, a)) return fsc_shm_direct_run(g, a);
     switch (a->op) {
-        case FSC_OP_BARRIER: return open_collective(g, a);
+        case FSC_OP_BARRIER: return fsc_shm_open_collective(g, a);
         case FSC_OP_ALL_GATHER: return run_all_gather(g, a);
         case FSC_OP_REDUCE_SCATTER: return run_reduce_scatter(g, a);
         case FSC_OP_ALL_REDUCE: return run_all_reduce(g, a);

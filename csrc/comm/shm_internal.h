@@ -30,8 +30,9 @@ typedef struct {
      * joining, the rank publishes its limit and a random cookie that it also keeps in its own
      * memory at cookie_addr; at join every rank reads every peer's cookie that way and says
      * whether it could (direct_ok). */
-    _Alignas(FSC_SHM_LINE) uint64_t direct_addr; /* the current direct op's source, in this rank's address space */
-    uint64_t direct_max;                         /* this rank's FAIRSCALE_C_SHM_DIRECT_MAX */
+    _Alignas(FSC_SHM_LINE) uint64_t direct_in; /* the current direct op's input, in this rank's address space */
+    uint64_t direct_out;                       /* ... and its output (all_reduce) */
+    uint64_t direct_max;                       /* this rank's FAIRSCALE_C_SHM_DIRECT_MAX */
     uint64_t direct_cookie, direct_cookie_addr;
     _Atomic uint32_t direct_ok; /* 0: not probed yet; 1: read every peer's cookie; 2: could not */
 } fsc_shm_rank_ctrl_t;
@@ -105,7 +106,8 @@ struct fsc_shm_group {
      * check that they can. */
     size_t direct_max;
     uint64_t direct_cookie;
-    int spins, yields; /* a waiter's pause and sched_yield budget before it sleeps (shm.c, wait_budget) */
+    uint8_t *direct_scratch; /* (size - 1) pieces the reductions read the peers' data into (shm_direct.c) */
+    int spins, yields;       /* a waiter's pause and sched_yield budget before it sleeps (shm.c, wait_budget) */
     /* private copies of the segment's offsets, validated once at attach: a peer that rewrites
      * the header afterwards cannot move this rank's reads and writes */
     size_t off_slots, off_result, off_p2p;
@@ -214,6 +216,10 @@ fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic ui
 /* Copy n bytes at address `src` of rank `peer`'s process into `dst` (process_vm_readv). Returns 0,
  * or the errno of the failed read (EIO for a read that moved nothing). */
 int fsc_shm_peer_read(const fsc_shm_group_t *g, int peer, void *dst, uint64_t src, size_t n);
+
+/* First barrier of a collective: publish the op's header, wait for every rank, compare the
+ * headers (FSC_ERR_MISMATCH naming both sides when they differ). */
+fsc_status_t fsc_shm_open_collective(fsc_shm_group_t *g, const fsc_shm_args_t *a);
 
 /* Bump this rank's barrier epoch; with `wait`, block until every other rank has reached it. */
 fsc_status_t fsc_shm_arrive(fsc_shm_group_t *g, int wait);
