@@ -11,9 +11,9 @@
  * The window (fsc_shm_direct_fits): all_gather, reduce_scatter and broadcast from blocks of
  * FSC_SHM_DIRECT_MIN bytes, below which the system call costs more than the slots; all_reduce from
  * FSC_SHM_DIRECT_ALL_REDUCE_MIN, below which its two rounds of reads lost to the slots' pipeline;
- * every op up to g->direct_max bytes, above which the slots' streaming stores win. reduce keeps the
- * slots: the root alone would copy every peer's input. Measurements: docs/benchmarks.md, "Direct
- * reads". */
+ * every op up to g->direct_max bytes (reduce_scatter's input up to 8 MiB), above which the slots'
+ * pipeline with streaming stores won or drew. reduce keeps the slots: the root alone would copy
+ * every peer's input. Measurements: docs/benchmarks.md, "Direct reads". */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +24,7 @@
 #define FSC_SHM_DIRECT_MIN ((size_t)32 << 10)
 #define FSC_SHM_DIRECT_PIECE ((size_t)256 << 10) /* bytes per peer per reduction step */
 #define FSC_SHM_DIRECT_ALL_REDUCE_MIN ((size_t)2 << 20)
+#define FSC_SHM_DIRECT_REDUCE_SCATTER_MAX ((size_t)8 << 20)
 
 static size_t min_sz(size_t a, size_t b) {
     return a < b ? a : b;
@@ -42,8 +43,9 @@ int fsc_shm_direct_fits(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     if (g->direct_max == 0) return 0;
     size_t nb = a->count * fsc_dtype_size(a->dtype), n = (size_t)g->size;
     switch (a->op) {
-        case FSC_OP_ALL_GATHER:
-        case FSC_OP_REDUCE_SCATTER: return nb >= FSC_SHM_DIRECT_MIN && nb * n <= g->direct_max;
+        case FSC_OP_ALL_GATHER: return nb >= FSC_SHM_DIRECT_MIN && nb * n <= g->direct_max;
+        case FSC_OP_REDUCE_SCATTER:
+            return nb >= FSC_SHM_DIRECT_MIN && nb * n <= g->direct_max && nb * n <= FSC_SHM_DIRECT_REDUCE_SCATTER_MAX;
         case FSC_OP_BROADCAST: return nb >= FSC_SHM_DIRECT_MIN && nb <= g->direct_max;
         case FSC_OP_ALL_REDUCE: return nb >= FSC_SHM_DIRECT_ALL_REDUCE_MIN && nb <= g->direct_max;
         default: return 0; /* reduce: the root alone would copy everything (slower, measured) */
