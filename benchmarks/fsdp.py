@@ -301,6 +301,12 @@ def wrap_torch_fsdp2(model: GPT, cfg: Config) -> nn.Module:
     reduce = torch.float32 if cfg.reduce_fp32 else torch.bfloat16
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if cfg.bf16 else None
     kwargs: Dict[str, Any] = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    if next(model.parameters()).device.type == "cpu":
+        # FSDP2's default mesh takes the CUDA device type whenever CUDA is available, so CPU ranks
+        # of a CUDA build of torch would each claim a GPU (and fail with fewer GPUs than ranks)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["mesh"] = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
