@@ -601,15 +601,17 @@ int fsc_shm_peer_read(const fsc_shm_group_t *g, int peer, void *dst, uint64_t sr
  * peer: same user, and no stricter ptrace policy) and publishes whether all matched. Direct
  * reads are on when every rank could, up to the smallest FAIRSCALE_C_SHM_DIRECT_MAX of any
  * rank. A peer in another pid namespace, or a kernel that refuses, turns them off for the whole
- * group; nothing else changes. */
+ * group; nothing else changes. When any rank's limit is 0 nobody probes: no process_vm_readv is
+ * made at all. */
 static fsc_status_t agree_direct(fsc_shm_group_t *g, double deadline) {
     fsc_shm_rank_ctrl_t *me = &g->ranks[g->rank];
-    uint64_t max = me->direct_max;
-    int ok = g->size > 1 && max > 0;
+    uint64_t max = UINT64_MAX;
+    for (int p = 0; p < g->size; p++)
+        if (g->ranks[p].direct_max < max) max = g->ranks[p].direct_max;
+    int ok = g->size > 1 && max > 0; /* no rank reads any peer when one of them turned it off */
     for (int p = 0; p < g->size && ok; p++) {
         if (p == g->rank) continue;
         uint64_t v = 0;
-        if (g->ranks[p].direct_max < max) max = g->ranks[p].direct_max;
         int err = fsc_shm_peer_read(g, p, &v, g->ranks[p].direct_cookie_addr, sizeof(v));
         if (err != 0 || v != g->ranks[p].direct_cookie) {
             FSC_INFO("shm", "group '%s' rank %d: cannot read rank %d's memory (%s); direct reads off", g->name, g->rank,
