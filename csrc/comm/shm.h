@@ -141,8 +141,8 @@ int fsc_shm_group_rank(const fsc_shm_group_t *g);
 int fsc_shm_group_size(const fsc_shm_group_t *g);
 const char *fsc_shm_group_name(const fsc_shm_group_t *g);
 
-/* Largest all_gather output or broadcast, in bytes, that this group's ranks read straight from
- * each other's memory (process_vm_readv) instead of through the slots: agreed by every rank at
+/* Largest op, in bytes, whose data this group's ranks may read straight from each other's memory
+ * (process_vm_readv) instead of through the slots (shm_direct.c has the window): agreed by every rank at
  * fsc_shm_group_join from FAIRSCALE_C_SHM_DIRECT_MAX (default 16 MiB; the smallest of the ranks'
  * values), 0 when any rank cannot read its peers' memory or the group has one rank. */
 size_t fsc_shm_group_direct_max(const fsc_shm_group_t *g);

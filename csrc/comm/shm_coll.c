@@ -165,15 +165,6 @@ static fsc_status_t run_small_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_
     return FSC_OK;
 }
 
-/* This rank's part [*lo, *hi) of an all_reduce chunk of n elements: 1/size of it, rounded up to
- * 64 bytes so that no two ranks write the same cache line of the result. */
-static void reduce_part(const fsc_shm_group_t *g, size_t n, size_t esz, size_t *lo, size_t *hi) {
-    size_t align = 64 / esz;
-    size_t part = ((n + (size_t)g->size - 1) / (size_t)g->size + align - 1) / align * align;
-    *lo = min_sz(n, (size_t)g->rank * part);
-    *hi = min_sz(n, *lo + part);
-}
-
 /* all_reduce, and reduce on larger groups, software-pipelined with one barrier per chunk. Step k: post chunk k into
  * my slot (every part but my own, which is read straight from `in`); barrier; reduce my part of
  * chunk k over all ranks into the shared result buffer (step & 1); copy chunk k-1's result out
@@ -199,7 +190,7 @@ static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
     for (size_t k = 0; k <= nchunks; k++) {
         size_t off = k * per, n = k < nchunks ? min_sz(per, a->count - off) : 0;
         if (k < nchunks) {
-            reduce_part(g, n, esz, &lo, &hi);
+            fsc_shm_part(g, g->rank, n, esz, &lo, &hi);
             const uint8_t *src = in + off * esz;
             uint8_t *slot = fsc_shm_slot(g, g->rank, g->step);
             copy(slot, src, lo * esz);

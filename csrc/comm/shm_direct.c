@@ -30,15 +30,6 @@ static size_t min_sz(size_t a, size_t b) {
     return a < b ? a : b;
 }
 
-/* Elements of rank r's part of an all_reduce of n elements: 1/size of it, rounded up to 64 bytes
- * so that no two ranks write the same cache line. */
-static void part_of(const fsc_shm_group_t *g, int r, size_t n, size_t esz, size_t *lo, size_t *hi) {
-    size_t align = 64 / esz;
-    size_t part = ((n + (size_t)g->size - 1) / (size_t)g->size + align - 1) / align * align;
-    *lo = min_sz(n, (size_t)r * part);
-    *hi = min_sz(n, *lo + part);
-}
-
 int fsc_shm_direct_fits(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     if (g->direct_max == 0) return 0;
     size_t nb = a->count * fsc_dtype_size(a->dtype), n = (size_t)g->size;
@@ -133,12 +124,12 @@ static fsc_status_t all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     const uint8_t *in = a->in;
     publish(g, a->in, a->out);
     FSC_CHECK(fsc_shm_open_collective(g, a));
-    part_of(g, g->rank, a->count, esz, &lo, &hi);
+    fsc_shm_part(g, g->rank, a->count, esz, &lo, &hi);
     FSC_CHECK(reduce_from_peers(g, a, out + lo * esz, in + lo * esz, lo * esz, hi - lo));
     FSC_CHECK(fsc_shm_arrive(g, 1));
     for (int k = 1; k < g->size; k++) {
         int p = (g->rank + k) % g->size;
-        part_of(g, p, a->count, esz, &lo, &hi);
+        fsc_shm_part(g, p, a->count, esz, &lo, &hi);
         if (hi > lo) FSC_CHECK(read_peer(g, p, out + lo * esz, g->ranks[p].direct_out + lo * esz, (hi - lo) * esz));
     }
     return fsc_shm_arrive(g, 1);

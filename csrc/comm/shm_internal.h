@@ -26,9 +26,9 @@ typedef struct {
      * several point-to-point ops in flight sleeps on one futex word. */
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t bell;
     _Atomic uint32_t bell_sleepers;
-    /* Direct reads (shm_coll.c): the peers copy this rank's buffer with process_vm_readv. Before
-     * joining, the rank publishes its limit and a random cookie that it also keeps in its own
-     * memory at cookie_addr; at join every rank reads every peer's cookie that way and says
+    /* Direct reads (shm_direct.c): the peers copy this rank's buffers with process_vm_readv.
+     * Before joining, the rank publishes its limit and a random cookie that it also keeps in its
+     * own memory at direct_cookie_addr; at join every rank reads every peer's cookie that way and says
      * whether it could (direct_ok). */
     _Alignas(FSC_SHM_LINE) uint64_t direct_in; /* the current direct op's input, in this rank's address space */
     uint64_t direct_out;                       /* ... and its output (all_reduce) */
@@ -101,9 +101,8 @@ struct fsc_shm_group {
     fsc_shm_rank_ctrl_t *ranks;
     fsc_shm_chan_t *chans; /* [src * size + dst] */
     size_t chunk, p2p_chunk, piece;
-    /* all_gather outputs and broadcasts of at most this many bytes are read straight from the
-     * peers' memory (agreed by every rank at join; 0: never). direct_cookie is what peers read to
-     * check that they can. */
+    /* largest op that may read the peers' memory directly (shm_direct.c; agreed by every rank at
+     * join; 0: never). direct_cookie is what peers read to check that they can. */
     size_t direct_max;
     uint64_t direct_cookie;
     uint8_t *direct_scratch; /* (size - 1) pieces the reductions read the peers' data into (shm_direct.c) */
@@ -144,6 +143,15 @@ static inline uint8_t *fsc_shm_slot(fsc_shm_group_t *g, int r, uint64_t step) {
 
 static inline uint8_t *fsc_shm_result(fsc_shm_group_t *g, uint64_t step) {
     return g->base + g->off_result + (size_t)(step & 1) * g->chunk;
+}
+
+/* Rank r's part [*lo, *hi) of n elements an all_reduce splits among the ranks: 1/size of them,
+ * rounded up to 64 bytes so that no two ranks write the same cache line. */
+static inline void fsc_shm_part(const fsc_shm_group_t *g, int r, size_t n, size_t esz, size_t *lo, size_t *hi) {
+    size_t align = 64 / esz;
+    size_t part = ((n + (size_t)g->size - 1) / (size_t)g->size + align - 1) / align * align;
+    *lo = (size_t)r * part < n ? (size_t)r * part : n;
+    *hi = *lo + part < n ? *lo + part : n;
 }
 
 static inline fsc_shm_chan_t *fsc_shm_chan(fsc_shm_group_t *g, int src, int dst) {

@@ -515,7 +515,7 @@ static PyGetSetDef Group_getset[] = {
     {"rank", (getter)Group_get_rank, NULL, "This process's rank in the group.", NULL},
     {"size", (getter)Group_get_size, NULL, "Number of ranks.", NULL},
     {"direct_max", (getter)Group_get_direct_max, NULL,
-     "Largest all_gather output or broadcast, in bytes, that ranks read straight from each other's memory "
+     "Largest op, in bytes, whose data ranks may read straight from each other's memory "
      "(agreed at join; 0: never).",
      NULL},
     {"closed", (getter)Group_get_closed, NULL, "True after close().", NULL},
