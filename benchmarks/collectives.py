@@ -12,6 +12,7 @@ and writes JSON.
     python benchmarks/collectives.py --plot out.png  # also plot (needs matplotlib)
     python benchmarks/collectives.py --worlds 2 --sizes 16M 64M --repeats 5   # targets from 5 passes
     python benchmarks/collectives.py --device cuda   # NCCL backend vs torch's NCCL (one GPU: under MPS)
+    python benchmarks/collectives.py --shared        # also rows with the buffers in shared tensors
     python benchmarks/collectives.py --latency       # small-message latency, 8 B .. 64 KiB
     python benchmarks/collectives.py --latency --markdown   # ... and the table as docs/benchmarks.md has it
 
@@ -118,10 +119,11 @@ def _time_op(fn, barrier, iters: int) -> float:
     return statistics.median(samples)
 
 
-def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, device: str, q) -> None:
+def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, device: str, shared: bool, q) -> None:
     """One rank: every op and size on fairscale_c's group and on torch.distributed, same tensors.
     On CUDA the comparison is torch's NCCL process group, and each timed call ends with a device
-    synchronisation (both libraries only enqueue)."""
+    synchronisation (both libraries only enqueue). With `shared`, each op is timed once more on
+    fairscale_c with its buffers in shared tensors (fdist.shared_empty), a row of its own."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -170,6 +172,11 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
             except Exception:  # gloo lacks some ops in some torch versions
                 t_gloo = float("nan")
             rows.append({"op": op, "bytes": numel * 4, "world": world, "t_ours": t_ours, "t_gloo": t_gloo})
+            if shared and not cuda:
+                ours = _shared_call(fdist, group, op, numel, rank, world)
+                t_shared = _time_op(ours, group.barrier, iters)
+                rows.append(dict(rows[-1], t_ours=t_shared, shared=True))
+                del ours
         if not cuda:
             # Every rank copies S bytes at the same moment: on a shared memory bus this is the
             # bandwidth a collective's copies actually get.
@@ -183,6 +190,28 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
     dist.destroy_process_group()
     if rank == 0:
         q.put(rows)
+
+
+def _shared_call(fdist: Any, group: Any, op: str, numel: int, rank: int, world: int) -> Callable[[], Any]:
+    """`op` on fairscale_c with the buffers every rank reads from the others in shared tensors (all_reduce:
+    the tensor; all_gather: the input, or the output it is a block of; reduce_scatter: the input)."""
+    block = numel // world
+    if op == "all_reduce":
+        t = fdist.shared_empty(numel, group=group)
+        t.copy_(torch.randn(numel))
+        return lambda: group.all_reduce(t)
+    if op == "all_gather":
+        inp, out = fdist.shared_empty(block, group=group), torch.empty(numel)
+        inp.copy_(torch.randn(block))
+        return lambda: group.all_gather(out, inp)
+    if op == "all_gather_inplace":
+        out = fdist.shared_empty(numel, group=group)
+        out.copy_(torch.randn(numel))
+        inp = out[rank * block : (rank + 1) * block]
+        return lambda: group.all_gather(out, inp)
+    inp, out = fdist.shared_empty(numel, group=group), torch.empty(block)
+    inp.copy_(torch.randn(numel))
+    return lambda: group.reduce_scatter(out, inp)
 
 
 def _memcpy_bw(nbytes: int, quick: bool, device: str = "cpu") -> float:
@@ -251,11 +280,11 @@ def _machine() -> Dict[str, Any]:
     }
 
 
-def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu") -> Dict:
+def run(worlds: List[int], sizes: List[int], quick: bool, device: str = "cpu", shared: bool = False) -> Dict:
     rows, load = [], {}
     for world in worlds:
         before = _cpu_times()
-        rows += _spawn_ranks(_rank_main, world, (sizes, quick, device), timeout_s=3600)
+        rows += _spawn_ranks(_rank_main, world, (sizes, quick, device, shared), timeout_s=3600)
         load[str(world)] = _load_during(before)
     memcpy = {n: _memcpy_bw(n, quick, device) for n in sizes}
     for r in rows:
@@ -302,6 +331,14 @@ _MEDIAN_KEYS = [
 ]
 
 
+def _row_key(r: Dict) -> tuple:
+    return (r["op"], r["world"], r["bytes"], r.get("shared", False))
+
+
+def _row_name(r: Dict) -> str:
+    return r["op"] + (" [shared]" if r.get("shared") else "")
+
+
 def combine_passes(passes: List[Dict]) -> Dict:
     """One result whose rows are the per-row medians over `passes` (results of run() on the same
     worlds and sizes), with the spread of the two target ratios in "vs_traffic_range" and
@@ -310,7 +347,7 @@ def combine_passes(passes: List[Dict]) -> Dict:
     rows = []
     for i, first in enumerate(passes[0]["rows"]):
         same = [p["rows"][i] for p in passes]
-        if any((r["op"], r["world"], r["bytes"]) != (first["op"], first["world"], first["bytes"]) for r in same):
+        if any(_row_key(r) != _row_key(first) for r in same):
             raise ValueError("combine_passes: the passes measured different rows")
         row = dict(first)
         for key in _MEDIAN_KEYS:
@@ -341,7 +378,7 @@ def print_spread(result: Dict) -> None:
         glo, ghi = r["vs_gloo_range"]
         mlo, mhi = r["memcpy_all_gbps_range"]
         print(
-            f"  {r['op']:<19}{_fmt_size(r['bytes']):>8}  /traffic {r['vs_traffic']:.2f} [{lo:.2f} - {hi:.2f}]"
+            f"  {_row_name(r):<28}{_fmt_size(r['bytes']):>8}  /traffic {r['vs_traffic']:.2f} [{lo:.2f} - {hi:.2f}]"
             f"  x gloo {r['vs_gloo']:.1f} [{glo:.1f} - {ghi:.1f}]"
             f"  memcpy/all {r['memcpy_all_gbps']:.1f} [{mlo:.1f} - {mhi:.1f}] GB/s"
         )
@@ -350,7 +387,7 @@ def print_spread(result: Dict) -> None:
 def print_table(result: Dict) -> None:
     base = "nccl" if result.get("device") == "cuda" else "gloo"  # the torch backend compared against
     head = (
-        f"{'op':<19}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{base + ' busbw':>12}"
+        f"{'op':<28}{'world':>6}{'size':>10}{'ours algbw':>12}{'ours busbw':>12}{base + ' busbw':>12}"
         f"{'memcpy':>9}{'memcpy/all':>11}{'x ' + base:>8}{'/memcpy':>9}{'/m.all':>8}{'traffic':>9}{'/traffic':>9}"
         f"{'us ours':>10}{'us ' + base:>10}"
     )
@@ -358,7 +395,7 @@ def print_table(result: Dict) -> None:
     print("-" * len(head))
     for r in result["rows"]:
         print(
-            f"{r['op']:<19}{r['world']:>6}{_fmt_size(r['bytes']):>10}{r['algbw_ours']:>12.2f}{r['busbw_ours']:>12.2f}"
+            f"{_row_name(r):<28}{r['world']:>6}{_fmt_size(r['bytes']):>10}{r['algbw_ours']:>12.2f}{r['busbw_ours']:>12.2f}"
             f"{r['busbw_gloo']:>12.2f}{r['memcpy_gbps']:>9.2f}{r.get('memcpy_all_gbps', float('nan')):>11.2f}"
             f"{r['vs_gloo']:>8.2f}{r['vs_memcpy']:>9.2f}{r.get('vs_memcpy_all', float('nan')):>8.2f}"
             f"{r.get('traffic_busbw', float('nan')):>9.2f}{r.get('vs_traffic', float('nan')):>9.2f}"
@@ -415,7 +452,7 @@ def bandwidth_verdict(rows: List[Dict]) -> List[str]:
         if r["vs_gloo"] < BW_GLOO_TARGET:
             misses.append(f"{r['vs_gloo']:.1f}x gloo < {BW_GLOO_TARGET:g}x")
         verdict = "met" if not misses else "NOT met: " + ", ".join(misses)
-        lines.append(f"target {r['op']} {_fmt_size(r['bytes'])}: {verdict}")
+        lines.append(f"target {_row_name(r)} {_fmt_size(r['bytes'])}: {verdict}")
     return lines
 
 
@@ -429,12 +466,20 @@ def plot(result: Dict, path: str) -> None:
     fig, axes = plt.subplots(len(worlds), len(OPS), figsize=(5 * len(OPS), 3.6 * len(worlds)), squeeze=False)
     for i, w in enumerate(worlds):
         for j, op in enumerate(OPS):
-            rows = [r for r in result["rows"] if r["world"] == w and r["op"] == op]
+            rows = [r for r in result["rows"] if r["world"] == w and r["op"] == op and not r.get("shared")]
+            shared = [r for r in result["rows"] if r["world"] == w and r["op"] == op and r.get("shared")]
             x = [r["bytes"] for r in rows]
             ax = axes[i][j]
             ax.plot(x, [r["busbw_ours"] for r in rows], "o-", label="fairscale_c shm")
+            if shared:
+                xs, ys = [r["bytes"] for r in shared], [r["busbw_ours"] for r in shared]
+                ax.plot(xs, ys, "D-", label="... shared tensors")
             if op == "all_gather":
-                inplace = [r for r in result["rows"] if r["world"] == w and r["op"] == "all_gather_inplace"]
+                inplace = [
+                    r
+                    for r in result["rows"]
+                    if r["world"] == w and r["op"] == "all_gather_inplace" and not r.get("shared")
+                ]
                 ax.plot(
                     [r["bytes"] for r in inplace],
                     [r["busbw_ours"] for r in inplace],
@@ -913,7 +958,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         help="bandwidth mode: run every measurement this many times (fresh ranks each pass) and print and judge "
         "the per-row medians, with the spread of the target ratios",
     )
+    ap.add_argument(
+        "--shared",
+        action="store_true",
+        help="bandwidth mode, CPU: also time every op with its buffers in shared tensors "
+        "(fairscale_c.distributed.shared_empty), in rows marked [shared] beside the ordinary ones",
+    )
     args = ap.parse_args(argv)
+    if args.shared and (args.latency or args.device != "cpu"):
+        ap.error("--shared goes with the CPU bandwidth mode")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -940,7 +993,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     passes = []
     for i in range(args.repeats):
-        passes.append(run(args.worlds, sizes, args.quick, args.device))
+        passes.append(run(args.worlds, sizes, args.quick, args.device, args.shared))
         if args.repeats > 1:
             print(f"pass {i + 1} of {args.repeats} done", flush=True)
     result = passes[0] if args.repeats == 1 else combine_passes(passes)

@@ -13,6 +13,8 @@ import socket
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+import pytest
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -38,6 +40,55 @@ def orphaned_segments() -> set:
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             orphans.add(name)
     return orphans
+
+
+@pytest.fixture
+def clean_dev_shm():
+    """Import it into a test module (autouse there) to fail a test that leaves segments behind."""
+    before = orphaned_segments()
+    yield
+    assert orphaned_segments() - before == set(), "shared-memory segments left in /dev/shm"
+
+
+def rank_data(rank: int, n: int, dtype: Any, salt: int) -> Any:
+    """n deterministic elements for `rank`: normal floats, or small non-negative integers."""
+    import torch
+
+    g = torch.Generator().manual_seed(rank * 7919 + n * 31 + salt)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    return torch.randint(0, 250, (n,), generator=g).to(dtype)
+
+
+class Checks:
+    """A rank's comparisons of collective results with a torch reference: the mismatches are
+    collected in `failures` (returned to the test, which asserts there are none)."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.failures = world, []
+
+    def __call__(self, got: Any, want: Any, what: str, reduced: bool = False) -> None:
+        # copies are exact; so is a reduction over two ranks (either order gives the same bits),
+        # while over more ranks its order may differ from torch's
+        import torch
+
+        try:
+            if not reduced or self.world == 2 or not got.dtype.is_floating_point:
+                assert torch.equal(got, want), f"{(got != want).sum().item()} elements differ"
+            elif got.element_size() == 2:
+                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+            else:
+                torch.testing.assert_close(got, want)
+        except AssertionError as exc:
+            self.failures.append(f"{what}: {str(exc).splitlines()[0]}")
+
+    def summed(self, blocks: List[Any], dtype: Any, op: str = "sum") -> Any:
+        """The sum (or avg) of `blocks` as the engine rounds it: 16-bit floats accumulate in float32."""
+        import torch
+
+        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        acc = torch.stack([b.to(wide) for b in blocks]).sum(0)
+        return (acc / self.world if op == "avg" else acc).to(dtype)
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, env: Dict[str, str], q: Any, args: tuple) -> None:

@@ -18,17 +18,13 @@ import time
 import pytest
 import torch
 
-from dist_utils import orphaned_segments, run_ranks
+from dist_utils import Checks, clean_dev_shm, rank_data, run_ranks  # noqa: F401 (a fixture)
 
 KiB, MiB = 1024, 1024 * 1024
 DIRECT_MIN = 32 * KiB  # csrc/comm/shm_coll.c, FSC_SHM_DIRECT_MIN
 
 
-@pytest.fixture(autouse=True)
-def clean_dev_shm():
-    before = orphaned_segments()
-    yield
-    assert orphaned_segments() - before == set(), "shared-memory segments left in /dev/shm"
+pytestmark = pytest.mark.usefixtures("clean_dev_shm")
 
 
 _READER = r"""
@@ -53,13 +49,6 @@ def _peers_can_read() -> bool:
         timeout=60,
     )
     return r.returncode == 0
-
-
-def _data(rank: int, n: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(rank * 7919 + n * 31 + salt)
-    if dtype.is_floating_point:
-        return torch.randn(n, generator=g).to(dtype)
-    return torch.randint(0, 250, (n,), generator=g).to(dtype)
 
 
 def _limit_job(rank: int, world: int, limits):
@@ -97,25 +86,8 @@ def _ops_job(rank: int, world: int):
 
     group = fdist.init_group(name="direct")
     limit = group._shm.direct_max
-    failures, digests = [], []
-
-    def check(got, want, what, reduced=False):
-        # copies are exact; so is a reduction over two ranks (either order gives the same bits), while
-        # over more ranks its order may differ from torch's
-        try:
-            if not reduced or world == 2 or not got.dtype.is_floating_point:
-                assert torch.equal(got, want), f"{(got != want).sum().item()} elements differ"
-            elif got.element_size() == 2:
-                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-            else:
-                torch.testing.assert_close(got, want)
-        except AssertionError as exc:
-            failures.append(f"{what}: {str(exc).splitlines()[0]}")
-
-    def summed(blocks, dtype, op="sum"):
-        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        acc = torch.stack([b.to(wide) for b in blocks]).sum(0)
-        return (acc / world if op == "avg" else acc).to(dtype)
+    check, digests = Checks(world), []
+    failures, summed = check.failures, check.summed
 
     # blocks just below the minimum (slots), at it (direct), odd byte counts, and ops just above
     # the limit (slots again) and at it
@@ -129,7 +101,7 @@ def _ops_job(rank: int, world: int):
         (torch.float32, LIMIT // world),
     ]:
         n = nbytes // torch.empty(0, dtype=dtype).element_size()
-        xs = [_data(r, n, dtype, 1) for r in range(world)]
+        xs = [rank_data(r, n, dtype, 1) for r in range(world)]
         want = torch.cat(xs)
         out = torch.empty(n * world, dtype=dtype)
         group.all_gather(out, xs[rank])
@@ -142,7 +114,7 @@ def _ops_job(rank: int, world: int):
             t = xs[rank].clone()
             group.broadcast(t, root=root)
             check(t, xs[root], f"broadcast root {root} {dtype} {nbytes} B")
-        full = [_data(r, n * world, dtype, 2) for r in range(world)]
+        full = [rank_data(r, n * world, dtype, 2) for r in range(world)]
         ops = ["sum", "max"] + (["avg"] if dtype.is_floating_point else [])
         for op in ops:
             blocks = [f[rank * n : (rank + 1) * n] for f in full]
@@ -163,7 +135,7 @@ def _ops_job(rank: int, world: int):
         (torch.int32, LIMIT + 4),
     ]:
         n = nbytes // torch.empty(0, dtype=dtype).element_size()
-        xs = [_data(r, n, dtype, 3) for r in range(world)]
+        xs = [rank_data(r, n, dtype, 3) for r in range(world)]
         for op in ["sum", "avg", "min"] if dtype.is_floating_point else ["sum", "min"]:
             t = xs[rank].clone()
             group.all_reduce(t, op=op)
@@ -174,7 +146,7 @@ def _ops_job(rank: int, world: int):
     n = 72 * KiB  # divisible by 2 and 3
     works, checks = [], []
     for i in range(6):
-        xs = [_data(r, n, torch.float32, 10 + i) for r in range(world)]
+        xs = [rank_data(r, n, torch.float32, 10 + i) for r in range(world)]
         out = torch.empty(n * world)
         works.append(group.all_gather(out, xs[rank], async_op=True))
         checks.append((out, torch.cat(xs), f"async all_gather {i}"))

@@ -522,6 +522,10 @@ int fsc_shm_group_rank(const fsc_shm_group_t *g) {
 size_t fsc_shm_group_direct_max(const fsc_shm_group_t *g) {
     return g->direct_max;
 }
+
+uint64_t fsc_shm_group_mapped_ops(const fsc_shm_group_t *g) {
+    return atomic_load_explicit(&g->mapped_ops, memory_order_relaxed);
+}
 int fsc_shm_group_size(const fsc_shm_group_t *g) {
     return g->size;
 }

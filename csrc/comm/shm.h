@@ -147,4 +147,8 @@ const char *fsc_shm_group_name(const fsc_shm_group_t *g);
  * values), 0 when any rank cannot read its peers' memory or the group has one rank. */
 size_t fsc_shm_group_direct_max(const fsc_shm_group_t *g);
 
+/* Collectives this group has run on its ranks' shared tensors, copying straight between their
+ * mappings (shm_direct.c; diagnostics and tests). */
+uint64_t fsc_shm_group_mapped_ops(const fsc_shm_group_t *g);
+
 #endif /* FSC_SHM_H */

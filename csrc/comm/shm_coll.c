@@ -26,14 +26,27 @@ static void copy(void *dst, const void *src, size_t n) {
     if (n != 0 && dst != src) memcpy(dst, src, n);
 }
 
-/* Ops whose output is at least this large write it with streaming stores (below). */
-#define FSC_SHM_STREAM_MIN ((size_t)16 << 20)
+#if defined(__x86_64__)
+/* One 64-byte line from s to d with streaming stores (d 16-byte aligned). */
+static inline void stream_line(uint8_t *d, const uint8_t *s) {
+    __m128i a = _mm_loadu_si128((const __m128i *)s);
+    __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+    __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+    _mm_stream_si128((__m128i *)d, a);
+    _mm_stream_si128((__m128i *)(d + 16), b);
+    _mm_stream_si128((__m128i *)(d + 32), c);
+    _mm_stream_si128((__m128i *)(d + 48), e);
+}
+#endif
 
 /* Copy into an output that is too large to stay in the caches: non-temporal stores skip the
- * read-for-ownership of every destination line, a third of a normal copy's memory traffic
- * (measurements: docs/benchmarks.md, "Why these settings"). The source (a slot, still in the
- * cache) is read normally. */
-static void copy_out(void *dst, const void *src, size_t n, int streaming) {
+ * read-for-ownership of every destination line, a third of a normal copy's memory traffic. Four
+ * pages are copied side by side, a line of each in turn, which keeps more of the memory's pages
+ * open at once than one stream (measurements: docs/benchmarks.md, "Why these settings" and
+ * "Shared tensors"). The source (a slot still in the cache, or a peer's shared tensor) is read
+ * normally. */
+void fsc_shm_copy_out(void *dst, const void *src, size_t n, int streaming) {
 #if defined(__x86_64__)
     if (streaming && n >= 4096 && dst != src) {
         uint8_t *d = dst;
@@ -41,16 +54,10 @@ static void copy_out(void *dst, const void *src, size_t n, int streaming) {
         size_t head = (16 - ((uintptr_t)d & 15)) & 15;
         memcpy(d, s, head);
         size_t i = head;
-        for (; i + 64 <= n; i += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-            _mm_stream_si128((__m128i *)(d + i), a);
-            _mm_stream_si128((__m128i *)(d + i + 16), b);
-            _mm_stream_si128((__m128i *)(d + i + 32), c);
-            _mm_stream_si128((__m128i *)(d + i + 48), e);
-        }
+        for (; i + 4 * 4096 <= n; i += 4 * 4096)
+            for (size_t j = 0; j < 4096; j += 64)
+                for (size_t k = 0; k < 4 * 4096; k += 4096) stream_line(d + i + k + j, s + i + k + j);
+        for (; i + 64 <= n; i += 64) stream_line(d + i, s + i);
         _mm_sfence(); /* order the streaming stores before the barrier's release that follows */
         memcpy(d + i, s + i, n - i);
         return;
@@ -110,9 +117,9 @@ static fsc_status_t run_all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
          * tried; the difference stayed inside this machine's run-to-run noise.) */
         for (int p = 0; p < g->size; p++) {
             if (p != g->rank)
-                copy_out(out + (size_t)p * row + off * esz, fsc_shm_slot(g, p, g->step), nb, streaming);
+                fsc_shm_copy_out(out + (size_t)p * row + off * esz, fsc_shm_slot(g, p, g->step), nb, streaming);
             else if (mine_out != mine)
-                copy_out(mine_out, mine, nb, streaming);
+                fsc_shm_copy_out(mine_out, mine, nb, streaming);
         }
         g->step++;
     }
@@ -210,7 +217,8 @@ static fsc_status_t run_all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) 
         }
         if (k > 0 && receives) {
             size_t prev = off - per;
-            copy_out(out + prev * esz, fsc_shm_result(g, g->step - 1), min_sz(per, a->count - prev) * esz, streaming);
+            fsc_shm_copy_out(out + prev * esz, fsc_shm_result(g, g->step - 1), min_sz(per, a->count - prev) * esz,
+                             streaming);
         }
         if (k < nchunks) g->step++;
     }
@@ -266,14 +274,16 @@ static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
             FSC_CHECK(fsc_shm_open_collective(g, a));
         else
             FSC_CHECK(fsc_shm_arrive(g, 1));
-        if (!is_root) copy_out((uint8_t *)a->out + off * esz, slot, nb, streaming);
+        if (!is_root) fsc_shm_copy_out((uint8_t *)a->out + off * esz, slot, nb, streaming);
         g->step++;
     }
     return FSC_OK;
 }
 
 static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    if (fsc_shm_direct_fits(g, a)) return fsc_shm_direct_run(g, a);
+    int ran = 0;
+    FSC_CHECK(fsc_shm_direct_run(g, a, &ran));
+    if (ran) return FSC_OK;
     switch (a->op) {
         case FSC_OP_BARRIER: return fsc_shm_open_collective(g, a);
         case FSC_OP_ALL_GATHER: return run_all_gather(g, a);

@@ -1,33 +1,49 @@
-/* shm_direct.c — direct reads: in a window of sizes, a collective moves each byte from its owner's
- * buffer into the reader's with one copy (process_vm_readv, done by the kernel) instead of two
- * through the slots, and passes two or three barriers in all instead of one per piece.
+/* shm_direct.c — direct collectives: a collective moves each byte from its owner's buffer into the
+ * reader's with one copy instead of two through the slots, and passes two or three barriers in all
+ * instead of one per piece. Two ways to reach a peer's buffer:
+ *   - mapped: every rank's buffers lie in the same shared tensor allocation (shm_shared.h), which
+ *     every rank maps; a plain copy from (or, all_reduce, into) the peer's memory;
+ *   - read: process_vm_readv, the kernel copying from the peer's private memory (about half of
+ *     memcpy's speed, measured), in the window of sizes where that beats the slots.
  *
- * Every rank publishes the addresses of its input (and output) in its control block before the
- * op's first barrier; the peers read them after it. The last barrier tells each rank that nobody
- * reads its buffers any more, so the op may return. Reductions read the peers' data piece by piece
- * into a private scratch that stays in the cache and reduce it with the rank's own input first,
- * then the others in rank order, as the slot algorithms do.
+ * Every rank publishes its input's (and output's) address, and where they lie in shared
+ * allocations, in its control block before the op's first barrier; after it every rank sees the
+ * same publications, so every rank picks the same way. The last barrier tells each rank that
+ * nobody touches its buffers any more, so the op may return. Reductions combine the rank's own
+ * input first, then the others in rank order, as the slot algorithms do.
  *
- * The window (fsc_shm_direct_fits): all_gather, reduce_scatter and broadcast from blocks of
- * FSC_SHM_DIRECT_MIN bytes, below which the system call costs more than the slots; all_reduce from
- * FSC_SHM_DIRECT_ALL_REDUCE_MIN, below which its two rounds of reads lost to the slots' pipeline;
- * every op up to g->direct_max bytes (reduce_scatter's input up to 8 MiB), above which the slots'
- * pipeline with streaming stores won or drew. reduce keeps the slots: the root alone would copy
- * every peer's input. Measurements: docs/benchmarks.md, "Direct reads". */
+ * When it runs direct (fsc_shm_direct_run):
+ *   - in the read window (fsc_shm_direct_fits): all_gather, reduce_scatter and broadcast from
+ *     blocks of FSC_SHM_DIRECT_MIN bytes, below which the system call costs more than the slots;
+ *     all_reduce from FSC_SHM_DIRECT_ALL_REDUCE_MIN, below which its two rounds of reads lost to the
+ *     slots' pipeline; every op up to g->direct_max bytes (reduce_scatter's input up to 8 MiB),
+ *     above which the slots' pipeline with streaming stores won or drew. Mapped when it can be,
+ *     read otherwise.
+ *   - outside it, from FSC_SHM_SHARED_MIN bytes: the ranks first compare their publications; mapped
+ *     when every rank's buffers are shared, else the slots (one barrier more than the slots alone).
+ * reduce keeps the slots: the root alone would copy every peer's input. Measurements:
+ * docs/benchmarks.md, "Direct reads" and "Shared tensors". */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "comm/shm_direct.h"
 #include "comm/shm_reduce.h"
+#include "comm/shm_shared.h"
 
 #define FSC_SHM_DIRECT_MIN ((size_t)32 << 10)
 #define FSC_SHM_DIRECT_PIECE ((size_t)256 << 10) /* bytes per peer per reduction step */
 #define FSC_SHM_DIRECT_ALL_REDUCE_MIN ((size_t)2 << 20)
 #define FSC_SHM_DIRECT_REDUCE_SCATTER_MAX ((size_t)8 << 20)
+#define FSC_SHM_SHARED_MIN ((size_t)1 << 20)
 
 static size_t min_sz(size_t a, size_t b) {
     return a < b ? a : b;
+}
+
+static size_t op_bytes(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    size_t nb = a->count * fsc_dtype_size(a->dtype);
+    return a->op == FSC_OP_ALL_GATHER || a->op == FSC_OP_REDUCE_SCATTER ? nb * (size_t)g->size : nb;
 }
 
 int fsc_shm_direct_fits(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
@@ -43,7 +59,18 @@ int fsc_shm_direct_fits(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     }
 }
 
-/* Copy n bytes at address `src` of rank p into dst. */
+/* Outside the read window, an op this large asks whether every rank's buffers are shared. */
+static int may_map(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    switch (a->op) {
+        case FSC_OP_ALL_GATHER:
+        case FSC_OP_REDUCE_SCATTER:
+        case FSC_OP_BROADCAST:
+        case FSC_OP_ALL_REDUCE: return op_bytes(g, a) >= FSC_SHM_SHARED_MIN;
+        default: return 0;
+    }
+}
+
+/* Copy n bytes at address `src` of rank p into dst (process_vm_readv). */
 static fsc_status_t read_peer(fsc_shm_group_t *g, int p, void *dst, uint64_t src, size_t n) {
     int err = fsc_shm_peer_read(g, p, dst, src, n);
     if (err == 0) return FSC_OK;
@@ -53,12 +80,53 @@ static fsc_status_t read_peer(fsc_shm_group_t *g, int p, void *dst, uint64_t src
                      (int)atomic_load(&g->ranks[p].pid), strerror(err));
 }
 
+static void publish(fsc_shm_group_t *g, const void *in, size_t in_bytes, void *out, size_t out_bytes) {
+    fsc_shm_rank_ctrl_t *me = &g->ranks[g->rank]; /* released by the op's first barrier */
+    me->direct_in = (uint64_t)(uintptr_t)in;
+    me->direct_out = (uint64_t)(uintptr_t)out;
+    fsc_shm_shared_locate(in, in_bytes, &me->shared_in_id, &me->shared_in_off);
+    me->shared_out_id = me->shared_out_off = 0;
+    if (out != NULL) fsc_shm_shared_locate(out, out_bytes, &me->shared_out_id, &me->shared_out_off);
+}
+
+/* 1 when every rank published an input (with `out`, also an output) in this rank's shared
+ * allocation: then every rank holds a slice of it, so every rank maps it, and every rank decides
+ * alike. */
+static int all_shared(const fsc_shm_group_t *g, int out) {
+    const fsc_shm_rank_ctrl_t *me = &g->ranks[g->rank];
+    if (me->shared_in_id == 0 || (out && me->shared_out_id == 0)) return 0;
+    for (int p = 0; p < g->size; p++)
+        if (g->ranks[p].shared_in_id != me->shared_in_id || (out && g->ranks[p].shared_out_id != me->shared_out_id))
+            return 0;
+    return 1;
+}
+
+/* This process's address of bytes [off, off + n) of rank p's input (`out`: output), mapped. */
+static fsc_status_t mapped(fsc_shm_group_t *g, int p, int out, size_t off, size_t n, uint8_t **addr) {
+    const fsc_shm_rank_ctrl_t *r = &g->ranks[p];
+    *addr = fsc_shm_shared_addr(out ? r->shared_out_id : r->shared_in_id,
+                                (out ? r->shared_out_off : r->shared_in_off) + off, n);
+    if (*addr != NULL) return FSC_OK;
+    return fsc_error(FSC_ERR_INTERNAL, "shm group '%s' rank %d: rank %d's shared buffer is not mapped here", g->name,
+                     g->rank, p);
+}
+
+/* Bytes [off, off + n) of rank p's input into dst: mapped, or read. */
+static fsc_status_t fetch_in(fsc_shm_group_t *g, int map, int p, void *dst, size_t off, size_t n, int streaming) {
+    if (!map) return read_peer(g, p, dst, g->ranks[p].direct_in + off, n);
+    uint8_t *src;
+    FSC_CHECK(mapped(g, p, 0, off, n, &src));
+    fsc_shm_copy_out(dst, src, n, streaming);
+    return FSC_OK;
+}
+
 /* dst[0, n) = mine (op) every peer's input at byte offset `off` (rank order), n elements. dst may
- * be mine. */
-static fsc_status_t reduce_from_peers(fsc_shm_group_t *g, const fsc_shm_args_t *a, void *dst, const void *mine,
+ * be mine. Mapped, the peers' inputs are reduced where they lie; read, through the scratch. */
+static fsc_status_t reduce_from_peers(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map, void *dst, const void *mine,
                                       size_t off, size_t n) {
     size_t esz = fsc_dtype_size(a->dtype), per = FSC_SHM_DIRECT_PIECE / esz;
-    if (g->direct_scratch == NULL && (g->direct_scratch = malloc((size_t)(g->size - 1) * FSC_SHM_DIRECT_PIECE)) == NULL)
+    if (!map && g->direct_scratch == NULL &&
+        (g->direct_scratch = malloc((size_t)(g->size - 1) * FSC_SHM_DIRECT_PIECE)) == NULL)
         return fsc_error(FSC_ERR_NOMEM, "shm group '%s': out of memory for the direct reads' scratch", g->name);
     const void *srcs[FSC_SHM_MAX_RANKS];
     for (size_t i = 0; i < n; i += per) {
@@ -66,66 +134,59 @@ static fsc_status_t reduce_from_peers(fsc_shm_group_t *g, const fsc_shm_args_t *
         srcs[0] = (const uint8_t *)mine + i * esz;
         for (int p = 0, j = 1; p < g->size; p++) {
             if (p == g->rank) continue;
-            uint8_t *buf = g->direct_scratch + (size_t)(j - 1) * FSC_SHM_DIRECT_PIECE;
-            FSC_CHECK(read_peer(g, p, buf, g->ranks[p].direct_in + off + i * esz, k * esz));
-            srcs[j++] = buf;
+            uint8_t *src;
+            if (map) {
+                FSC_CHECK(mapped(g, p, 0, off + i * esz, k * esz, &src));
+            } else {
+                src = g->direct_scratch + (size_t)(j - 1) * FSC_SHM_DIRECT_PIECE;
+                FSC_CHECK(read_peer(g, p, src, g->ranks[p].direct_in + off + i * esz, k * esz));
+            }
+            srcs[j++] = src;
         }
         FSC_CHECK(fsc_shm_reduce((uint8_t *)dst + i * esz, srcs, g->size, k, a->dtype, a->redop, g->size));
     }
     return FSC_OK;
 }
 
-static void publish(fsc_shm_group_t *g, const void *in, const void *out) {
-    g->ranks[g->rank].direct_in = (uint64_t)(uintptr_t)in; /* released by the op's first barrier */
-    g->ranks[g->rank].direct_out = (uint64_t)(uintptr_t)out;
-}
-
-static fsc_status_t all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+static fsc_status_t all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map) {
     size_t row = a->count * fsc_dtype_size(a->dtype);
     uint8_t *out = a->out, *mine = out + (size_t)g->rank * row;
-    publish(g, a->in, NULL);
-    if (mine != (const uint8_t *)a->in) memcpy(mine, a->in, row); /* skipped in place */
-    FSC_CHECK(fsc_shm_open_collective(g, a));
+    int streaming = row * (size_t)g->size >= FSC_SHM_STREAM_MIN;
+    if (mine != (const uint8_t *)a->in) fsc_shm_copy_out(mine, a->in, row, streaming); /* skipped in place */
     for (int k = 1; k < g->size; k++) { /* each rank starts at its right-hand peer: the sources spread */
         int p = (g->rank + k) % g->size;
-        FSC_CHECK(read_peer(g, p, out + (size_t)p * row, g->ranks[p].direct_in, row));
+        FSC_CHECK(fetch_in(g, map, p, out + (size_t)p * row, 0, row, streaming));
     }
     return fsc_shm_arrive(g, 1);
 }
 
-static fsc_status_t broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+static fsc_status_t broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map) {
     size_t nb = a->count * fsc_dtype_size(a->dtype);
-    int is_root = a->root == g->rank;
-    if (is_root) {
-        publish(g, a->in, NULL);
+    int streaming = nb >= FSC_SHM_STREAM_MIN;
+    if (a->root == g->rank) {
         if (a->out != a->in) memcpy(a->out, a->in, nb);
+    } else {
+        FSC_CHECK(fetch_in(g, map, a->root, a->out, 0, nb, streaming));
     }
-    FSC_CHECK(fsc_shm_open_collective(g, a));
-    if (!is_root) FSC_CHECK(read_peer(g, a->root, a->out, g->ranks[a->root].direct_in, nb));
     return fsc_shm_arrive(g, 1);
 }
 
 /* Rank r reduces block r: its own block first (`out` may be it: in place), then the peers'. */
-static fsc_status_t reduce_scatter(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    size_t row = a->count * fsc_dtype_size(a->dtype);
-    publish(g, a->in, NULL);
-    FSC_CHECK(fsc_shm_open_collective(g, a));
-    size_t off = (size_t)g->rank * row;
-    FSC_CHECK(reduce_from_peers(g, a, a->out, (const uint8_t *)a->in + off, off, a->count));
+static fsc_status_t reduce_scatter(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map) {
+    size_t off = (size_t)g->rank * a->count * fsc_dtype_size(a->dtype);
+    FSC_CHECK(reduce_from_peers(g, a, map, a->out, (const uint8_t *)a->in + off, off, a->count));
     return fsc_shm_arrive(g, 1);
 }
 
-/* Each rank reduces its part of the input into its output (in place: its own part of its input,
- * which no peer reads), a barrier, then it reads every peer's part of the result from the peer's
- * output. Each element is reduced once, so every rank receives the same bits. */
-static fsc_status_t all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+/* Read: each rank reduces its part of the input into its output (in place: its own part of its
+ * input, which no peer reads), a barrier, then it reads every peer's part of the result from the
+ * peer's output. Each element is reduced once, so every rank receives the same bits. */
+static fsc_status_t all_reduce_read(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     size_t esz = fsc_dtype_size(a->dtype), lo = 0, hi = 0;
     uint8_t *out = a->out;
     const uint8_t *in = a->in;
-    publish(g, a->in, a->out);
-    FSC_CHECK(fsc_shm_open_collective(g, a));
     fsc_shm_part(g, g->rank, a->count, esz, &lo, &hi);
-    FSC_CHECK(reduce_from_peers(g, a, out + lo * esz, in + lo * esz, lo * esz, hi - lo));
+    FSC_CHECK(reduce_from_peers(g, a, 0, out + lo * esz, in + lo * esz, lo * esz, hi - lo));
     FSC_CHECK(fsc_shm_arrive(g, 1));
     for (int k = 1; k < g->size; k++) {
         int p = (g->rank + k) % g->size;
@@ -135,12 +196,47 @@ static fsc_status_t all_reduce(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     return fsc_shm_arrive(g, 1);
 }
 
-fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+/* Mapped: each rank reduces its part piece by piece into a scratch piece that stays in the cache
+ * and stores it into every rank's output, so one barrier ends the op. In place, a rank writes
+ * only its own part of each buffer, which it has read already and no peer reads. */
+static fsc_status_t all_reduce_mapped(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    size_t esz = fsc_dtype_size(a->dtype), per = FSC_SHM_DIRECT_PIECE / esz, lo = 0, hi = 0;
+    int streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
+    if (g->direct_scratch == NULL &&
+        (g->direct_scratch = malloc((size_t)(g->size > 1 ? g->size - 1 : 1) * FSC_SHM_DIRECT_PIECE)) == NULL)
+        return fsc_error(FSC_ERR_NOMEM, "shm group '%s': out of memory for the direct reads' scratch", g->name);
+    fsc_shm_part(g, g->rank, a->count, esz, &lo, &hi);
+    for (size_t i = lo; i < hi; i += per) {
+        size_t k = min_sz(per, hi - i);
+        FSC_CHECK(reduce_from_peers(g, a, 1, g->direct_scratch, (const uint8_t *)a->in + i * esz, i * esz, k));
+        for (int p = 0; p < g->size; p++) {
+            uint8_t *dst = (uint8_t *)a->out + i * esz;
+            if (p != g->rank) FSC_CHECK(mapped(g, p, 1, i * esz, k * esz, &dst));
+            fsc_shm_copy_out(dst, g->direct_scratch, k * esz, streaming);
+        }
+    }
+    return fsc_shm_arrive(g, 1);
+}
+
+fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int *ran) {
+    *ran = 0;
+    int fits = fsc_shm_direct_fits(g, a);
+    if (!fits && !may_map(g, a)) return FSC_OK;
+    size_t nb = a->count * fsc_dtype_size(a->dtype);
+    int reduce_all = a->op == FSC_OP_ALL_REDUCE;
+    size_t in_bytes = a->op == FSC_OP_REDUCE_SCATTER ? nb * (size_t)g->size : nb;
+    size_t out_bytes = a->op == FSC_OP_ALL_GATHER ? nb * (size_t)g->size : nb;
+    publish(g, a->in, in_bytes, a->out, out_bytes);
+    FSC_CHECK(fsc_shm_open_collective(g, a));
+    int map = all_shared(g, reduce_all);
+    if (!map && !fits) return FSC_OK; /* every rank saw the same: the slots run it */
+    *ran = 1;
+    if (map) atomic_fetch_add_explicit(&g->mapped_ops, 1, memory_order_relaxed);
     switch (a->op) {
-        case FSC_OP_ALL_GATHER: return all_gather(g, a);
-        case FSC_OP_BROADCAST: return broadcast(g, a);
-        case FSC_OP_REDUCE_SCATTER: return reduce_scatter(g, a);
-        case FSC_OP_ALL_REDUCE: return all_reduce(g, a);
+        case FSC_OP_ALL_GATHER: return all_gather(g, a, map);
+        case FSC_OP_BROADCAST: return broadcast(g, a, map);
+        case FSC_OP_REDUCE_SCATTER: return reduce_scatter(g, a, map);
+        case FSC_OP_ALL_REDUCE: return map ? all_reduce_mapped(g, a) : all_reduce_read(g, a);
         default: break;
     }
     return fsc_error(FSC_ERR_INTERNAL, "shm: op %d has no direct form", (int)a->op);

@@ -1,5 +1,5 @@
-/* shm_direct.h — collectives that read the peers' buffers straight from their memory
- * (process_vm_readv) instead of passing the data through the segment's slots. */
+/* shm_direct.h — collectives that reach the peers' buffers themselves (mapped shared tensors, or
+ * process_vm_readv) instead of passing the data through the segment's slots. */
 #ifndef FSC_SHM_DIRECT_H
 #define FSC_SHM_DIRECT_H
 
@@ -10,7 +10,9 @@
  * every rank of the op decides alike. */
 int fsc_shm_direct_fits(const fsc_shm_group_t *g, const fsc_shm_args_t *a);
 
-/* Run a collective that fits (above) to completion on the calling thread. */
-fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a);
+/* Run collective `a` direct to completion on the calling thread when it can (*ran = 1): when it
+ * fits (above), or when it is large enough to ask and every rank's buffers lie in one shared tensor
+ * allocation. With *ran = 0 the caller runs it on the slots; every rank decides alike. */
+fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int *ran);
 
 #endif /* FSC_SHM_DIRECT_H */

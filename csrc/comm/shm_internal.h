@@ -11,7 +11,7 @@
 
 #define FSC_SHM_LINE 128                    /* two x86 lines: adjacent-line prefetch must not cause false sharing */
 #define FSC_SHM_MAGIC 0x31306d6873637366ull /* "fscshm01" */
-#define FSC_SHM_VERSION 5u
+#define FSC_SHM_VERSION 6u
 #define FSC_SHM_MAX_RANKS 256
 
 /* Per-rank control block, written only by its rank. */
@@ -32,7 +32,10 @@ typedef struct {
      * whether it could (direct_ok). */
     _Alignas(FSC_SHM_LINE) uint64_t direct_in; /* the current direct op's input, in this rank's address space */
     uint64_t direct_out;                       /* ... and its output (all_reduce) */
-    uint64_t direct_max;                       /* this rank's FAIRSCALE_C_SHM_DIRECT_MAX */
+    /* The same buffers as (allocation id, offset) when they lie in a shared tensor (shm_shared.h;
+     * id 0: they do not): a peer that maps that allocation reads and writes them itself. */
+    uint64_t shared_in_id, shared_in_off, shared_out_id, shared_out_off;
+    uint64_t direct_max; /* this rank's FAIRSCALE_C_SHM_DIRECT_MAX */
     uint64_t direct_cookie, direct_cookie_addr;
     _Atomic uint32_t direct_ok; /* 0: not probed yet; 1: read every peer's cookie; 2: could not */
 } fsc_shm_rank_ctrl_t;
@@ -105,8 +108,9 @@ struct fsc_shm_group {
      * join; 0: never). direct_cookie is what peers read to check that they can. */
     size_t direct_max;
     uint64_t direct_cookie;
-    uint8_t *direct_scratch; /* (size - 1) pieces the reductions read the peers' data into (shm_direct.c) */
-    int spins, yields;       /* a waiter's pause and sched_yield budget before it sleeps (shm.c, wait_budget) */
+    uint8_t *direct_scratch;     /* (size - 1) pieces the reductions read the peers' data into (shm_direct.c) */
+    _Atomic uint64_t mapped_ops; /* collectives run on shared tensors (shm_direct.c) */
+    int spins, yields;           /* a waiter's pause and sched_yield budget before it sleeps (shm.c, wait_budget) */
     /* private copies of the segment's offsets, validated once at attach: a peer that rewrites
      * the header afterwards cannot move this rank's reads and writes */
     size_t off_slots, off_result, off_p2p;
@@ -220,6 +224,13 @@ fsc_status_t fsc_shm_fail(fsc_shm_group_t *g, fsc_status_t st);
  * name g->op_desc, the group and the peer. */
 fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t target,
                           int peer);
+
+/* Ops whose output is at least this large write it with streaming stores (fsc_shm_copy_out). */
+#define FSC_SHM_STREAM_MIN ((size_t)16 << 20)
+
+/* Copy n bytes; with `streaming`, into an output too large to stay in the caches, with
+ * non-temporal stores (x86-64). */
+void fsc_shm_copy_out(void *dst, const void *src, size_t n, int streaming);
 
 /* Copy n bytes at address `src` of rank `peer`'s process into `dst` (process_vm_readv). Returns 0,
  * or the errno of the failed read (EIO for a read that moved nothing). */

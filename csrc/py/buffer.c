@@ -2,9 +2,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "base/dlpack.h"
 #include "base/hostbuf.h"
 #include "binding.h"
+#include "comm/shm_shared.h"
 #include "gpu/gpu.h"
 
 typedef struct {
@@ -409,6 +413,124 @@ exit:
     return result;
 }
 
+/* ---- shared tensors (comm/shm_shared.h): fairscale_c.distributed.shared_empty drives these ---- */
+
+#define MAPPING_CAPSULE "fairscale_c._C.shared_mapping"
+
+typedef struct {
+    uint8_t *base; /* NULL once a slice owns the mapping */
+    size_t total;
+    uint64_t id;
+} mapping_t;
+
+static void mapping_destructor(PyObject *cap) {
+    mapping_t *m = PyCapsule_GetPointer(cap, MAPPING_CAPSULE);
+    if (m == NULL) return;
+    if (m->base != NULL) munmap(m->base, m->total);
+    free(m);
+}
+
+static PyObject *mapping_wrap(PyObject *module, uint8_t *base, size_t total, uint64_t id) {
+    mapping_t *m = malloc(sizeof(*m));
+    PyObject *cap = m == NULL ? NULL : PyCapsule_New(m, MAPPING_CAPSULE, mapping_destructor);
+    if (cap == NULL) {
+        free(m);
+        munmap(base, total);
+        return m == NULL ? fsc_py_raise(module, fsc_error(FSC_ERR_NOMEM, "shared tensor: out of memory")) : NULL;
+    }
+    *m = (mapping_t){base, total, id};
+    return cap;
+}
+
+static int parse_total(PyObject *obj, size_t *total) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    if (v == 0 || v > SIZE_MAX / 2) {
+        PyErr_Format(PyExc_ValueError, "argument 'total': expected a positive byte count, got %llu", v);
+        return -1;
+    }
+    *total = (size_t)v;
+    return 0;
+}
+
+/* _shared_create(total) -> (fd, id, mapping): a new allocation, mapped here. */
+static PyObject *py_shared_create(PyObject *module, PyObject *total_obj) {
+    size_t total;
+    if (parse_total(total_obj, &total) < 0) return NULL;
+    int fd;
+    uint64_t id;
+    uint8_t *base;
+    fsc_status_t st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_shm_shared_create(total, &fd, &id, &base);
+    Py_END_ALLOW_THREADS
+    if (st != FSC_OK) return fsc_py_raise(module, st);
+    PyObject *cap = mapping_wrap(module, base, total, id);
+    if (cap == NULL) {
+        close(fd);
+        return NULL;
+    }
+    return Py_BuildValue("iKN", fd, (unsigned long long)id, cap);
+}
+
+/* _shared_open(pid, fd, total, id) -> mapping: map the allocation another process announced. */
+static PyObject *py_shared_open(PyObject *module, PyObject *args) {
+    int pid, fd;
+    PyObject *total_obj;
+    unsigned long long id;
+    if (!PyArg_ParseTuple(args, "iiOK:_shared_open", &pid, &fd, &total_obj, &id)) return NULL;
+    size_t total;
+    if (parse_total(total_obj, &total) < 0) return NULL;
+    uint8_t *base;
+    fsc_status_t st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_shm_shared_open(pid, fd, total, (uint64_t)id, &base);
+    Py_END_ALLOW_THREADS
+    if (st != FSC_OK) return fsc_py_raise(module, st);
+    return mapping_wrap(module, base, total, (uint64_t)id);
+}
+
+/* _shared_slice(mapping, offset, shape, dtype) -> Buffer: this rank's tensor in the allocation; the
+ * Buffer (and every tensor made from it) now owns the mapping. */
+static PyObject *py_shared_slice(PyObject *module, PyObject *args) {
+    PyObject *cap, *off_obj, *shape_obj, *dtype_obj;
+    if (!PyArg_ParseTuple(args, "O!OOO:_shared_slice", &PyCapsule_Type, &cap, &off_obj, &shape_obj, &dtype_obj))
+        return NULL;
+    mapping_t *m = PyCapsule_GetPointer(cap, MAPPING_CAPSULE);
+    if (m == NULL) return NULL;
+    if (m->base == NULL) {
+        PyErr_SetString(PyExc_ValueError, "argument 'mapping': already given to a slice");
+        return NULL;
+    }
+    size_t off = PyLong_AsSize_t(off_obj);
+    if (off == (size_t)-1 && PyErr_Occurred()) return NULL;
+    int ndim;
+    int64_t shape[FSC_MAX_NDIM], numel;
+    fsc_dtype_t dtype;
+    if (parse_shape(shape_obj, &ndim, shape, &numel) < 0 || parse_dtype(dtype_obj, "dtype", &dtype) < 0) return NULL;
+    fsc_hostbuf_t *buf;
+    uint8_t *base = m->base;
+    m->base = NULL; /* the slice unmaps it, also on failure */
+    fsc_status_t st = fsc_shm_shared_slice(base, m->total, m->id, off, (size_t)numel * fsc_dtype_size(dtype), &buf);
+    if (st != FSC_OK) return fsc_py_raise(module, st);
+    return buffer_wrap(fsc_py_state(module)->BufferType, buf, dtype, ndim, shape);
+}
+
+/* _shared_contains(address, nbytes) -> bool: whether those bytes lie in a shared allocation. */
+static PyObject *py_shared_contains(PyObject *module, PyObject *args) {
+    (void)module;
+    unsigned long long addr, n;
+    if (!PyArg_ParseTuple(args, "KK:_shared_contains", &addr, &n)) return NULL;
+    uint64_t id, off;
+    fsc_shm_shared_locate((const void *)(uintptr_t)addr, (size_t)n, &id, &off);
+    return PyBool_FromLong(id != 0);
+}
+
+static PyObject *py_shared_live(PyObject *module, PyObject *Py_UNUSED(args)) {
+    (void)module;
+    return PyLong_FromLong(fsc_shm_shared_live());
+}
+
 static PyMethodDef buffer_functions[] = {
     {"pack_blocks", (PyCFunction)(void (*)(void))py_pack_blocks, METH_VARARGS | METH_KEYWORDS,
      "pack_blocks(dst, srcs, world, stream=None): dst = block 0 of every src, then block 1 of every src, ... (C "
@@ -419,6 +541,15 @@ static PyMethodDef buffer_functions[] = {
     {"describe", (PyCFunction)(void (*)(void))py_describe, METH_VARARGS | METH_KEYWORDS,
      "describe(obj, *, contiguous=False, writable=False, cpu_only=False) -> dict: the view the C core sees."},
     {"_live_host_buffers", py_live_host_buffers, METH_NOARGS, "Number of C-owned host buffers alive."},
+    {"_shared_create", py_shared_create, METH_O,
+     "_shared_create(total) -> (fd, id, mapping): a new shared tensor allocation of `total` bytes, mapped here."},
+    {"_shared_open", py_shared_open, METH_VARARGS,
+     "_shared_open(pid, fd, total, id) -> mapping: map allocation `id` that process `pid` holds as descriptor `fd`."},
+    {"_shared_slice", py_shared_slice, METH_VARARGS,
+     "_shared_slice(mapping, offset, shape, dtype) -> Buffer over bytes of the mapping; the Buffer owns the mapping."},
+    {"_shared_contains", py_shared_contains, METH_VARARGS,
+     "_shared_contains(address, nbytes) -> bool: whether those bytes lie in a shared tensor allocation."},
+    {"_shared_live", py_shared_live, METH_NOARGS, "Number of shared tensor allocations this process maps."},
     {NULL, NULL, 0, NULL},
 };
 

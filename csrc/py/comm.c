@@ -234,6 +234,11 @@ static PyObject *Group_get_direct_max(GroupObject *self, void *Py_UNUSED(c)) {
     return PyLong_FromSize_t(fsc_shm_group_direct_max(self->g));
 }
 
+static PyObject *Group_get_mapped_ops(GroupObject *self, void *Py_UNUSED(c)) {
+    if (check_open(self) < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(fsc_shm_group_mapped_ops(self->g));
+}
+
 static PyObject *Group_get_closed(GroupObject *self, void *Py_UNUSED(c)) {
     return PyBool_FromLong(self->g == NULL);
 }
@@ -518,6 +523,8 @@ static PyGetSetDef Group_getset[] = {
      "Largest op, in bytes, whose data ranks may read straight from each other's memory "
      "(agreed at join; 0: never).",
      NULL},
+    {"mapped_ops", (getter)Group_get_mapped_ops, NULL,
+     "Collectives run so far that copied straight between the ranks' shared tensors (shared_empty).", NULL},
     {"closed", (getter)Group_get_closed, NULL, "True after close().", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -33,6 +33,8 @@ import torch.distributed as dist
 from .._C import DistributedError
 from .._C import Work as ShmWork
 from ._group import REGISTRY, Group, LocalGroup, P2POp
+from ._shared import is_shared
+from ._shared import shared_empty as _shared_empty
 from ._rendezvous import ProcessGroupExchange, StoreExchange, default_store, env_store, timeout_s
 from ._work import CompletedWork, CudaWork, local_copy
 
@@ -61,6 +63,8 @@ __all__ = [
     "barrier",
     "timeout_s",
     "ranks_share_gpus",
+    "shared_empty",
+    "is_shared",
 ]
 
 _default: Optional[Group] = None
@@ -277,3 +281,20 @@ def recv(tensor: Any, src: int, group: Optional[Group] = None, async_op: bool = 
 
 def barrier(group: Optional[Group] = None, async_op: bool = False) -> Any:
     return (group or get_group()).barrier(async_op=async_op)
+
+
+def shared_empty(*size: Any, dtype: Any = None, group: Optional[Group] = None) -> Any:
+    """A zero-filled, contiguous CPU tensor of ``size`` (ints, or one sequence of them) and
+    ``dtype`` (default torch.float32) in memory that every rank of ``group`` (default: the default
+    group) maps. A collective: every rank calls it with the same size and dtype, in the same order
+    as its other group set-up calls.
+
+    A collective whose buffers on every rank lie in the same such allocation (each rank passes its
+    own tensor, or views of it) copies straight between the ranks' memory: each byte moves once,
+    at memcpy speed, at every size from 1 MiB (docs/collectives.md, "Shared tensors"). Other
+    tensors work as before. Like ``Tensor.share_memory_()``, the memory is also shared with
+    processes forked afterwards. On one rank, or where the ranks may not map each other's memory
+    (a RuntimeWarning says why), it returns an ordinary tensor; :func:`is_shared` tells which."""
+    import torch
+
+    return _shared_empty(*size, dtype=torch.float32 if dtype is None else dtype, group=group or get_group())

@@ -1,0 +1,194 @@
+"""Shared tensors (fairscale_c.distributed.shared_empty): CPU tensors every rank of a group maps.
+Collectives whose buffers on every rank lie in one such allocation copy straight between the ranks'
+mappings. Checked here: results equal a torch reference for every op, in place and out of place,
+below, inside and above the window of direct reads, with direct reads off, and for 3 ranks; the
+mapped path really ran (the group's mapped_ops count); a rank passing an ordinary tensor sends
+the op through the other paths, with the same results; every rank gets the same all_reduce bits;
+freed tensors leave no mapping, descriptor or /dev/shm entry behind; bad arguments raise on every
+rank with a message naming them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from dist_utils import Checks, clean_dev_shm, rank_data, run_ranks  # noqa: F401 (a fixture)
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+pytestmark = pytest.mark.usefixtures("clean_dev_shm")
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("fairscale_c-shared" in line for line in f)
+
+
+def _ops_job(rank: int, world: int):
+    import fairscale_c.distributed as fdist
+    from fairscale_c import _C
+
+    group = fdist.init_group(name="shared")
+    fds_before = len(os.listdir("/proc/self/fd"))
+    shm = group._shm
+    check, digests = Checks(world), []
+    failures, summed = check.failures, check.summed
+
+    def mapped(what, before, expect=True):
+        ran = shm.mapped_ops > before
+        if ran != expect:
+            failures.append(f"{what}: {'ran' if ran else 'did not run'} on the mappings")
+
+    # 60 KiB: in the direct reads' window (or the slots when they are off); 1.5 MiB and 20 MiB
+    # (above the default 16 MiB limit): asked, then mapped
+    for dtype, nbytes in [
+        (torch.float32, 60 * KiB),
+        (torch.bfloat16, 3 * MiB // 2 + 2 * 6),
+        (torch.float32, 20 * MiB),
+        (torch.int32, 3 * MiB),
+    ]:
+        n = nbytes // torch.empty(0, dtype=dtype).element_size() // world * world
+        big = n * (dtype.itemsize if hasattr(dtype, "itemsize") else 4) >= MiB
+        blk = n // world
+        xs = [rank_data(r, n, dtype, 1) for r in range(world)]
+        # all_reduce in place, every op
+        t = fdist.shared_empty(n, dtype=dtype, group=group)
+        assert fdist.is_shared(t) and t.dtype == dtype and t.shape == (n,) and bool((t == 0).all())
+        for op in ["sum", "avg", "min"] if dtype.is_floating_point else ["sum", "max"]:
+            t.copy_(xs[rank])
+            before = shm.mapped_ops
+            group.all_reduce(t, op=op)
+            if op == "min":
+                want = torch.stack(xs).amin(0)
+            elif op == "max":
+                want = torch.stack(xs).amax(0)
+            else:
+                want = summed(xs, dtype, op)
+            check(t, want, f"all_reduce {op} {dtype} {nbytes} B", reduced=True)
+            mapped(f"all_reduce {op} {dtype} {nbytes} B", before, expect=big)
+            digests.append(hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest())
+        # all_gather in place and out of place (input shared)
+        before = shm.mapped_ops
+        t[rank * blk : (rank + 1) * blk] = xs[rank][:blk]
+        group.all_gather(t, t[rank * blk : (rank + 1) * blk])
+        check(t, torch.cat([x[:blk] for x in xs]), f"all_gather in place {dtype} {nbytes} B")
+        inp = fdist.shared_empty(blk, dtype=dtype, group=group)
+        inp.copy_(xs[rank][blk:] if world == 2 else xs[rank][:blk])
+        out = torch.empty(n, dtype=dtype)
+        group.all_gather(out, inp)
+        check(out, torch.cat([x[blk:] if world == 2 else x[:blk] for x in xs]), f"all_gather {dtype} {nbytes} B")
+        mapped(f"all_gather {dtype} {nbytes} B", before, expect=big)
+        # reduce_scatter out of place and in place
+        before = shm.mapped_ops
+        t.copy_(xs[rank])
+        out = torch.empty(blk, dtype=dtype)
+        group.reduce_scatter(out, t)
+        want = summed([x[rank * blk : (rank + 1) * blk] for x in xs], dtype)
+        check(out, want, f"reduce_scatter {dtype} {nbytes} B", reduced=True)
+        group.reduce_scatter(t[rank * blk : (rank + 1) * blk], t)
+        check(t[rank * blk : (rank + 1) * blk], want, f"reduce_scatter in place {dtype} {nbytes} B", reduced=True)
+        mapped(f"reduce_scatter {dtype} {nbytes} B", before, expect=big)
+        # broadcast from every root
+        for root in range(world):
+            before = shm.mapped_ops
+            t.copy_(xs[rank])
+            group.broadcast(t, root=root)
+            check(t, xs[root], f"broadcast root {root} {dtype} {nbytes} B")
+            # a 60 KiB broadcast is in the direct reads' window: mapped there too, when they are on
+            mapped(f"broadcast {dtype} {nbytes} B", before, expect=big or shm.direct_max > 0)
+        # one rank passes an ordinary tensor: nobody maps, the results are the same
+        before = shm.mapped_ops
+        mine = xs[rank].clone() if rank == world - 1 else t.copy_(xs[rank])
+        group.all_reduce(mine)
+        check(mine, summed(xs, dtype), f"all_reduce with one ordinary tensor {dtype} {nbytes} B", reduced=True)
+        mapped(f"all_reduce with one ordinary tensor {dtype} {nbytes} B", before, expect=False)
+        del t, inp, out, mine
+    # async: mapped ops queued between slot ops
+    n = 3 * MiB // 4 // world * world
+    works, checks = [], []
+    bufs = [fdist.shared_empty(n, group=group) for _ in range(3)]
+    for i, b in enumerate(bufs):
+        xs = [rank_data(r, n, torch.float32, 10 + i) for r in range(world)]
+        b.copy_(xs[rank])
+        works.append(group.all_reduce(b, async_op=True))
+        checks.append((b, summed(xs, torch.float32), f"async all_reduce {i}"))
+        small = xs[rank][:100].clone()
+        works.append(group.all_reduce(small, async_op=True))
+        checks.append((small, summed([x[:100] for x in xs], torch.float32), f"async small all_reduce {i}"))
+    for w in works:
+        w.wait()
+    for got, want, what in checks:
+        check(got, want, what, reduced=True)
+    del bufs, checks, works, b
+    live, maps, fds = _C._shared_live(), _mappings(), len(os.listdir("/proc/self/fd")) - fds_before
+    group.destroy()
+    return failures, digests, live, maps, fds
+
+
+@pytest.mark.parametrize(
+    "world,env",
+    [
+        (2, {}),
+        (2, {"FAIRSCALE_C_SHM_DIRECT_MAX": "0"}),  # no process_vm_readv: mapped ops still map
+        (3, {}),
+    ],
+    ids=["world2", "direct-reads-off", "world3"],
+)
+def test_collectives_on_shared_tensors(world, env):
+    results = run_ranks(_ops_job, world, env={"FAIRSCALE_C_TIMEOUT": "120", **env}, timeout=600)
+    for rank, (failures, _, live, maps, fds) in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures}"
+        assert live == 0 and maps == 0, f"rank {rank}: {live} allocations, {maps} mappings left after del"
+        assert fds <= 0, f"rank {rank}: {fds} file descriptors more than before"
+    digests = [d for _, d, _, _, _ in results]
+    assert all(d == digests[0] for d in digests), "ranks got different all_reduce bits"
+
+
+def _bad_job(rank: int, world: int):
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group(name="shared-bad")
+    errors = []
+    for kwargs in [
+        {"size": (4, 1000 + rank)},  # the ranks disagree: every rank raises
+        {"size": (4,), "dtype": torch.float32 if rank == 0 else torch.float64},
+        {"size": (-1,)},
+        {"size": (2.5,)},
+        {"size": (4,), "dtype": "float32"},
+    ]:
+        try:
+            fdist.shared_empty(*kwargs["size"], dtype=kwargs.get("dtype", torch.float32), group=group)
+            errors.append(None)
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    # the group still works afterwards
+    t = fdist.shared_empty(2, 3, group=group)
+    t.fill_(rank + 1)
+    group.all_reduce(t)
+    ok = t.shape == (2, 3) and bool((t == sum(range(1, world + 1))).all())
+    group.destroy()
+    return errors, ok
+
+
+def test_bad_arguments_raise_on_every_rank():
+    results = run_ranks(_bad_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    for rank, (errors, ok) in enumerate(results):
+        assert ok, f"rank {rank}: the group did not work after the errors"
+        size, dtype, negative, non_int, dtype_str = errors
+        assert size and "same size and dtype" in size and "(4, 1000)" in size and "(4, 1001)" in size, size
+        assert dtype and "same size and dtype" in dtype and "torch.float64" in dtype, dtype
+        assert negative and negative.startswith("ValueError") and "size[0] is -1" in negative, negative
+        assert non_int and non_int.startswith("TypeError") and "size[0]" in non_int, non_int
+        assert dtype_str and dtype_str.startswith("TypeError") and "dtype" in dtype_str, dtype_str
+
+
+def test_one_rank_gets_an_ordinary_tensor():
+    import fairscale_c.distributed as fdist
+
+    t = fdist.shared_empty(3, 4, dtype=torch.float64, group=fdist.LocalGroup())
+    assert t.shape == (3, 4) and t.dtype == torch.float64 and bool((t == 0).all())
+    assert not fdist.is_shared(t)
