@@ -193,15 +193,15 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
 
 
 def _shared_call(fdist: Any, group: Any, op: str, numel: int, rank: int, world: int) -> Callable[[], Any]:
-    """`op` on fairscale_c with the buffers every rank reads from the others in shared tensors (all_reduce:
-    the tensor; all_gather: the input, or the output it is a block of; reduce_scatter: the input)."""
+    """`op` on fairscale_c with its buffers in shared tensors (all_reduce: the tensor; all_gather: the
+    input and the output, or the output the input is a block of; reduce_scatter: the input)."""
     block = numel // world
     if op == "all_reduce":
         t = fdist.shared_empty(numel, group=group)
         t.copy_(torch.randn(numel))
         return lambda: group.all_reduce(t)
     if op == "all_gather":
-        inp, out = fdist.shared_empty(block, group=group), torch.empty(numel)
+        inp, out = fdist.shared_empty(block, group=group), fdist.shared_empty(numel, group=group)
         inp.copy_(torch.randn(block))
         return lambda: group.all_gather(out, inp)
     if op == "all_gather_inplace":

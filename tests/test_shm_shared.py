@@ -43,13 +43,14 @@ def _ops_job(rank: int, world: int):
         if ran != expect:
             failures.append(f"{what}: {'ran' if ran else 'did not run'} on the mappings")
 
-    # 60 KiB: in the direct reads' window (or the slots when they are off); 1.5 MiB and 20 MiB
-    # (above the default 16 MiB limit): asked, then mapped
+    # 60 KiB: in the direct reads' window (or the slots when they are off); from 1 MiB, also
+    # above the default 16 MiB limit: asked, then mapped
     for dtype, nbytes in [
         (torch.float32, 60 * KiB),
         (torch.bfloat16, 3 * MiB // 2 + 2 * 6),
         (torch.float32, 20 * MiB),
         (torch.int32, 3 * MiB),
+        (torch.float64, 18 * MiB),  # from 16 MiB floats are reduced with streaming stores
     ]:
         n = nbytes // torch.empty(0, dtype=dtype).element_size() // world * world
         big = n * (dtype.itemsize if hasattr(dtype, "itemsize") else 4) >= MiB
@@ -82,6 +83,11 @@ def _ops_job(rank: int, world: int):
         group.all_gather(out, inp)
         check(out, torch.cat([x[blk:] if world == 2 else x[:blk] for x in xs]), f"all_gather {dtype} {nbytes} B")
         mapped(f"all_gather {dtype} {nbytes} B", before, expect=big)
+        before = shm.mapped_ops  # the outputs shared, the input not: every rank writes into every output
+        mine = xs[rank][:blk].clone()
+        group.all_gather(t, mine)
+        check(t, torch.cat([x[:blk] for x in xs]), f"all_gather into shared outputs {dtype} {nbytes} B")
+        mapped(f"all_gather into shared outputs {dtype} {nbytes} B", before, expect=big)
         # reduce_scatter out of place and in place
         before = shm.mapped_ops
         t.copy_(xs[rank])

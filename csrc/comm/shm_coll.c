@@ -27,44 +27,57 @@ static void copy(void *dst, const void *src, size_t n) {
 }
 
 #if defined(__x86_64__)
-/* One 64-byte line from s to d with streaming stores (d 16-byte aligned). */
-static inline void stream_line(uint8_t *d, const uint8_t *s) {
+/* One 64-byte line from s to each of the nd d[j] + off with streaming stores (16-byte aligned). */
+static inline void stream_line(uint8_t *const *d, int nd, size_t off, const uint8_t *s) {
     __m128i a = _mm_loadu_si128((const __m128i *)s);
     __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
     __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
     __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
-    _mm_stream_si128((__m128i *)d, a);
-    _mm_stream_si128((__m128i *)(d + 16), b);
-    _mm_stream_si128((__m128i *)(d + 32), c);
-    _mm_stream_si128((__m128i *)(d + 48), e);
+    for (int j = 0; j < nd; j++) {
+        __m128i *o = (__m128i *)(d[j] + off);
+        _mm_stream_si128(o, a);
+        _mm_stream_si128(o + 1, b);
+        _mm_stream_si128(o + 2, c);
+        _mm_stream_si128(o + 3, e);
+    }
 }
 #endif
 
-/* Copy into an output that is too large to stay in the caches: non-temporal stores skip the
- * read-for-ownership of every destination line, a third of a normal copy's memory traffic. Four
- * pages are copied side by side, a line of each in turn, which keeps more of the memory's pages
- * open at once than one stream (measurements: docs/benchmarks.md, "Why these settings" and
- * "Shared tensors"). The source (a slot still in the cache, or a peer's shared tensor) is read
- * normally. */
-void fsc_shm_copy_out(void *dst, const void *src, size_t n, int streaming) {
+/* Copy into outputs too large to stay in the caches: non-temporal stores skip the
+ * read-for-ownership of every destination line, a third of a normal copy's memory traffic, and
+ * each line of the source is read once for all the destinations. Four pages are copied side by
+ * side, a line of each in turn, which keeps more of the memory's pages open at once than one
+ * stream (measurements: docs/benchmarks.md, "Why these settings" and "Shared tensors"). The
+ * source (a slot still in the cache, or a shared tensor) is read normally. */
+void fsc_shm_copy_out_n(void *const *dsts, int nd, const void *src, size_t n, int streaming) {
 #if defined(__x86_64__)
-    if (streaming && n >= 4096 && dst != src) {
-        uint8_t *d = dst;
+    size_t head = nd > 0 ? (16 - ((uintptr_t)dsts[0] & 15)) & 15 : 0;
+    int same = 1;
+    for (int j = 1; j < nd; j++) same &= ((16 - ((uintptr_t)dsts[j] & 15)) & 15) == head;
+    if (streaming && n >= 4096 && same && nd <= FSC_SHM_MAX_RANKS && !(nd == 1 && dsts[0] == src)) {
+        uint8_t *d[FSC_SHM_MAX_RANKS];
         const uint8_t *s = src;
-        size_t head = (16 - ((uintptr_t)d & 15)) & 15;
-        memcpy(d, s, head);
-        size_t i = head;
+        for (int j = 0; j < nd; j++) {
+            memcpy(dsts[j], s, head);
+            d[j] = (uint8_t *)dsts[j] + head;
+        }
+        s += head;
+        n -= head;
+        size_t i = 0;
         for (; i + 4 * 4096 <= n; i += 4 * 4096)
-            for (size_t j = 0; j < 4096; j += 64)
-                for (size_t k = 0; k < 4 * 4096; k += 4096) stream_line(d + i + k + j, s + i + k + j);
-        for (; i + 64 <= n; i += 64) stream_line(d + i, s + i);
+            for (size_t l = 0; l < 4096; l += 64)
+                for (size_t k = 0; k < 4 * 4096; k += 4096) stream_line(d, nd, i + k + l, s + i + k + l);
+        for (; i + 64 <= n; i += 64) stream_line(d, nd, i, s + i);
         _mm_sfence(); /* order the streaming stores before the barrier's release that follows */
-        memcpy(d + i, s + i, n - i);
+        for (int j = 0; j < nd; j++) memcpy(d[j] + i, s + i, n - i);
         return;
     }
 #endif
-    (void)streaming;
-    copy(dst, src, n);
+    for (int j = 0; j < nd; j++) copy(dsts[j], src, n);
+}
+
+void fsc_shm_copy_out(void *dst, const void *src, size_t n, int streaming) {
+    fsc_shm_copy_out_n(&dst, 1, src, n, streaming);
 }
 
 /* Record what this rank is doing (error messages, peers' diagnostics) and start the op clock. */

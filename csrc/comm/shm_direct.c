@@ -89,15 +89,13 @@ static void publish(fsc_shm_group_t *g, const void *in, size_t in_bytes, void *o
     if (out != NULL) fsc_shm_shared_locate(out, out_bytes, &me->shared_out_id, &me->shared_out_off);
 }
 
-/* 1 when every rank published an input (with `out`, also an output) in this rank's shared
- * allocation: then every rank holds a slice of it, so every rank maps it, and every rank decides
- * alike. */
+/* 1 when every rank published an input (`out`: an output) in this rank's shared allocation: then
+ * every rank holds a slice of it, so every rank maps it, and every rank decides alike. */
 static int all_shared(const fsc_shm_group_t *g, int out) {
-    const fsc_shm_rank_ctrl_t *me = &g->ranks[g->rank];
-    if (me->shared_in_id == 0 || (out && me->shared_out_id == 0)) return 0;
+    uint64_t mine = out ? g->ranks[g->rank].shared_out_id : g->ranks[g->rank].shared_in_id;
+    if (mine == 0) return 0;
     for (int p = 0; p < g->size; p++)
-        if (g->ranks[p].shared_in_id != me->shared_in_id || (out && g->ranks[p].shared_out_id != me->shared_out_id))
-            return 0;
+        if ((out ? g->ranks[p].shared_out_id : g->ranks[p].shared_in_id) != mine) return 0;
     return 1;
 }
 
@@ -148,10 +146,25 @@ static fsc_status_t reduce_from_peers(fsc_shm_group_t *g, const fsc_shm_args_t *
     return FSC_OK;
 }
 
-static fsc_status_t all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map) {
+/* Pull (inputs shared, or read): each rank copies every peer's block from the peer's input. Push
+ * (`push`: every rank's output shared): each rank copies its input once into its block of every
+ * rank's output, so at world 2 an out-of-place gather reads each input once instead of twice. */
+static fsc_status_t all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map, int push) {
     size_t row = a->count * fsc_dtype_size(a->dtype);
     uint8_t *out = a->out, *mine = out + (size_t)g->rank * row;
     int streaming = row * (size_t)g->size >= FSC_SHM_STREAM_MIN;
+    if (push) {
+        void *dsts[FSC_SHM_MAX_RANKS];
+        int nd = 0;
+        for (int k = 0; k < g->size; k++) { /* each rank starts at its right-hand peer */
+            int p = (g->rank + k) % g->size;
+            uint8_t *dst = mine;
+            if (p != g->rank) FSC_CHECK(mapped(g, p, 1, (size_t)g->rank * row, row, &dst));
+            if (dst != (const uint8_t *)a->in) dsts[nd++] = dst; /* in place: its own block is there */
+        }
+        fsc_shm_copy_out_n(dsts, nd, a->in, row, streaming);
+        return fsc_shm_arrive(g, 1);
+    }
     if (mine != (const uint8_t *)a->in) fsc_shm_copy_out(mine, a->in, row, streaming); /* skipped in place */
     for (int k = 1; k < g->size; k++) { /* each rank starts at its right-hand peer: the sources spread */
         int p = (g->rank + k) % g->size;
@@ -171,10 +184,31 @@ static fsc_status_t broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a, int m
     return fsc_shm_arrive(g, 1);
 }
 
-/* Rank r reduces block r: its own block first (`out` may be it: in place), then the peers'. */
+/* Rank r's inputs at byte `off` (its own first, then the peers' in rank order), mapped. */
+static fsc_status_t mapped_inputs(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t off, size_t nb,
+                                  const void **srcs) {
+    srcs[0] = (const uint8_t *)a->in + off;
+    for (int p = 0, j = 1; p < g->size; p++) {
+        if (p == g->rank) continue;
+        uint8_t *src;
+        FSC_CHECK(mapped(g, p, 0, off, nb, &src));
+        srcs[j++] = src;
+    }
+    return FSC_OK;
+}
+
+/* Rank r reduces block r: its own block first (`out` may be it: in place), then the peers'. An
+ * output too large for the caches is written with streaming stores (mapped, float). */
 static fsc_status_t reduce_scatter(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map) {
-    size_t off = (size_t)g->rank * a->count * fsc_dtype_size(a->dtype);
-    FSC_CHECK(reduce_from_peers(g, a, map, a->out, (const uint8_t *)a->in + off, off, a->count));
+    size_t esz = fsc_dtype_size(a->dtype), off = (size_t)g->rank * a->count * esz, done = 0;
+    if (map && a->count * esz * (size_t)g->size >= FSC_SHM_STREAM_MIN) {
+        const void *srcs[FSC_SHM_MAX_RANKS];
+        void *dst = a->out;
+        FSC_CHECK(mapped_inputs(g, a, off, a->count * esz, srcs));
+        done = fsc_shm_reduce_stream(&dst, 1, srcs, g->size, a->count, a->dtype, a->redop, g->size);
+    }
+    FSC_CHECK(reduce_from_peers(g, a, map, (uint8_t *)a->out + done * esz, (const uint8_t *)a->in + off + done * esz,
+                                off + done * esz, a->count - done));
     return fsc_shm_arrive(g, 1);
 }
 
@@ -196,17 +230,30 @@ static fsc_status_t all_reduce_read(fsc_shm_group_t *g, const fsc_shm_args_t *a)
     return fsc_shm_arrive(g, 1);
 }
 
-/* Mapped: each rank reduces its part piece by piece into a scratch piece that stays in the cache
- * and stores it into every rank's output, so one barrier ends the op. In place, a rank writes
- * only its own part of each buffer, which it has read already and no peer reads. */
+/* Mapped: each rank reduces its part and stores it into every rank's output, so one barrier ends
+ * the op. Outputs too large for the caches: line by line with streaming stores (float), else
+ * piece by piece through a scratch piece that stays in the cache. In place, a rank writes only
+ * its own part of each buffer, which it has read already and no peer reads. */
 static fsc_status_t all_reduce_mapped(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     size_t esz = fsc_dtype_size(a->dtype), per = FSC_SHM_DIRECT_PIECE / esz, lo = 0, hi = 0;
     int streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
-    if (g->direct_scratch == NULL &&
-        (g->direct_scratch = malloc((size_t)(g->size > 1 ? g->size - 1 : 1) * FSC_SHM_DIRECT_PIECE)) == NULL)
-        return fsc_error(FSC_ERR_NOMEM, "shm group '%s': out of memory for the direct reads' scratch", g->name);
     fsc_shm_part(g, g->rank, a->count, esz, &lo, &hi);
-    for (size_t i = lo; i < hi; i += per) {
+    size_t i = lo;
+    if (streaming && hi > lo) {
+        const void *srcs[FSC_SHM_MAX_RANKS];
+        void *dsts[FSC_SHM_MAX_RANKS];
+        FSC_CHECK(mapped_inputs(g, a, lo * esz, (hi - lo) * esz, srcs));
+        for (int p = 0; p < g->size; p++) {
+            uint8_t *dst = (uint8_t *)a->out + lo * esz;
+            if (p != g->rank) FSC_CHECK(mapped(g, p, 1, lo * esz, (hi - lo) * esz, &dst));
+            dsts[p] = dst;
+        }
+        i += fsc_shm_reduce_stream(dsts, g->size, srcs, g->size, hi - lo, a->dtype, a->redop, g->size);
+    }
+    if (i < hi && g->direct_scratch == NULL &&
+        (g->direct_scratch = malloc((size_t)(g->size - 1) * FSC_SHM_DIRECT_PIECE)) == NULL)
+        return fsc_error(FSC_ERR_NOMEM, "shm group '%s': out of memory for the direct reads' scratch", g->name);
+    for (; i < hi; i += per) {
         size_t k = min_sz(per, hi - i);
         FSC_CHECK(reduce_from_peers(g, a, 1, g->direct_scratch, (const uint8_t *)a->in + i * esz, i * esz, k));
         for (int p = 0; p < g->size; p++) {
@@ -228,12 +275,13 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
     size_t out_bytes = a->op == FSC_OP_ALL_GATHER ? nb * (size_t)g->size : nb;
     publish(g, a->in, in_bytes, a->out, out_bytes);
     FSC_CHECK(fsc_shm_open_collective(g, a));
-    int map = all_shared(g, reduce_all);
+    int push = a->op == FSC_OP_ALL_GATHER && all_shared(g, 1);
+    int map = push || (all_shared(g, 0) && (!reduce_all || all_shared(g, 1)));
     if (!map && !fits) return FSC_OK; /* every rank saw the same: the slots run it */
     *ran = 1;
     if (map) atomic_fetch_add_explicit(&g->mapped_ops, 1, memory_order_relaxed);
     switch (a->op) {
-        case FSC_OP_ALL_GATHER: return all_gather(g, a, map);
+        case FSC_OP_ALL_GATHER: return all_gather(g, a, map, push);
         case FSC_OP_BROADCAST: return broadcast(g, a, map);
         case FSC_OP_REDUCE_SCATTER: return reduce_scatter(g, a, map);
         case FSC_OP_ALL_REDUCE: return map ? all_reduce_mapped(g, a) : all_reduce_read(g, a);

@@ -228,8 +228,11 @@ fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic ui
 /* Ops whose output is at least this large write it with streaming stores (fsc_shm_copy_out). */
 #define FSC_SHM_STREAM_MIN ((size_t)16 << 20)
 
-/* Copy n bytes; with `streaming`, into an output too large to stay in the caches, with
- * non-temporal stores (x86-64). */
+/* Copy n bytes from src to each of the nd dsts; with `streaming`, into outputs too large to stay
+ * in the caches, with non-temporal stores (x86-64), reading each source line once. */
+void fsc_shm_copy_out_n(void *const *dsts, int nd, const void *src, size_t n, int streaming);
+
+/* fsc_shm_copy_out_n to one destination (nothing to do when it is the source). */
 void fsc_shm_copy_out(void *dst, const void *src, size_t n, int streaming);
 
 /* Copy n bytes at address `src` of rank `peer`'s process into `dst` (process_vm_readv). Returns 0,

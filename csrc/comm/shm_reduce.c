@@ -4,6 +4,10 @@
 #include "comm/shm_reduce.h"
 
 #include <stdint.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#endif
 
 #include "base/half.h"
 
@@ -154,4 +158,85 @@ fsc_status_t fsc_shm_reduce(void *dst, const void *const *srcs, int nsrc, size_t
     }
     return fsc_error(FSC_ERR_VALUE, "reduction does not support dtype %s",
                      (unsigned)dt < FSC_NUM_DTYPES ? fsc_dtype_name(dt) : "?");
+}
+
+#if defined(__x86_64__)
+/* Streaming kernels: one 64-byte line of the result at a time, reduced from every source in SSE
+ * registers and stored to every destination, so the sources' reads and the destinations' writes
+ * stay interleaved: with non-temporal stores, except into a destination that is one of the
+ * sources (in place), whose line the reduction has just brought into the cache (there a normal
+ * store was 1.5x faster than a streaming one, which must evict it: docs/benchmarks.md, "Shared
+ * tensors"). addps/maxps/minps and their pd forms compute exactly FSC_SUM, FSC_MAX and FSC_MIN
+ * (maxps returns its second operand unless the first is greater), so the results equal
+ * fsc_shm_reduce's bit for bit. Prefetching never faults, so reading ahead past the end is safe. */
+/* How far ahead of the line being reduced each source is prefetched, in bytes: the hardware's own
+ * prefetching left a rank's reads the bottleneck (2048 measured best of 1024, 2048 and 4096). */
+#define FSC_STREAM_PREFETCH 2048
+
+#define FSC_DEFINE_STREAM(NAME, T, V, LOADU, OP, DIV, SET1, CAST)                                                    \
+    static void NAME(uint8_t *const *d, const uint8_t *nt, int nd, const T *const *s, int ns, size_t lines, int avg, \
+                     T dv) {                                                                                         \
+        enum { L = 16 / sizeof(T) };                                                                                 \
+        const V div = SET1(dv);                                                                                      \
+        for (size_t i = 0; i < lines * 4 * L; i += 4 * L) {                                                          \
+            V v[4];                                                                                                  \
+            for (int j = 0; j < ns; j++) _mm_prefetch((const char *)(s[j] + i) + FSC_STREAM_PREFETCH, _MM_HINT_T0);  \
+            for (int q = 0; q < 4; q++) v[q] = OP(LOADU(s[0] + i + q * L), LOADU(s[1] + i + q * L));                 \
+            for (int j = 2; j < ns; j++)                                                                             \
+                for (int q = 0; q < 4; q++) v[q] = OP(v[q], LOADU(s[j] + i + q * L));                                \
+            if (avg)                                                                                                 \
+                for (int q = 0; q < 4; q++) v[q] = DIV(v[q], div);                                                   \
+            for (int j = 0; j < nd; j++) {                                                                           \
+                __m128i *o = (__m128i *)(d[j] + i * sizeof(T));                                                      \
+                if (nt[j])                                                                                           \
+                    for (int q = 0; q < 4; q++) _mm_stream_si128(o + q, CAST(v[q]));                                 \
+                else                                                                                                 \
+                    for (int q = 0; q < 4; q++) _mm_storeu_si128(o + q, CAST(v[q]));                                 \
+            }                                                                                                        \
+        }                                                                                                            \
+    }
+
+FSC_DEFINE_STREAM(stream_sum_f32, float, __m128, _mm_loadu_ps, _mm_add_ps, _mm_div_ps, _mm_set1_ps, _mm_castps_si128)
+FSC_DEFINE_STREAM(stream_max_f32, float, __m128, _mm_loadu_ps, _mm_max_ps, _mm_div_ps, _mm_set1_ps, _mm_castps_si128)
+FSC_DEFINE_STREAM(stream_min_f32, float, __m128, _mm_loadu_ps, _mm_min_ps, _mm_div_ps, _mm_set1_ps, _mm_castps_si128)
+FSC_DEFINE_STREAM(stream_sum_f64, double, __m128d, _mm_loadu_pd, _mm_add_pd, _mm_div_pd, _mm_set1_pd, _mm_castpd_si128)
+FSC_DEFINE_STREAM(stream_max_f64, double, __m128d, _mm_loadu_pd, _mm_max_pd, _mm_div_pd, _mm_set1_pd, _mm_castpd_si128)
+FSC_DEFINE_STREAM(stream_min_f64, double, __m128d, _mm_loadu_pd, _mm_min_pd, _mm_div_pd, _mm_set1_pd, _mm_castpd_si128)
+
+#define FSC_PICK_STREAM(TN, CT, d, nt, nd, s, ns, lines, op, dv)                                    \
+    do {                                                                                            \
+        if ((op) == FSC_RED_MAX)                                                                    \
+            stream_max_##TN(d, nt, nd, (const CT *const *)(s), ns, lines, 0, 1);                    \
+        else if ((op) == FSC_RED_MIN)                                                               \
+            stream_min_##TN(d, nt, nd, (const CT *const *)(s), ns, lines, 0, 1);                    \
+        else                                                                                        \
+            stream_sum_##TN(d, nt, nd, (const CT *const *)(s), ns, lines, (op) == FSC_RED_AVG, dv); \
+    } while (0)
+#endif
+
+size_t fsc_shm_reduce_stream(void *const *dsts, int ndst, const void *const *srcs, int nsrc, size_t count,
+                             fsc_dtype_t dt, fsc_reduce_op_t op, int divisor) {
+#if defined(__x86_64__)
+    size_t esz = dt == FSC_FLOAT32 ? 4 : dt == FSC_FLOAT64 ? 8 : 0;
+    if (esz == 0 || nsrc < 2 || ndst < 1 || (unsigned)op >= FSC_NUM_REDS) return 0;
+    for (int j = 0; j < ndst; j++)
+        if ((uintptr_t)dsts[j] & 15) return 0;
+    size_t lines = count * esz / 64;
+    uint8_t *const *d = (uint8_t *const *)dsts;
+    uint8_t nt[FSC_SHM_REDUCE_MAX_DSTS];
+    if (ndst > FSC_SHM_REDUCE_MAX_DSTS) return 0;
+    for (int j = 0; j < ndst; j++) { /* in place: the line was just read, so it is in the cache */
+        nt[j] = 1;
+        for (int k = 0; k < nsrc; k++) nt[j] &= dsts[j] != srcs[k];
+    }
+    if (dt == FSC_FLOAT32)
+        FSC_PICK_STREAM(f32, float, d, nt, ndst, srcs, nsrc, lines, op, (float)divisor);
+    else
+        FSC_PICK_STREAM(f64, double, d, nt, ndst, srcs, nsrc, lines, op, (double)divisor);
+    _mm_sfence(); /* the streaming stores reach memory before whatever the caller publishes next */
+    return lines * 64 / esz;
+#else
+    (void)dsts, (void)ndst, (void)srcs, (void)nsrc, (void)count, (void)dt, (void)op, (void)divisor;
+    return 0;
+#endif
 }

@@ -483,9 +483,42 @@ static void test_half(void) {
     EXPECT(fsc_half_to_float(d[0]) == 2050.0f, "fp16 sum accumulates in fp32: got %g", fsc_half_to_float(d[0]));
 }
 
+/* ---- streaming reductions: the same bits as fsc_shm_reduce ---- */
+static void test_reduce_stream(void) {
+    enum { N = 3 * 1024 + 7 }; /* whole lines and a tail the caller reduces */
+    static double a[N], b[N], c[N], in_place[N], want[N], out[N];
+    srand(7);
+    for (int i = 0; i < N; i++) {
+        a[i] = (rand() - RAND_MAX / 2) * 1e-3;
+        b[i] = i % 97 == 0 ? NAN : (rand() - RAND_MAX / 2) * 1e-5;
+        c[i] = (rand() - RAND_MAX / 2) * 1e-7;
+    }
+    for (int dt = 0; dt < 2; dt++)
+        for (int op = 0; op < FSC_NUM_REDS; op++) {
+            fsc_dtype_t t = dt ? FSC_FLOAT64 : FSC_FLOAT32;
+            size_t esz = dt ? 8 : 4, n = N * 8 / esz;
+            memcpy(in_place, a, sizeof(a));
+            const void *srcs[3] = {a, b, c};
+            fsc_shm_reduce(want, srcs, 3, n, t, (fsc_reduce_op_t)op, 3);
+            const void *srcs2[3] = {in_place, b, c}; /* the second destination is a source: normal stores */
+            void *dsts[2] = {out, in_place};
+            size_t done = fsc_shm_reduce_stream(dsts, 2, srcs2, 3, n, t, (fsc_reduce_op_t)op, 3);
+            EXPECT(done == n / (64 / esz) * (64 / esz), "dtype %d op %d: %zu of %zu elements streamed", dt, op, done,
+                   n);
+            EXPECT(memcmp(out, want, done * esz) == 0 && memcmp(in_place, want, done * esz) == 0,
+                   "dtype %d op %d: streamed bits differ from fsc_shm_reduce's", dt, op);
+        }
+    void *odd[1] = {(uint8_t *)out + 4};
+    const void *srcs[2] = {a, b};
+    EXPECT(fsc_shm_reduce_stream(odd, 1, srcs, 2, 64, FSC_FLOAT32, FSC_RED_SUM, 2) == 0, "misaligned output refused");
+    EXPECT(fsc_shm_reduce_stream((void *[]){out}, 1, srcs, 2, 64, FSC_BFLOAT16, FSC_RED_SUM, 2) == 0,
+           "bfloat16 left to the caller");
+}
+
 int main(void) {
     setenv("FAIRSCALE_C_TIMEOUT", "20", 1);
     test_half();
+    test_reduce_stream();
     for (int size = 2; size <= 4; size++)
         for (int async = 0; async <= 1; async++) {
             if (size == 3 && async) continue;
