@@ -149,7 +149,7 @@ static fsc_status_t reduce_from_peers(fsc_shm_group_t *g, const fsc_shm_args_t *
 /* Pull (inputs shared, or read): each rank copies every peer's block from the peer's input. Push
  * (`push`: every rank's output shared): each rank copies its input once into its block of every
  * rank's output, so at world 2 an out-of-place gather reads each input once instead of twice. */
-static fsc_status_t all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map, int push) {
+static fsc_status_t all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map, int push, int own_done) {
     size_t row = a->count * fsc_dtype_size(a->dtype);
     uint8_t *out = a->out, *mine = out + (size_t)g->rank * row;
     int streaming = row * (size_t)g->size >= FSC_SHM_STREAM_MIN;
@@ -160,12 +160,12 @@ static fsc_status_t all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a, int 
             int p = (g->rank + k) % g->size;
             uint8_t *dst = mine;
             if (p != g->rank) FSC_CHECK(mapped(g, p, 1, (size_t)g->rank * row, row, &dst));
-            if (dst != (const uint8_t *)a->in) dsts[nd++] = dst; /* in place: its own block is there */
+            if (dst != (const uint8_t *)a->in && !(p == g->rank && own_done)) dsts[nd++] = dst; /* in place: there */
         }
         fsc_shm_copy_out_n(dsts, nd, a->in, row, streaming);
         return fsc_shm_arrive(g, 1);
     }
-    if (mine != (const uint8_t *)a->in) fsc_shm_copy_out(mine, a->in, row, streaming); /* skipped in place */
+    if (mine != (const uint8_t *)a->in && !own_done) fsc_shm_copy_out(mine, a->in, row, streaming);
     for (int k = 1; k < g->size; k++) { /* each rank starts at its right-hand peer: the sources spread */
         int p = (g->rank + k) % g->size;
         FSC_CHECK(fetch_in(g, map, p, out + (size_t)p * row, 0, row, streaming));
@@ -274,6 +274,13 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
     size_t in_bytes = a->op == FSC_OP_REDUCE_SCATTER ? nb * (size_t)g->size : nb;
     size_t out_bytes = a->op == FSC_OP_ALL_GATHER ? nb * (size_t)g->size : nb;
     publish(g, a->in, in_bytes, a->out, out_bytes);
+    /* An all_gather in the window runs direct whatever the ranks published: its own block is
+     * copied while the peers arrive (out of place). */
+    int own_done = fits && a->op == FSC_OP_ALL_GATHER && a->out != NULL &&
+                   (uint8_t *)a->out + (size_t)g->rank * nb != (const uint8_t *)a->in;
+    if (own_done)
+        fsc_shm_copy_out((uint8_t *)a->out + (size_t)g->rank * nb, a->in, nb,
+                         nb * (size_t)g->size >= FSC_SHM_STREAM_MIN);
     FSC_CHECK(fsc_shm_open_collective(g, a));
     int push = a->op == FSC_OP_ALL_GATHER && all_shared(g, 1);
     int map = push || (all_shared(g, 0) && (!reduce_all || all_shared(g, 1)));
@@ -281,7 +288,7 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
     *ran = 1;
     if (map) atomic_fetch_add_explicit(&g->mapped_ops, 1, memory_order_relaxed);
     switch (a->op) {
-        case FSC_OP_ALL_GATHER: return all_gather(g, a, map, push);
+        case FSC_OP_ALL_GATHER: return all_gather(g, a, map, push, own_done);
         case FSC_OP_BROADCAST: return broadcast(g, a, map);
         case FSC_OP_REDUCE_SCATTER: return reduce_scatter(g, a, map);
         case FSC_OP_ALL_REDUCE: return map ? all_reduce_mapped(g, a) : all_reduce_read(g, a);
