@@ -7,7 +7,9 @@ slowest rank's elapsed time / calls (see _harness.measured_time). extra_info has
 bandwidth as nccl-tests defines them (S = bytes of the full buffer: all_reduce and broadcast the
 tensor, all_gather the output, reduce_scatter the input; algbw = S / t; busbw = algbw *
 2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast) and, on the
-fairscale_c case, the ratio of its bus bandwidth to gloo's from the paired case run just before.
+fairscale_c cases, the ratio of its bus bandwidth to gloo's from the paired case run just before.
+fairscale_c_shared is fairscale_c with the buffers in shared tensors (shared_empty), which the
+ranks map: the engine then copies straight between them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 # name -> (S in bytes, calls per round): enough calls that a round is well above timer noise,
 # few enough that every case takes about a second.
 SIZES: Dict[str, Tuple[int, int]] = {"8B": (8, 200), "64KiB": (64 * KiB, 100), "16MiB": (16 * MiB, 3)}
-IMPLS = ["gloo", "fairscale_c"]  # gloo first: the fairscale_c case reads its median for the ratio
+# gloo first: the fairscale_c cases read its median for the ratio. fairscale_c_shared: the same op
+# with its buffers in shared tensors (fairscale_c.distributed.shared_empty), which the ranks map.
+IMPLS = ["gloo", "fairscale_c", "fairscale_c_shared"]
 ROUNDS = 10
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -51,29 +55,40 @@ def _prepare_collective(state: RankState, impl: str, op: str, nbytes: int) -> No
     if nbytes % (4 * n):
         raise ValueError(f"nbytes must be a multiple of 4 * world ({4 * n}), got {nbytes}")
     numel, block = nbytes // 4, nbytes // 4 // n
-    ours = impl == "fairscale_c"
+    ours = impl != "gloo"
     ramp = torch.arange(numel, dtype=torch.float32)  # exact in float32 up to 2**24 elements
+    if impl == "fairscale_c_shared":
+        import fairscale_c.distributed as fdist
+
+        def new(x: Any) -> Any:  # x's values in a shared tensor
+            return fdist.shared_empty(x.numel(), group=g).copy_(x)
+
+    else:
+
+        def new(x: Any) -> Any:
+            return x
+
     call: Callable[[], Any]
     if op == "all_reduce":
-        t = torch.full((numel,), float(r + 1))
+        t = new(torch.full((numel,), float(r + 1)))
         call = (lambda: g.all_reduce(t)) if ours else (lambda: dist.all_reduce(t))
         call()
         expected, outs = torch.full((numel,), float(n * (n + 1) // 2)), [t]
         got = t
     elif op == "all_gather":
-        inp, out = torch.full((block,), float(r + 1)), torch.empty(numel)
+        inp, out = new(torch.full((block,), float(r + 1))), new(torch.empty(numel))
         call = (lambda: g.all_gather(out, inp)) if ours else (lambda: dist.all_gather_into_tensor(out, inp))
         call()
         expected, outs = torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(block), [inp, out]
         got = out
     elif op == "reduce_scatter":
-        inp, out = ramp * (r + 1), torch.empty(block)
+        inp, out = new(ramp * (r + 1)), torch.empty(block)
         call = (lambda: g.reduce_scatter(out, inp)) if ours else (lambda: dist.reduce_scatter_tensor(out, inp))
         call()
         expected, outs = ramp[r * block : (r + 1) * block] * (n * (n + 1) // 2), [inp, out]
         got = out
     elif op == "broadcast":
-        t = ramp * (r + 1)
+        t = new(ramp * (r + 1))
         call = (lambda: g.broadcast(t, root=0)) if ours else (lambda: dist.broadcast(t, src=0))
         call()
         expected, outs = ramp, [t]
@@ -113,7 +128,7 @@ def test_collective(benchmark: Any, ranks: Any, op: str, size: str, impl: str) -
         "busbw_GBps": algbw * BUS_FACTOR[op](WORLD),
     }
     _medians[(op, size, impl)] = t
-    if impl == "fairscale_c":
+    if impl != "gloo":
         gloo = _medians.get((op, size, "gloo"))
         # The paired gloo case ran just before in this session (None when it was deselected).
         info["busbw_vs_gloo"] = gloo / t if gloo is not None else None
