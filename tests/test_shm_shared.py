@@ -113,6 +113,24 @@ def _ops_job(rank: int, world: int):
         check(mine, summed(xs, dtype), f"all_reduce with one ordinary tensor {dtype} {nbytes} B", reduced=True)
         mapped(f"all_reduce with one ordinary tensor {dtype} {nbytes} B", before, expect=False)
         del t, inp, out, mine
+    # views at a different, unaligned offset on every rank (each rank publishes its own offset;
+    # the line-by-line kernels need aligned outputs and leave such ones to the piece path)
+    m = 17 * MiB // 4 // world * world
+    big = fdist.shared_empty(m + 16, group=group)
+    xs = [rank_data(r, m, torch.float32, 20) for r in range(world)]
+    view = big[rank + 1 : rank + 1 + m]
+    view.copy_(xs[rank])
+    before = shm.mapped_ops
+    group.all_reduce(view)
+    check(view, summed(xs, torch.float32), "all_reduce on unaligned views", reduced=True)
+    blk = m // world
+    view[rank * blk : (rank + 1) * blk] = xs[rank][:blk]
+    group.all_gather(view, view[rank * blk : (rank + 1) * blk])
+    check(view, torch.cat([x[:blk] for x in xs]), "all_gather into unaligned views")
+    mapped("unaligned views", before, expect=True)
+    if shm.mapped_ops - before != 2:
+        failures.append(f"unaligned views: {shm.mapped_ops - before} of 2 ops mapped")
+    del big, view
     # async: mapped ops queued between slot ops
     n = 3 * MiB // 4 // world * world
     works, checks = [], []
@@ -141,8 +159,9 @@ def _ops_job(rank: int, world: int):
         (2, {}),
         (2, {"FAIRSCALE_C_SHM_DIRECT_MAX": "0"}),  # no process_vm_readv: mapped ops still map
         (3, {}),
+        (4, {}),  # more ranks than this machine's 2 cores
     ],
-    ids=["world2", "direct-reads-off", "world3"],
+    ids=["world2", "direct-reads-off", "world3", "world4"],
 )
 def test_collectives_on_shared_tensors(world, env):
     results = run_ranks(_ops_job, world, env={"FAIRSCALE_C_TIMEOUT": "120", **env}, timeout=600)
@@ -198,3 +217,5 @@ def test_one_rank_gets_an_ordinary_tensor():
     t = fdist.shared_empty(3, 4, dtype=torch.float64, group=fdist.LocalGroup())
     assert t.shape == (3, 4) and t.dtype == torch.float64 and bool((t == 0).all())
     assert not fdist.is_shared(t)
+    with pytest.raises(TypeError, match="shared_empty: group is object; expected a fairscale_c.distributed Group"):
+        fdist.shared_empty(3, group=object())

@@ -30,6 +30,19 @@ typedef struct {
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
 static mapping_t *reg;
 static size_t reg_n, reg_cap;
+static pthread_once_t reg_once = PTHREAD_ONCE_INIT;
+
+/* A fork() while another thread holds the registry's lock must not leave the child's copy locked
+ * forever (the child may still ask is_shared). */
+static void reg_lock(void) {
+    pthread_mutex_lock(&reg_mu);
+}
+static void reg_unlock(void) {
+    pthread_mutex_unlock(&reg_mu);
+}
+static void reg_init(void) {
+    pthread_atfork(reg_lock, reg_unlock, reg_unlock);
+}
 
 static fsc_status_t map_fd(int fd, size_t total, uint8_t **base) {
     void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -114,6 +127,7 @@ fsc_status_t fsc_shm_shared_slice(uint8_t *base, size_t total, uint64_t id, size
         st = fsc_error(FSC_ERR_INTERNAL, "shared tensor: slice [%zu, +%zu) outside %zu bytes", off, nbytes, total);
     else if ((s = calloc(1, sizeof(*s))) == NULL)
         st = fsc_error(FSC_ERR_NOMEM, "shared tensor: out of memory");
+    pthread_once(&reg_once, reg_init);
     pthread_mutex_lock(&reg_mu);
     if (st == FSC_OK && reg_n == reg_cap) {
         size_t cap = reg_cap ? reg_cap * 2 : 16;

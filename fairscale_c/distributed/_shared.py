@@ -12,7 +12,7 @@ from typing import Any, List, Sequence
 import torch
 
 from .. import _C
-from ._group import Group
+from ._group import Group, LocalGroup
 
 _SLICE_ALIGN = 2 << 20  # each rank's slice starts on a 2 MiB boundary (huge-page and cache-line friendly)
 
@@ -42,7 +42,12 @@ def shared_empty(*size: Any, dtype: torch.dtype = torch.float32, group: Any) -> 
     for d in dims:
         numel *= d
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if not isinstance(group, Group) or group.size == 1 or group._shm is None:
+    if not isinstance(group, (Group, LocalGroup)):
+        raise TypeError(
+            f"shared_empty: group is {type(group).__name__}; expected a fairscale_c.distributed Group "
+            "(init_group, group_for) or None for the default group"
+        )
+    if isinstance(group, LocalGroup) or group.size == 1 or group._shm is None:
         # one rank, or ranks that do not share a host: nothing to share
         return torch.zeros(dims, dtype=dtype)
     stride = max(_SLICE_ALIGN, -(-nbytes // _SLICE_ALIGN) * _SLICE_ALIGN)
