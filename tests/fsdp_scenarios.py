@@ -816,6 +816,30 @@ SCENARIOS.update(state_errors=state_errors)
 SCENARIOS.update(tango_engine=tango_engine)
 
 
+def shards_shared(rank, world):
+    """On CPU the flat parameters' shards live in shared tensors (one allocation per flat
+    parameter, a slice per rank), and the forward's all-gathers of full-precision parameters copy
+    the peers' shards straight from their memory; the result is what a plain model computes."""
+    import fairscale_c.distributed as fdist
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 8))
+    model = FSDP(copy.deepcopy(ref))
+    params = list(model.parameters())
+    assert params and all(fdist.is_shared(p) == (world > 1) for p in params), [fdist.is_shared(p) for p in params]
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(rank))
+    shm = getattr(model.comm, "_shm", None)  # world 1: a LocalGroup, no engine
+    before = shm.mapped_ops if shm is not None else 0
+    got = model(x)
+    torch.testing.assert_close(got, ref(x))
+    if world > 1:
+        assert shm.mapped_ops > before, "the forward's all-gather did not read the shards where they lie"
+
+
+SCENARIOS.update(shards_shared=shards_shared)
+
+
 def dataloader_fork_workers(rank, world):
     """Training with a DataLoader whose workers are fork()ed from a rank that runs the engine's
     progress threads (a new set of workers each epoch): the workers never touch the groups, so

@@ -161,6 +161,11 @@ def test_tango_style_engine_resumes_exactly(tmp_path):
     spawn(2, ["tango_engine"], extra=(str(tmp_path),))
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_cpu_shards_are_shared_tensors(world):
+    spawn(world, ["shards_shared"])
+
+
 def test_dataloader_workers_forked_from_a_training_rank():
     spawn(2, ["dataloader_fork_workers"])
 
