@@ -184,6 +184,7 @@ def _bad_job(rank: int, world: int):
         {"size": (-1,)},
         {"size": (2.5,)},
         {"size": (4,), "dtype": "float32"},
+        {"size": (4,), "dtype": torch.complex64},
     ]:
         try:
             fdist.shared_empty(*kwargs["size"], dtype=kwargs.get("dtype", torch.float32), group=group)
@@ -203,12 +204,13 @@ def test_bad_arguments_raise_on_every_rank():
     results = run_ranks(_bad_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"})
     for rank, (errors, ok) in enumerate(results):
         assert ok, f"rank {rank}: the group did not work after the errors"
-        size, dtype, negative, non_int, dtype_str = errors
+        size, dtype, negative, non_int, dtype_str, complex_dtype = errors
         assert size and "same size and dtype" in size and "(4, 1000)" in size and "(4, 1001)" in size, size
         assert dtype and "same size and dtype" in dtype and "torch.float64" in dtype, dtype
         assert negative and negative.startswith("ValueError") and "size[0] is -1" in negative, negative
         assert non_int and non_int.startswith("TypeError") and "size[0]" in non_int, non_int
         assert dtype_str and dtype_str.startswith("TypeError") and "dtype" in dtype_str, dtype_str
+        assert complex_dtype and complex_dtype.startswith("TypeError") and "torch.complex64" in complex_dtype
 
 
 def test_one_rank_gets_an_ordinary_tensor():

@@ -15,6 +15,18 @@ from .. import _C
 from ._group import Group, LocalGroup
 
 _SLICE_ALIGN = 2 << 20  # each rank's slice starts on a 2 MiB boundary (huge-page and cache-line friendly)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+)  # what the engine's collectives take
 
 
 def _parse_size(size: Sequence[Any]) -> List[int]:
@@ -36,8 +48,8 @@ def shared_empty(*size: Any, dtype: torch.dtype = torch.float32, group: Any) -> 
     ``group`` maps. Collective: every rank calls it with the same size and dtype. See
     fairscale_c.distributed.shared_empty."""
     dims = _parse_size(size)
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"shared_empty: dtype is {dtype!r}; expected a torch.dtype")
+    if dtype not in _DTYPES:
+        raise TypeError(f"shared_empty: dtype is {dtype!r}; expected one of {', '.join(map(str, _DTYPES))}")
     numel = 1
     for d in dims:
         numel *= d
@@ -56,7 +68,7 @@ def shared_empty(*size: Any, dtype: torch.dtype = torch.float32, group: Any) -> 
     if group.rank == 0:
         try:
             fd, ident, mapping = _C._shared_create(total)
-        except OSError as exc:  # reported to the peers, who fall back with rank 0
+        except (OSError, MemoryError) as exc:  # reported to the peers, who fall back with rank 0
             why, ident = f"rank 0 could not create it ({exc})", 0
     request = {"pid": os.getpid(), "size": dims, "dtype": str(dtype)}
     if group.rank == 0:
@@ -73,7 +85,7 @@ def shared_empty(*size: Any, dtype: torch.dtype = torch.float32, group: Any) -> 
         if group.rank != 0 and head["why"] is None:
             try:
                 mapping = _C._shared_open(head["pid"], head["fd"], total, head["id"])
-            except OSError as exc:
+            except (OSError, MemoryError) as exc:
                 why = f"rank {group.rank} could not map it ({exc})"
         reports = [json.loads(b) for b in group._exchange.all_gather(json.dumps({"why": why}).encode())]
     finally:
