@@ -3,8 +3,8 @@
  * instead of one per piece. Two ways to reach a peer's buffer:
  *   - mapped: every rank's buffers lie in the same shared tensor allocation (shm_shared.h), which
  *     every rank maps; a plain copy from (or, all_reduce, into) the peer's memory;
- *   - read: process_vm_readv, the kernel copying from the peer's private memory (about half of
- *     memcpy's speed, measured), in the window of sizes where that beats the slots.
+ *   - read: process_vm_readv, the kernel copying from the peer's private memory (slower than a
+ *     plain copy), in the window of sizes where that beats the slots.
  *
  * Every rank publishes its input's (and output's) address, and where they lie in shared
  * allocations, in its control block before the op's first barrier; after it every rank sees the
@@ -118,28 +118,57 @@ static fsc_status_t fetch_in(fsc_shm_group_t *g, int map, int p, void *dst, size
     return FSC_OK;
 }
 
-/* dst[0, n) = mine (op) every peer's input at byte offset `off` (rank order), n elements. dst may
- * be mine. Mapped, the peers' inputs are reduced where they lie; read, through the scratch. */
-static fsc_status_t reduce_from_peers(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map, void *dst, const void *mine,
-                                      size_t off, size_t n) {
-    size_t esz = fsc_dtype_size(a->dtype), per = FSC_SHM_DIRECT_PIECE / esz;
-    if (!map && g->direct_scratch == NULL &&
-        (g->direct_scratch = malloc((size_t)(g->size - 1) * FSC_SHM_DIRECT_PIECE)) == NULL)
+/* The group's scratch: (size - 1) pieces the read reductions copy the peers' data into, and the
+ * mapped all_reduce reduces a piece into. */
+static fsc_status_t scratch(fsc_shm_group_t *g) {
+    if (g->direct_scratch == NULL && (g->direct_scratch = malloc((size_t)(g->size - 1) * FSC_SHM_DIRECT_PIECE)) == NULL)
         return fsc_error(FSC_ERR_NOMEM, "shm group '%s': out of memory for the direct reads' scratch", g->name);
+    return FSC_OK;
+}
+
+/* Rank r's inputs at byte `off` (its own first, then the peers' in rank order), mapped. */
+static fsc_status_t mapped_inputs(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t off, size_t nb,
+                                  const void **srcs) {
+    srcs[0] = (const uint8_t *)a->in + off;
+    for (int p = 0, j = 1; p < g->size; p++) {
+        if (p == g->rank) continue;
+        uint8_t *src;
+        FSC_CHECK(mapped(g, p, 0, off, nb, &src));
+        srcs[j++] = src;
+    }
+    return FSC_OK;
+}
+
+/* Every rank's output at byte `off` (indexed by rank), this rank's own and the peers' mapped. */
+static fsc_status_t mapped_outputs(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t off, size_t nb, void **dsts) {
+    for (int p = 0; p < g->size; p++) {
+        uint8_t *dst = (uint8_t *)a->out + off;
+        if (p != g->rank) FSC_CHECK(mapped(g, p, 1, off, nb, &dst));
+        dsts[p] = dst;
+    }
+    return FSC_OK;
+}
+
+/* dst[0, n) = this rank's input (op) every peer's input, from byte offset `off` (own first, then
+ * rank order), n elements. dst may be the input. Mapped, the peers' inputs are reduced where they
+ * lie; read, through the scratch. */
+static fsc_status_t reduce_from_peers(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map, void *dst, size_t off,
+                                      size_t n) {
+    size_t esz = fsc_dtype_size(a->dtype), per = FSC_SHM_DIRECT_PIECE / esz;
+    if (!map) FSC_CHECK(scratch(g));
     const void *srcs[FSC_SHM_MAX_RANKS];
     for (size_t i = 0; i < n; i += per) {
-        size_t k = min_sz(per, n - i);
-        srcs[0] = (const uint8_t *)mine + i * esz;
-        for (int p = 0, j = 1; p < g->size; p++) {
-            if (p == g->rank) continue;
-            uint8_t *src;
-            if (map) {
-                FSC_CHECK(mapped(g, p, 0, off + i * esz, k * esz, &src));
-            } else {
-                src = g->direct_scratch + (size_t)(j - 1) * FSC_SHM_DIRECT_PIECE;
-                FSC_CHECK(read_peer(g, p, src, g->ranks[p].direct_in + off + i * esz, k * esz));
+        size_t k = min_sz(per, n - i), at = off + i * esz;
+        if (map) {
+            FSC_CHECK(mapped_inputs(g, a, at, k * esz, srcs));
+        } else {
+            srcs[0] = (const uint8_t *)a->in + at;
+            for (int p = 0, j = 1; p < g->size; p++) {
+                if (p == g->rank) continue;
+                uint8_t *buf = g->direct_scratch + (size_t)(j - 1) * FSC_SHM_DIRECT_PIECE;
+                FSC_CHECK(read_peer(g, p, buf, g->ranks[p].direct_in + at, k * esz));
+                srcs[j++] = buf;
             }
-            srcs[j++] = src;
         }
         FSC_CHECK(fsc_shm_reduce((uint8_t *)dst + i * esz, srcs, g->size, k, a->dtype, a->redop, g->size));
     }
@@ -155,13 +184,9 @@ static fsc_status_t all_gather(fsc_shm_group_t *g, const fsc_shm_args_t *a, int 
     int streaming = row * (size_t)g->size >= FSC_SHM_STREAM_MIN;
     if (push) {
         void *dsts[FSC_SHM_MAX_RANKS];
-        int nd = 0;
-        for (int k = 0; k < g->size; k++) { /* each rank starts at its right-hand peer */
-            int p = (g->rank + k) % g->size;
-            uint8_t *dst = mine;
-            if (p != g->rank) FSC_CHECK(mapped(g, p, 1, (size_t)g->rank * row, row, &dst));
-            if (dst != (const uint8_t *)a->in && !(p == g->rank && own_done)) dsts[nd++] = dst; /* in place: there */
-        }
+        int nd = g->size;
+        FSC_CHECK(mapped_outputs(g, a, (size_t)g->rank * row, row, dsts));
+        if (mine == (const uint8_t *)a->in || own_done) dsts[g->rank] = dsts[--nd]; /* in place, or copied already */
         fsc_shm_copy_out_n(dsts, nd, a->in, row, streaming);
         return fsc_shm_arrive(g, 1);
     }
@@ -184,19 +209,6 @@ static fsc_status_t broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a, int m
     return fsc_shm_arrive(g, 1);
 }
 
-/* Rank r's inputs at byte `off` (its own first, then the peers' in rank order), mapped. */
-static fsc_status_t mapped_inputs(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t off, size_t nb,
-                                  const void **srcs) {
-    srcs[0] = (const uint8_t *)a->in + off;
-    for (int p = 0, j = 1; p < g->size; p++) {
-        if (p == g->rank) continue;
-        uint8_t *src;
-        FSC_CHECK(mapped(g, p, 0, off, nb, &src));
-        srcs[j++] = src;
-    }
-    return FSC_OK;
-}
-
 /* Rank r reduces block r: its own block first (`out` may be it: in place), then the peers'. An
  * output too large for the caches is written with streaming stores (mapped, float). */
 static fsc_status_t reduce_scatter(fsc_shm_group_t *g, const fsc_shm_args_t *a, int map) {
@@ -207,8 +219,7 @@ static fsc_status_t reduce_scatter(fsc_shm_group_t *g, const fsc_shm_args_t *a, 
         FSC_CHECK(mapped_inputs(g, a, off, a->count * esz, srcs));
         done = fsc_shm_reduce_stream(&dst, 1, srcs, g->size, a->count, a->dtype, a->redop, g->size);
     }
-    FSC_CHECK(reduce_from_peers(g, a, map, (uint8_t *)a->out + done * esz, (const uint8_t *)a->in + off + done * esz,
-                                off + done * esz, a->count - done));
+    FSC_CHECK(reduce_from_peers(g, a, map, (uint8_t *)a->out + done * esz, off + done * esz, a->count - done));
     return fsc_shm_arrive(g, 1);
 }
 
@@ -218,9 +229,8 @@ static fsc_status_t reduce_scatter(fsc_shm_group_t *g, const fsc_shm_args_t *a, 
 static fsc_status_t all_reduce_read(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     size_t esz = fsc_dtype_size(a->dtype), lo = 0, hi = 0;
     uint8_t *out = a->out;
-    const uint8_t *in = a->in;
     fsc_shm_part(g, g->rank, a->count, esz, &lo, &hi);
-    FSC_CHECK(reduce_from_peers(g, a, 0, out + lo * esz, in + lo * esz, lo * esz, hi - lo));
+    FSC_CHECK(reduce_from_peers(g, a, 0, out + lo * esz, lo * esz, hi - lo));
     FSC_CHECK(fsc_shm_arrive(g, 1));
     for (int k = 1; k < g->size; k++) {
         int p = (g->rank + k) % g->size;
@@ -237,30 +247,21 @@ static fsc_status_t all_reduce_read(fsc_shm_group_t *g, const fsc_shm_args_t *a)
 static fsc_status_t all_reduce_mapped(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     size_t esz = fsc_dtype_size(a->dtype), per = FSC_SHM_DIRECT_PIECE / esz, lo = 0, hi = 0;
     int streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
+    void *dsts[FSC_SHM_MAX_RANKS];
     fsc_shm_part(g, g->rank, a->count, esz, &lo, &hi);
     size_t i = lo;
     if (streaming && hi > lo) {
         const void *srcs[FSC_SHM_MAX_RANKS];
-        void *dsts[FSC_SHM_MAX_RANKS];
         FSC_CHECK(mapped_inputs(g, a, lo * esz, (hi - lo) * esz, srcs));
-        for (int p = 0; p < g->size; p++) {
-            uint8_t *dst = (uint8_t *)a->out + lo * esz;
-            if (p != g->rank) FSC_CHECK(mapped(g, p, 1, lo * esz, (hi - lo) * esz, &dst));
-            dsts[p] = dst;
-        }
+        FSC_CHECK(mapped_outputs(g, a, lo * esz, (hi - lo) * esz, dsts));
         i += fsc_shm_reduce_stream(dsts, g->size, srcs, g->size, hi - lo, a->dtype, a->redop, g->size);
     }
-    if (i < hi && g->direct_scratch == NULL &&
-        (g->direct_scratch = malloc((size_t)(g->size - 1) * FSC_SHM_DIRECT_PIECE)) == NULL)
-        return fsc_error(FSC_ERR_NOMEM, "shm group '%s': out of memory for the direct reads' scratch", g->name);
+    if (i < hi) FSC_CHECK(scratch(g));
     for (; i < hi; i += per) {
         size_t k = min_sz(per, hi - i);
-        FSC_CHECK(reduce_from_peers(g, a, 1, g->direct_scratch, (const uint8_t *)a->in + i * esz, i * esz, k));
-        for (int p = 0; p < g->size; p++) {
-            uint8_t *dst = (uint8_t *)a->out + i * esz;
-            if (p != g->rank) FSC_CHECK(mapped(g, p, 1, i * esz, k * esz, &dst));
-            fsc_shm_copy_out(dst, g->direct_scratch, k * esz, streaming);
-        }
+        FSC_CHECK(reduce_from_peers(g, a, 1, g->direct_scratch, i * esz, k));
+        FSC_CHECK(mapped_outputs(g, a, i * esz, k * esz, dsts));
+        fsc_shm_copy_out_n(dsts, g->size, g->direct_scratch, k * esz, streaming);
     }
     return fsc_shm_arrive(g, 1);
 }

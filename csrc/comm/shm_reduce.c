@@ -164,13 +164,12 @@ fsc_status_t fsc_shm_reduce(void *dst, const void *const *srcs, int nsrc, size_t
 /* Streaming kernels: one 64-byte line of the result at a time, reduced from every source in SSE
  * registers and stored to every destination, so the sources' reads and the destinations' writes
  * stay interleaved: with non-temporal stores, except into a destination that is one of the
- * sources (in place), whose line the reduction has just brought into the cache (there a normal
- * store was 1.5x faster than a streaming one, which must evict it: docs/benchmarks.md, "Shared
- * tensors"). addps/maxps/minps and their pd forms compute exactly FSC_SUM, FSC_MAX and FSC_MIN
- * (maxps returns its second operand unless the first is greater), so the results equal
- * fsc_shm_reduce's bit for bit. Prefetching never faults, so reading ahead past the end is safe. */
-/* How far ahead of the line being reduced each source is prefetched, in bytes: the hardware's own
- * prefetching left a rank's reads the bottleneck (2048 measured best of 1024, 2048 and 4096). */
+ * sources (in place), whose line the reduction has just brought into the cache and which a
+ * streaming store would have to evict (docs/benchmarks.md, "Shared tensors"). addps/maxps/minps and their pd forms
+ * compute exactly FSC_SUM, FSC_MAX and FSC_MIN (maxps returns its second operand unless the first is greater), so the
+ * results equal fsc_shm_reduce's bit for bit. Prefetching never faults, so reading ahead past the end is safe. */
+/* How far ahead of the line being reduced each source is prefetched, in bytes: without it a rank's
+ * reads are the bottleneck (the distance chosen: docs/benchmarks.md, "Shared tensors"). */
 #define FSC_STREAM_PREFETCH 2048
 
 #define FSC_DEFINE_STREAM(NAME, T, V, LOADU, OP, DIV, SET1, CAST)                                                    \
