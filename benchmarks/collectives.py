@@ -3,9 +3,10 @@ same run, plus single-process memcpy as the roofline, and memcpy with every rank
 once (what one rank can copy while its peers copy too).
 
 Reports algorithm and bus bandwidth as nccl-tests defines them (S = bytes of the full buffer:
-all_reduce the tensor, all_gather the output, reduce_scatter the input; algbw = S / t;
-busbw = algbw * 2(n-1)/n for all_reduce and (n-1)/n for the others), prints a table with ratios
-and writes JSON.
+all_reduce and reduce the tensor, all_gather the output, reduce_scatter the input; algbw = S / t;
+busbw = algbw * 2(n-1)/n for all_reduce, algbw for reduce and (n-1)/n for the others), prints a
+table with ratios and writes JSON. reduce (to rank 0) is measured beside the four columns the
+targets judge, without a target of its own.
 
     python benchmarks/collectives.py                 # 4 KiB .. 256 MiB, world 2 and 4
     python benchmarks/collectives.py --quick         # a few sizes, about a minute
@@ -63,7 +64,9 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 OPS = ["all_reduce", "all_gather", "reduce_scatter"]
 # Also measured: all_gather whose input is this rank's block of the output (as FSDP calls it;
 # nccl-tests reports in-place columns the same way).
-MEASURED = OPS + ["all_gather_inplace"]
+TARGETED = OPS + ["all_gather_inplace"]  # the four columns the bandwidth targets judge
+# Also measured, without a target: reduce (sum, to rank 0, in place).
+MEASURED = TARGETED + ["reduce"]
 KiB, MiB = 1024, 1024 * 1024
 
 
@@ -82,6 +85,8 @@ def _parse_size(text: str) -> int:
 
 
 def _bus_factor(op: str, n: int) -> float:
+    if op == "reduce":
+        return 1.0  # nccl-tests: reduce and broadcast report busbw = algbw
     return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
@@ -91,16 +96,18 @@ def _traffic_busbw(op: str, n: int, memcpy_all: float) -> float:
     writes every byte of its output once (slots and other intermediates assumed to stay in the
     caches), and memcpy of B bytes moves 2B (read + non-temporal write). Per rank, with S the full
     buffer: all_reduce 2S, all_gather S/n + S, in-place all_gather S (its own block is read, the
-    rest written), reduce_scatter S + S/n. Meaningful only for buffers that do not fit in the
+    rest written), reduce_scatter S + S/n, reduce S + S/n (every input read once and the root's output
+    written once, the work spread over the ranks). Meaningful only for buffers that do not fit in the
     caches, where memory bandwidth, not the algorithm, bounds every implementation."""
     per_rank = {
         "all_reduce": 2.0,
         "all_gather": 1.0 + 1.0 / n,
         "all_gather_inplace": 1.0,
         "reduce_scatter": 1.0 + 1.0 / n,
+        "reduce": 1.0 + 1.0 / n,
     }[op]
     t_over_s = per_rank / (2.0 * memcpy_all)  # seconds per byte of S
-    return _bus_factor("all_reduce" if op == "all_reduce" else "all_gather", n) / t_over_s
+    return _bus_factor(op if op in ("all_reduce", "reduce") else "all_gather", n) / t_over_s
 
 
 def _iters(nbytes: int, quick: bool) -> int:
@@ -159,6 +166,10 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
                 inp = out[rank * (numel // world) : (rank + 1) * (numel // world)]
                 ours = lambda out=out, inp=inp: group.all_gather(out, inp)  # noqa: E731
                 gloo = lambda out=out, inp=inp: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+            elif op == "reduce":
+                t = torch.randn(numel, device=dev)
+                ours = lambda t=t: group.reduce(t, root=0)  # noqa: E731
+                gloo = lambda t=t: dist.reduce(t, dst=0)  # noqa: E731
             else:
                 inp, out = torch.randn(numel, device=dev), torch.empty(numel // world, device=dev)
                 ours = lambda out=out, inp=inp: group.reduce_scatter(out, inp)  # noqa: E731
@@ -193,13 +204,14 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
 
 
 def _shared_call(fdist: Any, group: Any, op: str, numel: int, rank: int, world: int) -> Callable[[], Any]:
-    """`op` on fairscale_c with its buffers in shared tensors (all_reduce: the tensor; all_gather: the
-    input and the output, or the output the input is a block of; reduce_scatter: the input)."""
+    """`op` on fairscale_c with its buffers in shared tensors (all_reduce and reduce: the tensor;
+    all_gather: the input and the output, or the output the input is a block of; reduce_scatter:
+    the input)."""
     block = numel // world
-    if op == "all_reduce":
+    if op in ("all_reduce", "reduce"):
         t = fdist.shared_empty(numel, group=group)
         t.copy_(torch.randn(numel))
-        return lambda: group.all_reduce(t)
+        return (lambda: group.all_reduce(t)) if op == "all_reduce" else (lambda: group.reduce(t, root=0))
     if op == "all_gather":
         inp, out = fdist.shared_empty(block, group=group), fdist.shared_empty(numel, group=group)
         inp.copy_(torch.randn(block))
@@ -372,7 +384,7 @@ def print_spread(result: Dict) -> None:
     n = result.get("repeats", 1)
     print(f"over {n} passes (median [min - max]):")
     for r in result["rows"]:
-        if r["world"] != 2 or r["bytes"] < 16 * MiB or "vs_traffic_range" not in r:
+        if r["world"] != 2 or r["bytes"] < 16 * MiB or "vs_traffic_range" not in r or r["op"] not in TARGETED:
             continue
         lo, hi = r["vs_traffic_range"]
         glo, ghi = r["vs_gloo_range"]
@@ -443,7 +455,7 @@ def bandwidth_verdict(rows: List[Dict]) -> List[str]:
     """One line per world-2 row of 16 MiB or more: which of the targets it meets."""
     lines = []
     for r in rows:
-        if r["world"] != 2 or r["bytes"] < 16 * MiB or "vs_traffic" not in r:
+        if r["world"] != 2 or r["bytes"] < 16 * MiB or "vs_traffic" not in r or r["op"] not in TARGETED:
             continue
         need = next(share for size, share in BW_TRAFFIC_TARGETS if r["bytes"] >= size)
         misses = []

@@ -106,6 +106,24 @@ def _ops_job(rank: int, world: int):
             check(t, xs[root], f"broadcast root {root} {dtype} {nbytes} B")
             # a 60 KiB broadcast is in the direct reads' window: mapped there too, when they are on
             mapped(f"broadcast {dtype} {nbytes} B", before, expect=big or shm.direct_max > 0)
+        # reduce to every root: every rank reduces its part into the root's tensor; the others'
+        # tensors are left as they were, as on the slots
+        for root in range(world):
+            for op in ["sum", "avg"] if dtype.is_floating_point else ["sum", "max"]:
+                before = shm.mapped_ops
+                t.copy_(xs[rank])
+                group.reduce(t, root=root, op=op)
+                want = torch.stack(xs).amax(0) if op == "max" else summed(xs, dtype, op)
+                what = f"reduce {op} to {root} {dtype} {nbytes} B"
+                check(t, want if rank == root else xs[rank], what, reduced=rank == root)
+                mapped(what, before, expect=big)
+            # the root's tensor ordinary: the slots
+            before = shm.mapped_ops
+            mine = xs[rank].clone() if rank == root else t.copy_(xs[rank])
+            group.reduce(mine, root=root)
+            what = f"reduce to {root} with an ordinary root tensor {dtype} {nbytes} B"
+            check(mine, summed(xs, dtype) if rank == root else xs[rank], what, reduced=rank == root)
+            mapped(what, before, expect=False)
         # one rank passes an ordinary tensor: nobody maps, the results are the same
         before = shm.mapped_ops
         mine = xs[rank].clone() if rank == world - 1 else t.copy_(xs[rank])

@@ -21,8 +21,9 @@
  *     read otherwise.
  *   - outside it, from FSC_SHM_SHARED_MIN bytes: the ranks first compare their publications; mapped
  *     when every rank's buffers are shared, else the slots (one barrier more than the slots alone).
- * reduce keeps the slots: the root alone would copy every peer's input. Measurements:
- * docs/benchmarks.md, "Direct reads" and "Shared tensors". */
+ * reduce has no read form (the root alone would copy every peer's input); mapped, every rank
+ * reduces a part into the root's output. Measurements: docs/benchmarks.md, "Direct reads" and
+ * "Shared tensors". */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,6 +66,7 @@ static int may_map(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
         case FSC_OP_ALL_GATHER:
         case FSC_OP_REDUCE_SCATTER:
         case FSC_OP_BROADCAST:
+        case FSC_OP_REDUCE:
         case FSC_OP_ALL_REDUCE: return op_bytes(g, a) >= FSC_SHM_SHARED_MIN;
         default: return 0;
     }
@@ -266,6 +268,37 @@ static fsc_status_t all_reduce_mapped(fsc_shm_group_t *g, const fsc_shm_args_t *
     return fsc_shm_arrive(g, 1);
 }
 
+/* Mapped reduce (every rank's input and the root's output shared): each rank reduces its part of
+ * every input and stores it into the root's output, so the root alone no longer reads every
+ * input, and one barrier ends the op. In place at the root, rank r writes only part r of the
+ * root's buffer, which only rank r reads. */
+static fsc_status_t reduce_mapped(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    size_t esz = fsc_dtype_size(a->dtype), per = FSC_SHM_DIRECT_PIECE / esz, lo = 0, hi = 0;
+    int streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
+    fsc_shm_part(g, g->rank, a->count, esz, &lo, &hi);
+    uint8_t *root_out = a->out;
+    if (a->root != g->rank) FSC_CHECK(mapped(g, a->root, 1, 0, a->count * esz, &root_out));
+    size_t i = lo;
+    if (streaming && hi > lo) {
+        const void *srcs[FSC_SHM_MAX_RANKS];
+        void *dst = root_out + lo * esz;
+        FSC_CHECK(mapped_inputs(g, a, lo * esz, (hi - lo) * esz, srcs));
+        i += fsc_shm_reduce_stream(&dst, 1, srcs, g->size, hi - lo, a->dtype, a->redop, g->size);
+    }
+    if (i < hi) FSC_CHECK(scratch(g));
+    for (; i < hi; i += per) {
+        size_t k = min_sz(per, hi - i);
+        FSC_CHECK(reduce_from_peers(g, a, 1, g->direct_scratch, i * esz, k));
+        fsc_shm_copy_out(root_out + i * esz, g->direct_scratch, k * esz, streaming);
+    }
+    return fsc_shm_arrive(g, 1);
+}
+
+/* 1 when every rank's input and the root's output lie in this rank's shared allocation. */
+static int reduce_shared(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    return all_shared(g, 0) && g->ranks[a->root].shared_out_id == g->ranks[g->rank].shared_in_id;
+}
+
 fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int *ran) {
     *ran = 0;
     int fits = fsc_shm_direct_fits(g, a);
@@ -284,7 +317,8 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
                          nb * (size_t)g->size >= FSC_SHM_STREAM_MIN);
     FSC_CHECK(fsc_shm_open_collective(g, a));
     int push = a->op == FSC_OP_ALL_GATHER && all_shared(g, 1);
-    int map = push || (all_shared(g, 0) && (!reduce_all || all_shared(g, 1)));
+    int map =
+        push || (a->op == FSC_OP_REDUCE ? reduce_shared(g, a) : all_shared(g, 0) && (!reduce_all || all_shared(g, 1)));
     if (!map && !fits) return FSC_OK; /* every rank saw the same: the slots run it */
     *ran = 1;
     if (map) atomic_fetch_add_explicit(&g->mapped_ops, 1, memory_order_relaxed);
@@ -293,6 +327,7 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
         case FSC_OP_BROADCAST: return broadcast(g, a, map);
         case FSC_OP_REDUCE_SCATTER: return reduce_scatter(g, a, map);
         case FSC_OP_ALL_REDUCE: return map ? all_reduce_mapped(g, a) : all_reduce_read(g, a);
+        case FSC_OP_REDUCE: return reduce_mapped(g, a);
         default: break;
     }
     return fsc_error(FSC_ERR_INTERNAL, "shm: op %d has no direct form", (int)a->op);
