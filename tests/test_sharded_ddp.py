@@ -42,6 +42,20 @@ class Net(nn.Module):
         return self.head(F.gelu(self.fc3(F.relu(self.fc2(F.relu(self.bn(self.fc1(x))))))))
 
 
+class WideNet(Net):
+    """Net's inputs and outputs with layers large enough for the engine's mapped paths: fc2's and
+    fc3's weights (512K elements each) are packed into buckets of over 1 MiB, and each rank's
+    block of OSS's parameter buffer is about 2 MiB."""
+
+    def __init__(self, bn=False):
+        super().__init__(bn)
+        self.fc1 = nn.Linear(12, 512)
+        self.bn = nn.BatchNorm1d(512) if bn else nn.Identity()
+        self.fc2 = nn.Linear(512, 1024)
+        self.fc3 = nn.Linear(1024, 512)
+        self.head = nn.Linear(512, 3)
+
+
 def _global_batch(step, world, micro=0):
     g = torch.Generator().manual_seed(1000 * step + micro)
     dev = DEVICE["device"]
@@ -101,6 +115,7 @@ def train(
     freeze_at=None,
     zero_before_backward=False,
     zero="opt",
+    net=Net,
     **sdp_kw,
 ):
     from fairscale_c.nn import ShardedDataParallel
@@ -108,9 +123,9 @@ def train(
 
     okw = okw or dict(lr=0.05, momentum=0.9)
     torch.manual_seed(rank)  # different starting weights: sync_models_at_startup must fix them
-    model = Net(bn).to(DEVICE["device"])
+    model = net(bn).to(DEVICE["device"])
     torch.manual_seed(0)
-    ref = Net(bn).to(DEVICE["device"])
+    ref = net(bn).to(DEVICE["device"])
     if rank == 0:
         model.load_state_dict(ref.state_dict())
     opt = OSS(model.parameters(), optim=optim, **okw)
@@ -204,6 +219,32 @@ def scenario_in_place_reduction(rank, world):
         train(rank, world, reduce_fp16=True, tol=FP16_WIRE)  # float16 on the wire: bucketed as before
     finally:
         sharded_ddp._DIRECT_MIN = old
+
+
+def scenario_shared_buffers(rank, world):
+    """On CPU, OSS's parameter buffers and ShardedDataParallel's packed gradient buckets live in
+    shared tensors, so the buckets' reduces and the parameters' broadcasts copy straight between
+    the ranks' memory (each counted in the engine group's mapped_ops); training matches DDP."""
+    import fairscale_c.distributed as fdist
+
+    cpu = DEVICE["device"].type == "cpu"
+    group = fdist.group_for(dist.group.WORLD)
+    shm = getattr(group, "_shm", None)
+    before = shm.mapped_ops if shm is not None else 0
+    steps = 3
+    sdp, opt = train(rank, world, net=WideNet, optim=torch.optim.AdamW, okw=dict(lr=1e-3), steps=steps)
+    packed = [b for b in sdp._buckets if b.buffer is not None and len(b.params) > 1]
+    want = cpu and world > 1
+    assert all(fdist.is_shared(b.buffer) == want for b in packed), [b.numel for b in packed]
+    assert opt.buckets and all(fdist.is_shared(b.flat) == want for b in opt.buckets)
+    if world > 1:  # one rank reduces nothing: no buckets' buffers
+        assert packed, [(len(b.params), b.numel) for b in sdp._buckets]
+    if want:
+        reduces = sum(b.numel * 4 >= 1 << 20 for b in packed)
+        broadcasts = sum(n * 4 >= 32 << 10 for b in opt.buckets for n in b.lengths)
+        assert reduces >= 1 and broadcasts >= 2, (reduces, broadcasts)  # fc2 and fc3 have their owners
+        ran = shm.mapped_ops - before
+        assert ran >= steps * (reduces + broadcasts), (ran, steps, reduces, broadcasts)
 
 
 def scenario_reduce_fp16(rank, world):

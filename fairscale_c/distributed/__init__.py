@@ -64,6 +64,7 @@ __all__ = [
     "timeout_s",
     "ranks_share_gpus",
     "shared_empty",
+    "shared_zeros",
     "is_shared",
 ]
 
@@ -298,3 +299,20 @@ def shared_empty(*size: Any, dtype: Any = None, group: Optional[Group] = None) -
     import torch
 
     return _shared_empty(*size, dtype=torch.float32 if dtype is None else dtype, group=group or get_group())
+
+
+def shared_zeros(numel: int, *, dtype: Any, device: Any, group: Group) -> Any:
+    """A zeroed 1-D buffer of ``numel`` elements for collectives on ``group``: on CPU with peers on
+    this host a :func:`shared_empty` tensor (an ordinary one, without a warning, where the system
+    refuses shared memory), elsewhere ``torch.zeros``. What the features allocate their long-lived
+    communication buffers with (FSDP's shards, OSS's parameter buffers, ShardedDataParallel's
+    gradient buckets). A collective on CPU: every rank calls it with the same arguments."""
+    import warnings
+
+    import torch
+
+    if torch.device(device).type == "cpu" and group.size > 1:
+        with warnings.catch_warnings():  # refused by the system: an ordinary tensor, the other paths
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return _shared_empty(numel, dtype=dtype, group=group)
+    return torch.zeros(numel, dtype=dtype, device=device)

@@ -275,7 +275,9 @@ class OSS(Optimizer):
                 starts, size = [r * longest for r in range(self.world_size)], longest * self.world_size
             else:
                 starts, size = [sum(lengths[:r]) for r in range(self.world_size)], total
-            flat = torch.zeros(size, dtype=dtype, device=device)
+            # on CPU in a shared tensor: each owner's broadcast of its block is then copied by the
+            # peers straight from its memory
+            flat = fdist.shared_zeros(size, dtype=dtype, device=device, group=self.comm)
             bucket = _ParamBuffer(device, dtype, flat, starts, lengths, longest if padded else None)
             for r, params in enumerate(lists):
                 offset = starts[r]

@@ -315,11 +315,7 @@ class FullyShardedDataParallel(nn.Module):
         """A zeroed shard. On CPU, with peers on this host, it lives in a shared tensor
         (fdist.shared_empty: every rank maps the shards of this flat parameter), so all-gathers
         that read it as their input copy the peers' shards straight from their memory."""
-        if device.type == "cpu" and self.world_size > 1:
-            with warnings.catch_warnings():  # refused by the system: an ordinary tensor, the other paths
-                warnings.simplefilter("ignore", RuntimeWarning)
-                return fdist.shared_empty(numel, dtype=dtype, group=self.comm)
-        return torch.zeros(numel, dtype=dtype, device=device)
+        return fdist.shared_zeros(numel, dtype=dtype, device=device, group=self.comm)
 
     @staticmethod
     def _get_gradient_predivide_factor(world_size: int) -> float:

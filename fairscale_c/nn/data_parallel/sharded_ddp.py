@@ -43,8 +43,9 @@ _DIRECT_MIN = 1 << 20
 class _Bucket:
     """Gradients of ``params`` (one owner, device and dtype) reduced together; ``offsets[i]`` is
     where params[i] sits in ``flat``. Per-backward state: ``flat``, ``pending``, ``work``.
-    ``buffer``: the bucket's flat buffer, allocated at its first use and kept across backward
-    passes (``flat`` is it, or autograd's own gradient for a bucket reduced in place)."""
+    ``buffer``: the bucket's flat buffer, kept across backward passes (``flat`` is it, or
+    autograd's own gradient for a bucket reduced in place); on CPU allocated with the buckets, in a
+    shared tensor, elsewhere at its first use."""
 
     owner: int
     device: torch.device
@@ -278,6 +279,12 @@ class ShardedDataParallel(nn.Module):
         buckets.sort(key=lambda b: position[id(b.params[-1])])
         self._buckets = buckets
         self._where = {p: (i, j) for i, b in enumerate(buckets) for j, p in enumerate(b.params)}
+        if self.device_type == "cpu" and self._world_size > 1:
+            # Packed buckets' buffers now, on every rank alike, in shared tensors: a bucket's reduce
+            # then has every rank reduce its part straight into the owner's buffer.
+            for b in buckets:
+                if len(b.params) > 1 or b.numel < _DIRECT_MIN or b.wire_dtype != b.dtype:
+                    b.buffer = fdist.shared_zeros(b.numel, dtype=b.wire_dtype, device=b.device, group=self.comm)
         for b in buckets:
             b.reset()
         self._next_launch = 0
