@@ -270,8 +270,9 @@ def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dic
     see different loads. Before each framework's step the ranks meet at a gloo barrier (outside the
     timing): without it a framework would start while its peer was still in the previous
     framework's step and would pay for that skew, which the floor, whose ranks never synchronise,
-    never does. Per step: time, phases, loss and this process's minor page faults. (Memory cannot
-    be told apart here: rank_main measures it.)"""
+    never does. Per step: time, phases, loss, this process's minor page faults and the CPU time of
+    fairscale_c's progress threads (async ops; synchronous ones run on the calling thread). (Memory
+    cannot be told apart here: rank_main measures it.)"""
     cfg = base.Config(**cfg_dict)
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -282,15 +283,17 @@ def rank_main_paired(rank: int, world: int, frameworks: List[str], cfg_dict: Dic
             importlib.import_module(name)
         torch.manual_seed(cfg.seed)
         built[fw] = BUILDERS[fw](base.GPT(cfg), cfg)
-    out: Dict[str, Dict[str, list]] = {fw: {"times": [], "phases": [], "losses": [], "minflt": []} for fw in frameworks}
+    keys = ("times", "phases", "losses", "minflt", "engine_ms")
+    out: Dict[str, Dict[str, list]] = {fw: {k: [] for k in keys} for fw in frameworks}
     orders = base.paired_orders(len(frameworks))
     for i, xy in enumerate(batches):
         for k in orders[i % len(orders)]:
             fw = frameworks[k]
             dist.barrier()
-            f0 = base._minor_faults()
+            f0, e0 = base._minor_faults(), base._engine_cpu_ns()
             t, ph, lo = train(*built[fw], [xy], fw)
             out[fw]["minflt"].append(base._minor_faults() - f0)
+            out[fw]["engine_ms"].append((base._engine_cpu_ns() - e0) / 1e6)
             out[fw]["times"] += t
             out[fw]["phases"] += ph
             out[fw]["losses"] += lo
@@ -550,6 +553,7 @@ def _apply_paired(rows: Dict[str, Dict], ranks: List[Dict[str, Dict]], cfg: base
         row["paired_step_ratio_to_floor"] = statistics.median(a / b for a, b in zip(steps, floor_steps))
         row["paired_own_ms_each"] = [(a - b) * 1e3 for a, b in zip(steps, floor_steps)]
         row["paired_minflt"] = statistics.median(statistics.mean(r[fw]["minflt"][i] for r in ranks) for i in timed)
+        row["paired_engine_cpu_ms"] = statistics.median(max(r[fw]["engine_ms"][i] for r in ranks) for i in timed)
         row["paired_losses_equal_separate"] = [r[fw]["losses"] for r in ranks] == row["losses"]
         row["timing"] = "paired"
     ours, ref = rows.get("fairscale_c"), rows.get(REFERENCE)
@@ -625,6 +629,10 @@ def run_cpu(
         print(
             "paired: minor page faults per step (median of the ranks' mean): "
             + ", ".join(f"{r['framework']} {r['paired_minflt']:.0f}" for r in order)
+        )
+        print(
+            "paired: fairscale_c's progress threads, ms CPU per step (median of the slowest rank's): "
+            + ", ".join(f"{r['framework']} {r['paired_engine_cpu_ms']:.1f}" for r in order)
         )
         print(
             "separate runs' medians (ms), for comparison: "
