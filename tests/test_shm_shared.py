@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 
 import pytest
 import torch
@@ -214,14 +215,29 @@ def _bad_job(rank: int, world: int):
     t.fill_(rank + 1)
     group.all_reduce(t)
     ok = t.shape == (2, 3) and bool((t == sum(range(1, world + 1))).all())
+    # shared_zeros, what the features allocate with: shared on CPU for the collectives' dtypes,
+    # ordinary zeros (and no warning) for others, and on other devices
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zs = [
+            fdist.shared_zeros(5, dtype=dtype, device=device, group=group)
+            for dtype, device in [(torch.bfloat16, "cpu"), (torch.complex64, "cpu"), (torch.float32, "meta")]
+        ]
+    zeros = [(fdist.is_shared(z), z.dtype, z.device.type, z.shape) for z in zs]
+    ok = ok and bool((zs[0] == 0).all()) and bool((zs[1] == 0).all())
     group.destroy()
-    return errors, ok
+    return errors, ok, zeros
 
 
 def test_bad_arguments_raise_on_every_rank():
     results = run_ranks(_bad_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"})
-    for rank, (errors, ok) in enumerate(results):
+    for rank, (errors, ok, zeros) in enumerate(results):
         assert ok, f"rank {rank}: the group did not work after the errors"
+        assert zeros == [
+            (True, torch.bfloat16, "cpu", (5,)),
+            (False, torch.complex64, "cpu", (5,)),
+            (False, torch.float32, "meta", (5,)),
+        ], zeros
         size, dtype, negative, non_int, dtype_str, complex_dtype = errors
         assert size and "same size and dtype" in size and "(4, 1000)" in size and "(4, 1001)" in size, size
         assert dtype and "same size and dtype" in dtype and "torch.float64" in dtype, dtype

@@ -34,6 +34,7 @@ from .._C import DistributedError
 from .._C import Work as ShmWork
 from ._group import REGISTRY, Group, LocalGroup, P2POp
 from ._shared import is_shared
+from ._shared import _DTYPES as _SHARED_DTYPES
 from ._shared import shared_empty as _shared_empty
 from ._rendezvous import ProcessGroupExchange, StoreExchange, default_store, env_store, timeout_s
 from ._work import CompletedWork, CudaWork, local_copy
@@ -304,14 +305,15 @@ def shared_empty(*size: Any, dtype: Any = None, group: Optional[Group] = None) -
 def shared_zeros(numel: int, *, dtype: Any, device: Any, group: Group) -> Any:
     """A zeroed 1-D buffer of ``numel`` elements for collectives on ``group``: on CPU with peers on
     this host a :func:`shared_empty` tensor (an ordinary one, without a warning, where the system
-    refuses shared memory), elsewhere ``torch.zeros``. What the features allocate their long-lived
-    communication buffers with (FSDP's shards, OSS's parameter buffers, ShardedDataParallel's
-    gradient buckets). A collective on CPU: every rank calls it with the same arguments."""
+    refuses shared memory), elsewhere, and for dtypes the collectives do not take,
+    ``torch.zeros``. What the features allocate their long-lived communication buffers with
+    (FSDP's shards, OSS's parameter buffers, ShardedDataParallel's gradient buckets). A
+    collective on CPU: every rank calls it with the same arguments."""
     import warnings
 
     import torch
 
-    if torch.device(device).type == "cpu" and group.size > 1:
+    if torch.device(device).type == "cpu" and group.size > 1 and dtype in _SHARED_DTYPES:
         with warnings.catch_warnings():  # refused by the system: an ordinary tensor, the other paths
             warnings.simplefilter("ignore", RuntimeWarning)
             return _shared_empty(numel, dtype=dtype, group=group)
