@@ -39,15 +39,20 @@ def test_paired_verdicts_take_the_median_of_per_step_ratios(capsys):
     cfg.warmup, cfg.steps = 0, 3
     floor_ms, ours_ms, fs_ms = [100, 300, 200], [104, 312, 260], [140, 420, 280]
 
-    def rank(fw_ms):
+    def rank(fw_ms, engine_ms=(0.0, 0.0, 0.0)):
         return {
             "times": [t / 1e3 for t in fw_ms],
             "phases": [(0.0, 0.0, 0.0)] * 3,
             "minflt": [0, 0, 0],
             "losses": [1.0, 0.9, 0.8],
+            "engine_ms": list(engine_ms),
         }
 
-    ranks = [{"local": rank(floor_ms), "fairscale_c": rank(ours_ms), "fairscale": rank(fs_ms)} for _ in range(2)]
+    # the progress threads' CPU per step: the slowest rank's each step (5, 9, 7), then the median
+    engines = [(5.0, 2.0, 7.0), (1.0, 9.0, 3.0)]
+    ranks = [
+        {"local": rank(floor_ms), "fairscale_c": rank(ours_ms, engines[r]), "fairscale": rank(fs_ms)} for r in range(2)
+    ]
     state = {"state_bytes": [100, 100], "param_numel": [10, 10], "largest_param_numel": [1, 1]}
     rows = {
         fw: {
@@ -63,6 +68,7 @@ def test_paired_verdicts_take_the_median_of_per_step_ratios(capsys):
     oss_script._apply_paired(rows, ranks, cfg)
     assert rows["fairscale_c"]["paired_step_ratio_to_floor"] == 1.04
     assert rows["fairscale_c"]["step_ms"] / rows["local"]["step_ms"] == 1.3
+    assert rows["fairscale_c"]["paired_engine_cpu_ms"] == 7.0 and rows["local"]["paired_engine_cpu_ms"] == 0.0
     # own per step: 4/40, 12/120, 60/80 -> median 0.1
     assert abs(rows["fairscale_c"]["paired_own_ratio_to_fairscale"] - 0.1) < 1e-12
     out = oss_script.verdicts(rows, cfg)
