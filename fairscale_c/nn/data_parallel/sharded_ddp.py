@@ -38,6 +38,10 @@ _log = logging.getLogger(__name__)
 # overhead saves.
 _DIRECT_MIN = 1 << 20
 
+# The smallest packed bucket (bytes) given a shared buffer: the CPU engine reduces onto shared
+# tensors from 1 MiB (csrc/comm/shm_direct.c, FSC_SHM_SHARED_MIN) and smaller ones on its slots.
+_SHARED_MIN_BYTES = 1 << 20
+
 
 @dataclass
 class _Bucket:
@@ -281,9 +285,11 @@ class ShardedDataParallel(nn.Module):
         self._where = {p: (i, j) for i, b in enumerate(buckets) for j, p in enumerate(b.params)}
         if self.device_type == "cpu" and self._world_size > 1:
             # Packed buckets' buffers now, on every rank alike, in shared tensors: a bucket's reduce
-            # then has every rank reduce its part straight into the owner's buffer.
+            # then has every rank reduce its part straight into the owner's buffer. Smaller ones
+            # stay ordinary (allocated at first use): the engine reduces them on its slots anyway.
             for b in buckets:
-                if len(b.params) > 1 or b.numel < _DIRECT_MIN or b.wire_dtype != b.dtype:
+                packed = len(b.params) > 1 or b.numel < _DIRECT_MIN or b.wire_dtype != b.dtype
+                if packed and b.numel * b.wire_dtype.itemsize >= _SHARED_MIN_BYTES:
                     b.buffer = fdist.shared_zeros(b.numel, dtype=b.wire_dtype, device=b.device, group=self.comm)
         for b in buckets:
             b.reset()
