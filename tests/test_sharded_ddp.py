@@ -247,6 +247,10 @@ def scenario_shared_buffers(rank, world):
         assert reduces >= 1 and broadcasts >= 2, (reduces, broadcasts)  # fc2 and fc3 have their owners
         ran = shm.mapped_ops - before
         assert ran >= steps * (reduces + broadcasts), (ran, steps, reduces, broadcasts)
+    # accumulation on shared buckets: gradients handed out as views of a shared buffer are set
+    # aside (copied out of it) before the next backward reuses it
+    train(rank, world, net=WideNet, micro=2, accumulate="every_backward", zero="sdp", steps=2)
+    train(rank, world, net=WideNet, micro=3, accumulate="no_sync", steps=2)
 
 
 def scenario_reduce_fp16(rank, world):
