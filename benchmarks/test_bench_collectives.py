@@ -4,9 +4,10 @@ torch.distributed gloo as the paired case (same tensors, same rank processes).
 Each case first runs the op once on known data and checks the result, then times it: a round is
 `calls` back-to-back calls on every rank after a barrier, and the round's per-call time is the
 slowest rank's elapsed time / calls (see _harness.measured_time). extra_info has algorithm and bus
-bandwidth as nccl-tests defines them (S = bytes of the full buffer: all_reduce and broadcast the
-tensor, all_gather the output, reduce_scatter the input; algbw = S / t; busbw = algbw *
-2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast) and, on the
+bandwidth as nccl-tests defines them (S = bytes of the full buffer: all_reduce, broadcast and
+reduce the tensor, all_gather the output, reduce_scatter the input; algbw = S / t; busbw = algbw *
+2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast and reduce
+(to rank 0)) and, on the
 fairscale_c cases, the ratio of its bus bandwidth to gloo's from the paired case run just before.
 fairscale_c_shared is fairscale_c with the buffers in shared tensors (shared_empty), which the
 ranks map: the engine then copies straight between them.
@@ -22,7 +23,7 @@ from conftest import WORLD
 from _harness import RankState, drive, measured_time, median, time_calls
 
 KiB, MiB = 1024, 1024 * 1024
-OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"]
 # name -> (S in bytes, calls per round): enough calls that a round is well above timer noise,
 # few enough that every case takes about a second.
 SIZES: Dict[str, Tuple[int, int]] = {"8B": (8, 200), "64KiB": (64 * KiB, 100), "16MiB": (16 * MiB, 3)}
@@ -35,6 +36,7 @@ BUS_FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
 }
 
 # (op, size, impl) -> median seconds per call, for the ratio of the paired cases.
@@ -92,6 +94,12 @@ def _prepare_collective(state: RankState, impl: str, op: str, nbytes: int) -> No
         call = (lambda: g.broadcast(t, root=0)) if ours else (lambda: dist.broadcast(t, src=0))
         call()
         expected, outs = ramp, [t]
+        got = t
+    elif op == "reduce":  # to rank 0; only the root's result is defined (gloo may use the others' as scratch)
+        t = new(ramp * (r + 1))
+        call = (lambda: g.reduce(t, root=0)) if ours else (lambda: dist.reduce(t, dst=0))
+        call()
+        expected, outs = (ramp * (n * (n + 1) // 2) if r == 0 else t), [t]
         got = t
     else:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
