@@ -341,11 +341,39 @@ class _Mem:
     training (shards, gathered parameters, activations, gradients, optimizer state, shared-memory
     pages of the collective engine touched by this rank) above the pre-model baseline; the
     transient full-model copy both frameworks build before sharding is left out. Memory the
-    allocator keeps after a free still counts, as it does for any RSS figure."""
+    allocator keeps after a free still counts, as it does for any RSS figure.
+
+    RSS counts a shared-memory page (the engine's segment, shared tensors) in every process that
+    touched it, so ranks that read each other's shared buffers each count them. `end` also gives,
+    at the end of the timed steps, the RSS above the baseline with those pages split: each shared
+    page counted as 1/k in each of the k processes mapping it (PSS of shared memory), so the
+    ranks' figures add up to the memory they use between them."""
 
     def __init__(self) -> None:
         self.base_kib = self.read()["VmRSS"]
         self.reset_ok = False
+
+    @staticmethod
+    def shmem_pss_kib() -> float:
+        """This process's shared-memory pages (KiB), each divided by the number of processes mapping
+        it; NaN where the kernel does not report it."""
+        try:
+            with open("/proc/self/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss_Shmem:"):
+                        return float(line.split()[1])
+        except OSError:
+            pass
+        return float("nan")
+
+    def end(self, status: Dict[str, int]) -> Dict[str, float]:
+        """RSS above the baseline, as counted and with shared-memory pages split (MiB); `status` is
+        read() at the end."""
+        rss = (status["VmRSS"] - self.base_kib) / 1024
+        return {
+            "end_rss_mib": rss,
+            "end_split_mib": rss - (status.get("RssShmem", 0) - self.shmem_pss_kib()) / 1024,
+        }
 
     @staticmethod
     def read() -> Dict[str, int]:
@@ -439,6 +467,7 @@ def rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], p
         "peak_mib": (end["VmHWM"] - mem.base_kib) / 1024,
         "after_wrap_mib": (after_wrap["VmRSS"] - mem.base_kib) / 1024,
         "shmem_mib": end.get("RssShmem", 0) / 1024,
+        **mem.end(end),
         "hwm_reset": mem.reset_ok,
         "minflt_per_step": (flt1 - flt0) / max(1, cfg.steps),
         "engine_cpu_ms_per_step": (eng1 - eng0) / 1e6 / max(1, cfg.steps),
@@ -653,7 +682,7 @@ def summarize(framework: str, ranks: List[Dict], cfg: Config) -> Dict[str, Any]:
         "hwm_reset": all(r["hwm_reset"] for r in ranks),
         "losses": [r["losses"] for r in ranks],
     }
-    for key in ("minflt_per_step", "engine_cpu_ms_per_step"):  # CPU rank_main only
+    for key in ("minflt_per_step", "engine_cpu_ms_per_step", "end_rss_mib", "end_split_mib"):  # CPU rank_main only
         if all(key in r for r in ranks):
             row[key] = [r[key] for r in ranks]
     return row
@@ -740,6 +769,23 @@ def _first(row: Dict, key: str) -> float:
 def _sp(s: Dict[str, float], spec: str) -> str:
     """'median [q1–q3]' of a spread."""
     return f"{_fmt(s['median'], spec)} [{_fmt(s['q1'], spec)}-{_fmt(s['q3'], spec)}]"
+
+
+def memory_end_line(rows: List[Dict]) -> Optional[str]:
+    """The rows' memory at the end of their separate runs' timed steps, above the baseline per
+    rank, as RSS counts it and with shared-memory pages split among the ranks mapping them (see
+    _Mem). None when no row has them (CUDA runs)."""
+    cells = [
+        f"{r['framework']} " + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(r["end_rss_mib"], r["end_split_mib"]))
+        for r in rows
+        if "end_rss_mib" in r and "end_split_mib" in r
+    ]
+    if not cells:
+        return None
+    return (
+        "memory at the end of the timed steps (separate runs), MiB above the baseline per rank, RSS/with shared "
+        "pages split: " + "; ".join(cells)
+    )
 
 
 def print_table(rows: List[Dict], mem_label: str) -> None:
@@ -861,6 +907,9 @@ def run_cpu(
         )
     else:
         print_table(rows, "peak RSS growth MiB")
+    line = memory_end_line([r for r in rows if "error" not in r])
+    if line:
+        print(line)
     for fw, why in skipped.items():
         print(f"{fw}: skipped ({why})")
     result = _cpu_verdicts(by, cfg, paired)

@@ -256,6 +256,7 @@ def rank_main(rank: int, world: int, framework: str, cfg_dict: Dict[str, Any], p
         "peak_mib": (end["VmHWM"] - mem.base_kib) / 1024,
         "after_wrap_mib": (after_wrap["VmRSS"] - mem.base_kib) / 1024,
         "shmem_mib": end.get("RssShmem", 0) / 1024,
+        **mem.end(end),
         "hwm_reset": mem.reset_ok,
         "state_bytes": state_bytes(local_optimizer(opt)),
         "largest_param_numel": largest.numel(),
@@ -528,8 +529,9 @@ def _row(fw: str, runs: List[List[Dict]], cfg: base.Config) -> Dict[str, Any]:
     row["tokens_per_s"] = cfg.world * cfg.batch * cfg.seq / (row["step_ms"] / 1e3)
     for k, name in enumerate(("fwd_ms", "bwd_ms", "opt_ms")):
         row[name] = statistics.median(max(r["phases"][i][k] for r in ranks) for ranks in runs for i in timed) * 1e3
-    for key in ("peak_mib", "after_wrap_mib", "shmem_mib"):
-        row[key] = [max(ranks[rank][key] for ranks in runs) for rank in range(cfg.world)]
+    for key in ("peak_mib", "after_wrap_mib", "shmem_mib", "end_rss_mib", "end_split_mib"):
+        if all(key in ranks[rank] for ranks in runs for rank in range(cfg.world)):
+            row[key] = [max(ranks[rank][key] for ranks in runs) for rank in range(cfg.world)]
     for key in ("state_bytes", "largest_param_numel", "param_numel"):
         row[key] = [r[key] for r in runs[0]]
     row["hwm_reset"] = all(r["hwm_reset"] for ranks in runs for r in ranks)
@@ -638,6 +640,9 @@ def run_cpu(
             "separate runs' medians (ms), for comparison: "
             + ", ".join(f"{r['framework']} {r['step_ms_separate']:.1f}" for r in order)
         )
+    line = base.memory_end_line(order)
+    if line:
+        print(line)
     _print_run_notes(order, rows, repeats, skipped, {})
     result: Dict[str, Any] = {"rows": order, "skipped": skipped}
     if paired:

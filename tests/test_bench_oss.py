@@ -76,3 +76,25 @@ def test_paired_verdicts_take_the_median_of_per_step_ratios(capsys):
     text = capsys.readouterr().out
     assert "target step <= 1.05x the floor: met (1.040x, median per-step ratio)" in text
     assert "median per-step ratio 0.100" in text
+
+
+def test_separate_run_reports_memory_with_shared_pages_split():
+    """A separate run's memory at the end: RSS above the baseline, and the same with shared-memory
+    pages split among the ranks that map them. fairscale_c's ranks share the engine's segment and
+    OSS's parameter buffer, so the split figure is below RSS; the floor shares nothing. The
+    report line carries both for every row."""
+    from dist_utils import run_ranks
+
+    cfg = fsdp.quick_config()
+    cfg.warmup, cfg.steps, cfg.threads = 1, 2, 1
+    rows = []
+    for fw in ("fairscale_c", "local"):
+        ranks = run_ranks(oss_script.rank_main, 2, fw, asdict(cfg), None, timeout=300)
+        for r in ranks:
+            assert r["end_split_mib"] <= r["end_rss_mib"] + 1e-9, (fw, r["end_rss_mib"], r["end_split_mib"])
+            shared = r["end_rss_mib"] - r["end_split_mib"]
+            assert (shared > 0) == (fw == "fairscale_c"), (fw, shared, r["shmem_mib"])
+        rows.append({"framework": fw, **{k: [r[k] for r in ranks] for k in ("end_rss_mib", "end_split_mib")}})
+    line = fsdp.memory_end_line(rows)
+    assert line is not None and "fairscale_c " in line and "local " in line
+    assert fsdp.memory_end_line([{"framework": "x"}]) is None
