@@ -255,3 +255,11 @@ def test_one_rank_gets_an_ordinary_tensor():
     assert not fdist.is_shared(t)
     with pytest.raises(TypeError, match="shared_empty: group is object; expected a fairscale_c.distributed Group"):
         fdist.shared_empty(3, group=object())
+    z = fdist.shared_zeros(4, dtype=torch.float32, device="cpu", group=fdist.LocalGroup())
+    assert z.shape == (4,) and bool((z == 0).all()) and not fdist.is_shared(z)
+    with pytest.raises(TypeError, match="shared_zeros: group is NoneType; expected a fairscale_c.distributed Group"):
+        fdist.shared_zeros(4, dtype=torch.float32, device="cpu", group=None)
+    with pytest.raises(ValueError, match="shared_zeros: numel is -1; expected an int >= 0"):
+        fdist.shared_zeros(-1, dtype=torch.float32, device="cpu", group=fdist.LocalGroup())
+    with pytest.raises(TypeError, match="shared_zeros: numel is 2.5"):
+        fdist.shared_zeros(2.5, dtype=torch.float32, device="cpu", group=fdist.LocalGroup())

@@ -242,61 +242,62 @@ static fsc_status_t all_reduce_read(fsc_shm_group_t *g, const fsc_shm_args_t *a)
     return fsc_shm_arrive(g, 1);
 }
 
-/* Mapped: each rank reduces its part and stores it into every rank's output, so one barrier ends
- * the op. Outputs too large for the caches: line by line with streaming stores (float), else
- * piece by piece through a scratch piece that stays in the cache. In place, a rank writes only
- * its own part of each buffer, which it has read already and no peer reads. */
-static fsc_status_t all_reduce_mapped(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+/* Where this rank stores bytes [off, off + nb) of its reduced part: all_reduce, into every rank's
+ * output (indexed by rank); reduce, into the root's alone. *nd: how many destinations. */
+static fsc_status_t part_destinations(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t off, size_t nb, void **dsts,
+                                      int *nd) {
+    if (a->op == FSC_OP_ALL_REDUCE) {
+        *nd = g->size;
+        return mapped_outputs(g, a, off, nb, dsts);
+    }
+    uint8_t *dst = (uint8_t *)a->out + off;
+    if (a->root != g->rank) FSC_CHECK(mapped(g, a->root, 1, off, nb, &dst));
+    dsts[0] = dst;
+    *nd = 1;
+    return FSC_OK;
+}
+
+/* Mapped all_reduce and reduce: each rank reduces its part of every input and stores it into
+ * every rank's output (all_reduce) or the root's (reduce), so one barrier ends the op and the
+ * root of a reduce no longer reads every input alone. Outputs too large for the caches: line by
+ * line with streaming stores (float), else piece by piece through a scratch piece that stays in
+ * the cache. In place, a rank writes only its own part of each buffer, which it has read already
+ * and no peer reads. */
+static fsc_status_t reduce_mapped(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     size_t esz = fsc_dtype_size(a->dtype), per = FSC_SHM_DIRECT_PIECE / esz, lo = 0, hi = 0;
-    int streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
+    int streaming = a->count * esz >= FSC_SHM_STREAM_MIN, nd = 0;
     void *dsts[FSC_SHM_MAX_RANKS];
     fsc_shm_part(g, g->rank, a->count, esz, &lo, &hi);
     size_t i = lo;
     if (streaming && hi > lo) {
         const void *srcs[FSC_SHM_MAX_RANKS];
         FSC_CHECK(mapped_inputs(g, a, lo * esz, (hi - lo) * esz, srcs));
-        FSC_CHECK(mapped_outputs(g, a, lo * esz, (hi - lo) * esz, dsts));
-        i += fsc_shm_reduce_stream(dsts, g->size, srcs, g->size, hi - lo, a->dtype, a->redop, g->size);
+        FSC_CHECK(part_destinations(g, a, lo * esz, (hi - lo) * esz, dsts, &nd));
+        i += fsc_shm_reduce_stream(dsts, nd, srcs, g->size, hi - lo, a->dtype, a->redop, g->size);
     }
     if (i < hi) FSC_CHECK(scratch(g));
     for (; i < hi; i += per) {
         size_t k = min_sz(per, hi - i);
         FSC_CHECK(reduce_from_peers(g, a, 1, g->direct_scratch, i * esz, k));
-        FSC_CHECK(mapped_outputs(g, a, i * esz, k * esz, dsts));
-        fsc_shm_copy_out_n(dsts, g->size, g->direct_scratch, k * esz, streaming);
+        FSC_CHECK(part_destinations(g, a, i * esz, k * esz, dsts, &nd));
+        fsc_shm_copy_out_n(dsts, nd, g->direct_scratch, k * esz, streaming);
     }
     return fsc_shm_arrive(g, 1);
 }
 
-/* Mapped reduce (every rank's input and the root's output shared): each rank reduces its part of
- * every input and stores it into the root's output, so the root alone no longer reads every
- * input, and one barrier ends the op. In place at the root, rank r writes only part r of the
- * root's buffer, which only rank r reads. */
-static fsc_status_t reduce_mapped(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    size_t esz = fsc_dtype_size(a->dtype), per = FSC_SHM_DIRECT_PIECE / esz, lo = 0, hi = 0;
-    int streaming = a->count * esz >= FSC_SHM_STREAM_MIN;
-    fsc_shm_part(g, g->rank, a->count, esz, &lo, &hi);
-    uint8_t *root_out = a->out;
-    if (a->root != g->rank) FSC_CHECK(mapped(g, a->root, 1, 0, a->count * esz, &root_out));
-    size_t i = lo;
-    if (streaming && hi > lo) {
-        const void *srcs[FSC_SHM_MAX_RANKS];
-        void *dst = root_out + lo * esz;
-        FSC_CHECK(mapped_inputs(g, a, lo * esz, (hi - lo) * esz, srcs));
-        i += fsc_shm_reduce_stream(&dst, 1, srcs, g->size, hi - lo, a->dtype, a->redop, g->size);
+/* Whether the op runs on the mappings, from the publications every rank sees alike: all_gather
+ * when every input or every output is shared (`push`: the outputs), broadcast and reduce_scatter
+ * when every input is, all_reduce when every input and every output is, reduce when every input
+ * and the root's output are. */
+static int mapped_path(const fsc_shm_group_t *g, const fsc_shm_args_t *a, int *push) {
+    *push = a->op == FSC_OP_ALL_GATHER && all_shared(g, 1);
+    switch (a->op) {
+        case FSC_OP_ALL_GATHER: return *push || all_shared(g, 0);
+        case FSC_OP_ALL_REDUCE: return all_shared(g, 0) && all_shared(g, 1);
+        case FSC_OP_REDUCE:
+            return all_shared(g, 0) && g->ranks[a->root].shared_out_id == g->ranks[g->rank].shared_in_id;
+        default: return all_shared(g, 0);
     }
-    if (i < hi) FSC_CHECK(scratch(g));
-    for (; i < hi; i += per) {
-        size_t k = min_sz(per, hi - i);
-        FSC_CHECK(reduce_from_peers(g, a, 1, g->direct_scratch, i * esz, k));
-        fsc_shm_copy_out(root_out + i * esz, g->direct_scratch, k * esz, streaming);
-    }
-    return fsc_shm_arrive(g, 1);
-}
-
-/* 1 when every rank's input and the root's output lie in this rank's shared allocation. */
-static int reduce_shared(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    return all_shared(g, 0) && g->ranks[a->root].shared_out_id == g->ranks[g->rank].shared_in_id;
 }
 
 fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int *ran) {
@@ -304,7 +305,6 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
     int fits = fsc_shm_direct_fits(g, a);
     if (!fits && !may_map(g, a)) return FSC_OK;
     size_t nb = a->count * fsc_dtype_size(a->dtype);
-    int reduce_all = a->op == FSC_OP_ALL_REDUCE;
     size_t in_bytes = a->op == FSC_OP_REDUCE_SCATTER ? nb * (size_t)g->size : nb;
     size_t out_bytes = a->op == FSC_OP_ALL_GATHER ? nb * (size_t)g->size : nb;
     publish(g, a->in, in_bytes, a->out, out_bytes);
@@ -316,9 +316,7 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
         fsc_shm_copy_out((uint8_t *)a->out + (size_t)g->rank * nb, a->in, nb,
                          nb * (size_t)g->size >= FSC_SHM_STREAM_MIN);
     FSC_CHECK(fsc_shm_open_collective(g, a));
-    int push = a->op == FSC_OP_ALL_GATHER && all_shared(g, 1);
-    int map =
-        push || (a->op == FSC_OP_REDUCE ? reduce_shared(g, a) : all_shared(g, 0) && (!reduce_all || all_shared(g, 1)));
+    int push = 0, map = mapped_path(g, a, &push);
     if (!map && !fits) return FSC_OK; /* every rank saw the same: the slots run it */
     *ran = 1;
     if (map) atomic_fetch_add_explicit(&g->mapped_ops, 1, memory_order_relaxed);
@@ -326,7 +324,7 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
         case FSC_OP_ALL_GATHER: return all_gather(g, a, map, push, own_done);
         case FSC_OP_BROADCAST: return broadcast(g, a, map);
         case FSC_OP_REDUCE_SCATTER: return reduce_scatter(g, a, map);
-        case FSC_OP_ALL_REDUCE: return map ? all_reduce_mapped(g, a) : all_reduce_read(g, a);
+        case FSC_OP_ALL_REDUCE: return map ? reduce_mapped(g, a) : all_reduce_read(g, a);
         case FSC_OP_REDUCE: return reduce_mapped(g, a);
         default: break;
     }

@@ -165,9 +165,11 @@ fsc_status_t fsc_shm_reduce(void *dst, const void *const *srcs, int nsrc, size_t
  * registers and stored to every destination, so the sources' reads and the destinations' writes
  * stay interleaved: with non-temporal stores, except into a destination that is one of the
  * sources (in place), whose line the reduction has just brought into the cache and which a
- * streaming store would have to evict (docs/benchmarks.md, "Shared tensors"). addps/maxps/minps and their pd forms
- * compute exactly FSC_SUM, FSC_MAX and FSC_MIN (maxps returns its second operand unless the first is greater), so the
- * results equal fsc_shm_reduce's bit for bit. Prefetching never faults, so reading ahead past the end is safe. */
+ * streaming store would have to evict (docs/benchmarks.md, "Shared tensors"). addps/maxps/minps
+ * and their pd forms compute exactly FSC_SUM, FSC_MAX and FSC_MIN (maxps returns its second
+ * operand unless the first is greater), so the results equal fsc_shm_reduce's bit for bit.
+ * Prefetching never faults, so reading ahead past the end is safe. */
+
 /* How far ahead of the line being reduced each source is prefetched, in bytes: without it a rank's
  * reads are the bottleneck (the distance chosen: docs/benchmarks.md, "Shared tensors"). */
 #define FSC_STREAM_PREFETCH 2048

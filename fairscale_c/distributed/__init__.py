@@ -313,6 +313,15 @@ def shared_zeros(numel: int, *, dtype: Any, device: Any, group: Group) -> Any:
 
     import torch
 
+    if isinstance(numel, bool) or not isinstance(numel, int):
+        raise TypeError(f"shared_zeros: numel is {numel!r}; expected an int >= 0")
+    if numel < 0:
+        raise ValueError(f"shared_zeros: numel is {numel!r}; expected an int >= 0")
+    if not isinstance(group, (Group, LocalGroup)):
+        raise TypeError(
+            f"shared_zeros: group is {type(group).__name__}; expected a fairscale_c.distributed Group "
+            "(init_group, group_for)"
+        )
     if torch.device(device).type == "cpu" and group.size > 1 and dtype in _SHARED_DTYPES:
         with warnings.catch_warnings():  # refused by the system: an ordinary tensor, the other paths
             warnings.simplefilter("ignore", RuntimeWarning)

@@ -296,7 +296,9 @@ class FullyShardedDataParallel(nn.Module):
         """Copy this rank's slice of the flattened parameters into a fresh padded shard (in C) and
         release the original parameters' storage."""
         dtype = layout.slots[0].param.dtype
-        shard = self._new_shard(layout.shard_numel, dtype, device)
+        # On CPU with peers on this host a shared tensor (every rank maps the shards of this flat
+        # parameter), so all-gathers that read it copy the peers' shards straight from their memory.
+        shard = fdist.shared_zeros(layout.shard_numel, dtype=dtype, device=device, group=self.comm)
         lo, hi = layout.shard_range(self.rank)
         for slot in layout.slots:
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -310,12 +312,6 @@ class FullyShardedDataParallel(nn.Module):
         for shared in layout.shared:
             delattr(shared.module, shared.attr)
         return shard
-
-    def _new_shard(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed shard. On CPU, with peers on this host, it lives in a shared tensor
-        (fdist.shared_empty: every rank maps the shards of this flat parameter), so all-gathers
-        that read it as their input copy the peers' shards straight from their memory."""
-        return fdist.shared_zeros(numel, dtype=dtype, device=device, group=self.comm)
 
     @staticmethod
     def _get_gradient_predivide_factor(world_size: int) -> float:

@@ -263,6 +263,7 @@ class ShardedDataParallel(nn.Module):
         order = sorted(self._trainable_params, key=lambda p: -module_order.get(id(p), -1))
         open_buckets: Dict[tuple, _Bucket] = {}
         buckets: List[_Bucket] = []
+        packed: List[_Bucket] = []  # those that gradients are copied into
         for p in order:
             owner = self._trainable_param_to_rank[p]
             key = (owner, p.device, p.dtype)
@@ -274,6 +275,7 @@ class ShardedDataParallel(nn.Module):
             if b is None or b.numel + p.numel() > max(self._buffer_max_size, 1):
                 b = _Bucket(owner, p.device, p.dtype, wire, [], [], 0)
                 buckets.append(b)
+                packed.append(b)
                 open_buckets[key] = b
             b.params.append(p)
             b.offsets.append(b.numel)
@@ -287,9 +289,8 @@ class ShardedDataParallel(nn.Module):
             # Packed buckets' buffers now, on every rank alike, in shared tensors: a bucket's reduce
             # then has every rank reduce its part straight into the owner's buffer. Smaller ones
             # stay ordinary (allocated at first use): the engine reduces them on its slots anyway.
-            for b in buckets:
-                packed = len(b.params) > 1 or b.numel < _DIRECT_MIN or b.wire_dtype != b.dtype
-                if packed and b.numel * b.wire_dtype.itemsize >= _SHARED_MIN_BYTES:
+            for b in packed:
+                if b.numel * b.wire_dtype.itemsize >= _SHARED_MIN_BYTES:
                     b.buffer = fdist.shared_zeros(b.numel, dtype=b.wire_dtype, device=b.device, group=self.comm)
         for b in buckets:
             b.reset()
