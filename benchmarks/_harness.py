@@ -316,6 +316,7 @@ def _rank_main(rank: int, world: int, port: int, conn: Any, device: str = "cpu")
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),  # as torchrun sets it: one host
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "FAIRSCALE_C_TIMEOUT": str(RANK_ENGINE_TIMEOUT_S),

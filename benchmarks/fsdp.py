@@ -617,6 +617,7 @@ def _entry(fn, rank: int, world: int, port: int, q: Any, args: tuple) -> None:
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),  # as torchrun sets it: one host
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }

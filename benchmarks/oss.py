@@ -359,6 +359,11 @@ def cuda_rank_main(
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # the memory-efficient and flash attention backward kernels use atomics (warn_only lets
+        # them run): the math kernel is deterministic
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     cfg = base.Config(**cfg_dict)
     torch.set_num_threads(cfg.threads)
     dev = rank_cuda_device(rank)
@@ -792,8 +797,8 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     p.add_argument(
         "--deterministic",
         action="store_true",
-        help="--device cuda: torch.use_deterministic_algorithms in every rank, so the loss comparison sees "
-        "the frameworks' arithmetic rather than run-to-run atomics (kernels may be slower)",
+        help="--device cuda: torch.use_deterministic_algorithms and math attention in every rank, so the loss "
+        "comparison sees the frameworks' arithmetic rather than run-to-run atomics (kernels may be slower)",
     )
     p.add_argument("--out", default=None, help=f"JSON results path (default {RESULTS}, or {RESULTS_CUDA} for cuda)")
     a = p.parse_args(argv)

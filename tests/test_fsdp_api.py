@@ -419,13 +419,20 @@ def test_reduce_scatters_share_the_group_where_ranks_share_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     fsdp_module._warn_shared_gpu.cache_clear()
-    fake = types.SimpleNamespace(comm=types.SimpleNamespace(size=2), process_group="pg")
+    fake = types.SimpleNamespace(
+        comm=types.SimpleNamespace(size=2), process_group="pg", compute_device=torch.device("cuda")
+    )
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 ranks on this node, 1 GPU
     assert fdist.ranks_share_gpus()
     with pytest.warns(UserWarning, match="more ranks than GPUs"):
         assert FSDP._reduce_scatter_comm(fake, ProcessGroupName.reduce_scatter) is fake.comm
     assert roles == []
+    fake.compute_device = torch.device("cpu")  # a CPU instance has no NCCL communicator to deadlock
+    assert FSDP._reduce_scatter_comm(fake, ProcessGroupName.reduce_scatter) == "own group"
+    assert roles == ["reduce_scatter"]
+    roles.clear()
+    fake.compute_device = torch.device("cuda")
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert not fdist.ranks_share_gpus()

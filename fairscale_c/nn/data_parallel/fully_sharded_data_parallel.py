@@ -125,6 +125,10 @@ class FullyShardedDataParallel(nn.Module):
     ):
         check_fsdp_args(locals())
         super().__init__()
+        first = next((p for p in module.parameters() if not _is_managed(p)), None)
+        self.compute_device = torch.device(
+            compute_device if compute_device is not None else (first.device if first is not None else "cpu")
+        )
         self._init_groups(process_group, process_group_reduce_scatter)
         self.reshard_after_forward = reshard_after_forward
         self.disable_reshard_on_root = disable_reshard_on_root
@@ -148,7 +152,7 @@ class FullyShardedDataParallel(nn.Module):
             else self._get_gradient_predivide_factor(self.world_size)
         )
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
-        self._init_shards(module, compute_device, state_dict_device)
+        self._init_shards(module, state_dict_device)
         self._init_state()
 
     # ---------------------------------------------------------------- construction helpers
@@ -162,16 +166,10 @@ class FullyShardedDataParallel(nn.Module):
         self.process_group_reduce_scatter = self.comm_rs.process_group
         self.rank, self.world_size = self.comm.rank, self.comm.size
 
-    def _init_shards(
-        self, module: nn.Module, compute_device: Optional[torch.device], state_dict_device: Optional[torch.device]
-    ) -> None:
+    def _init_shards(self, module: nn.Module, state_dict_device: Optional[torch.device]) -> None:
         """Lay out the parameters this instance owns (not those of nested instances) in flat buffers,
         keep this rank's shard of each as a registered Parameter, and leave shaped views of the
         (freed) full buffers under the original names."""
-        first = next((p for p in module.parameters() if not _is_managed(p)), None)
-        self.compute_device = torch.device(
-            compute_device if compute_device is not None else (first.device if first is not None else "cpu")
-        )
         self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
         shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
         layouts, self._shared_pairs = collect_params(module, _is_managed, self.flatten_parameters)
@@ -270,8 +268,9 @@ class FullyShardedDataParallel(nn.Module):
         """FairScale's rule: ProcessGroupName.reduce_scatter (the default) gives reduce-scatters a
         group of their own over the same ranks, ProcessGroupName.default or None reuses
         process_group, and a group whose ranks differ from process_group's falls back to it.
-        Beyond FairScale: where ranks share a GPU (fdist.ranks_share_gpus()) the default reuses
-        process_group too, with a warning: two NCCL communicators per rank can deadlock there."""
+        Beyond FairScale: where this instance computes on CUDA and ranks share a GPU
+        (fdist.ranks_share_gpus()) the default reuses process_group too, with a warning: two NCCL
+        communicators per rank can deadlock there."""
         import torch.distributed as dist
 
         if isinstance(pg, str) and not isinstance(pg, ProcessGroupName):
@@ -279,7 +278,7 @@ class FullyShardedDataParallel(nn.Module):
         if pg is None or pg == ProcessGroupName.default or self.comm.size == 1:
             return self.comm
         if pg == ProcessGroupName.reduce_scatter:
-            if fdist.ranks_share_gpus():
+            if self.compute_device.type == "cuda" and fdist.ranks_share_gpus():
                 _warn_shared_gpu()
                 return self.comm
             return fdist.group_for(self.process_group, role="reduce_scatter")
