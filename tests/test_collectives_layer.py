@@ -153,6 +153,33 @@ def test_one_engine_group_per_torch_group_and_role():
         assert threads == 2, f"{threads} progress threads; expected one per (torch group, role): 2"
 
 
+def _shared_gpu_job(rank, world, scenario):
+    import fairscale_c.distributed as fdist
+    from fairscale_c.distributed import _group
+
+    # stand-in for CUDA: the device UUID each rank's current GPU would report
+    _group.gpu_identity = lambda: {"same": "GPU-0", "different": f"GPU-{rank}", "none": None}[scenario]
+    with fdist.init_group(name="gpus") as g:
+        return g.shares_gpu, fdist.ranks_share_gpus(g)
+
+
+@pytest.mark.parametrize("scenario,shared", [("same", True), ("different", False), ("none", False)])
+def test_ranks_on_one_gpu_are_found_at_rendezvous(scenario, shared):
+    """Ranks whose current CUDA device is one GPU (started without torchrun, so without
+    LOCAL_WORLD_SIZE) are told so by the group; FSDP then keeps one NCCL communicator."""
+    env = {**FAST, "LOCAL_WORLD_SIZE": ""}
+    assert run_ranks(_shared_gpu_job, 2, scenario, env=env) == [(shared, shared)] * 2
+
+
+def test_gpus_shared_compares_host_and_device():
+    from fairscale_c.distributed._group import _gpus_shared
+
+    assert _gpus_shared([{"host": "a", "gpu": "GPU-0"}, {"host": "a", "gpu": "GPU-0"}])
+    assert not _gpus_shared([{"host": "a", "gpu": "GPU-0"}, {"host": "b", "gpu": "GPU-0"}])
+    assert not _gpus_shared([{"host": "a", "gpu": None}, {"host": "a", "gpu": None}])
+    assert not _gpus_shared([{"host": "a", "gpu": "GPU-0"}, {"host": "a", "gpu": "GPU-1"}])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_work_completes_with_its_event():

@@ -425,7 +425,7 @@ def test_reduce_scatters_share_the_group_where_ranks_share_a_gpu(monkeypatch):
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 ranks on this node, 1 GPU
     assert fdist.ranks_share_gpus()
-    with pytest.warns(UserWarning, match="more ranks than GPUs"):
+    with pytest.warns(UserWarning, match="share a GPU"):
         assert FSDP._reduce_scatter_comm(fake, ProcessGroupName.reduce_scatter) is fake.comm
     assert roles == []
     fake.compute_device = torch.device("cpu")  # a CPU instance has no NCCL communicator to deadlock
@@ -440,6 +440,11 @@ def test_reduce_scatters_share_the_group_where_ranks_share_a_gpu(monkeypatch):
     assert roles == ["reduce_scatter"]
     monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not under torchrun: unknown, so no sharing assumed
     assert not fdist.ranks_share_gpus()
+    fake.comm.shares_gpu = True  # ...unless the group found two ranks on one GPU at rendezvous
+    assert fdist.ranks_share_gpus(fake.comm)
+    assert FSDP._reduce_scatter_comm(fake, ProcessGroupName.reduce_scatter) is fake.comm
+    assert roles == ["reduce_scatter"]
+    fake.comm.shares_gpu = False
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no CUDA: nothing to share
     assert not fdist.ranks_share_gpus()

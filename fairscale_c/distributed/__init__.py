@@ -168,14 +168,18 @@ def group_for(process_group: Any = None, role: str = "default", *, device: Any =
     return group
 
 
-def ranks_share_gpus() -> bool:
-    """Whether this node runs more ranks than it has GPUs, so that CUDA ranks share one (NCCL >= 2.30
-    with NCCL_MULTI_RANK_GPU_ENABLE=1): torchrun's LOCAL_WORLD_SIZE against torch's device count.
-    False where either is unknown (no LOCAL_WORLD_SIZE, no CUDA). There, a second NCCL communicator
-    per rank can deadlock when the ranks' kernels run at the same time (MPS; docs/fsdp.md), which
-    is why FSDP then keeps its reduce-scatters on its all-gathers' group."""
+def ranks_share_gpus(group: Any = None) -> bool:
+    """Whether CUDA ranks share a GPU (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1): two ranks
+    of `group` (an engine group) found their current CUDA device to be the same GPU when the group
+    was built (both had initialised CUDA by then), or this node runs more ranks than it has GPUs
+    (torchrun's LOCAL_WORLD_SIZE against torch's device count). False where neither is known.
+    There, a second NCCL communicator per rank can deadlock when the ranks' kernels run at the same
+    time (MPS; docs/fsdp.md), which is why FSDP then keeps its reduce-scatters on its all-gathers'
+    group."""
     import torch
 
+    if getattr(group, "shares_gpu", False):
+        return True
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     if not local.isdigit() or not torch.cuda.is_available():
         return False

@@ -45,6 +45,22 @@ def hostname() -> str:
     return os.environ.get("FAIRSCALE_C_HOSTNAME") or socket.gethostname()
 
 
+def gpu_identity() -> Optional[str]:
+    """The UUID of this process's current CUDA device, compared at rendezvous to tell ranks that
+    share a GPU; None where this process has not initialised CUDA (the rendezvous must not do it:
+    a process that forks later could no longer use CUDA in its children)."""
+    if not torch.cuda.is_initialized():
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return str(uuid) if uuid else None
+
+
+def _gpus_shared(infos: Sequence[dict]) -> bool:
+    """Whether two ranks' rendezvous infos name the same GPU on the same host."""
+    seen = [(i["host"], i["gpu"]) for i in infos if i.get("gpu")]
+    return len(seen) != len(set(seen))
+
+
 _TAG_MIN, _TAG_MAX = -(2**31), 2**31 - 1
 
 
@@ -146,6 +162,7 @@ class Group:
         self._torch_cpu: Optional[_TorchCPU] = None
         self._nccl: Optional[Any] = None
         self._subgroups = 0
+        self.shares_gpu = False  # two ranks on one GPU (set at rendezvous; see gpu_identity)
         self._rendezvous()
         _LIVE.add(self)
 
@@ -159,8 +176,9 @@ class Group:
         segment = _C._shm_segment_name() if self.rank == 0 else None
         shm = None
         try:
-            me = {"host": hostname(), "pid": os.getpid(), "segment": segment}
+            me = {"host": hostname(), "pid": os.getpid(), "segment": segment, "gpu": gpu_identity()}
             infos = [json.loads(b) for b in self._exchange.all_gather(json.dumps(me).encode())]
+            self.shares_gpu = _gpus_shared(infos)
             hosts = sorted({i["host"] for i in infos})
             if len(hosts) > 1:
                 if self._pg is None:
@@ -538,4 +556,4 @@ class LocalGroup:
 REGISTRY: dict = {}
 
 
-__all__ = ["Group", "LocalGroup", "P2POp", "REGISTRY", "StoreExchange", "hostname"]
+__all__ = ["Group", "LocalGroup", "P2POp", "REGISTRY", "StoreExchange", "gpu_identity", "hostname"]

@@ -269,8 +269,8 @@ class FullyShardedDataParallel(nn.Module):
         group of their own over the same ranks, ProcessGroupName.default or None reuses
         process_group, and a group whose ranks differ from process_group's falls back to it.
         Beyond FairScale: where this instance computes on CUDA and ranks share a GPU
-        (fdist.ranks_share_gpus()) the default reuses process_group too, with a warning: two NCCL
-        communicators per rank can deadlock there."""
+        (fdist.ranks_share_gpus(self.comm)) the default reuses process_group too, with a warning:
+        two NCCL communicators per rank can deadlock there."""
         import torch.distributed as dist
 
         if isinstance(pg, str) and not isinstance(pg, ProcessGroupName):
@@ -278,7 +278,7 @@ class FullyShardedDataParallel(nn.Module):
         if pg is None or pg == ProcessGroupName.default or self.comm.size == 1:
             return self.comm
         if pg == ProcessGroupName.reduce_scatter:
-            if self.compute_device.type == "cuda" and fdist.ranks_share_gpus():
+            if self.compute_device.type == "cuda" and fdist.ranks_share_gpus(self.comm):
                 _warn_shared_gpu()
                 return self.comm
             return fdist.group_for(self.process_group, role="reduce_scatter")
@@ -752,10 +752,11 @@ class FullyShardedDataParallel(nn.Module):
 def _warn_shared_gpu() -> None:
     """Once per process: why the reduce-scatters share the all-gathers' group."""
     warnings.warn(
-        "FullyShardedDataParallel: this node runs more ranks than GPUs (LOCAL_WORLD_SIZE > "
-        "torch.cuda.device_count()), so reduce-scatters use process_group instead of a group of their "
-        "own: with ranks sharing a GPU, a second NCCL communicator per rank deadlocked under MPS. Pass a "
-        "torch process group as process_group_reduce_scatter to have a separate one anyway.",
+        "FullyShardedDataParallel: ranks of process_group share a GPU (their current CUDA devices are "
+        "one GPU, or LOCAL_WORLD_SIZE > torch.cuda.device_count()), so reduce-scatters use process_group "
+        "instead of a group of their own: with ranks sharing a GPU, a second NCCL communicator per rank "
+        "deadlocked under MPS. Pass a torch process group as process_group_reduce_scatter to have a "
+        "separate one anyway.",
         stacklevel=3,
     )
 
