@@ -76,6 +76,31 @@ def test_ring_exchange_completes_in_any_order(world):
     assert not any(results), results
 
 
+def _send_ahead_job(rank, world, k, n):
+    import fairscale_c.distributed as fdist
+
+    peer = 1 - rank
+    with fdist.init_group(name="ahead") as g:
+        works = [g.send(torch.full((n,), float(10 * rank + i)), peer, async_op=True) for i in range(k)]
+        got = []
+        for _ in range(k):  # one synchronous recv at a time, while this rank's own sends wait for room
+            out = torch.empty(n)
+            g.recv(out, peer)
+            got.append(float(out[0]))
+        for w in works:
+            w.wait()
+    return got
+
+
+@pytest.mark.parametrize("k,n", [(5, 100), (4, LARGE)])
+def test_recvs_complete_behind_this_ranks_pending_sends(k, n):
+    """Both ranks isend more messages than a channel holds, then recv them one by one: a recv
+    completes while an earlier send of its own rank still waits for room (which only the peer's
+    next recv makes), so neither rank waits for the other."""
+    results = run_ranks(_send_ahead_job, 2, k, n, env=FAST)
+    assert results == [[10.0 + i for i in range(k)], [float(i) for i in range(k)]]
+
+
 def _overlap_job(rank, world):
     import fairscale_c.distributed as fdist
 

@@ -43,9 +43,10 @@ void fsc_shm_work_release(fsc_shm_work_t *w) {
     free(w);
 }
 
-/* Drop the finished head of the queue and publish its result. */
+/* Drop the finished head of the queue and publish its result (unless it was published already:
+ * a point-to-point item that completed behind an unfinished one, see run_p2p_items). */
 static void pop_finished(fsc_shm_group_t *g, fsc_shm_work_t *w, fsc_status_t st) {
-    work_finish(w, st);
+    if (!atomic_load_explicit(&w->done, memory_order_acquire)) work_finish(w, st);
     pthread_mutex_lock(&g->qmu);
     g->qhead = w->next;
     if (g->qhead == NULL) g->qtail = NULL;
@@ -53,8 +54,25 @@ static void pop_finished(fsc_shm_group_t *g, fsc_shm_work_t *w, fsc_status_t st)
     fsc_shm_work_release(w);
 }
 
+/* Publish every admitted item behind the head (up to `last`) whose ops are all done, though it
+ * stays queued until the items before it are: a recv must not wait for an earlier send of its own
+ * rank, which may need a later recv of the peer's to find room (both ranks isend a few messages,
+ * then recv them one by one). Only the progress thread unlinks items, and producers append after
+ * `last` only, so the links up to `last` are stable without the lock. */
+static void publish_done(fsc_shm_work_t *head, fsc_shm_work_t *last, fsc_shm_p2p_t *const *recs, size_t m) {
+    size_t i = 0;
+    for (fsc_shm_work_t *w = head; w != NULL && i < m; w = w->next) {
+        size_t k = 0;
+        while (k < w->n && recs[i + k]->done) k++;
+        if (k == w->n && !atomic_load_explicit(&w->done, memory_order_acquire)) work_finish(w, FSC_OK);
+        i += w->n;
+        if (w == last) break;
+    }
+}
+
 /* Run the point-to-point items at the head of the queue together, admitting those queued behind
- * them while they move, and finish them in queue order. Returns when none is left in flight. */
+ * them while they move. An item is published as soon as its ops are done (publish_done) and
+ * unlinked in queue order. Returns when none is left in flight. */
 static void run_p2p_items(fsc_shm_group_t *g) {
     enum { CAP = 256 };
     fsc_shm_p2p_t *recs[CAP];
@@ -99,6 +117,7 @@ static void run_p2p_items(fsc_shm_group_t *g) {
             memmove(recs, recs + drop, (m - drop) * sizeof(*recs));
             m -= drop;
         }
+        if (progressed && m > 0) publish_done(head, last, recs, m);
         if (m == 0) {
             pthread_mutex_lock(&g->qmu);
             int more = g->qhead != NULL && g->qhead->p2p_only;
