@@ -1,6 +1,6 @@
 """Multi-process pipeline benchmark: fairscale_c.nn.pipe (PipelineStage, ScheduleGPipe,
-Schedule1F1B, ScheduleInterleaved1F1B) vs torch.distributed.pipelining (gloo), 2 ranks on CPU,
-same model, same data, same micro-batch counts, in the same processes.
+Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS) vs torch.distributed.pipelining (gloo),
+2 ranks on CPU, same model, same data, same micro-batch counts, in the same processes.
 
     PYTHONPATH=. python benchmarks/pipe_stages.py          # d=512, 4 layers per rank, batch 480, m = 4..16
     PYTHONPATH=. python benchmarks/pipe_stages.py --quick  # small model, few steps (under a minute)
@@ -16,8 +16,8 @@ their start. Two ranks sharing one GPU time-slice it: a compute interval then in
 rank's kernels, so the measured bubble means little there. Results: results/pipe_stages_cuda.json.
 
 The model: 2 x `--layers` x (Linear(d, d), ReLU), MSE loss on the last stage, SGD; GPipe and 1F1B
-run it as 2 stages (one per rank), the interleaved schedules as 4 stages (2 per rank: rank r
-holds stages r and r + 2).
+run it as 2 stages (one per rank), the interleaved and looped-BFS schedules as 4 stages (2 per
+rank: rank r holds stages r and r + 2).
 Two rank processes (one per stage, one torch thread each) live for the whole run (benchmarks/
 _harness.RankPool); every configuration (framework x schedule x micro-batches) is timed in turn
 within each round, so load on the machine falls on all of them alike; the median over rounds is
@@ -35,7 +35,7 @@ Reported per configuration:
   * bubble per stage: 1 - (forward + backward compute time) / step time, with compute timed the
     same way for both frameworks (the module's forward; backward from the gradient reaching the
     stage's output to the last parameter gradient accumulated), against the ideal
-    (p - 1) / (m + p - 1), and (p - 1) / (2m + p - 1) for the interleaved schedules;
+    (p - 1) / (m + p - 1), and (p - 1) / (2m + p - 1) for the schedules of 2 stages per rank;
   * critical path: the step's length if every message cost nothing, each rank running the
     schedule's actions in order at the measured speed of its compute (per rank: forward, the
     loss's forward, backward, optimizer step; the faster framework's median over rounds; the loss's
@@ -70,8 +70,9 @@ from _harness import RankPool, RankState, check_cuda_ranks, cuda_info  # noqa: E
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipe_stages.json")
 RESULTS_CUDA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipe_stages_cuda.json")
 FRAMEWORKS = ("fairscale_c", "torch")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-INTERLEAVE = 2  # stages per rank of the interleaved schedule
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs")
+MULTI = ("interleaved", "looped_bfs")  # the schedules of INTERLEAVE stages per rank
+INTERLEAVE = 2  # stages per rank of the interleaved and looped-BFS schedules
 TARGET_THROUGHPUT_RATIO = 1.2
 TARGET_EQUAL_THROUGHPUT = 0.05
 STAGES = 2
@@ -326,6 +327,10 @@ def rank_setup(state: RankState, cfg_dict: Dict[str, Any]) -> None:
         scheds[("fairscale_c", "interleaved", m)] = fpp.ScheduleInterleaved1F1B(ours_i, m, mse_i)
         theirs_i = [tpp.PipelineStage(pr, k, n, dev, input_args=(sample,)) for pr, k in zip(probes, ks)]
         scheds[("torch", "interleaved", m)] = tpp.ScheduleInterleaved1F1B(theirs_i, m, loss_fn=mse_i)
+        ours_l = [fpp.PipelineStage(pr, k, n) for pr, k in zip(probes, ks)]
+        scheds[("fairscale_c", "looped_bfs", m)] = fpp.ScheduleLoopedBFS(ours_l, m, mse_i)
+        theirs_l = [tpp.PipelineStage(pr, k, n, dev, input_args=(sample,)) for pr, k in zip(probes, ks)]
+        scheds[("torch", "looped_bfs", m)] = tpp.ScheduleLoopedBFS(theirs_l, m, loss_fn=mse_i)
     params = list(probe.parameters()) + [p for pr in probes for p in pr.parameters()]
     opt = torch.optim.SGD(params, lr=cfg.lr)
     state.case = {"cfg": cfg, "meters": meters, "x": x, "y": y, "scheds": scheds, "opt": opt}
@@ -391,7 +396,7 @@ def run_case(state: RankState, framework: str, schedule: str, m: int, steps: int
     start, as "cuda_peak_bytes"."""
     c = state.case
     sched = c["scheds"][(framework, schedule, m)]
-    meter = c["meters"]["interleaved" if schedule == "interleaved" else "plain"]
+    meter = c["meters"]["interleaved" if schedule in MULTI else "plain"]
     meter.reset(track)
     cuda = state.device == "cuda"
     if cuda:
@@ -493,7 +498,7 @@ def run(cfg: Config, device: str = "cpu") -> Dict[str, Any]:
     for name in SCHEDULES:
         for m in cfg.microbatches:
             # per action: the faster framework's median
-            v = INTERLEAVE if name == "interleaved" else 1
+            v = INTERLEAVE if name in MULTI else 1
             per_action = []
             for r in range(STAGES):
                 med = {k: min(medians[(fw, name, m)][r][k] for fw in FRAMEWORKS) for k in COMPUTE_KINDS}
@@ -514,14 +519,14 @@ def run(cfg: Config, device: str = "cpu") -> Dict[str, Any]:
             "samples_per_s_best": cfg.batch / min(times[key]),
             "bubble_per_stage": per_stage_bubble,
             "bubble_mean": statistics.mean(per_stage_bubble),
-            "bubble_ideal": (STAGES - 1) / (m * (INTERLEAVE if name == "interleaved" else 1) + STAGES - 1),
+            "bubble_ideal": (STAGES - 1) / (m * (INTERLEAVE if name in MULTI else 1) + STAGES - 1),
             "peak_activation_bytes_per_stage": peaks[key],
             "critical_path_s": floors[(name, m)],
             "compute_s_per_rank": medians[key],
         }
         if "cuda_peak_bytes" in mem[key]:
             rows[key]["cuda_peak_bytes_per_stage"] = mem[key]["cuda_peak_bytes"]
-    # the interleaved schedules train other module objects (same initial values), so each
+    # the schedules of two stages per rank train other module objects (same initial values), so each
     # framework's losses are compared with torch's on the same schedule
     loss_diff = {k: max(abs(a - b) for a, b in zip(v, check["torch/" + k.split("/")[1]])) for k, v in check.items()}
     return {"rows": list(rows.values()), "max_loss_diff_vs_torch_same_schedule": loss_diff}
@@ -638,7 +643,9 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     if cfg.layers % INTERLEAVE:
-        p.error(f"--layers must be a multiple of {INTERLEAVE} (the interleaved schedule's stages per rank)")
+        p.error(
+            f"--layers must be a multiple of {INTERLEAVE} (stages per rank of the interleaved and looped-BFS schedules)"
+        )
     bad = [m for m in cfg.microbatches if m < STAGES or m % STAGES or cfg.batch % m]
     if bad:
         p.error(f"micro-batch counts must be multiples of {STAGES} that divide --batch {cfg.batch}; not {bad}")

@@ -189,9 +189,10 @@ def _first_step(schedule):
     return schedule.step(x, target=y)
 
 
-def _train_interleaved(rank, world, chunks, n_micro, device="cpu", batch_size=16):
-    """ScheduleInterleaved1F1B with `chunks` stages per rank against the whole model."""
-    from fairscale_c.nn.pipe import PipelineStage, ScheduleInterleaved1F1B
+def _train_interleaved(rank, world, chunks, n_micro, device="cpu", batch_size=16, looped=False):
+    """ScheduleInterleaved1F1B (ScheduleLoopedBFS with `looped`) with `chunks` stages per rank
+    against the whole model."""
+    from fairscale_c.nn.pipe import PipelineStage, ScheduleInterleaved1F1B, ScheduleLoopedBFS
 
     torch.manual_seed(2)
     n = world * chunks
@@ -199,7 +200,8 @@ def _train_interleaved(rank, world, chunks, n_micro, device="cpu", batch_size=16
     ref = copy.deepcopy(full)
     mine = list(range(rank, n, world))
     stages = [PipelineStage(full[2 * k : 2 * k + 2], k, n, device=device) for k in mine]
-    schedule = ScheduleInterleaved1F1B(stages, n_micro, F.mse_loss)
+    cls = ScheduleLoopedBFS if looped else ScheduleInterleaved1F1B
+    schedule = cls(stages, n_micro, F.mse_loss)
     params = [p for st in stages for p in st.module.parameters()]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -218,10 +220,10 @@ def _train_interleaved(rank, world, chunks, n_micro, device="cpu", batch_size=16
     for k, st in zip(mine, stages):
         for p, q in zip(st.module.parameters(), ref[2 * k : 2 * k + 2].parameters()):
             torch.testing.assert_close(p, q, **TOL)
-    out = schedule.eval(x)  # forward only, in the same interleaved order
+    out = schedule.eval(x)  # forward only, in the same order
     if out is not None:
         torch.testing.assert_close(out, ref(x).detach(), **TOL)
-    return f"ScheduleInterleaved1F1B(v={chunks}, m={n_micro}, batch {batch_size})"
+    return f"{cls.__name__}(v={chunks}, m={n_micro}, batch {batch_size})"
 
 
 def _raises(exc, text, fn, *args, **kwargs) -> str:
@@ -235,7 +237,13 @@ def _raises(exc, text, fn, *args, **kwargs) -> str:
 
 def _bad_input(rank, group):
     """Each error a user can make, raised before anything is sent, or (set-up) on every stage."""
-    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from fairscale_c.nn.pipe import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleLoopedBFS,
+    )
 
     mod = make_model()[CUTS[2][rank] : CUTS[2][rank + 1]]
     _raises(ValueError, f"stage_index={1 - rank} but this process is rank {rank}", PipelineStage, mod, 1 - rank)
@@ -250,6 +258,8 @@ def _bad_input(rank, group):
     _raises(ValueError, "one stage per rank", ScheduleGPipe, two[0], 4, F.mse_loss)
     _raises(ValueError, "n_microbatches=3 must be a multiple", ScheduleInterleaved1F1B, two, 3, F.mse_loss)
     _raises(ValueError, f"must hold stages [{rank}, {rank + 2}]", ScheduleInterleaved1F1B, two[:1], 4, F.mse_loss)
+    _raises(ValueError, f"must hold stages [{rank}, {rank + 2}]", ScheduleLoopedBFS, two[::-1][:1], 3, F.mse_loss)
+    _raises(TypeError, "stage must be a PipelineStage", ScheduleLoopedBFS, [], 3, F.mse_loss)
     schedule = ScheduleGPipe(stage, 4, F.mse_loss)
     x, y = batch(0, 10)
     if rank == 0:  # local checks of the batch: nothing is sent, stage 1 does not take part
@@ -478,6 +488,9 @@ def job_world2(rank, world, device):
         done.append(_train_and_compare(rank, None, 2, cls, 4, 10, device))  # uneven: 3, 3, 2, 2
     done.append(_train_interleaved(rank, 2, 2, 4, device))
     done.append(_train_interleaved(rank, 2, 2, 4, device, batch_size=14))  # uneven: 4, 4, 3, 3
+    done.append(_train_interleaved(rank, 2, 2, 3, device, looped=True))  # any m: 6, 5, 5
+    done.append(_train_interleaved(rank, 2, 2, 8, device, looped=True))  # more sends ahead than a channel holds
+    done.append(_train_interleaved(rank, 2, 3, 4, device, batch_size=14, looped=True))
     if device == "cpu":
         done += _split_along_dim1(rank)
     world_group = fdist.init_group()  # a fairscale_c Group as the pipeline group
@@ -516,6 +529,7 @@ def job_world4(rank, world, schedule_name):
     for cls in (ScheduleGPipe, Schedule1F1B):
         done.append(_train_and_compare(rank, None, 4, cls, 4, 8))
     done.append(_train_interleaved(rank, 4, 2, 8))
+    done.append(_train_interleaved(rank, 4, 2, 5, looped=True))
     # pipeline groups {0,1}, {2,3}; data-parallel groups {0,2}, {1,3} (every rank makes every group)
     pp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -573,7 +587,7 @@ def test_two_stages_match_single_process_and_reject_bad_input():
     before = orphaned_segments()
     results = run_ranks(job_world2, 2, "cpu", timeout=240, env={"FAIRSCALE_C_TIMEOUT": "60"})
     done, msgs = results[0]
-    assert len(done) == 13, done
+    assert len(done) == 16, done
     assert results[0][1] == results[1][1], "set-up errors must be the same on every stage"
     assert len(msgs) == 6
     assert orphaned_segments() <= before
@@ -588,7 +602,7 @@ def test_four_stages_pipeline_by_data_parallel_and_a_killed_stage(schedule_name)
     assert results[1] is None  # the killed stage
     for rank in (0, 2, 3):
         done, (kind, msg, seconds) = results[rank]
-        assert len(done) == 5, done
+        assert len(done) == 6, done
         assert kind == "DistributedError", (rank, kind, msg)
         # the dead stage's neighbours see its exit; stage 3 sees stage 2 give up and exit, or times out
         assert seconds < DEAD_TIMEOUT_S + 5, (rank, seconds, msg)
@@ -607,7 +621,7 @@ def test_two_stages_on_cuda_match_single_process():
     _, nccl_env = _nccl_devices()
     env = {"FAIRSCALE_C_TIMEOUT": "120", **nccl_env}
     results = run_ranks(job_world2, 2, "cuda", timeout=300, env=env)
-    assert len(results[0][0]) == 11
+    assert len(results[0][0]) == 14
 
 
 def test_tensor_chunk_spec_helpers_match_torchs():
@@ -652,3 +666,18 @@ def test_input_args_descriptions_and_what_may_pass_between_stages():
         [ok[0], TensorMeta((1,), torch.complex64)], "outputs"
     )
     assert "outputs[0] has 9 dimensions; at most 8" in _check_passable([TensorMeta((1,) * 9, torch.float32)], "outputs")
+
+
+def test_looped_bfs_order_is_torchs():
+    """ScheduleLoopedBFS runs a rank's actions in the order of torch.distributed.pipelining's
+    ScheduleLoopedBFS (its _calculate_single_rank_operations, without the idle padding): every
+    micro-batch forward stage by stage, then the backwards of the stages in reverse, micro-batches
+    in reverse."""
+    import types
+
+    from fairscale_c.nn.pipe import ScheduleLoopedBFS
+
+    fake = types.SimpleNamespace(_stages=[None, None], _n_microbatches=3)
+    got = [str(a) for a in ScheduleLoopedBFS.order(fake)]
+    assert got == ["F0", "F1", "F2", "F0@1", "F1@1", "F2@1", "B2@1", "B1@1", "B0@1", "B2", "B1", "B0"]
+    assert [str(a) for a in ScheduleLoopedBFS.order(fake, has_backward=False)] == got[:6]

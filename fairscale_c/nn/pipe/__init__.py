@@ -2,13 +2,22 @@
 connections (``.skip``) and balance helpers (``.balance``); see docs/pipe.md.
 
 Beyond FairScale, multi-process pipelines: :class:`PipelineStage` with the schedules
-:class:`ScheduleGPipe`, :class:`Schedule1F1B` and :class:`ScheduleInterleaved1F1B`; see
+:class:`ScheduleGPipe`, :class:`Schedule1F1B`, :class:`ScheduleInterleaved1F1B` and
+:class:`ScheduleLoopedBFS`; see
 docs/pipe_stages.md.
 """
 
 from ..checkpoint import is_checkpointing, is_recomputing
 from .pipe import Pipe
-from .schedule import PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, StepStats, TensorChunkSpec
+from .schedule import (
+    PipelineSchedule,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+    StepStats,
+    TensorChunkSpec,
+)
 from .stage import PipelineStage, TensorMeta
 
 __all__ = [
@@ -20,6 +29,7 @@ __all__ = [
     "Schedule1F1B",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "ScheduleLoopedBFS",
     "StepStats",
     "TensorChunkSpec",
     "TensorMeta",

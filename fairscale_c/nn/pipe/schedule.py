@@ -10,6 +10,9 @@ activations, with the same bubble as GPipe.
 ``ScheduleInterleaved1F1B``: ``v`` stages per rank (Megatron-LM's order); the bubble shrinks by
 ``v`` for ``v`` times the messages.
 
+``ScheduleLoopedBFS``: ``v`` stages per rank, breadth first: every micro-batch through the rank's
+first stage, then its second, ...; backwards in the reverse order. The activations of GPipe.
+
 All are driven the same way (the shape of ``torch.distributed.pipelining``'s)::
 
     stage = PipelineStage(module, rank, world, group=pp_group)
@@ -134,7 +137,8 @@ class PipelineSchedule:
     """Base of the schedules; subclasses give :meth:`order`.
 
     Args:
-        stage: this rank's :class:`PipelineStage` (ScheduleInterleaved1F1B: a list of them).
+        stage: this rank's :class:`PipelineStage` (ScheduleInterleaved1F1B, ScheduleLoopedBFS: a list
+            of them).
         n_microbatches: micro-batches per step (>= 1); the batch is split along dimension 0 (or
             as ``args_chunk_spec`` says) ``torch.tensor_split``-style: when it does not divide
             evenly the first micro-batches are one sample larger.
@@ -178,7 +182,7 @@ class PipelineSchedule:
         if not self._interleaved and (len(stages) != 1 or stages[0].num_stages != size):
             raise ValueError(
                 f"{name}: one stage per rank (num_stages == the pipeline group's size, {size}); for several "
-                "stages per rank use ScheduleInterleaved1F1B"
+                "stages per rank use ScheduleInterleaved1F1B or ScheduleLoopedBFS"
             )
         if any(st.group is not stages[0].group for st in stages):
             raise ValueError(f"{name}: the stages of one rank must share their pipeline group")
@@ -202,6 +206,7 @@ class PipelineSchedule:
         self._checked: Any = None  # the last batch whose micro-batches matched stage 0's set-up
 
     _interleaved = False
+    _sends_with_receives = True  # an action's sends join the next action's synchronous receives
 
     def _check_args_spec(self, spec: Any) -> Optional[Tuple[Optional[int], ...]]:
         if spec is None:
@@ -479,7 +484,7 @@ class PipelineSchedule:
             stage = self._stages[action.stage]
             group = stage.group if action.kind == "F" else stage.grad_group
             recvs = self._receives(action)
-            if sends and (not recvs or sends_group is not group):
+            if sends and (not recvs or sends_group is not group or not self._sends_with_receives):
                 inflight.append(sends_group.batch(sends, async_op=True))  # overlaps the next computation
                 sends = []
             if recvs:
@@ -573,22 +578,17 @@ class Schedule1F1B(PipelineSchedule):
         return out
 
 
-class ScheduleInterleaved1F1B(PipelineSchedule):
-    """Interleaved 1F1B (Megatron-LM's): a pipeline of ``v * p`` stages on ``p`` ranks, rank ``r``
-    running stages ``r, r + p, ..., r + (v - 1) p`` (pass them as a list). Micro-batches go
-    through in groups of ``p``: each rank runs a group on its first stage, then on its second, ...;
-    after ``2 (p - 1 - r) + (v - 1) p`` warm-up forwards it alternates forward and backward. The
-    ideal bubble shrinks by ``v`` to (p - 1) / (v m + p - 1), for about ``v`` times the messages.
-    ``n_microbatches`` must be a multiple of ``p``.
-
-    Gradients travel on an engine group of their own (built here, a collective over the pipeline
-    group): with two ranks, activations and gradients go between the same pair in the same
-    direction, and messages are matched in order per channel; on separate groups each kind is in
-    the same order on both sides by construction (forwards in the same (group, stage, micro-batch)
-    order on every rank, backwards likewise), whatever the interleaving of the two.
-    """
+class _MultiStageSchedule(PipelineSchedule):
+    """A schedule of ``v * p`` stages on ``p`` ranks, rank ``r`` running stages ``r, r + p, ...,
+    r + (v - 1) p`` (passed as a list). Gradients travel on an engine group of their own (built
+    here, a collective over the pipeline group): with two ranks, activations and gradients go
+    between the same pair in the same direction, and messages are matched in order per channel; on
+    separate groups each kind is in the same order on both sides by construction (every rank runs
+    forwards in the same (stage, micro-batch) order as its neighbours, backwards likewise), whatever
+    the interleaving of the two."""
 
     _interleaved = True
+    _microbatch_multiple = False  # n_microbatches must be a multiple of the group's size
 
     def __init__(
         self,
@@ -621,7 +621,7 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
                 f"{name}: rank {rank} of {p} must hold stages {want} of the {n}-stage pipeline, got stages {got} "
                 f"(of {sorted({st.num_stages for st in self._stages})}-stage pipelines)"
             )
-        if n_microbatches % p:
+        if self._microbatch_multiple and n_microbatches % p:
             raise ValueError(
                 f"{name}: n_microbatches={n_microbatches} must be a multiple of the pipeline group's size ({p})"
             )
@@ -632,6 +632,18 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
                 grad_group.init_nccl(device)  # now, while every rank is here, not at a first backward
             for st in self._stages:
                 st.grad_group = grad_group
+
+
+class ScheduleInterleaved1F1B(_MultiStageSchedule):
+    """Interleaved 1F1B (Megatron-LM's): a pipeline of ``v * p`` stages on ``p`` ranks, rank ``r``
+    running stages ``r, r + p, ..., r + (v - 1) p`` (pass them as a list). Micro-batches go
+    through in groups of ``p``: each rank runs a group on its first stage, then on its second, ...;
+    after ``2 (p - 1 - r) + (v - 1) p`` warm-up forwards it alternates forward and backward. The
+    ideal bubble shrinks by ``v`` to (p - 1) / (v m + p - 1), for about ``v`` times the messages.
+    ``n_microbatches`` must be a multiple of ``p``.
+    """
+
+    _microbatch_multiple = True
 
     def order(self, has_backward: bool = True) -> List[Action]:
         group = self._stages[0].group
@@ -652,6 +664,24 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         return out
 
 
+class ScheduleLoopedBFS(_MultiStageSchedule):
+    """Looped breadth-first (torch.distributed.pipelining's ScheduleLoopedBFS): ``v * p`` stages
+    on ``p`` ranks, rank ``r`` running stages ``r, r + p, ...`` (pass them as a list). Each rank
+    runs the forwards of every micro-batch on its first stage, then on its second, ...; then the
+    backwards stage by stage in the reverse order, the micro-batches of each in reverse. Like
+    GPipe it keeps every micro-batch's activations of every one of its stages until the backward;
+    any ``n_microbatches`` >= 1."""
+
+    _sends_with_receives = False
+
+    def order(self, has_backward: bool = True) -> List[Action]:
+        v, m = len(self._stages), self._n_microbatches
+        fwd = [Action("F", i, s) for s in range(v) for i in range(m)]
+        if not has_backward:
+            return fwd
+        return fwd + [Action("B", i, s) for s in reversed(range(v)) for i in reversed(range(m))]
+
+
 def _second_group(group: Any) -> Any:
     """Another engine group over the same ranks (a collective over ``group``)."""
     from ... import distributed as fdist
@@ -668,6 +698,7 @@ __all__ = [
     "Schedule1F1B",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "ScheduleLoopedBFS",
     "StepStats",
     "TensorChunkSpec",
 ]

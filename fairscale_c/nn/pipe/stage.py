@@ -5,7 +5,8 @@ Stage ``i`` runs on rank ``i`` of a pipeline group (a torch.distributed process 
 several stages per rank. Activations travel forward and gradients backward through the
 group's point-to-point batches (CPU tensors on the shared-memory engine, CUDA tensors on NCCL). A
 schedule (:class:`~fairscale_c.nn.pipe.schedule.ScheduleGPipe`, :class:`~fairscale_c.nn.pipe.schedule.Schedule1F1B`,
-:class:`~fairscale_c.nn.pipe.schedule.ScheduleInterleaved1F1B`) decides the order of the micro-batches; the
+:class:`~fairscale_c.nn.pipe.schedule.ScheduleInterleaved1F1B`,
+:class:`~fairscale_c.nn.pipe.schedule.ScheduleLoopedBFS`) decides the order of the micro-batches; the
 stage knows how to run one micro-batch forward or backward and which messages that needs.
 
 At the first step every stage takes part in a set-up: stage 0 describes each of its
@@ -194,7 +195,7 @@ class PipelineStage:
         stage_index: this stage's place in the pipeline (default: this process's rank in
             ``group``); stage i runs on group rank ``i % group size``.
         num_stages: stages in the pipeline: the group's size (default), or a multiple of it for
-            ScheduleInterleaved1F1B (several stages per rank).
+            ScheduleInterleaved1F1B or ScheduleLoopedBFS (several stages per rank).
         device: where the stage computes (default: the device of the module's first parameter,
             else CPU). For CUDA the group's NCCL communicator is created now.
         input_args: what one micro-batch's input to this stage looks like: a sample Tensor (any
@@ -225,7 +226,8 @@ class PipelineStage:
         if num_stages < size or num_stages % size:
             raise ValueError(
                 f"PipelineStage: num_stages={num_stages} but the pipeline group has {size} ranks; expected the "
-                "group size (one stage per rank) or, for ScheduleInterleaved1F1B, a multiple of it"
+                "group size (one stage per rank) or, for ScheduleInterleaved1F1B and ScheduleLoopedBFS, a multiple "
+                "of it"
             )
         stage_index = rank if stage_index is None else stage_index
         if not 0 <= stage_index < num_stages or stage_index % size != rank:
@@ -236,7 +238,7 @@ class PipelineStage:
         self.module = module
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        # gradients travel on this group; ScheduleInterleaved1F1B gives them a group of their own
+        # gradients travel on this group; the schedules of several stages per rank give them a group of their own
         self.grad_group = self.group
         if device is None:
             first = next(module.parameters(), None)
