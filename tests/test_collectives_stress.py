@@ -108,3 +108,70 @@ def _stress_job(rank, world, seed):
 def test_random_schedule_of_collectives(world, seed):
     for rank, failures in enumerate(run_ranks(_stress_job, world, seed, env={"FAIRSCALE_C_TIMEOUT": "60"})):
         assert not failures, f"rank {rank}: " + "; ".join(failures[:5])
+
+
+P2P_STEPS = 40
+
+
+def _p2p_plan(seed: int, world: int):
+    """Per step, the messages every rank agrees on: (sender, receiver, numel, dtype), in order."""
+    rng = random.Random(seed)
+    for step in range(P2P_STEPS):
+        msgs = []
+        for _ in range(rng.randint(1, 3 * world)):
+            src = rng.randrange(world)
+            dst = rng.choice([r for r in range(world) if r != src])
+            msgs.append((src, dst, rng.choice(SIZES), rng.choice(DTYPES)))
+        yield step, msgs, rng.random() < 0.3
+
+
+def _p2p_stress_job(rank, world, seed):
+    import fairscale_c.distributed as fdist
+
+    mine = random.Random(1000 * seed + rank)  # this rank's own choices: recv order, sync or async
+    failures = []
+    with fdist.init_group(name=f"p2p-stress-{seed}") as group:
+        for step, msgs, collective in _p2p_plan(seed, world):
+            sends = [
+                group.send(_data(s, n, dt, 100 * step + i), d, async_op=True)
+                for i, (s, d, n, dt) in enumerate(msgs)
+                if s == rank
+            ]
+            # receives in a random order across senders, each sender's in plan order
+            queues = {}
+            for i, (s, d, n, dt) in enumerate(msgs):
+                if d == rank:
+                    queues.setdefault(s, []).append((i, n, dt))
+            pending = []
+            while queues:
+                src = mine.choice(sorted(queues))
+                i, n, dt = queues[src].pop(0)
+                if not queues[src]:
+                    del queues[src]
+                out = torch.empty(n, dtype=dt)
+                want = _data(src, n, dt, 100 * step + i)
+                if mine.random() < 0.5:  # synchronous, behind this rank's sends that may still wait
+                    group.recv(out, src)
+                    _check(out, want, f"{step}: message {i} from {src}", failures)
+                else:
+                    pending.append((group.recv(out, src, async_op=True), out, want, i, src))
+            for work, out, want, i, src in pending:
+                work.wait()
+                _check(out, want, f"{step}: message {i} from {src} (async)", failures)
+            for work in sends:
+                work.wait()
+            if collective:  # a collective queued behind the point-to-point items
+                t = torch.full((3,), float(rank))
+                group.all_reduce(t)
+                _check(t, torch.full((3,), float(sum(range(world)))), f"{step}: all_reduce", failures)
+    return failures
+
+
+@pytest.mark.parametrize("world,seed", [(2, 5), (3, 6)])
+def test_random_point_to_point_with_sync_receives_behind_pending_sends(world, seed):
+    """Random messages between every pair: each rank isends its messages of a step, then receives
+    its own in a random order across senders, each synchronously or not; every message is
+    checked, and no rank waits for another."""
+    results = run_ranks(_p2p_stress_job, world, seed, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    for rank, failures in enumerate(results):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:5])
