@@ -125,10 +125,7 @@ class FullyShardedDataParallel(nn.Module):
     ):
         check_fsdp_args(locals())
         super().__init__()
-        first = next((p for p in module.parameters() if not _is_managed(p)), None)
-        self.compute_device = torch.device(
-            compute_device if compute_device is not None else (first.device if first is not None else "cpu")
-        )
+        self.compute_device = _compute_device_of(module, compute_device)
         self._init_groups(process_group, process_group_reduce_scatter)
         self.reshard_after_forward = reshard_after_forward
         self.disable_reshard_on_root = disable_reshard_on_root
@@ -746,6 +743,14 @@ class FullyShardedDataParallel(nn.Module):
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's shard of a state from gather_full_optim_state_dict(), for optim.load_state_dict."""
         return _optim_state.shard_from_full(get_fsdp_instances(self), full_optim_state_dict)
+
+
+def _compute_device_of(module: nn.Module, compute_device: Optional[Any]) -> torch.device:
+    """`compute_device`, else the device of the first parameter no nested instance manages, else CPU."""
+    if compute_device is not None:
+        return torch.device(compute_device)
+    first = next((p for p in module.parameters() if not _is_managed(p)), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 @functools.lru_cache(maxsize=None)

@@ -179,7 +179,7 @@ class PipelineSchedule:
             what = ", ".join(type(st).__name__ for st in stages) or "an empty list"
             raise TypeError(f"{name}: stage must be a PipelineStage (interleaved: a list of them), got {what}")
         size = stages[0].group.size
-        if not self._interleaved and (len(stages) != 1 or stages[0].num_stages != size):
+        if not self._multi_stage and (len(stages) != 1 or stages[0].num_stages != size):
             raise ValueError(
                 f"{name}: one stage per rank (num_stages == the pipeline group's size, {size}); for several "
                 "stages per rank use ScheduleInterleaved1F1B or ScheduleLoopedBFS"
@@ -205,8 +205,11 @@ class PipelineSchedule:
         self.last_step: Optional[StepStats] = None
         self._checked: Any = None  # the last batch whose micro-batches matched stage 0's set-up
 
-    _interleaved = False
-    _sends_with_receives = True  # an action's sends join the next action's synchronous receives
+    _multi_stage = False  # takes a list of this rank's stages (_MultiStageSchedule)
+    # an action's sends join the next action's synchronous receives (run on the calling thread when
+    # nothing is queued); a schedule whose sends may run many messages ahead of the peer's receives
+    # turns it off, since such a batch would wait for its own send
+    _sends_with_receives = True
 
     def _check_args_spec(self, spec: Any) -> Optional[Tuple[Optional[int], ...]]:
         if spec is None:
@@ -587,7 +590,7 @@ class _MultiStageSchedule(PipelineSchedule):
     forwards in the same (stage, micro-batch) order as its neighbours, backwards likewise), whatever
     the interleaving of the two."""
 
-    _interleaved = True
+    _multi_stage = True
     _microbatch_multiple = False  # n_microbatches must be a multiple of the group's size
 
     def __init__(
