@@ -420,8 +420,12 @@ def scenario_reduce_scatter_groups(rank, world):
     from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
     from fairscale_c.nn.data_parallel import ProcessGroupName, get_fsdp_instances
 
+    import fairscale_c.distributed as fdist
+
     m = train_and_compare(rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=xent)
-    assert (m.comm_rs is not m.comm) == (world > 1)
+    # beyond FairScale: CUDA ranks sharing one GPU keep one communicator (the shared-GPU guard)
+    shared_gpu = m.compute_device.type == "cuda" and fdist.ranks_share_gpus(m.comm)
+    assert (m.comm_rs is not m.comm) == (world > 1 and not shared_gpu)
     assert all(i.comm_rs is m.comm_rs for i in get_fsdp_instances(m)), "one cached group"
     m = train_and_compare(rank, world, MLP, fsdp(process_group_reduce_scatter=ProcessGroupName.default))
     assert m.comm_rs is m.comm

@@ -196,6 +196,23 @@ def test_ranks_on_one_gpu_are_found_at_rendezvous(scenario, shared):
     assert run_ranks(_shared_gpu_job, 2, scenario, env=env) == [(shared, shared)] * 2
 
 
+def _real_gpu_job(rank, world):
+    import fairscale_c.distributed as fdist
+
+    torch.cuda.set_device(0)
+    torch.cuda.init()
+    with fdist.init_group(name="real-gpus") as g:
+        return g.shares_gpu, fdist.ranks_share_gpus(g)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ranks_on_one_real_gpu_are_found_at_rendezvous():
+    """The same as above with the device's own UUID: two ranks on cuda:0."""
+    env = {**FAST, "LOCAL_WORLD_SIZE": ""}
+    assert run_ranks(_real_gpu_job, 2, env=env) == [(True, True)] * 2
+
+
 def test_gpus_shared_compares_host_and_device():
     from fairscale_c.distributed._group import _gpus_shared
 
