@@ -91,6 +91,7 @@ class Config:
     memory_steps: int = 2
     lr: float = 1e-3
     seed: int = 0
+    schedules: List[str] = field(default_factory=lambda: list(SCHEDULES))
 
 
 def quick_config() -> Config:
@@ -316,21 +317,21 @@ def rank_setup(state: RankState, cfg_dict: Dict[str, Any]) -> None:
     scheds: Dict[tuple, Any] = {}
     for m in cfg.microbatches:
         sample = torch.empty(cfg.batch // m, cfg.d, device=dev)
-        for name in ("gpipe", "1f1b"):
+        for name in [s for s in ("gpipe", "1f1b") if s in cfg.schedules]:
             ours = {"gpipe": fpp.ScheduleGPipe, "1f1b": fpp.Schedule1F1B}[name]
             theirs = {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[name]
             scheds[("fairscale_c", name, m)] = ours(fpp.PipelineStage(probe, rank, STAGES), m, mse)
             tstage = tpp.PipelineStage(probe, rank, STAGES, dev, input_args=(sample,))
             scheds[("torch", name, m)] = theirs(tstage, m, loss_fn=mse)
         n, ks = STAGES * INTERLEAVE, range(rank, STAGES * INTERLEAVE, STAGES)
-        ours_i = [fpp.PipelineStage(pr, k, n) for pr, k in zip(probes, ks)]
-        scheds[("fairscale_c", "interleaved", m)] = fpp.ScheduleInterleaved1F1B(ours_i, m, mse_i)
-        theirs_i = [tpp.PipelineStage(pr, k, n, dev, input_args=(sample,)) for pr, k in zip(probes, ks)]
-        scheds[("torch", "interleaved", m)] = tpp.ScheduleInterleaved1F1B(theirs_i, m, loss_fn=mse_i)
-        ours_l = [fpp.PipelineStage(pr, k, n) for pr, k in zip(probes, ks)]
-        scheds[("fairscale_c", "looped_bfs", m)] = fpp.ScheduleLoopedBFS(ours_l, m, mse_i)
-        theirs_l = [tpp.PipelineStage(pr, k, n, dev, input_args=(sample,)) for pr, k in zip(probes, ks)]
-        scheds[("torch", "looped_bfs", m)] = tpp.ScheduleLoopedBFS(theirs_l, m, loss_fn=mse_i)
+        for name in [s for s in MULTI if s in cfg.schedules]:
+            ours = {"interleaved": fpp.ScheduleInterleaved1F1B, "looped_bfs": fpp.ScheduleLoopedBFS}[name]
+            theirs = {"interleaved": tpp.ScheduleInterleaved1F1B, "looped_bfs": tpp.ScheduleLoopedBFS}[name]
+            scheds[("fairscale_c", name, m)] = ours(
+                [fpp.PipelineStage(pr, k, n) for pr, k in zip(probes, ks)], m, mse_i
+            )
+            tstages = [tpp.PipelineStage(pr, k, n, dev, input_args=(sample,)) for pr, k in zip(probes, ks)]
+            scheds[("torch", name, m)] = theirs(tstages, m, loss_fn=mse_i)
     params = list(probe.parameters()) + [p for pr in probes for p in pr.parameters()]
     opt = torch.optim.SGD(params, lr=cfg.lr)
     state.case = {"cfg": cfg, "meters": meters, "x": x, "y": y, "scheds": scheds, "opt": opt}
@@ -438,7 +439,7 @@ def check_losses(state: RankState, m: int) -> Dict[str, List[float]]:
 
     out = {}
     for fw in FRAMEWORKS:
-        for name in SCHEDULES:
+        for name in c["cfg"].schedules:
             restore()
             losses: list = []
             c["opt"].zero_grad(set_to_none=True)
@@ -472,7 +473,7 @@ def run(cfg: Config, device: str = "cpu") -> Dict[str, Any]:
     rows: Dict[tuple, Dict[str, Any]] = {}
     with RankPool(STAGES, device=device) as pool:
         pool.run(rank_setup, asdict(cfg))
-        keys = [(fw, name, m) for m in cfg.microbatches for name in SCHEDULES for fw in FRAMEWORKS]
+        keys = [(fw, name, m) for m in cfg.microbatches for name in cfg.schedules for fw in FRAMEWORKS]
         for key in keys:  # warm-up: set-up exchanges, first-touch of buffers, lazy imports
             pool.run(run_case, *key, cfg.warmup, False)
         times: Dict[tuple, List[float]] = {k: [] for k in keys}
@@ -495,7 +496,7 @@ def run(cfg: Config, device: str = "cpu") -> Dict[str, Any]:
         for key in keys
     }
     floors = {}
-    for name in SCHEDULES:
+    for name in cfg.schedules:
         for m in cfg.microbatches:
             # per action: the faster framework's median
             v = INTERLEAVE if name in MULTI else 1
@@ -554,7 +555,7 @@ def report(result: Dict[str, Any], cfg: Config) -> List[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda_mem else ""),
     ]
     verdicts = []
-    for name in SCHEDULES:
+    for name in cfg.schedules:
         for m in cfg.microbatches:
             a, b = rows[("fairscale_c", name, m)], rows[("torch", name, m)]
             ratio = paired_ratio(a, b)
@@ -583,7 +584,7 @@ def report(result: Dict[str, Any], cfg: Config) -> List[str]:
                 f"{'MET   ' if ratio >= TARGET_THROUGHPUT_RATIO else 'MISSED'} throughput {name} m={m}: "
                 f"{ratio:.2f}x torch.distributed.pipelining (target >= {TARGET_THROUGHPUT_RATIO}x){reach}"
             )
-    for m in cfg.microbatches:
+    for m in cfg.microbatches if {"gpipe", "1f1b"} <= set(cfg.schedules) else []:
         g, o = rows[("fairscale_c", "gpipe", m)], rows[("fairscale_c", "1f1b", m)]
         mem_g, mem_o = max(g["peak_activation_bytes_per_stage"]), max(o["peak_activation_bytes_per_stage"])
         tr = paired_ratio(o, g)
@@ -627,6 +628,9 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     p.add_argument("--steps", type=int, default=None, help="timed steps per configuration per round")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument(
+        "--schedules", nargs="+", choices=SCHEDULES, default=None, help=f"schedules to run (default all: {SCHEDULES})"
+    )
+    p.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
@@ -639,7 +643,7 @@ def parse_args(argv: Optional[List[str]] = None) -> tuple:
     if a.out is None:
         a.out = RESULTS_CUDA if a.device == "cuda" else RESULTS
     cfg = quick_config() if a.quick else (dc if a.device == "cuda" else d)
-    for name in ("d", "layers", "batch", "microbatches", "steps", "rounds"):
+    for name in ("d", "layers", "batch", "microbatches", "steps", "rounds", "schedules"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     if cfg.layers % INTERLEAVE:
