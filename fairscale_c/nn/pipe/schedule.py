@@ -485,7 +485,7 @@ class PipelineSchedule:
         sends_group: Any = None
         for action in self.order(has_backward):
             stage = self._stages[action.stage]
-            group = stage.group if action.kind == "F" else stage.grad_group
+            group = self._group_of(stage, action.kind, sending=False)
             recvs = self._receives(action)
             if sends and (not recvs or sends_group is not group or not self._sends_with_receives):
                 inflight.append(sends_group.batch(sends, async_op=True))  # overlaps the next computation
@@ -513,7 +513,7 @@ class PipelineSchedule:
                 stage.backward_one(action.mb, divisors[action.mb])
             compute_s += time.perf_counter() - t
             sends = self._sends(action)
-            sends_group = stage.group if action.kind == "F" else stage.grad_group
+            sends_group = self._group_of(stage, action.kind, sending=True)
             if action.kind == "F" and not has_backward:
                 stage.drop_forward_state(action.mb)
         t = time.perf_counter()
@@ -523,6 +523,11 @@ class PipelineSchedule:
             inflight.popleft().wait()
         wait_s += time.perf_counter() - t
         return compute_s, wait_s
+
+    def _group_of(self, stage: PipelineStage, kind: str, sending: bool) -> Any:
+        """The engine group of the messages a ``kind`` ("F" or "B") action of ``stage`` sends (or
+        receives): activations on the pipeline group, gradients on ``stage.grad_group``."""
+        return stage.group if kind == "F" else stage.grad_group
 
     def _receives(self, action: Action) -> list:
         stage = self._stages[action.stage]
@@ -588,7 +593,17 @@ class _MultiStageSchedule(PipelineSchedule):
     between the same pair in the same direction, and messages are matched in order per channel; on
     separate groups each kind is in the same order on both sides by construction (every rank runs
     forwards in the same (stage, micro-batch) order as its neighbours, backwards likewise), whatever
-    the interleaving of the two."""
+    the interleaving of the two.
+
+    On CUDA each kind goes further, onto one NCCL communicator per class of pipeline edge
+    (:func:`_edge_class`), so that on every communicator a rank only sends or only receives. NCCL
+    matches a pair's messages in the order each communicator issued them and a send need not
+    finish before its receive has started: a rank's send queued behind its own receive, while the
+    peer's matching receive is queued behind the peer's send, deadlocks. These schedules send
+    micro-batches ahead (looped BFS all of a stage's forwards); the CPU layout cannot finish under
+    these rules, and on an H200 with 3 MiB messages it hung (docs/gpu.md). With one direction per
+    communicator a send waits only for the receives queued before its own, which the receiver
+    issues in the sender's order (tests/test_pipe_nccl_plan.py plays both layouts)."""
 
     _multi_stage = True
     _microbatch_multiple = False  # n_microbatches must be a multiple of the group's size
@@ -628,13 +643,21 @@ class _MultiStageSchedule(PipelineSchedule):
             raise ValueError(
                 f"{name}: n_microbatches={n_microbatches} must be a multiple of the pipeline group's size ({p})"
             )
-        if p > 1:
+        self._edge_groups: Optional[Dict[Tuple[str, int], Any]] = None
+        device = self._stages[0].device
+        if p > 1 and device.type == "cuda":
+            self._edge_groups = _edge_groups(group, device)
+        elif p > 1:
             grad_group = _second_group(group)
-            device = self._stages[0].device
-            if device.type == "cuda":
-                grad_group.init_nccl(device)  # now, while every rank is here, not at a first backward
             for st in self._stages:
                 st.grad_group = grad_group
+
+    def _group_of(self, stage: PipelineStage, kind: str, sending: bool) -> Any:
+        if self._edge_groups is None:
+            return super()._group_of(stage, kind, sending)
+        rank = stage.group.rank
+        src = rank if sending else (stage.prev if kind == "F" else stage.next)
+        return self._edge_groups[(kind, _edge_class(kind, src, stage.group.size))]
 
 
 class ScheduleInterleaved1F1B(_MultiStageSchedule):
@@ -685,14 +708,45 @@ class ScheduleLoopedBFS(_MultiStageSchedule):
         return fwd + [Action("B", i, s) for s in reversed(range(v)) for i in reversed(range(m))]
 
 
-def _second_group(group: Any) -> Any:
-    """Another engine group over the same ranks (a collective over ``group``)."""
+def _second_group(group: Any, role: str = "pipeline_grad") -> Any:
+    """Another engine group over the same ranks (a collective over ``group``); for a torch process
+    group, one per ``role``, shared by the schedules of the process."""
     from ... import distributed as fdist
 
     pg = getattr(group, "process_group", None)
     if pg is not None:
-        return fdist.group_for(pg, "pipeline_grad")
+        return fdist.group_for(pg, role)
     return group.new_group(list(range(group.size)))
+
+
+def _edge_class(kind: str, src: int, p: int) -> int:
+    """The class of the pipeline edge from group rank ``src``: activations ("F") go from rank ``r``
+    to ``r + 1``, gradients ("B") to ``r - 1`` (mod ``p``). Edges of one class never share a rank
+    as sender of one and receiver of another: the class is the sender's parity, and with an odd
+    ``p`` the edge across the wrap (``p - 1`` to 0 for activations, 0 to ``p - 1`` for gradients),
+    whose two ends have the same parity, has a class of its own (2)."""
+    wrap = src == (p - 1 if kind == "F" else 0)
+    return 2 if p % 2 and wrap else src % 2
+
+
+def _edge_groups(group: Any, device: torch.device) -> Dict[Tuple[str, int], Any]:
+    """One engine group per (kind, edge class), each with its NCCL communicator created and this
+    rank's pairs on it connected (a collective over ``group``: every rank builds all of them, in
+    the same order)."""
+    p, rank = group.size, group.rank
+    edges = [("F", rank, (rank + 1) % p), ("F", (rank - 1) % p, rank)]  # this rank's, both kinds
+    edges += [("B", rank, (rank - 1) % p), ("B", (rank + 1) % p, rank)]
+    out = {}
+    for kind in ("F", "B"):
+        for cls in range(3 if p % 2 else 2):
+            g = out[(kind, cls)] = _second_group(group, f"pipeline_{kind}{cls}")
+            g.init_nccl(device)  # now, while every rank is here, not at a first message
+            # connect each pair symmetrically: a one-sided first message aborted NCCL 2.32 (stage.py)
+            peers = {
+                dst if src == rank else src for k, src, dst in edges if k == kind and _edge_class(k, src, p) == cls
+            }
+            g.connect(sorted(peers), device)
+    return out
 
 
 __all__ = [
