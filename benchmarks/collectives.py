@@ -660,10 +660,11 @@ def _lat_rank_main(rank: int, world: int, port: int, sizes: List[int], iters: La
         dist.destroy_process_group()
 
 
-def _pingpong_floor(round_trips: int, mode: str = "spin") -> Dict[str, Any]:
+def _pingpong_floor(round_trips: int, mode: str = "spin", nbytes: int = 0) -> Dict[str, Any]:
     """Builds benchmarks/pingpong.c with the system cc (cached under build/, keyed by the source's
     hash) and runs it: round-trip time of one cache line between two unpinned processes, both
-    spinning ("spin") or both sleeping in FUTEX_WAIT until woken ("futex")."""
+    spinning ("spin") or both sleeping in FUTEX_WAIT until woken ("futex"); with ``nbytes``, each
+    side on its turn also reads the peer's ``nbytes`` just written and writes its own."""
     with open(PINGPONG_SRC, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
     build = os.path.join(os.path.dirname(os.path.dirname(PINGPONG_SRC)), "build")
@@ -681,11 +682,12 @@ def _pingpong_floor(round_trips: int, mode: str = "spin") -> Dict[str, Any]:
         if res.returncode != 0:
             return {"skipped": f"{cc} failed: {res.stderr.strip()[-300:]}"}
         os.replace(tmp, exe)
-    res = subprocess.run([exe, str(round_trips), mode], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([exe, str(round_trips), mode, str(nbytes)], capture_output=True, text=True, timeout=120)
     if res.returncode != 0:
         return {"skipped": f"pingpong failed: {res.stderr.strip()[-300:]}"}
     fields = dict(kv.split("=") for kv in res.stdout.split()[1:])
-    return {f"rtt_{k}_ns": float(fields[k]) for k in ("median", "p10", "p90", "min")} | {"n": int(fields["n"])}
+    out = {f"rtt_{k}_ns": float(fields[k]) for k in ("median", "p10", "p90", "min")}
+    return out | {"n": int(fields["n"]), "bytes": int(fields["bytes"])}
 
 
 def _cpu_times() -> Dict[str, float]:
@@ -722,6 +724,8 @@ def run_latency(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
         before = _cpu_times()
         floors[world] = {"spin": _pingpong_floor(5000 if quick else 20000, "spin")}
         floors[world]["futex"] = _pingpong_floor(1000 if quick else 5000, "futex")
+        for nbytes in LAT_DATA_FLOOR_BYTES if world == 2 else ():
+            floors[world][f"data {nbytes}"] = _pingpong_floor(2000 if quick else 10000, "spin", nbytes)
         iters[world] = _lat_iters(world, quick)
         got = _spawn_ranks(_lat_rank_main, world, (sizes, iters[world]), timeout_s=900)
         load[world] = _load_during(before)
@@ -744,6 +748,11 @@ def run_latency(worlds: List[int], sizes: List[int], quick: bool) -> Dict:
         "pinned": False,
         "timer": "time.perf_counter_ns around each synchronous call; gc disabled while timing",
     }
+
+
+# payloads of the data floor: what one rank reads from its peer at world 2 in the largest rows
+# (all_reduce and broadcast: the whole buffer; all_gather and reduce_scatter: half)
+LAT_DATA_FLOOR_BYTES = (16 << 10, 32 << 10, 64 << 10)
 
 
 def _lat_verdict(r: Dict, world: int) -> str:
@@ -845,6 +854,18 @@ def _lat_notes(lat: Dict) -> List[str]:
     for w, floors in lat["floor"].items():
         for mode, f in floors.items():
             what = "floor RTT (spin)" if mode == "spin" else "futex RTT (a waiter sleeps in FUTEX_WAIT)"
+            if mode.startswith("data "):
+                what = (
+                    f"data floor {_fmt_bytes(int(mode.split()[1]))} (ping-pong in which each side reads the "
+                    "bytes its peer just wrote, then writes its own; half the round trip = moving them once, "
+                    "without overlap)"
+                )
+                if "skipped" not in f:
+                    notes.append(
+                        f"world {w}: {what}: half round trip median {f['rtt_median_ns'] / 2e3:.2f} us, "
+                        f"p10 {f['rtt_p10_ns'] / 2e3:.2f}, p90 {f['rtt_p90_ns'] / 2e3:.2f}"
+                    )
+                    continue
             if "skipped" in f:
                 notes.append(f"world {w}: {what} skipped: {f['skipped']}")
             else:

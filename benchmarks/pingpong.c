@@ -5,11 +5,16 @@
  * handshake costs once a waiter goes to sleep). Nothing is pinned (the engine's ranks are not either), so the
  * scheduler places the two processes as it places two ranks.
  *
+ * With `bytes` > 0 each side also owns a buffer of that many bytes: on its turn it reads the
+ * peer's buffer (written on the peer's last turn, so still in the peer's cache), writes its own,
+ * then answers. Half such a round trip is the floor of moving `bytes` from one rank to the other
+ * once, as a collective's rank reads what its peer just posted.
+ *
  * Built and run by benchmarks/collectives.py --latency (cc -O2, cached under build/):
- *     pingpong [round_trips [spin|futex]]     (default 20000 spin, after 2000 untimed ones)
- * prints one line: "round_trip_ns mode=M median=X p10=X p90=X min=X n=N"; exits 1 with a message
- * on stderr if the peer does not answer a round trip within TIMEOUT_S seconds (or dies), so it
- * never hangs. */
+ *     pingpong [round_trips [spin|futex [bytes]]]     (default 20000 spin 0, after 2000 untimed ones)
+ * prints one line: "round_trip_ns mode=M bytes=B median=X p10=X p90=X min=X n=N"; exits 1 with a
+ * message on stderr if the peer does not answer a round trip within TIMEOUT_S seconds (or dies),
+ * so it never hangs. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <linux/futex.h>
@@ -38,7 +43,20 @@ typedef struct {
     char pad[64 - sizeof(uint32_t)];
 } line_t;
 
-static int use_futex; /* set before fork(); the child inherits it */
+static int use_futex;          /* set before fork(); the child inherits it */
+static size_t nbytes;          /* each side's buffer, 0 for none */
+static uint64_t *bufs[2];      /* [0]: the parent's, [1]: the child's; in the shared mapping */
+static volatile uint64_t sink; /* keeps the reads of the peer's buffer */
+
+/* One side's turn with a payload: read the peer's buffer, write this side's. */
+static void touch(int me, uint64_t value) {
+    size_t n = nbytes / sizeof(uint64_t);
+    const uint64_t *peer = bufs[1 - me];
+    uint64_t *own = bufs[me], sum = 0;
+    for (size_t i = 0; i < n; i++) sum += peer[i];
+    for (size_t i = 0; i < n; i++) own[i] = value + i;
+    sink = sum;
+}
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -86,6 +104,7 @@ static void child(line_t *l, pid_t parent, long total) {
             post(l, QUIT);
             _exit(1);
         }
+        if (nbytes) touch(1, (uint64_t)i);
         post(l, 2 * (uint32_t)i + 2);
     }
     _exit(0);
@@ -103,13 +122,22 @@ int main(int argc, char **argv) {
         return 2;
     }
     use_futex = strcmp(mode, "futex") == 0;
+    long b = argc > 3 ? strtol(argv[3], NULL, 10) : 0;
+    if (b < 0 || b > (64L << 20) || b % 8) {
+        fprintf(stderr, "pingpong: bytes must be a multiple of 8 in 0..64 MiB, got %s\n", argv[3]);
+        return 2;
+    }
+    nbytes = (size_t)b;
     long total = n + WARMUP;
     uint64_t *rtt = malloc((size_t)n * sizeof(*rtt));
-    line_t *l = mmap(NULL, sizeof(line_t), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    size_t map_len = sizeof(line_t) + 2 * nbytes;
+    line_t *l = mmap(NULL, map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (rtt == NULL || l == MAP_FAILED) {
         fprintf(stderr, "pingpong: out of memory\n");
         return 1;
     }
+    bufs[0] = (uint64_t *)(l + 1);
+    bufs[1] = bufs[0] + nbytes / sizeof(uint64_t);
     atomic_store(&l->counter, 0);
     pid_t parent = getpid();
     pid_t pid = fork();
@@ -125,6 +153,7 @@ int main(int argc, char **argv) {
     int rc = 0;
     for (long i = 0; i < total; i++) {
         uint64_t t0 = now_ns();
+        if (nbytes) touch(0, (uint64_t)i);
         post(l, 2 * (uint32_t)i + 1);
         if (wait_for(l, 2 * (uint32_t)i + 2, pid) != 0) {
             fprintf(stderr, "pingpong: no answer to round trip %ld within %.0f s\n", i, TIMEOUT_S);
@@ -144,11 +173,11 @@ int main(int argc, char **argv) {
     }
     if (rc == 0) {
         qsort(rtt, (size_t)n, sizeof(*rtt), cmp_u64);
-        printf("round_trip_ns mode=%s median=%llu p10=%llu p90=%llu min=%llu n=%ld\n", mode,
+        printf("round_trip_ns mode=%s bytes=%zu median=%llu p10=%llu p90=%llu min=%llu n=%ld\n", mode, nbytes,
                (unsigned long long)rtt[n / 2], (unsigned long long)rtt[(size_t)(n / 10)],
                (unsigned long long)rtt[(size_t)(n * 9 / 10)], (unsigned long long)rtt[0], n);
     }
-    munmap(l, sizeof(line_t));
+    munmap(l, map_len);
     free(rtt);
     return rc;
 }
