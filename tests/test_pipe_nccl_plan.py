@@ -95,6 +95,8 @@ def _record(cls, p, v, m, layout, monkeypatch):
         sched._loss_fn = lambda out, *target: torch.zeros(())
         if layout == "edges":
             sched._edge_groups = S._edge_groups(pipe, torch.device("cuda"))
+        elif layout == "single":  # one stage per rank: everything on the pipeline group, on both devices
+            pass
         else:  # the CPU layout: gradients on one group of their own
             sched._edge_groups = None
             grad = second_group(pipe)
@@ -182,6 +184,16 @@ def test_cuda_plan_of_multi_stage_schedules_finishes_under_nccl_rules(cls, p, v,
         for role, g in made.items():
             for peer in g.connected:
                 assert rank in groups[peer][role].connected, (rank, peer, role)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (3, 7), (4, 8)])
+@pytest.mark.parametrize("cls", [S.ScheduleGPipe, S.Schedule1F1B], ids=lambda c: c.__name__)
+def test_plan_of_one_stage_per_rank_finishes_under_nccl_rules(cls, p, m, monkeypatch):
+    """GPipe and 1F1B keep both directions on the pipeline group (on CUDA too); their plans finish
+    under the same rules, so they need no other layout."""
+    logs, _ = _record(cls, p, 1, m, "single", monkeypatch)
+    assert _play(logs, rendezvous=True) == "ok"
+    assert _play(logs, rendezvous=False) == "ok"
 
 
 @pytest.mark.parametrize("cls", MULTI, ids=lambda c: c.__name__)
