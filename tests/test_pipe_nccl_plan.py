@@ -14,8 +14,8 @@ receives, synchronous or not) between its computations. A small model then plays
   shared-memory engine.
 
 The plan must finish under both. With the gradients on one group of their own (the CPU layout),
-interleaved 1F1B and looped BFS deadlock under ``rendezvous``, as they did on an H200 with 3 MiB
-messages (docs/gpu.md); one communicator per kind and edge class does not.
+interleaved 1F1B and looped BFS deadlock under ``rendezvous`` (on an H200 both hung with 3 MiB
+messages in that layout, docs/gpu.md); one communicator per kind and edge class does not.
 """
 
 from __future__ import annotations

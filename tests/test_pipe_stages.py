@@ -189,10 +189,14 @@ def _first_step(schedule):
     return schedule.step(x, target=y)
 
 
-def _train_interleaved(rank, world, chunks, n_micro, device="cpu", batch_size=16, looped=False, width=8):
+def _train_interleaved(
+    rank, world, chunks, n_micro, device="cpu", batch_size=16, looped=False, width=8, edge_groups=False
+):
     """ScheduleInterleaved1F1B (ScheduleLoopedBFS with `looped`) with `chunks` stages per rank
-    against the whole model (layers `width` wide)."""
+    against the whole model (layers `width` wide). `edge_groups`: on the CPU too, the layout the
+    schedules take on CUDA (a group per kind of message and edge class)."""
     from fairscale_c.nn.pipe import PipelineStage, ScheduleInterleaved1F1B, ScheduleLoopedBFS
+    from fairscale_c.nn.pipe.schedule import _edge_groups
 
     torch.manual_seed(2)
     n = world * chunks
@@ -202,6 +206,8 @@ def _train_interleaved(rank, world, chunks, n_micro, device="cpu", batch_size=16
     stages = [PipelineStage(full[2 * k : 2 * k + 2], k, n, device=device) for k in mine]
     cls = ScheduleLoopedBFS if looped else ScheduleInterleaved1F1B
     schedule = cls(stages, n_micro, F.mse_loss)
+    if edge_groups:
+        schedule._edge_groups = _edge_groups(stages[0].group, torch.device(device))
     tol = TOL if width == 8 else dict(atol=1e-5, rtol=1e-4)  # wide layers: longer sums, other orders
     params = [p for st in stages for p in st.module.parameters()]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -497,6 +503,9 @@ def job_world2(rank, world, device):
     done.append(_train_interleaved(rank, 2, 2, 3, device, looped=True))  # any m: 6, 5, 5
     done.append(_train_interleaved(rank, 2, 2, 8, device, looped=True))  # more sends ahead than a channel holds
     done.append(_train_interleaved(rank, 2, 3, 4, device, batch_size=14, looped=True))
+    if device == "cpu":  # the CUDA layout's groups on the engine: every message on the group its peer reads
+        done.append(_train_interleaved(rank, 2, 2, 8, device, edge_groups=True))
+        done.append(_train_interleaved(rank, 2, 3, 5, device, batch_size=15, looped=True, edge_groups=True))
     if device == "cpu":
         done += _split_along_dim1(rank)
     world_group = fdist.init_group()  # a fairscale_c Group as the pipeline group
@@ -536,6 +545,7 @@ def job_world4(rank, world, schedule_name):
         done.append(_train_and_compare(rank, None, 4, cls, 4, 8))
     done.append(_train_interleaved(rank, 4, 2, 8))
     done.append(_train_interleaved(rank, 4, 2, 5, looped=True))
+    done.append(_train_interleaved(rank, 4, 2, 8, edge_groups=True))
     # pipeline groups {0,1}, {2,3}; data-parallel groups {0,2}, {1,3} (every rank makes every group)
     pp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -545,6 +555,16 @@ def job_world4(rank, world, schedule_name):
             "2x2 " + _train_and_compare(stage_index, pp[replica], 2, cls, 4, 8, dp=(replica, 2, dp[stage_index]))
         )
     return done, _dead_stage(rank, schedule_name)
+
+
+def job_world3_edges(rank, world):
+    """3 ranks: the CUDA layout's groups have a class of their own for the edge across the wrap."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    return [
+        _train_interleaved(rank, 3, 2, 6, edge_groups=True),
+        _train_interleaved(rank, 3, 2, 4, looped=True, edge_groups=True),
+    ]
 
 
 class _DieAt(nn.Module):
@@ -593,10 +613,15 @@ def test_two_stages_match_single_process_and_reject_bad_input():
     before = orphaned_segments()
     results = run_ranks(job_world2, 2, "cpu", timeout=240, env={"FAIRSCALE_C_TIMEOUT": "60"})
     done, msgs = results[0]
-    assert len(done) == 16, done
+    assert len(done) == 18, done
     assert results[0][1] == results[1][1], "set-up errors must be the same on every stage"
     assert len(msgs) == 6
     assert orphaned_segments() <= before
+
+
+def test_three_ranks_on_the_cuda_layouts_groups():
+    results = run_ranks(job_world3_edges, 3, timeout=180, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    assert [len(r) for r in results] == [2, 2, 2]
 
 
 @pytest.mark.parametrize("schedule_name", ["1f1b"])
@@ -608,7 +633,7 @@ def test_four_stages_pipeline_by_data_parallel_and_a_killed_stage(schedule_name)
     assert results[1] is None  # the killed stage
     for rank in (0, 2, 3):
         done, (kind, msg, seconds) = results[rank]
-        assert len(done) == 6, done
+        assert len(done) == 7, done
         assert kind == "DistributedError", (rank, kind, msg)
         # the dead stage's neighbours see its exit; stage 3 sees stage 2 give up and exit, or times out
         assert seconds < DEAD_TIMEOUT_S + 5, (rank, seconds, msg)

@@ -730,9 +730,10 @@ def _edge_class(kind: str, src: int, p: int) -> int:
 
 
 def _edge_groups(group: Any, device: torch.device) -> Dict[Tuple[str, int], Any]:
-    """One engine group per (kind, edge class), each with its NCCL communicator created and this
-    rank's pairs on it connected (a collective over ``group``: every rank builds all of them, in
-    the same order)."""
+    """One engine group per (kind, edge class), for a CUDA ``device`` each with its NCCL
+    communicator created and this rank's pairs on it connected (a collective over ``group``: every
+    rank builds all of them, in the same order). The schedules take this layout on CUDA only; the
+    tests also run it on the CPU, where the engine needs no set-up."""
     p, rank = group.size, group.rank
     edges = [("F", rank, (rank + 1) % p), ("F", (rank - 1) % p, rank)]  # this rank's, both kinds
     edges += [("B", rank, (rank - 1) % p), ("B", (rank + 1) % p, rank)]
@@ -740,6 +741,8 @@ def _edge_groups(group: Any, device: torch.device) -> Dict[Tuple[str, int], Any]
     for kind in ("F", "B"):
         for cls in range(3 if p % 2 else 2):
             g = out[(kind, cls)] = _second_group(group, f"pipeline_{kind}{cls}")
+            if device.type != "cuda":
+                continue
             g.init_nccl(device)  # now, while every rank is here, not at a first message
             # connect each pair symmetrically: a one-sided first message aborted NCCL 2.32 (stage.py)
             peers = {
