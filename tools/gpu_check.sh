@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh LOGDIR [STEP...]
 #
 # Steps (default: env build tests demo sanitizer): those and bench coll coll_blocking oss cpu_coll
-# cpu_pipe.
+# cpu_pipe pipe_tests pipe_cuda.
 # Each step runs under a time limit and goes on after a failure; the last lines print one status
 # line per step.
 # PYTHON picks the interpreter (default python3); BENCH_ARGS are extra benchmarks/fsdp.py flags
@@ -88,6 +88,16 @@ print(json.dumps(fairscale_c.build_info(), indent=1, default=str))'"
     oss)
         # OSS + ShardedDataParallel against FairScale, ZeRO and DDP, deterministic kernels (loss check)
         run_step oss 500 "$PY" benchmarks/oss.py --device cuda --deterministic --out "$LOG/oss_cuda.json"
+        ;;
+    pipe_tests)
+        # the pipeline-stage GPU tests alone (interleaved 1F1B and looped BFS with 4 MiB messages among
+        # them): worth running under MPS too, where both ranks' kernels run at once
+        run_step pipe_tests 300 "$PY" -m pytest -v -rs -m gpu tests/test_pipe_stages.py
+        ;;
+    pipe_cuda)
+        # multi-process pipeline stages on NCCL against torch.distributed.pipelining, every schedule
+        run_step pipe_cuda 500 "$PY" benchmarks/pipe_stages.py --device cuda --microbatches 4 8 --rounds 3 \
+            --out "$LOG/pipe_stages_cuda.json"
         ;;
     cpu_coll)
         # the shared-memory engine's large-message targets on this machine's quieter, larger CPU
