@@ -95,9 +95,14 @@ print(json.dumps(fairscale_c.build_info(), indent=1, default=str))'"
         run_step pipe_tests 300 "$PY" -m pytest -v -rs -m gpu tests/test_pipe_stages.py
         ;;
     pipe_cuda)
-        # multi-process pipeline stages on NCCL against torch.distributed.pipelining, every schedule
-        run_step pipe_cuda 500 "$PY" benchmarks/pipe_stages.py --device cuda --microbatches 4 8 --rounds 3 \
-            --out "$LOG/pipe_stages_cuda.json"
+        # multi-process pipeline stages on NCCL against torch.distributed.pipelining, one run per schedule
+        # family, so that a hang in one (a framework whose sends wait for receives queued behind its
+        # own, docs/pipe_stages.md) costs only that run
+        for s in "gpipe 1f1b" interleaved looped_bfs; do
+            # shellcheck disable=SC2086
+            run_step "pipe_cuda_${s%% *}" 240 "$PY" benchmarks/pipe_stages.py --device cuda --microbatches 4 8 \
+                --rounds 3 --schedules $s --out "$LOG/pipe_stages_cuda_${s%% *}.json"
+        done
         ;;
     cpu_coll)
         # the shared-memory engine's large-message targets on this machine's quieter, larger CPU
