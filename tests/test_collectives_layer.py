@@ -25,17 +25,19 @@ def _no_leaked_segments():
     assert orphaned_segments() - before == set(), "shared-memory segments left in /dev/shm"
 
 
-def _ring_job(rank, world, cases):
+def _ring_job(rank, world, cases, device="cpu"):
     import fairscale_c.distributed as fdist
 
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     right, left = (rank + 1) % world, (rank - 1) % world
     failures = []
     with fdist.init_group(name="ring") as g:
         for (mode, order, n), step in (
             (c, s) for c in cases for s in range(3)
         ):  # several rounds: channels carry message after message
-            out = torch.arange(n, dtype=torch.float32) + 1000 * rank + step
-            got = torch.full((n,), -1.0)
+            out = (torch.arange(n, dtype=torch.float32) + 1000 * rank + step).to(device)
+            got = torch.full((n,), -1.0, device=device)
             send_first = order == "send_first" or (order == "by_rank" and rank % 2 == 0)
             ops = [fdist.P2POp("send", out, right), fdist.P2POp(fdist.recv, got, left)]
             if not send_first:
@@ -58,7 +60,7 @@ def _ring_job(rank, world, cases):
             else:  # sync single ops: a small send completes once it is in the shared buffer
                 for o in ops:
                     (g.send if o.op == "send" else g.recv)(o.tensor, o.peer)
-            want = torch.arange(n, dtype=torch.float32) + 1000 * left + step
+            want = (torch.arange(n, dtype=torch.float32) + 1000 * left + step).to(device)
             if not torch.equal(got, want):
                 failures.append(f"{mode}/{order} step {step}: got {got[:4].tolist()}..., want {want[:4].tolist()}...")
         g.barrier()
@@ -73,6 +75,21 @@ def test_ring_exchange_completes_in_any_order(world):
     cases = [(m, o, n) for m in ("async", "batch", "batch_async") for o in ORDERS for n in (SMALL, LARGE)]
     cases += [("sync", o, SMALL) for o in ("send_first", "by_rank")]
     results = run_ranks(_ring_job, world, cases, env=FAST, timeout=240)
+    assert not any(results), results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ring_exchange_batches_complete_in_any_order_on_nccl():
+    """On NCCL only a batch (one ncclGroupStart/End) makes the order of a pair's sends and receives
+    free: a communicator runs a rank's operations in issue order and a large send does not finish
+    before its receive has started (docs/collectives.md). 4 MiB messages are beyond what NCCL
+    buffers."""
+    from test_cuda import _nccl_devices
+
+    _, nccl_env = _nccl_devices()
+    cases = [(m, o, n) for m in ("batch", "batch_async") for o in ORDERS for n in (SMALL, 1 << 20)]
+    results = run_ranks(_ring_job, 2, cases, "cuda", env={**FAST, **nccl_env}, timeout=240)
     assert not any(results), results
 
 
