@@ -597,13 +597,13 @@ class _MultiStageSchedule(PipelineSchedule):
 
     On CUDA each kind goes further, onto one NCCL communicator per class of pipeline edge
     (:func:`_edge_class`), so that on every communicator a rank only sends or only receives. NCCL
-    matches a pair's messages in the order each communicator issued them and a send need not
-    finish before its receive has started: a rank's send queued behind its own receive, while the
-    peer's matching receive is queued behind the peer's send, deadlocks. These schedules send
-    micro-batches ahead (looped BFS all of a stage's forwards); the CPU layout cannot finish under
-    these rules, and on an H200 with 3 MiB messages it hung (docs/gpu.md). With one direction per
-    communicator a send waits only for the receives queued before its own, which the receiver
-    issues in the sender's order (tests/test_pipe_nccl_plan.py plays both layouts)."""
+    matches a pair's messages in the order each communicator issued them, and a large send does
+    not finish before its receive has started: a rank's send queued behind its own receive, while
+    the peer's matching receive is queued behind the peer's send, deadlocks. These schedules send
+    micro-batches ahead (looped BFS all of a stage's forwards), and the CPU layout cannot finish
+    under these rules (docs/pipe_stages.md). With one direction per communicator a send waits only
+    for the receives queued before its own, which the receiver issues in the sender's order
+    (tests/test_pipe_nccl_plan.py plays both layouts)."""
 
     _multi_stage = True
     _microbatch_multiple = False  # n_microbatches must be a multiple of the group's size
