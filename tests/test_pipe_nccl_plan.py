@@ -176,9 +176,7 @@ def test_cuda_plan_of_multi_stage_schedules_finishes_under_nccl_rules(cls, p, v,
     for rank, made in enumerate(groups):
         # on every communicator a rank only sends or only receives
         for role in made:
-            kinds = {
-                kind for log in [logs[rank]] for e in log if e[0] == "nccl" and e[1] == role for kind, _, _ in e[2]
-            }
+            kinds = {kind for e in logs[rank] if e[0] == "nccl" and e[1] == role for kind, _, _ in e[2]}
             assert len(kinds) <= 1, (rank, role, kinds)
         # every pair is connected from both ends on the communicator it uses
         for role, g in made.items():

@@ -238,7 +238,8 @@ class PipelineStage:
         self.module = module
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        # gradients travel on this group; the schedules of several stages per rank give them a group of their own
+        # gradients travel on this group; the schedules of several stages per rank give them a group of
+        # their own on the CPU, and choose a group per message on CUDA (schedule._edge_groups)
         self.grad_group = self.group
         if device is None:
             first = next(module.parameters(), None)
