@@ -25,6 +25,7 @@
 
 #define FSC_SHM_SPINS 2000       /* pause-loop iterations before yielding */
 #define FSC_SHM_YIELDS 50        /* sched_yield calls before sleeping in futex */
+#define FSC_SHM_CPU_CHECK 256    /* pause iterations between two looks at where the peer is */
 #define FSC_SHM_SLICE_NS 2000000 /* futex sleep slice: 2 ms */
 #define FSC_SHM_LIVENESS_S 0.05  /* how often a sleeping waiter checks the peer's pid */
 #define FSC_SHM_MIN_CHUNK ((size_t)4096)
@@ -162,11 +163,80 @@ static fsc_status_t wait_failed(fsc_shm_group_t *g, int peer, int dead) {
                      mine, g->name, g->rank, g->size, peer, g->timeout, peer_op);
 }
 
+/* Publish where this thread runs as this rank's `where` (peer_waits_for_my_cpu reads it). */
+static void publish_where(fsc_shm_group_t *g) {
+    static _Thread_local uint32_t tid;
+    if (tid == 0) tid = (uint32_t)syscall(SYS_gettid);
+    int cpu = sched_getcpu();
+    uint64_t w = cpu < 0 ? 0 : (uint64_t)tid << 32 | (uint32_t)cpu;
+    atomic_store_explicit(&g->ranks[g->rank].where, w, memory_order_relaxed);
+}
+
+/* 1 when thread `tid` of process `pid` is runnable ("R") on `cpu` according to /proc. */
+static int runnable_on(pid_t pid, uint32_t tid, int cpu) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%d/task/%u/stat", (int)pid, tid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* the name may hold spaces and parentheses */
+    if (p == NULL || p[1] != ' ' || p[2] != 'R') return 0;
+    /* Fields after the name are separated by single spaces: find the one before field 39, the CPU. */
+    for (int field = 3; field <= 39; field++) {
+        p = strchr(p + 1, ' ');
+        if (p == NULL) return 0;
+    }
+    return atoi(p + 1) == cpu;
+}
+
+/* 1 when the thread through which rank `peer` last arrived or waited is runnable on the CPU this
+ * thread runs on: it waits for this CPU, which this thread holds while it spins. A cheap look at
+ * the CPU the peer published comes first; /proc is read only when it matches. */
+static int peer_waits_for_my_cpu(fsc_shm_group_t *g, int peer) {
+    int cpu = sched_getcpu();
+    uint64_t w = atomic_load_explicit(&g->ranks[peer].where, memory_order_relaxed);
+    if (cpu < 0 || w == 0 || (uint32_t)w != (uint32_t)cpu) return 0;
+    return runnable_on((pid_t)atomic_load(&g->ranks[peer].pid), (uint32_t)(w >> 32), cpu);
+}
+
+/* Move the calling thread to another CPU it may run on, leaving its affinity as it was.
+ *
+ * The scheduler at times puts two ranks on one CPU while another CPU idles: a thread woken by
+ * another (a socket, a futex) often lands on its waker's CPU, and as both ran a moment ago the
+ * balancer leaves them there for milliseconds. A waiter that spins there keeps the peer it waits
+ * for off the CPU until its budget runs out, and then the peer does the same at the next op: every
+ * op costs a spin budget. Taking the current CPU out of the thread's mask for a moment makes the
+ * kernel move it at once; the mask is then restored as it was. */
+static void move_off_cpu(fsc_shm_group_t *g, int peer) {
+    int cpu = sched_getcpu();
+    cpu_set_t mask, others;
+    if (cpu < 0 || sched_getaffinity(0, sizeof(mask), &mask) != 0 || !CPU_ISSET(cpu, &mask) || CPU_COUNT(&mask) < 2)
+        return;
+    others = mask;
+    CPU_CLR(cpu, &others);
+    if (sched_setaffinity(0, sizeof(others), &others) != 0) return;
+    publish_where(g);
+    FSC_TRACE("shm", "group '%s' rank %d: moved off CPU %d, on which rank %d waited to run", g->name, g->rank, cpu,
+              peer);
+    if (sched_setaffinity(0, sizeof(mask), &mask) != 0)
+        FSC_WARN("shm", "could not restore this thread's CPU affinity after moving it off CPU %d: %s", cpu,
+                 strerror(errno));
+}
+
 fsc_status_t fsc_shm_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, _Atomic uint32_t *word,
                              _Atomic uint32_t *sleepers, uint32_t seen, int peer) {
     if (b->spins < g->spins) {
+        if (b->spins == 0) publish_where(g);
         b->spins++;
         cpu_relax();
+        /* Once per wait: a peer waiting for this CPU cannot arrive while this thread spins on it. */
+        if (!b->moved && b->spins % FSC_SHM_CPU_CHECK == 0 && peer_waits_for_my_cpu(g, peer)) {
+            b->moved = 1;
+            move_off_cpu(g, peer);
+        }
         return FSC_OK;
     }
     if (b->yields < g->yields) {
@@ -204,7 +274,7 @@ fsc_status_t fsc_shm_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, _Atomic u
 
 fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t target,
                           int peer) {
-    fsc_shm_backoff_t b = {0, 0, 0};
+    fsc_shm_backoff_t b = {0};
     for (;;) {
         uint32_t v = atomic_load_explicit(word, memory_order_acquire);
         if ((int32_t)(v - target) >= 0) return FSC_OK;
@@ -215,6 +285,7 @@ fsc_status_t fsc_shm_wait(fsc_shm_group_t *g, _Atomic uint32_t *word, _Atomic ui
 fsc_status_t fsc_shm_arrive(fsc_shm_group_t *g, int wait) {
     fsc_shm_rank_ctrl_t *me = &g->ranks[g->rank];
     uint32_t e = ++g->epoch;
+    publish_where(g);
     fsc_shm_post(&me->arrive, &me->sleepers, e);
     if (!wait) return FSC_OK;
     for (int p = 0; p < g->size; p++) {
@@ -491,6 +562,7 @@ fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, in
     me->direct_cookie_addr = (uint64_t)(uintptr_t)&g->direct_cookie;
     me->direct_max = direct_max_from_env();
     atomic_store(&me->direct_ok, 0);
+    atomic_store(&me->where, 0);
     atomic_store(&me->pid, (int32_t)getpid());
     atomic_store(&me->attached, 1);
     g->epoch = atomic_load(&me->arrive);

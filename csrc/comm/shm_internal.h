@@ -11,7 +11,7 @@
 
 #define FSC_SHM_LINE 128                    /* two x86 lines: adjacent-line prefetch must not cause false sharing */
 #define FSC_SHM_MAGIC 0x31306d6873637366ull /* "fscshm01" */
-#define FSC_SHM_VERSION 6u
+#define FSC_SHM_VERSION 7u
 #define FSC_SHM_MAX_RANKS 256
 
 /* Per-rank control block, written only by its rank. */
@@ -22,6 +22,8 @@ typedef struct {
     fsc_comm_header_t cur;                           /* what the rank is doing now (diagnostics) */
     _Atomic int32_t pid;
     _Atomic uint32_t attached;
+    /* Where this rank last arrived or started waiting: (thread id << 32) | CPU; 0 when unknown. */
+    _Atomic uint64_t where;
     /* Rung by a peer each time it posts on a send/recv channel towards this rank, so a rank with
      * several point-to-point ops in flight sleeps on one futex word. */
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t bell;
@@ -182,6 +184,7 @@ static inline int fsc_shm_reached(_Atomic uint32_t *word, uint32_t target) {
 typedef struct {
     int spins, yields;
     double last_check; /* last peer liveness check */
+    int moved;         /* moved off a CPU shared with the peer (shm.c, move_off_cpu) */
 } fsc_shm_backoff_t;
 
 /* One step of waiting for `word` to change from `seen` (spin, yield or a futex slice), then the

@@ -165,7 +165,7 @@ fsc_status_t fsc_shm_p2p_run(fsc_shm_group_t *g, const fsc_shm_args_t *ops, fsc_
         recs[k++] = &st[i];
     }
     fsc_status_t s = FSC_OK;
-    fsc_shm_backoff_t b = {0, 0, 0};
+    fsc_shm_backoff_t b = {0};
     g->deadline = fsc_comm_now() + g->timeout;
     for (;;) {
         uint32_t seen = atomic_load_explicit(&g->ranks[g->rank].bell, memory_order_acquire);

@@ -78,7 +78,7 @@ static void run_p2p_items(fsc_shm_group_t *g) {
     fsc_shm_p2p_t *recs[CAP];
     fsc_shm_work_t *last = NULL; /* last item admitted */
     size_t m = 0;
-    fsc_shm_backoff_t b = {0, 0, 0};
+    fsc_shm_backoff_t b = {0};
     fsc_status_t st = fsc_shm_check_usable(g);
     g->deadline = fsc_comm_now() + g->timeout;
     for (;;) {
