@@ -106,19 +106,27 @@ static unsigned long long pid_namespace(void) {
     return stat("/proc/self/ns/pid", &st) == 0 ? (unsigned long long)st.st_ino : 0;
 }
 
+/* Read the /proc stat file at `path` into buf; return the space before its third field (the
+ * state), or NULL when it cannot be read. The name before it may hold spaces and parentheses. */
+static const char *proc_stat_fields(const char *path, char *buf, size_t cap) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return NULL;
+    ssize_t n = read(fd, buf, cap - 1);
+    close(fd);
+    if (n <= 0) return NULL;
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')');
+    return p != NULL && p[1] == ' ' ? p + 1 : NULL;
+}
+
 /* 1 when `pid` no longer runs: gone (ESRCH) or a zombie nobody has reaped yet. */
 static int pid_dead(pid_t pid) {
     if (pid <= 0) return 0;
     if (kill(pid, 0) == -1 && errno == ESRCH) return 1;
     char path[64], buf[256];
     snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-    FILE *f = fopen(path, "r");
-    if (f == NULL) return 0;
-    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = '\0';
-    const char *p = strrchr(buf, ')');
-    return p != NULL && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+    const char *p = proc_stat_fields(path, buf, sizeof(buf));
+    return p != NULL && (p[1] == 'Z' || p[1] == 'X');
 }
 
 void fsc_shm_post(_Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t value) {
@@ -176,16 +184,10 @@ static void publish_where(fsc_shm_group_t *g) {
 static int runnable_on(pid_t pid, uint32_t tid, int cpu) {
     char path[64], buf[1024];
     snprintf(path, sizeof(path), "/proc/%d/task/%u/stat", (int)pid, tid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0) return 0;
-    buf[n] = '\0';
-    const char *p = strrchr(buf, ')'); /* the name may hold spaces and parentheses */
-    if (p == NULL || p[1] != ' ' || p[2] != 'R') return 0;
-    /* Fields after the name are separated by single spaces: find the one before field 39, the CPU. */
-    for (int field = 3; field <= 39; field++) {
+    const char *p = proc_stat_fields(path, buf, sizeof(buf));
+    if (p == NULL || p[1] != 'R') return 0;
+    /* Fields are separated by single spaces: find the one before field 39, the CPU. */
+    for (int field = 4; field <= 39; field++) {
         p = strchr(p + 1, ' ');
         if (p == NULL) return 0;
     }
