@@ -196,11 +196,13 @@ static int runnable_on(pid_t pid, uint32_t tid, int cpu) {
 
 /* 1 when the thread through which rank `peer` last arrived or waited is runnable on the CPU this
  * thread runs on: it waits for this CPU, which this thread holds while it spins. A cheap look at
- * the CPU the peer published comes first; /proc is read only when it matches. */
-static int peer_waits_for_my_cpu(fsc_shm_group_t *g, int peer) {
+ * the CPU the peer published comes first; /proc is read only when it matches, and then *read_proc
+ * is set. */
+static int peer_waits_for_my_cpu(fsc_shm_group_t *g, int peer, int *read_proc) {
     int cpu = sched_getcpu();
     uint64_t w = atomic_load_explicit(&g->ranks[peer].where, memory_order_relaxed);
     if (cpu < 0 || w == 0 || (uint32_t)w != (uint32_t)cpu) return 0;
+    *read_proc = 1;
     return runnable_on((pid_t)atomic_load(&g->ranks[peer].pid), (uint32_t)(w >> 32), cpu);
 }
 
@@ -234,11 +236,10 @@ fsc_status_t fsc_shm_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, _Atomic u
         if (b->spins == 0) publish_where(g);
         b->spins++;
         cpu_relax();
-        /* Once per wait: a peer waiting for this CPU cannot arrive while this thread spins on it. */
-        if (!b->moved && b->spins % FSC_SHM_CPU_CHECK == 0 && peer_waits_for_my_cpu(g, peer)) {
-            b->moved = 1;
+        /* A peer waiting for this CPU cannot arrive while this thread spins on it (/proc read at
+         * most once per wait). */
+        if (!b->read_proc && b->spins % FSC_SHM_CPU_CHECK == 0 && peer_waits_for_my_cpu(g, peer, &b->read_proc))
             move_off_cpu(g, peer);
-        }
         return FSC_OK;
     }
     if (b->yields < g->yields) {

@@ -184,7 +184,7 @@ static inline int fsc_shm_reached(_Atomic uint32_t *word, uint32_t target) {
 typedef struct {
     int spins, yields;
     double last_check; /* last peer liveness check */
-    int moved;         /* moved off a CPU shared with the peer (shm.c, move_off_cpu) */
+    int read_proc;     /* looked in /proc whether the peer waits for this CPU (shm.c, fsc_shm_backoff) */
 } fsc_shm_backoff_t;
 
 /* One step of waiting for `word` to change from `seen` (spin, yield or a futex slice), then the
