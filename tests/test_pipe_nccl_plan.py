@@ -14,8 +14,8 @@ receives, synchronous or not) between its computations. A small model then plays
   shared-memory engine.
 
 The plan must finish under both. With the gradients on one group of their own (the CPU layout),
-interleaved 1F1B and looped BFS deadlock under ``rendezvous`` (on an H200 both hung with 3 MiB
-messages in that layout, docs/gpu.md); one communicator per kind and edge class does not.
+interleaved 1F1B and looped BFS deadlock under ``rendezvous``; one communicator per kind and edge
+class does not.
 """
 
 from __future__ import annotations
@@ -95,13 +95,12 @@ def _record(cls, p, v, m, layout, monkeypatch):
         sched._loss_fn = lambda out, *target: torch.zeros(())
         if layout == "edges":
             sched._edge_groups = S._edge_groups(pipe, torch.device("cuda"))
-        elif layout == "single":  # one stage per rank: everything on the pipeline group, on both devices
-            pass
-        else:  # the CPU layout: gradients on one group of their own
+        elif layout == "cpu":  # gradients on one group of their own
             sched._edge_groups = None
             grad = second_group(pipe)
             for st in stages:
                 st.grad_group = grad
+        # "single" (one stage per rank): everything on the pipeline group, on both devices
         sched._run(None, [()] * m, [], True, None, [1.0] * m)
         logs.append(log)
         groups.append(made)
