@@ -233,15 +233,15 @@ static fsc_status_t dead_error(const fsc_nccl_comm_t *c, const char *what) {
 
 fsc_status_t fsc_nccl_blocking_get(int *out) {
     const char *s = getenv("FAIRSCALE_C_NCCL_BLOCKING");
-    if (s == NULL || *s == '\0' || strcmp(s, "0") == 0) {
-        *out = 0;
-        return FSC_OK;
-    }
-    if (strcmp(s, "1") == 0) {
+    if (s == NULL || *s == '\0' || strcmp(s, "1") == 0) {
         *out = 1;
         return FSC_OK;
     }
-    return fsc_error(FSC_ERR_VALUE, "FAIRSCALE_C_NCCL_BLOCKING='%.64s': expected 0 (default) or 1", s);
+    if (strcmp(s, "0") == 0) {
+        *out = 0;
+        return FSC_OK;
+    }
+    return fsc_error(FSC_ERR_VALUE, "FAIRSCALE_C_NCCL_BLOCKING='%.64s': expected 1 (default) or 0", s);
 }
 
 /* A communicator config with NCCL's defaults but for `blocking`. */
@@ -395,6 +395,7 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     st = settle_locked(c, r, "init", deadline, 1);
     pthread_mutex_unlock(&c->lock);
     if (st != FSC_OK) goto fail;
+    if (c->blocking) FSC_CHECK_GOTO(fsc_nccl_submitter_start(c->comm, device, rank, &c->submitter), st, fail);
     FSC_CHECK_GOTO(fsc_nccl_watchdog_start(c), st, fail);
     FSC_INFO("nccl", "rank %d of %d joined on cuda:%d (%s communicator)", rank, nranks, device,
              c->blocking ? "blocking" : "non-blocking");
@@ -487,32 +488,40 @@ static fsc_status_t op_dtype(const fsc_nccl_op_t *o, int *dt) {
     return nccl_dtype(o->tensor, o->op, reduces ? (int)o->redop : -1, dt);
 }
 
-static nccl_result_t issue_op(const fsc_nccl_comm_t *c, const fsc_nccl_op_t *o, int dt, cuda_stream_h s) {
-    fsc_tensor_t *t = o->tensor;
-    switch (o->op) {
-        case FSC_OP_ALL_GATHER:
-            return fsc_nccl_api.AllGather(o->input->data, t->data, (size_t)o->input->numel, dt, c->comm, s);
-        case FSC_OP_REDUCE_SCATTER:
-            return fsc_nccl_api.ReduceScatter(o->input->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop),
-                                              c->comm, s);
-        case FSC_OP_ALL_REDUCE:
-            return fsc_nccl_api.AllReduce(t->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), c->comm, s);
-        case FSC_OP_BROADCAST:
-            return fsc_nccl_api.Broadcast(t->data, t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
-        case FSC_OP_REDUCE:
-            return fsc_nccl_api.Reduce(t->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), o->peer, c->comm,
-                                       s);
-        case FSC_OP_SEND: return fsc_nccl_api.Send(t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
-        default: return fsc_nccl_api.Recv(t->data, (size_t)t->numel, dt, o->peer, c->comm, s);
-    }
+/* The NCCL call of an operation that passed the argument rules, with dtype `dt`. */
+static fsc_nccl_call_t call_of(const fsc_nccl_op_t *o, int dt) {
+    const fsc_tensor_t *t = o->tensor;
+    fsc_nccl_call_t k = {o->op, t->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), o->peer};
+    if (o->op == FSC_OP_ALL_GATHER) k.send = o->input->data, k.count = (size_t)o->input->numel;
+    if (o->op == FSC_OP_REDUCE_SCATTER) k.send = o->input->data;
+    return k;
+}
+
+/* After a submit that timed out: the call is still inside NCCL, and the submitter thread now owns
+ * the NCCL communicator (it aborts it when the call returns). Mark `c` dead, let go of the thread,
+ * restore the context and unlock. */
+static fsc_status_t op_abandon(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_gpu_ctx_t *g) {
+    char msg[512];
+    snprintf(msg, sizeof(msg),
+             "nccl %s #%llu on rank %d of %d (cuda:%d): NCCL's enqueue did not return within %g s (a peer has not "
+             "issued the matching operation, or has died); communicator abandoned",
+             fsc_comm_op_name(op), (unsigned long long)c->nops + 1, c->rank, c->nranks, c->device, c->op_timeout);
+    c->comm = NULL;
+    fsc_nccl_abort_locked(c, msg);
+    fsc_nccl_submitter_stop(c->submitter);
+    c->submitter = NULL;
+    fsc_gpu_ctx_exit(g);
+    pthread_mutex_unlock(&c->lock);
+    return fsc_error(FSC_ERR_TIMEOUT, "%s (FAIRSCALE_C_TIMEOUT)", msg);
 }
 
 /* Check every op (nothing is enqueued unless all pass), then enqueue them on `stream`; inside one
  * ncclGroupStart/End when `grouped` (batches, and point-to-point, so that NCCL can schedule a
- * send/recv pair without deadlocking). `batch` prefixes argument errors with the op's index. */
+ * send/recv pair without deadlocking). `batch` prefixes argument errors with the op's index.
+ * A blocking communicator's calls run on its submitter thread, waited for up to the timeout. */
 static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream, int grouped,
                             int batch) {
-    int dts[FSC_NCCL_MAX_BATCH] = {0};
+    fsc_nccl_call_t calls[FSC_NCCL_MAX_BATCH];
     fsc_gpu_ctx_t g;
     if (n > FSC_NCCL_MAX_BATCH)
         return fsc_error(FSC_ERR_VALUE, "batch: at most %d operations, got %zu", FSC_NCCL_MAX_BATCH, n);
@@ -520,22 +529,20 @@ static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t
         FSC_CHECK(fsc_comm_check_batch(ops, n, c->rank, c->nranks, FSC_DEV_CUDA, c->device));
     else if (n == 1)
         FSC_CHECK(fsc_comm_check_call(&ops[0], c->rank, c->nranks, FSC_DEV_CUDA, c->device));
-    for (size_t i = 0; i < n; i++) FSC_CHECK(op_dtype(&ops[i], &dts[i]));
+    for (size_t i = 0; i < n; i++) {
+        int dt = 0;
+        FSC_CHECK(op_dtype(&ops[i], &dt));
+        calls[i] = call_of(&ops[i], dt);
+    }
     if (n == 0) return FSC_OK;
     fsc_comm_op_t last = ops[n - 1].op;
     FSC_CHECK(op_begin(c, last, &g));
-    nccl_result_t r = grouped ? fsc_nccl_api.GroupStart() : NCCL_OK;
-    if (r == NCCL_OK) {
-        nccl_result_t first = NCCL_OK;
-        for (size_t i = 0; i < n; i++) {
-            nccl_result_t ri = issue_op(c, &ops[i], dts[i], (cuda_stream_h)stream);
-            if (ri != NCCL_OK && ri != NCCL_IN_PROGRESS && first == NCCL_OK) first = ri;
-            if (!grouped) r = ri;
-        }
-        if (grouped) {
-            r = fsc_nccl_api.GroupEnd(); /* always close the group, even after a failed call inside it */
-            if (first != NCCL_OK) r = first;
-        }
+    nccl_result_t r = NCCL_OK;
+    if (c->submitter == NULL) {
+        r = fsc_nccl_issue_calls(c->comm, calls, n, grouped, (cuda_stream_h)stream, NULL);
+    } else if (fsc_nccl_submit(c->submitter, calls, n, grouped, (cuda_stream_h)stream, deadline_after(0), &r) !=
+               FSC_OK) {
+        return op_abandon(c, last, &g);
     }
     return op_end(c, last, r, stream, &g);
 }
@@ -684,6 +691,8 @@ void fsc_nccl_comm_free(fsc_nccl_comm_t *c) {
         return;
     }
     fsc_nccl_watchdog_stop(c);
+    fsc_nccl_submitter_stop(c->submitter); /* idle: no caller holds the lock */
+    c->submitter = NULL;
     pthread_mutex_lock(&c->lock);
     if (c->comm != NULL) fsc_nccl_abort_locked(c, "released without destroy()");
     pthread_mutex_unlock(&c->lock);

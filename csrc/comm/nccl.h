@@ -35,28 +35,28 @@ const char *fsc_nccl_path(void);
  * Loads NCCL with no extra paths if it is not loaded yet. */
 fsc_status_t fsc_nccl_get_unique_id(unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]);
 
-/* The communicator mode FAIRSCALE_C_NCCL_BLOCKING asks for: 0 (unset, empty or "0") for
- * non-blocking, 1 ("1") for blocking; anything else is FSC_ERR_VALUE naming the variable.
- * Non-blocking bounds init and every enqueue by the timeout, but NCCL then submits each call
- * from a thread of its own, which adds host latency to every operation. A blocking
- * communicator submits on the calling thread; its init runs on a thread of its own under the
- * timeout, and destroy is bounded too, but an enqueue that has to wait for a peer (the first
- * connection to it) waits without a bound. The watchdog bounds the device work in both modes. */
+/* The communicator mode FAIRSCALE_C_NCCL_BLOCKING asks for: 1 (unset, empty or "1") for
+ * blocking, 0 ("0") for non-blocking; anything else is FSC_ERR_VALUE naming the variable.
+ * A non-blocking communicator makes NCCL start a thread of its own for every call, which adds
+ * more host latency to an operation than the launch itself. A blocking communicator's calls run
+ * on one thread per communicator (the submitter) while the caller waits up to the timeout, so an
+ * enqueue that waits for a peer (the first connection to it) is bounded too; its init runs on a
+ * thread of its own under the timeout, and destroy is bounded. The watchdog bounds the device
+ * work in both modes. */
 fsc_status_t fsc_nccl_blocking_get(int *out);
 
 /* Join the group identified by `id` as `rank` of `nranks` on CUDA device `device`, and store
- * the new communicator in *out. ncclCommInitRankConfig, non-blocking unless
- * fsc_nccl_blocking_get says blocking, where the library has it, else ncclCommInitRank (a
- * blocking communicator). Blocks until every rank has joined or `timeout_s` (<= 0:
- * fsc_comm_timeout_s()) has passed; on error or timeout the half-made communicator is aborted
- * (a blocking init that times out is left to finish on its thread, which then aborts it) and
- * FSC_ERR_COMM / FSC_ERR_TIMEOUT returned.
+ * the new communicator in *out. ncclCommInitRankConfig, blocking unless fsc_nccl_blocking_get
+ * says non-blocking, where the library has it, else ncclCommInitRank (a blocking communicator).
+ * Blocks until every rank has joined or `timeout_s` (<= 0: fsc_comm_timeout_s()) has passed; on
+ * error or timeout the half-made communicator is aborted (a blocking init that times out is left
+ * to finish on its thread, which then aborts it) and FSC_ERR_COMM / FSC_ERR_TIMEOUT returned.
  * The new communicator has a watchdog thread ("fsc_nccl_wd") that every 100 ms polls NCCL's
  * asynchronous error state and the oldest enqueued operation that has not completed (an event
  * is recorded after each). An NCCL error, or an operation still pending `timeout_s` after it
  * was enqueued, aborts the communicator, so device work waiting on a dead peer ends and the
  * host never blocks for good; the next call on the communicator returns FSC_ERR_COMM with the
- * reason. */
+ * reason. A blocking communicator also has its submitter thread ("fsc_nccl_submit"). */
 fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES], int rank, int nranks, int device,
                                 double timeout_s, fsc_nccl_comm_t **out);
 
@@ -71,7 +71,9 @@ int fsc_nccl_comm_device(const fsc_nccl_comm_t *c);
  * accepted it; it does not wait for the data (use fsc_nccl_wait or stream ordering). The
  * memory must stay allocated until the stream has passed the operation. Every rank must issue
  * the same collectives in the same order. An NCCL failure aborts the communicator
- * (FSC_ERR_COMM); later calls on it fail with FSC_ERR_COMM. */
+ * (FSC_ERR_COMM); an enqueue that NCCL has not accepted within the timeout (a peer that never
+ * connects) returns FSC_ERR_TIMEOUT and leaves the communicator dead; later calls on it fail
+ * with FSC_ERR_COMM. */
 
 /* output (nranks * input.numel elements) = concatenation of every rank's input, rank order.
  * In place when input is output's own rank-th block. */

@@ -99,12 +99,25 @@ typedef struct {
     double t;
 } pending_op_t;
 
+/* One NCCL call of an enqueue, its arguments resolved (buffers, element count, NCCL dtype and
+ * reduction, root or peer): what the submitter thread needs without the caller's tensors. */
+typedef struct {
+    fsc_comm_op_t op;
+    const void *send;
+    void *recv;
+    size_t count;
+    int dt, redop, peer;
+} fsc_nccl_call_t;
+
+typedef struct fsc_nccl_submitter fsc_nccl_submitter_t;
+
 struct fsc_nccl_comm {
     pthread_mutex_t lock; /* serialises every NCCL call on `comm`, and guards everything below */
     nccl_comm_h comm;     /* NULL once aborted or destroyed */
     int rank, nranks, device;
-    int blocking;  /* created with config.blocking = 1 (or ncclCommInitRank): see fsc_nccl_comm_destroy */
-    int owner_pid; /* the process that created it; a fork() child must not touch NCCL or the lock */
+    int blocking; /* created with config.blocking = 1 (or ncclCommInitRank): see fsc_nccl_comm_destroy */
+    fsc_nccl_submitter_t *submitter; /* blocking communicators: the thread that makes their calls */
+    int owner_pid;                   /* the process that created it; a fork() child must not touch NCCL or the lock */
     comm_state_t state;
     char why_dead[768];    /* the error that aborted it */
     fsc_comm_op_t last_op; /* last operation enqueued, for wait's messages */
@@ -144,5 +157,28 @@ void fsc_nccl_track_locked(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_stream_t st
 /* Wait until every tracked operation has completed; past `deadline`, abort `c` and return
  * FSC_ERR_TIMEOUT. */
 fsc_status_t fsc_nccl_drain_locked(fsc_nccl_comm_t *c, double deadline);
+
+/* ---- submitter (nccl_submit.c) ------------------------------------------------------------- */
+
+/* Make the calls of one enqueue on `comm`, inside ncclGroupStart/End when `grouped`; the first
+ * failure's result, else the last call's (or GroupEnd's). With a submitter `s`, calls after the
+ * first are skipped once its caller has given up. */
+nccl_result_t fsc_nccl_issue_calls(nccl_comm_h comm, const fsc_nccl_call_t *calls, size_t n, int grouped,
+                                   cuda_stream_h stream, fsc_nccl_submitter_t *s);
+
+/* Start the thread that makes a blocking communicator's calls, on `device`. */
+fsc_status_t fsc_nccl_submitter_start(nccl_comm_h comm, int device, int rank, fsc_nccl_submitter_t **out);
+
+/* Hand one enqueue (copied) to the thread and wait for it until `deadline` (fsc_comm_now()).
+ * FSC_OK with NCCL's result in *r, or FSC_ERR_TIMEOUT (no error message set): the call is still
+ * inside NCCL, the thread now owns `comm` and aborts it once the call returns, and the caller must
+ * let go with fsc_nccl_submitter_stop and never touch `comm` again. One caller at a time (under
+ * the communicator's lock). */
+fsc_status_t fsc_nccl_submit(fsc_nccl_submitter_t *s, const fsc_nccl_call_t *calls, size_t n, int grouped,
+                             cuda_stream_h stream, double deadline, nccl_result_t *r);
+
+/* Stop and join the thread (not under a call), or, after a timed-out submit, leave it to finish
+ * and free itself. NULL is a no-op. */
+void fsc_nccl_submitter_stop(fsc_nccl_submitter_t *s);
 
 #endif /* FSC_NCCL_INTERNAL_H */

@@ -1,8 +1,9 @@
 """NCCL backend of the collective engine: one communicator per group, for CUDA tensors.
 
 The C core (csrc/comm/nccl.c) loads libnccl at run time, preferring the copy torch already loaded,
-and drives a non-blocking communicator whose errors are polled, so a dead peer surfaces as
-:class:`fairscale_c.DistributedError` instead of a hang. Collectives are enqueued on a CUDA
+and drives a blocking communicator (FAIRSCALE_C_NCCL_BLOCKING=0: a non-blocking one) whose
+calls run on a thread of its own under the timeout and whose errors are polled, so a dead peer
+surfaces as :class:`fairscale_c.DistributedError` instead of a hang. Collectives are enqueued on a CUDA
 stream and return without waiting; :meth:`NcclBackend.wait` and :meth:`NcclBackend.barrier`
 block (with the GIL released) until the stream has caught up.
 

@@ -9,7 +9,9 @@
  *   FAKE_HANG        never complete: events recorded after them on the same stream stay
  *                    unfired, and cuStreamSynchronize blocks, until the communicator is aborted
  *                    (as NCCL's kernels spin until a dead peer's data arrives or ncclCommAbort);
- *   FAKE_ASYNC_ERROR hang, and 0.2 s later ncclCommGetAsyncError reports ncclRemoteError. */
+ *   FAKE_ASYNC_ERROR hang, and 0.2 s later ncclCommGetAsyncError reports ncclRemoteError;
+ *   FAKE_ENQUEUE_HANG on a blocking communicator, a collective's call does not return until the
+ *                    mode changes (a blocking enqueue waiting for a peer that never connects). */
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -17,7 +19,7 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
-enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2 };
+enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2, FAKE_ENQUEUE_HANG = 3 };
 
 /* ncclResult_t / CUresult values used here */
 #define R_OK 0
@@ -32,6 +34,7 @@ enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2 };
 
 typedef struct {
     int used, hung, aborted;
+    int blocking;   /* created with config.blocking = 1, or by ncclCommInitRank */
     int init_polls; /* ncclCommGetAsyncError answers ncclInProgress this many more times */
     double err_at;  /* > 0: report ncclRemoteError from this time on */
 } comm_t;
@@ -265,7 +268,9 @@ static int new_comm(void **out, int nranks, int rank, int polls) {
 }
 EXPORT int ncclCommInitRank(void **comm, int nranks, unique_id_t id, int rank) {
     (void)id;
-    return new_comm(comm, nranks, rank, 0);
+    int r = new_comm(comm, nranks, rank, 0);
+    if (r == R_OK) ((comm_t *)*comm)->blocking = 1;
+    return r;
 }
 /* config.blocking = 0: returns ncclInProgress and the caller polls ncclCommGetAsyncError;
  * config.blocking = 1: done on return, and in FAKE_HANG mode it does not return until the mode
@@ -290,7 +295,9 @@ EXPORT int ncclCommInitRankConfig(void **comm, int nranks, unique_id_t id, int r
             nanosleep(&nap, NULL);
         }
     }
-    return new_comm(comm, nranks, rank, blocking == 1 ? 0 : 3);
+    int r = new_comm(comm, nranks, rank, blocking == 1 ? 0 : 3);
+    if (r == R_OK) ((comm_t *)*comm)->blocking = blocking == 1;
+    return r;
 }
 EXPORT int ncclCommGetAsyncError(void *comm, int *async) {
     comm_t *c = comm;
@@ -342,9 +349,17 @@ EXPORT const char *ncclGetLastError(void *comm) {
 /* One rank: the data moves at once; in a hanging mode the stream is left blocked. */
 static int collective(void *comm, void *stream, void *dst, const void *src, size_t bytes) {
     comm_t *c = comm;
+    struct timespec nap = {0, 10 * 1000 * 1000};
+    for (;;) {
+        pthread_mutex_lock(&mu);
+        int hang = c->blocking && mode == FAKE_ENQUEUE_HANG;
+        pthread_mutex_unlock(&mu);
+        if (!hang) break;
+        nanosleep(&nap, NULL);
+    }
     if (dst != src && bytes) memmove(dst, src, bytes);
     pthread_mutex_lock(&mu);
-    if (mode != FAKE_OK) {
+    if (mode != FAKE_OK && mode != FAKE_ENQUEUE_HANG) {
         c->hung = 1;
         stream_of(stream)->blocked_by = c;
         if (mode == FAKE_ASYNC_ERROR && c->err_at == 0) c->err_at = now() + 0.2;

@@ -1,8 +1,9 @@
 /* test_nccl_fake.c — the NCCL backend's control paths against fake_cuda_nccl.c (no GPU needed):
- * non-blocking init, enqueue and wait, and the watchdog: a collective that never completes, or an
- * asynchronous NCCL error, aborts the communicator without any host wait, unblocks a host
- * synchronize, and makes the next call fail with the reason. Run with the fake on
- * LD_LIBRARY_PATH and FAIRSCALE_C_TIMEOUT=1 (the Makefile does). Exit status 0 = all passed. */
+ * blocking and non-blocking init, enqueue (a blocking one on the submitter thread) and wait, and
+ * the watchdog: a collective that never completes, or an asynchronous NCCL error, aborts the
+ * communicator without any host wait, unblocks a host synchronize, and makes the next call fail
+ * with the reason. Run with the fake on LD_LIBRARY_PATH and FAIRSCALE_C_TIMEOUT=1 (the Makefile
+ * does). Exit status 0 = all passed. */
 #include <dlfcn.h>
 #include <signal.h>
 #include <stdio.h>
@@ -16,7 +17,7 @@
 #include "expect.h"
 #include "gpu/gpu.h"
 
-enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2 };
+enum { FAKE_OK = 0, FAKE_HANG = 1, FAKE_ASYNC_ERROR = 2, FAKE_ENQUEUE_HANG = 3 };
 static void (*fake_set_mode)(int);
 static int (*fake_last_blocking)(void);
 static int (*fake_aborts)(void);
@@ -107,16 +108,17 @@ static void test_ops_and_wait(void) {
     EXPECT(fake_live_events() == 0, "%d events leaked", fake_live_events());
 }
 
-/* FAIRSCALE_C_NCCL_BLOCKING picks the communicator's mode: unset or 0 non-blocking (as every
- * other test here), 1 blocking; anything else is refused before NCCL is called. */
+/* FAIRSCALE_C_NCCL_BLOCKING picks the communicator's mode: unset or 1 blocking, 0 non-blocking;
+ * anything else is refused before NCCL is called. */
 static void test_blocking_mode(void) {
     fake_set_mode(FAKE_OK);
+    setenv("FAIRSCALE_C_NCCL_BLOCKING", "0", 1);
     fsc_nccl_comm_t *c = new_comm(0);
-    EXPECT(fake_last_blocking() == 0, "unset: config.blocking=%d", fake_last_blocking());
+    EXPECT(fake_last_blocking() == 0, "FAIRSCALE_C_NCCL_BLOCKING=0: config.blocking=%d", fake_last_blocking());
     if (c) fsc_nccl_comm_free(c);
-    setenv("FAIRSCALE_C_NCCL_BLOCKING", "1", 1);
+    unsetenv("FAIRSCALE_C_NCCL_BLOCKING");
     c = new_comm(0);
-    EXPECT(fake_last_blocking() == 1, "FAIRSCALE_C_NCCL_BLOCKING=1: config.blocking=%d", fake_last_blocking());
+    EXPECT(fake_last_blocking() == 1, "unset: config.blocking=%d", fake_last_blocking());
     if (c != NULL) {
         float in[2] = {1, 2}, out[2] = {0};
         fsc_tensor_t ti = cuda_view(in, 2), to = cuda_view(out, 2);
@@ -163,8 +165,51 @@ static void test_blocking_mode(void) {
     EXPECT(wait_for_aborts(aborts + 1, 2.0) < 2.0, "the abandoned blocking communicator was not aborted");
     setenv("FAIRSCALE_C_NCCL_BLOCKING", "yes", 1);
     EXPECT(fsc_nccl_comm_init(id, 0, 1, 0, 0, &bad) == FSC_ERR_VALUE && bad == NULL &&
-               strstr(fsc_last_error(), "FAIRSCALE_C_NCCL_BLOCKING='yes': expected 0 (default) or 1"),
+               strstr(fsc_last_error(), "FAIRSCALE_C_NCCL_BLOCKING='yes': expected 1 (default) or 0"),
            "FAIRSCALE_C_NCCL_BLOCKING=yes: %s", fsc_last_error());
+    unsetenv("FAIRSCALE_C_NCCL_BLOCKING");
+}
+
+/* A blocking communicator's enqueue that never returns (a peer that never connects): the caller
+ * gets FSC_ERR_TIMEOUT at its deadline, the communicator is dead for the next call, and once
+ * NCCL's call returns the submitter thread aborts it, also after the communicator was freed. */
+static void test_blocking_enqueue_timeout(void) {
+    setenv("FAIRSCALE_C_NCCL_BLOCKING", "1", 1);
+    for (int free_first = 0; free_first < 2; free_first++) {
+        fake_set_mode(FAKE_OK);
+        fsc_nccl_comm_t *c = new_comm(0.3);
+        if (c == NULL) break;
+        float x[2] = {1, 2}, y[2] = {0};
+        fsc_tensor_t tx = cuda_view(x, 2), ty = cuda_view(y, 2);
+        fsc_nccl_op_t ops[2] = {{FSC_OP_ALL_GATHER, &ty, &tx, FSC_RED_SUM, 0, 0},
+                                {FSC_OP_ALL_REDUCE, &tx, NULL, FSC_RED_SUM, 0, 0}};
+        EXPECT(fsc_nccl_batch(c, ops, 2, 0) == FSC_OK && y[1] == 2.0f, "batch on the submitter: %s, y[1]=%g",
+               fsc_last_error(), y[1]);
+        int aborts = fake_aborts();
+        fake_set_mode(FAKE_ENQUEUE_HANG);
+        double t0 = now();
+        fsc_status_t st = fsc_nccl_all_reduce(c, &tx, FSC_RED_SUM, 0);
+        double took = now() - t0;
+        EXPECT(st == FSC_ERR_TIMEOUT && strstr(fsc_last_error(),
+                                               "all_reduce #2 on rank 0 of 1 (cuda:0): NCCL's enqueue "
+                                               "did not return within 0.3 s"),
+               "stuck enqueue: status %d, %s", (int)st, fsc_last_error());
+        EXPECT(took >= 0.25 && took < 2.0, "stuck enqueue gave up after %.2f s (timeout 0.3 s)", took);
+        st = fsc_nccl_all_reduce(c, &tx, FSC_RED_SUM, 0);
+        EXPECT(st == FSC_ERR_COMM && strstr(fsc_last_error(), "aborted earlier") &&
+                   strstr(fsc_last_error(), "enqueue did not return"),
+               "the call after a stuck enqueue: status %d, %s", (int)st, fsc_last_error());
+        EXPECT(fake_aborts() == aborts, "aborted while NCCL's call was still running");
+        if (free_first) fsc_nccl_comm_free(c); /* returns at once; the thread is still inside NCCL */
+        fake_set_mode(FAKE_OK);
+        EXPECT(wait_for_aborts(aborts + 1, 2.0) < 2.0, "the abandoned communicator was not aborted");
+        nap(0.05);
+        EXPECT(fake_aborts() == aborts + 1, "aborted %d times", fake_aborts() - aborts);
+        if (!free_first) {
+            EXPECT(fsc_nccl_comm_destroy(c, 1.0) == FSC_OK, "destroy after abandon: %s", fsc_last_error());
+            fsc_nccl_comm_free(c);
+        }
+    }
     unsetenv("FAIRSCALE_C_NCCL_BLOCKING");
 }
 
@@ -333,12 +378,20 @@ int main(void) {
     EXPECT(fsc_gpu_load() == FSC_OK, "driver: %s", fsc_last_error());
     test_pack_blocks();
     test_block_count_overflow();
-    test_ops_and_wait();
     test_blocking_mode();
-    test_watchdog_timeout();
-    test_watchdog_async_error();
-    test_free_while_pending();
-    test_fork_child();
+    test_blocking_enqueue_timeout();
+    /* the rest in both modes: blocking (the default, calls on the submitter thread), non-blocking */
+    for (int blocking = 1; blocking >= 0; blocking--) {
+        setenv("FAIRSCALE_C_NCCL_BLOCKING", blocking ? "1" : "0", 1);
+        int before = failures;
+        test_ops_and_wait();
+        test_watchdog_timeout();
+        test_watchdog_async_error();
+        test_free_while_pending();
+        test_fork_child();
+        if (failures > before) fprintf(stderr, "(the failures above: FAIRSCALE_C_NCCL_BLOCKING=%d)\n", blocking);
+    }
+    unsetenv("FAIRSCALE_C_NCCL_BLOCKING");
     if (failures) {
         fprintf(stderr, "test_nccl_fake: %d failure(s)\n", failures);
         return 1;
