@@ -373,7 +373,7 @@ def _nccl_worker(rank, size, devices, env, q, results, scenario):
                 assert time.monotonic() - start < 60, f"init gave up after {time.monotonic() - start:.0f} s"
             results.put((rank, "ok"))
             return
-        timeout = 5 if scenario == "watchdog" else 120
+        timeout = 5 if scenario in ("watchdog", "unmatched_send") else 120
         be = NcclBackend(rank, size, _make_exchange(rank, size, q), device=dev, timeout=timeout)
         assert be.rank == rank and be.size == size and be.version > 0
         if scenario == "collectives":
@@ -398,6 +398,27 @@ def _nccl_worker(rank, size, devices, env, q, results, scenario):
             torch.cuda.synchronize()
             assert time.monotonic() - start < 60, f"synchronize came back after {time.monotonic() - start:.0f} s"
             _expect(lambda: be.all_reduce(t, "sum"), DistributedError, "aborted")
+        elif scenario == "unmatched_send":
+            # rank 0's first send to rank 1, which never receives: NCCL's enqueue may wait for the
+            # connection (blocking communicators: the submitter's deadline ends it) or return and
+            # leave the kernel waiting (the host wait's timeout ends it); either way an exception
+            # within the timeout, then a dead communicator
+            be.barrier()
+            if rank == 0:
+                t = torch.ones(1 << 20, device=torch.device("cuda", dev))
+                start = time.monotonic()
+
+                def send_and_wait():
+                    be.send(t, 1)
+                    be.wait(timeout=5)
+
+                _expect(send_and_wait, DistributedError, "")
+                assert time.monotonic() - start < 30, f"gave up after {time.monotonic() - start:.0f} s"
+                _expect(lambda: be.all_reduce(t, "sum"), DistributedError, "aborted")
+                q.put("rank0 done")
+            else:
+                assert q.get(timeout=120) == "rank0 done"
+                be.abort()
         else:  # "dead_peer": rank 1 never joins the all_reduce; rank 0 must time out, not hang
             be.barrier()
             if rank == 0:
@@ -416,7 +437,7 @@ def _nccl_worker(rank, size, devices, env, q, results, scenario):
         results.put((rank, traceback.format_exc()))
 
 
-def _run_ranks(scenario, blocking="0"):
+def _run_ranks(scenario, blocking="1"):
     devices, env = _nccl_devices()
     env = dict(env, FAIRSCALE_C_NCCL_BLOCKING=blocking)
     ctx = torch.multiprocessing.get_context("spawn")
@@ -463,3 +484,12 @@ def test_nccl_dead_peer_times_out_and_aborts():
 @needs_cuda
 def test_nccl_watchdog_unblocks_a_survivor_that_never_waits():
     _run_ranks("watchdog")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("blocking", ["0", "1"], ids=["non_blocking", "blocking"])
+def test_nccl_send_nobody_receives_raises_within_the_timeout(blocking):
+    """A first send that its peer never receives: a blocking communicator's enqueue may wait
+    inside NCCL for the connection, which the submitter's deadline bounds."""
+    _run_ranks("unmatched_send", blocking)
