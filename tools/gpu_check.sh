@@ -3,8 +3,8 @@
 #
 #   tools/gpu_check.sh LOGDIR [STEP...]
 #
-# Steps (default: env build tests demo sanitizer): those and bench coll coll_blocking oss cpu_coll
-# cpu_pipe pipe_tests pipe_cuda.
+# Steps (default: env build tests demo sanitizer): those and bench coll coll_blocking nccl_calls oss
+# cpu_coll cpu_pipe pipe_tests pipe_cuda.
 # Each step runs under a time limit and goes on after a failure; the last lines print one status
 # line per step.
 # PYTHON picks the interpreter (default python3); BENCH_ARGS are extra benchmarks/fsdp.py flags
@@ -77,12 +77,21 @@ print(json.dumps(fairscale_c.build_info(), indent=1, default=str))'"
             --json "$LOG/collectives_cuda.json"
         ;;
     coll_blocking)
-        # the same, alternating non-blocking (default) and blocking NCCL communicators
+        # the same, alternating non-blocking and blocking (default) NCCL communicators
         for i in 1 2; do
             for b in 0 1; do
                 FAIRSCALE_C_NCCL_BLOCKING=$b run_step "coll_b${b}_$i" 200 "$PY" benchmarks/collectives.py \
                     --device cuda --worlds 2 --sizes 8 4K 64K 1M 16M 256M --json "$LOG/collectives_cuda_b${b}_$i.json"
             done
+        done
+        ;;
+    nccl_calls)
+        # host cost of one small all_reduce, ours and torch's, with threads started and yields per
+        # call, in both communicator modes (tools/nccl_calls/probe.py; 2 ranks, as for coll)
+        cc -shared -fPIC -O2 -o "$LOG/callcount.so" tools/nccl_calls/callcount.c -ldl
+        for b in 1 0; do
+            FAIRSCALE_C_NCCL_BLOCKING=$b LD_PRELOAD="$LOG/callcount.so" run_step "nccl_calls_b$b" 120 \
+                "$PY" tools/nccl_calls/probe.py --device cuda
         done
         ;;
     oss)
