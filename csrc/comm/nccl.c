@@ -215,8 +215,8 @@ static fsc_status_t settle_locked(fsc_nccl_comm_t *c, nccl_result_t r, const cha
             snprintf(msg, sizeof(msg), "nccl %s on rank %d of %d (cuda:%d) did not complete in time", what, c->rank,
                      c->nranks, c->device);
             fsc_nccl_abort_locked(c, msg);
-            return fsc_error(FSC_ERR_TIMEOUT, "%s (FAIRSCALE_C_TIMEOUT=%g s); communicator aborted", msg,
-                             fsc_comm_timeout_s());
+            return fsc_error(FSC_ERR_TIMEOUT, "%s (timeout %g s; FAIRSCALE_C_TIMEOUT by default); communicator aborted",
+                             msg, c->op_timeout);
         }
         fsc_nccl_backoff(since);
         nccl_result_t async = NCCL_OK;
@@ -469,7 +469,7 @@ static fsc_status_t op_begin(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_gpu_ctx_t
  * context and unlock. */
 static fsc_status_t op_end(fsc_nccl_comm_t *c, fsc_comm_op_t op, nccl_result_t r, fsc_stream_t stream,
                            fsc_gpu_ctx_t *g) {
-    fsc_status_t st = settle_locked(c, r, fsc_comm_op_name(op), deadline_after(0), 0);
+    fsc_status_t st = settle_locked(c, r, fsc_comm_op_name(op), deadline_after(c->op_timeout), 0);
     if (st == FSC_OK) {
         c->last_op = op;
         c->nops++;
@@ -540,8 +540,8 @@ static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t
     nccl_result_t r = NCCL_OK;
     if (c->submitter == NULL) {
         r = fsc_nccl_issue_calls(c->comm, calls, n, grouped, (cuda_stream_h)stream, NULL);
-    } else if (fsc_nccl_submit(c->submitter, calls, n, grouped, (cuda_stream_h)stream, deadline_after(0), &r) !=
-               FSC_OK) {
+    } else if (fsc_nccl_submit(c->submitter, calls, n, grouped, (cuda_stream_h)stream, deadline_after(c->op_timeout),
+                               &r) != FSC_OK) {
         return op_abandon(c, last, &g);
     }
     return op_end(c, last, r, stream, &g);
