@@ -3,7 +3,9 @@ two ranks (both on cuda:0 with --device cuda, which needs NCCL >= 2.30 and
 NCCL_MULTI_RANK_GPU_ENABLE=1; under MPS for timings that mean something), an all_reduce of 8 B
 and of 64 KiB. Each call is timed alone (the enqueue, or the whole op on CPU) and with a device
 synchronisation after it; with the counter preloaded, the threads started, yields and sleeps
-per call are printed too:
+per call are printed too. On CUDA a third row calls the group's NCCL backend directly (the op on
+the current stream, without the group's side stream, events and Work), which splits our time
+between the Python layer and the C path:
 
     cc -shared -fPIC -O2 -o /tmp/callcount.so tools/nccl_calls/callcount.c -ldl
     LD_PRELOAD=/tmp/callcount.so python3 tools/nccl_calls/probe.py --device cuda
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import queue
 import socket
 import statistics
 import time
@@ -48,7 +51,11 @@ def _rank(rank: int, world: int, port: int, calls: int, device: str, q) -> None:
     out: Dict[Tuple[str, int], tuple] = {}
     for numel in (2, 16384):
         t = torch.ones(numel, device="cuda" if cuda else "cpu")
-        for name, call in (("fairscale_c", lambda t=t: group.all_reduce(t)), ("torch", lambda t=t: dist.all_reduce(t))):
+        variants = [("fairscale_c", lambda t=t: group.all_reduce(t)), ("torch", lambda t=t: dist.all_reduce(t))]
+        if cuda:  # the NCCL backend alone, on the current stream: no side stream, events or Work
+            nccl = group._cuda()
+            variants.insert(1, ("fsc backend", lambda t=t, nccl=nccl: nccl.all_reduce(t, "sum")))
+        for name, call in variants:
             for _ in range(30):
                 call()
             sync()
@@ -83,7 +90,18 @@ def main() -> None:
     procs = [ctx.Process(target=_rank, args=(r, 2, port, args.calls, args.device, q)) for r in range(2)]
     for proc in procs:
         proc.start()
-    res = dict(q.get(timeout=300) for _ in procs)
+    res: Dict[int, dict] = {}
+    deadline = time.monotonic() + 300
+    while len(res) < len(procs):
+        if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+            for proc in procs:
+                proc.kill()
+            raise SystemExit("a rank failed or timed out (see its traceback above)")
+        try:
+            rank, out = q.get(timeout=1)
+            res[rank] = out
+        except queue.Empty:
+            pass
     for proc in procs:
         proc.join(30)
     mode = os.environ.get("FAIRSCALE_C_NCCL_BLOCKING") or "1 (default)"
