@@ -213,6 +213,36 @@ static void test_blocking_enqueue_timeout(void) {
     unsetenv("FAIRSCALE_C_NCCL_BLOCKING");
 }
 
+/* The hand-over to the submitter thread, whether it is still polling (the next call comes at
+ * once) or asleep (gaps past its 200 us of polling): no call is lost or late. A lost wake-up would
+ * show as FSC_ERR_TIMEOUT after the 1 s timeout. */
+static void test_submitter_handoff(void) {
+    setenv("FAIRSCALE_C_NCCL_BLOCKING", "1", 1);
+    fake_set_mode(FAKE_OK);
+    fsc_nccl_comm_t *c = new_comm(1.0);
+    if (c != NULL) {
+        float x[4] = {0}, y[4] = {0};
+        fsc_tensor_t tx = cuda_view(x, 4), ty = cuda_view(y, 4);
+        unsigned seed = 12345;
+        double worst = 0;
+        for (int i = 0; i < 2000 && failures == 0; i++) {
+            seed = seed * 1103515245u + 12345u;
+            double gap = (double)((seed >> 16) % 400) * 1e-6; /* 0-399 us */
+            if (gap > 0) nap(gap);
+            x[0] = (float)i;
+            double t0 = now();
+            fsc_status_t st = fsc_nccl_all_gather(c, &ty, &tx, 0);
+            double took = now() - t0;
+            worst = took > worst ? took : worst;
+            EXPECT(st == FSC_OK && y[0] == (float)i, "call %d after a %.0f us gap: status %d, y[0]=%g, %s", i,
+                   gap * 1e6, (int)st, y[0], fsc_last_error());
+        }
+        EXPECT(worst < 0.5, "slowest hand-over %.3f s", worst);
+        fsc_nccl_comm_free(c);
+    }
+    unsetenv("FAIRSCALE_C_NCCL_BLOCKING");
+}
+
 /* Block counts whose product with the group size overflows int64 are refused, not wrapped: at 4
  * ranks an input of 2^62 float32 elements would "match" an empty output (4 x 2^62 wraps to 0),
  * and the copy would write 2^64 bytes into it. */
@@ -380,6 +410,7 @@ int main(void) {
     test_block_count_overflow();
     test_blocking_mode();
     test_blocking_enqueue_timeout();
+    test_submitter_handoff();
     /* the rest in both modes: blocking (the default, calls on the submitter thread), non-blocking */
     for (int blocking = 1; blocking >= 0; blocking--) {
         setenv("FAIRSCALE_C_NCCL_BLOCKING", blocking ? "1" : "0", 1);
