@@ -14,14 +14,11 @@
  * Hand-over: the caller (holding c->lock) fills the job and bumps `posted`; the thread spins a
  * while after each job before it sleeps on the condition variable, so back-to-back operations do
  * not pay a wake-up. The caller polls `done`. */
-#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "base/log.h"
 #include "comm/nccl_internal.h"

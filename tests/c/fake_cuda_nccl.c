@@ -248,6 +248,17 @@ EXPORT int ncclGetUniqueId(unique_id_t *id) {
     memset(id, 0x5a, sizeof(*id));
     return R_OK;
 }
+/* A blocking call that does not return while the mode is `m` (a peer that never shows up). */
+static void block_while_mode(int m) {
+    struct timespec nap = {0, 10 * 1000 * 1000};
+    for (;;) {
+        pthread_mutex_lock(&mu);
+        int hang = mode == m;
+        pthread_mutex_unlock(&mu);
+        if (!hang) return;
+        nanosleep(&nap, NULL);
+    }
+}
 static int new_comm(void **out, int nranks, int rank, int polls) {
     /* Every communicator behaves as one rank (collectives copy input to output); a larger nranks
      * lets tests reach the argument checks that depend on the group size. */
@@ -285,16 +296,7 @@ EXPORT int ncclCommInitRankConfig(void **comm, int nranks, unique_id_t id, int r
     int blocking;
     memcpy(&blocking, (char *)config + sizeof(size_t) + 2 * sizeof(unsigned), sizeof(int));
     last_blocking = blocking;
-    if (blocking == 1) {
-        struct timespec nap = {0, 10 * 1000 * 1000};
-        for (;;) {
-            pthread_mutex_lock(&mu);
-            int hang = mode == FAKE_HANG;
-            pthread_mutex_unlock(&mu);
-            if (!hang) break;
-            nanosleep(&nap, NULL);
-        }
-    }
+    if (blocking == 1) block_while_mode(FAKE_HANG);
     int r = new_comm(comm, nranks, rank, blocking == 1 ? 0 : 3);
     if (r == R_OK) ((comm_t *)*comm)->blocking = blocking == 1;
     return r;
@@ -349,14 +351,7 @@ EXPORT const char *ncclGetLastError(void *comm) {
 /* One rank: the data moves at once; in a hanging mode the stream is left blocked. */
 static int collective(void *comm, void *stream, void *dst, const void *src, size_t bytes) {
     comm_t *c = comm;
-    struct timespec nap = {0, 10 * 1000 * 1000};
-    for (;;) {
-        pthread_mutex_lock(&mu);
-        int hang = c->blocking && mode == FAKE_ENQUEUE_HANG;
-        pthread_mutex_unlock(&mu);
-        if (!hang) break;
-        nanosleep(&nap, NULL);
-    }
+    if (c->blocking) block_while_mode(FAKE_ENQUEUE_HANG);
     if (dst != src && bytes) memmove(dst, src, bytes);
     pthread_mutex_lock(&mu);
     if (mode != FAKE_OK && mode != FAKE_ENQUEUE_HANG) {
