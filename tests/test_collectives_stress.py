@@ -46,7 +46,7 @@ def _issue(group, rank, world, step, kind, dtype, op, n, root, async_op):
     mine = inputs[rank].clone()
     if kind == "all_reduce":
         work = group.all_reduce(mine, op=op, async_op=async_op)
-        return work, lambda f: _check(mine, _reference(inputs, op, dtype), f"{step}: all_reduce {op}", f)
+        return work, lambda f: _check(mine, _reference(inputs, op, dtype), f"{step}: all_reduce {op}", f, reduced=True)
     if kind in ("all_gather", "all_gather_inplace"):
         out = torch.empty(n * world, dtype=dtype)
         src = mine
@@ -59,15 +59,15 @@ def _issue(group, rank, world, step, kind, dtype, op, n, root, async_op):
         full = [_data(r, n * world, dtype, step) for r in range(world)]
         out = torch.empty(n, dtype=dtype)
         work = group.reduce_scatter(out, full[rank].clone(), op=op, async_op=async_op)
-        want = _reference(full, op, dtype)[rank * n : (rank + 1) * n]
-        return work, lambda f: _check(out, want, f"{step}: reduce_scatter {op}", f)
+        want = _reference([x[rank * n : (rank + 1) * n] for x in full], op, dtype)
+        return work, lambda f: _check(out, want, f"{step}: reduce_scatter {op}", f, reduced=True)
     if kind == "broadcast":
         work = group.broadcast(mine, root, async_op=async_op)
         return work, lambda f: _check(mine, inputs[root], f"{step}: broadcast from {root}", f)
     if kind == "reduce":
         work = group.reduce(mine, root, op=op, async_op=async_op)
         want = _reference(inputs, op, dtype) if rank == root else inputs[rank]
-        return work, lambda f: _check(mine, want, f"{step}: reduce {op} to {root}", f)
+        return work, lambda f: _check(mine, want, f"{step}: reduce {op} to {root}", f, reduced=rank == root)
     if kind == "ring":  # to the next rank, from the previous one; rank 0 sends first, the rest receive first
         got = torch.empty(n, dtype=dtype)
         nxt, prv = (rank + 1) % world, (rank - 1) % world

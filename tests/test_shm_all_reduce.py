@@ -45,13 +45,13 @@ def _job(rank: int, world: int):
                     want = _reference(xs, op, dtype)
                     t = xs[rank].clone()
                     group.all_reduce(t, op=op)
-                    _check(t, want, f"all_reduce {op} {dtype} n={n}", failures)
+                    _check(t, want, f"all_reduce {op} {dtype} n={n}", failures, reduced=True)
                     digests[("all_reduce", str(dtype), n, op)] = _digest(t)
                     for root in sorted({0, n % world, world - 1}):
                         t = xs[rank].clone()
                         group.reduce(t, root=root, op=op, async_op=True).wait()
                         what = f"reduce {op} {dtype} n={n} root={root}"
-                        _check(t, want if rank == root else xs[rank], what, failures)
+                        _check(t, want if rank == root else xs[rank], what, failures, reduced=rank == root)
                         if rank == root:
                             digests[("reduce", str(dtype), n, op, root)] = _digest(t)
         # back to back with other ops, async, so their steps follow the all_reduce's last ones
@@ -63,9 +63,9 @@ def _job(rank: int, world: int):
         works.append(group.all_reduce(b, op="max", async_op=True))
         for w in works:
             w.wait()
-        _check(a, _reference(xs, "sum", torch.float32), "async all_reduce sum", failures)
+        _check(a, _reference(xs, "sum", torch.float32), "async all_reduce sum", failures, reduced=True)
         _check(out, torch.cat(xs), "async all_gather after all_reduce", failures)
-        _check(b, _reference(xs, "max", torch.float32), "async all_reduce max after all_gather", failures)
+        _check(b, _reference(xs, "max", torch.float32), "async all_reduce max after all_gather", failures, reduced=True)
     return failures, digests
 
 

@@ -57,6 +57,16 @@ def _ops_job(rank: int, world: int):
         big = n * (dtype.itemsize if hasattr(dtype, "itemsize") else 4) >= MiB
         blk = n // world
         xs = [rank_data(r, n, dtype, 1) for r in range(world)]
+        refs = {}
+
+        def ref(op, xs=xs, dtype=dtype, refs=refs):  # the reduction of xs by op, computed once
+            if op not in refs:
+                if op in ("min", "max"):
+                    refs[op] = torch.stack(xs).amin(0) if op == "min" else torch.stack(xs).amax(0)
+                else:
+                    refs[op] = summed(xs, dtype, op)
+            return refs[op]
+
         # all_reduce in place, every op
         t = fdist.shared_empty(n, dtype=dtype, group=group)
         assert fdist.is_shared(t) and t.dtype == dtype and t.shape == (n,) and bool((t == 0).all())
@@ -64,13 +74,7 @@ def _ops_job(rank: int, world: int):
             t.copy_(xs[rank])
             before = shm.mapped_ops
             group.all_reduce(t, op=op)
-            if op == "min":
-                want = torch.stack(xs).amin(0)
-            elif op == "max":
-                want = torch.stack(xs).amax(0)
-            else:
-                want = summed(xs, dtype, op)
-            check(t, want, f"all_reduce {op} {dtype} {nbytes} B", reduced=True)
+            check(t, ref(op), f"all_reduce {op} {dtype} {nbytes} B", reduced=True)
             mapped(f"all_reduce {op} {dtype} {nbytes} B", before, expect=big)
             digests.append(hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest())
         # all_gather in place and out of place (input shared)
@@ -114,22 +118,21 @@ def _ops_job(rank: int, world: int):
                 before = shm.mapped_ops
                 t.copy_(xs[rank])
                 group.reduce(t, root=root, op=op)
-                want = torch.stack(xs).amax(0) if op == "max" else summed(xs, dtype, op)
                 what = f"reduce {op} to {root} {dtype} {nbytes} B"
-                check(t, want if rank == root else xs[rank], what, reduced=rank == root)
+                check(t, ref(op) if rank == root else xs[rank], what, reduced=rank == root)
                 mapped(what, before, expect=big)
             # the root's tensor ordinary: the slots
             before = shm.mapped_ops
             mine = xs[rank].clone() if rank == root else t.copy_(xs[rank])
             group.reduce(mine, root=root)
             what = f"reduce to {root} with an ordinary root tensor {dtype} {nbytes} B"
-            check(mine, summed(xs, dtype) if rank == root else xs[rank], what, reduced=rank == root)
+            check(mine, ref("sum") if rank == root else xs[rank], what, reduced=rank == root)
             mapped(what, before, expect=False)
         # one rank passes an ordinary tensor: nobody maps, the results are the same
         before = shm.mapped_ops
         mine = xs[rank].clone() if rank == world - 1 else t.copy_(xs[rank])
         group.all_reduce(mine)
-        check(mine, summed(xs, dtype), f"all_reduce with one ordinary tensor {dtype} {nbytes} B", reduced=True)
+        check(mine, ref("sum"), f"all_reduce with one ordinary tensor {dtype} {nbytes} B", reduced=True)
         mapped(f"all_reduce with one ordinary tensor {dtype} {nbytes} B", before, expect=False)
         del t, inp, out, mine
     # views at a different, unaligned offset on every rank (each rank publishes its own offset;

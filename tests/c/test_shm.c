@@ -331,9 +331,9 @@ static int rank_missing(fsc_shm_group_t *g, void *ctx) {
 static int rank_timeout(fsc_shm_group_t *g, void *ctx) {
     (void)ctx;
     if (fsc_shm_group_rank(g) == 1) {
-        sleep(3);
+        sleep(2);
         return 0;
-    } /* alive but never calls */
+    } /* alive but never calls (past the 1 s timeout) */
     float buf[4] = {0};
     fsc_shm_args_t a = {FSC_OP_BROADCAST, FSC_RED_SUM, 0, FSC_FLOAT32, 4, buf, buf, 0};
     fsc_status_t st = fsc_shm_run(g, &a);
@@ -351,7 +351,7 @@ static int rank_close_with_grace(fsc_shm_group_t *g, void *ctx) {
     fsc_shm_args_t a = {FSC_OP_ALL_REDUCE, FSC_RED_SUM, -1, FSC_FLOAT32, 4, buf, buf, 0};
     if (fsc_shm_group_rank(g) == 1) {
         if (late < 0) {
-            sleep(4);
+            sleep(3); /* outlives the 1 s grace: missing, not dead */
             return 0;
         }
         usleep((useconds_t)(late * 1e6));
@@ -363,7 +363,7 @@ static int rank_close_with_grace(fsc_shm_group_t *g, void *ctx) {
     fsc_shm_group_close(g, 1.0);
     double dt = fsc_comm_now() - t0;
     fsc_status_t st = fsc_shm_work_wait(w, 0);
-    int ok = late < 0 ? st == FSC_ERR_COMM && strstr(fsc_last_error(), "abandoned while waiting for rank 1") && dt < 3.0
+    int ok = late < 0 ? st == FSC_ERR_COMM && strstr(fsc_last_error(), "abandoned while waiting for rank 1") && dt < 2.5
                       : st == FSC_OK && buf[3] == 8.0f;
     if (!ok)
         fprintf(stderr, "close with grace (peer late %g s): st=%d after %.2f s: %s\n", late, st, dt, fsc_last_error());
