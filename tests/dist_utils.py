@@ -64,10 +64,25 @@ def rank_data(rank: int, n: int, dtype: Any, salt: int) -> Any:
 _DEFAULT_TOL = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5), "float32": (1.3e-6, 1e-5), "float64": (1e-7, 1e-7)}
 
 
-def mismatches(got: Any, want: Any, rtol: Optional[float] = None, atol: Optional[float] = None) -> int:
-    """How many elements of `got` are not within |got - want| <= atol + rtol * |want| (NaN never
-    is; equal infinities are), with assert_close's default tolerances for the dtype unless given.
-    A few times cheaper than assert_close on tensors of megabytes."""
+def not_close(got: Any, want: Any, rtol: Optional[float] = None, atol: Optional[float] = None) -> str:
+    """ "" when `got` is close to `want` as torch.testing.assert_close decides it (|got - want| <=
+    atol + rtol * |want| elementwise, NaN never close, equal infinities close; its default
+    tolerances for the dtype unless given), else assert_close's message. The test itself is done
+    here, a few times cheaper than assert_close on tensors of megabytes; assert_close runs only to
+    describe a mismatch."""
+    import torch
+
+    bad = _mismatches(got, want, rtol, atol)
+    if not bad:
+        return ""
+    try:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    except AssertionError as exc:
+        return str(exc).splitlines()[0] + f" ({bad} of {got.numel()} elements)"
+    return f"{bad} of {got.numel()} elements not close"
+
+
+def _mismatches(got: Any, want: Any, rtol: Optional[float], atol: Optional[float]) -> int:
 
     if got.shape != want.shape or got.dtype != want.dtype:
         return max(got.numel(), want.numel(), 1)
@@ -97,9 +112,9 @@ class Checks:
                 self.failures.append(f"{what}: {(got != want).sum().item()} of {got.numel()} elements differ")
             return
         tol = 1e-2 if got.element_size() == 2 else None
-        bad = mismatches(got, want, rtol=tol, atol=tol)
-        if bad:
-            self.failures.append(f"{what}: {bad} of {got.numel()} elements not close")
+        msg = not_close(got, want, rtol=tol, atol=tol)
+        if msg:
+            self.failures.append(f"{what}: {msg}")
 
     def summed(self, blocks: List[Any], dtype: Any, op: str = "sum") -> Any:
         """The sum (or avg) of `blocks` as the engine rounds it: 16-bit floats accumulate in float32."""

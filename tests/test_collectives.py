@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from dist_utils import mismatches, run_ranks, orphaned_segments
+from dist_utils import not_close, run_ranks, orphaned_segments
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8]
 SIZES = [1, 1001, 300_007]  # one element, odd, several pipeline chunks
@@ -51,9 +51,9 @@ def _check(got, want, what, failures, reduced=False):
             failures.append(f"{what}: {(got != want).sum().item()} of {got.numel()} elements differ")
         return
     tol = 2e-3 if got.dtype == torch.float16 else None
-    bad = mismatches(got, want, rtol=tol, atol=tol)
-    if bad:
-        failures.append(f"{what}: {bad} of {got.numel()} elements not close")
+    msg = not_close(got, want, rtol=tol, atol=tol)
+    if msg:
+        failures.append(f"{what}: {msg}")
 
 
 def _init(how: str):
