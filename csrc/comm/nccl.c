@@ -1,8 +1,10 @@
-/* nccl.c — NCCL backend: dlopen'ed libnccl, non-blocking communicators (blocking ones on request,
- * with their init on a thread of their own so that it stays bounded), collectives on caller
- * streams, and waits that poll ncclCommGetAsyncError. With the watchdog thread per communicator
- * (nccl_watchdog.c), a dead peer becomes an error, not a hang, even when the host never waits.
- * The NCCL ABI (nccl_internal.h) is declared from the documented nccl.h; no header is needed. */
+/* nccl.c — NCCL backend: dlopen'ed libnccl; blocking communicators by default, their init on a
+ * thread of its own and their calls on the submitter thread (nccl_submit.c), so that both stay
+ * bounded; non-blocking ones on request (FAIRSCALE_C_NCCL_BLOCKING=0), their calls polled until
+ * they leave ncclInProgress; collectives on caller streams, and waits that poll
+ * ncclCommGetAsyncError. With the watchdog thread per communicator (nccl_watchdog.c), a dead peer
+ * becomes an error, not a hang, even when the host never waits. The NCCL ABI (nccl_internal.h) is
+ * declared from the documented nccl.h; no header is needed. */
 #include "comm/nccl_internal.h"
 
 #include <dlfcn.h>

@@ -1,5 +1,6 @@
-/* nccl.h — the collective engine's NCCL backend: libnccl loaded at run time, one non-blocking
- * communicator per group, collectives enqueued on caller streams, error-polling waits, and a
+/* nccl.h — the collective engine's NCCL backend: libnccl loaded at run time, one communicator
+ * per group (blocking by default, its calls made by a submitter thread under the timeout;
+ * non-blocking on request), collectives enqueued on caller streams, error-polling waits, and a
  * watchdog thread per communicator. */
 #ifndef FSC_NCCL_H
 #define FSC_NCCL_H
