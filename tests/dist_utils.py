@@ -64,6 +64,18 @@ def rank_data(rank: int, n: int, dtype: Any, salt: int) -> Any:
 _DEFAULT_TOL = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5), "float32": (1.3e-6, 1e-5), "float64": (1e-7, 1e-7)}
 
 
+def not_equal(got: Any, want: Any) -> str:
+    """ "" when `got` and `want` are equal tensors (same shape, dtype and bits), else how many
+    elements differ."""
+    import torch
+
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"got {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)}"
+    if torch.equal(got, want):
+        return ""
+    return f"{(got != want).sum().item()} of {got.numel()} elements differ"
+
+
 def not_close(got: Any, want: Any, rtol: Optional[float] = None, atol: Optional[float] = None) -> str:
     """ "" when `got` is close to `want` as torch.testing.assert_close decides it (|got - want| <=
     atol + rtol * |want| elementwise, NaN never close, equal infinities close; its default
@@ -83,7 +95,6 @@ def not_close(got: Any, want: Any, rtol: Optional[float] = None, atol: Optional[
 
 
 def _mismatches(got: Any, want: Any, rtol: Optional[float], atol: Optional[float]) -> int:
-
     if got.shape != want.shape or got.dtype != want.dtype:
         return max(got.numel(), want.numel(), 1)
     if not got.dtype.is_floating_point:
@@ -105,14 +116,11 @@ class Checks:
     def __call__(self, got: Any, want: Any, what: str, reduced: bool = False) -> None:
         # copies are exact; so is a reduction over two ranks (either order gives the same bits),
         # while over more ranks its order may differ from torch's
-        import torch
-
         if not reduced or self.world == 2 or not got.dtype.is_floating_point:
-            if not torch.equal(got, want):
-                self.failures.append(f"{what}: {(got != want).sum().item()} of {got.numel()} elements differ")
-            return
-        tol = 1e-2 if got.element_size() == 2 else None
-        msg = not_close(got, want, rtol=tol, atol=tol)
+            msg = not_equal(got, want)
+        else:
+            tol = 1e-2 if got.element_size() == 2 else None
+            msg = not_close(got, want, rtol=tol, atol=tol)
         if msg:
             self.failures.append(f"{what}: {msg}")
 

@@ -61,10 +61,8 @@ def _ops_job(rank: int, world: int):
 
         def ref(op, xs=xs, dtype=dtype, refs=refs):  # the reduction of xs by op, computed once
             if op not in refs:
-                if op in ("min", "max"):
-                    refs[op] = torch.stack(xs).amin(0) if op == "min" else torch.stack(xs).amax(0)
-                else:
-                    refs[op] = summed(xs, dtype, op)
+                stacked = {"min": torch.amin, "max": torch.amax}.get(op)
+                refs[op] = stacked(torch.stack(xs), 0) if stacked else summed(xs, dtype, op)
             return refs[op]
 
         # all_reduce in place, every op

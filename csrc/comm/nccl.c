@@ -514,7 +514,7 @@ static fsc_status_t op_abandon(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_gpu_ctx
     c->submitter = NULL;
     fsc_gpu_ctx_exit(g);
     pthread_mutex_unlock(&c->lock);
-    return fsc_error(FSC_ERR_TIMEOUT, "%s (FAIRSCALE_C_TIMEOUT)", msg);
+    return fsc_error(FSC_ERR_TIMEOUT, "%s (the timeout is FAIRSCALE_C_TIMEOUT by default)", msg);
 }
 
 /* Check every op (nothing is enqueued unless all pass), then enqueue them on `stream`; inside one
