@@ -6,6 +6,9 @@ import pytest
 
 
 def pytest_sessionstart(session):
+    from dist_utils import settle_torch_math
+
+    settle_torch_math()
     # `make asan` sets this so the suite cannot silently test the regular build instead.
     expected = os.environ.get("FAIRSCALE_C_EXPECT_BUILD")
     if expected:

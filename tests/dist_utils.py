@@ -42,6 +42,26 @@ def orphaned_segments() -> set:
     return orphans
 
 
+# torch's CPU build dispatches sqrt, exp, log and the other MKL vector-math functions lazily, and
+# a first call that ATen splits across intra-op threads (more than 2048 elements) can run one
+# thread's chunk through MKL's low-accuracy kernel: about 1e-4 relative error in float32, 1e-11 in
+# float64 (pytorch/pytorch#188792). One single-element call per function and dtype, before any
+# reference is computed, settles the dispatch in this process.
+_VML_FUNCTIONS = (
+    "sqrt", "rsqrt", "exp", "expm1", "log", "log1p", "log2", "log10", "sin", "cos", "tan",
+    "asin", "acos", "atan", "sinh", "cosh", "tanh", "erf", "erfc", "erfinv", "sigmoid", "reciprocal",
+)  # fmt: skip
+
+
+def settle_torch_math() -> None:
+    import torch
+
+    for dtype in (torch.float32, torch.float64):
+        half = torch.full((1,), 0.5, dtype=dtype)
+        for name in _VML_FUNCTIONS:
+            getattr(half, name)()
+
+
 @pytest.fixture
 def clean_dev_shm():
     """Import it into a test module (autouse there) to fail a test that leaves segments behind."""
@@ -145,6 +165,7 @@ def _entry(fn: Callable, rank: int, world: int, port: int, env: Dict[str, str], 
     )
     os.environ.update({k: (v if v != "__per_rank__" else f"host{rank}") for k, v in env.items()})
     try:
+        settle_torch_math()
         q.put((rank, True, fn(rank, world, *args)))
     except BaseException:
         q.put((rank, False, traceback.format_exc()))

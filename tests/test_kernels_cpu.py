@@ -153,13 +153,30 @@ def test_norm_is_shape_agnostic():
 
 
 def _run_torch_adamw(p0, grads, **hp):
-    p = torch.nn.Parameter(p0.clone())
+    """torch.optim.AdamW in float64 on the same data: the algorithm without float32 rounding.
+
+    Also returns, per element, the sum of |change| of the parameter over the steps: the size of
+    the terms whose float32 roundings accumulate in the result.
+    """
+    p = torch.nn.Parameter(p0.double())
     opt = torch.optim.AdamW([p], foreach=False, **hp)
+    moved = torch.zeros_like(p, requires_grad=False)
     for g in grads:
-        p.grad = g.clone()
+        before = p.detach().clone()
+        p.grad = g.double()
         opt.step()
+        moved += (p.detach() - before).abs()
     st = opt.state[p]
-    return p.detach(), st["exp_avg"], st["exp_avg_sq"]
+    return p.detach(), st["exp_avg"], st["exp_avg_sq"], moved
+
+
+def _assert_within(got, want, bound, what):
+    err = (got.double() - want).abs()
+    worst = int((err / bound).argmax())
+    assert bool((err <= bound).all()), (
+        f"{what}: {int((err > bound).sum())} of {err.numel()} elements off; worst at {worst}: "
+        f"got {got[worst].item()!r}, float64 reference {want[worst].item()!r}, allowed {bound[worst].item():.3g}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -171,19 +188,24 @@ def _run_torch_adamw(p0, grads, **hp):
     ],
 )
 def test_adamw_matches_torch_optim(hp):
+    """Held to torch's AdamW computed in float64, not to torch's float32 kernels: those differ by
+    machine (with ATen's AVX-512 kernels, float32 sqrt is off by up to ~3e-4 relative)."""
     g = torch.Generator().manual_seed(4)
     n = 4099
     p0 = torch.randn(n, generator=g)
     grads = [torch.randn(n, generator=g) for _ in range(6)]
-    p_ref, m_ref, v_ref = _run_torch_adamw(p0, grads, **hp)
+    p_ref, m_ref, v_ref, moved = _run_torch_adamw(p0, grads, **hp)
 
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
     for step, grad in enumerate(grads, start=1):
         _C.cpu_adamw_step(p, grad, m, v, hp["lr"], hp["betas"][0], hp["betas"][1], hp["eps"], hp["weight_decay"], step)
-    # torch's vectorised CPU kernels may fuse multiply-adds, so allow a few ulps
-    torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(v, v_ref, rtol=1e-6, atol=1e-9)
-    torch.testing.assert_close(p, p_ref, rtol=1e-6, atol=1e-7)
+    # Each step rounds a handful of float32 operations (2**-24 relative each) and the hyper-parameters
+    # themselves to float32. 1e-6 (about 17 roundings) of the magnitudes that met in the sums: the
+    # value itself, the parameter's movement, the gradients averaged into the moments.
+    gmax = torch.stack(grads).abs().amax(0).double()
+    _assert_within(m, m_ref, 1e-6 * (m_ref.abs() + gmax), "exp_avg")
+    _assert_within(v, v_ref, 1e-6 * v_ref, "exp_avg_sq")
+    _assert_within(p, p_ref, 1e-6 * (p_ref.abs() + moved), "param")
 
 
 def test_adamw_rejects_bad_arguments():
