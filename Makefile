@@ -53,7 +53,7 @@ lint: $(DEPS)
 	$(VPY) -m pip install -q ruff clang-format==14.0.6
 	$(VENV)/bin/ruff check fairscale_c tests benchmarks examples setup.py tools
 	$(VENV)/bin/ruff format --check fairscale_c tests benchmarks examples setup.py tools
-	$(VENV)/bin/clang-format --dry-run -Werror csrc/*/*.c csrc/*/*.h csrc/cuda/*.cu csrc/cuda/*.cuh tests/c/*.c tests/c/*.h tools/nccl_calls/*.c
+	$(VENV)/bin/clang-format --dry-run -Werror csrc/*/*.c csrc/*/*.h csrc/cuda/*.cu csrc/cuda/*.cuh tests/c/*.c tests/c/*.h tools/*.c tools/nccl_calls/*.c
 
 # Optional, not part of `make test`: ai2-tango 1.3.2 into .venv (torch stays 2.13.0 CPU), Tango's
 # own FairScale tests through the fairscale alias with their GPU gate lifted, and 2-worker CPU
