@@ -160,7 +160,7 @@ def _run_torch_adamw(p0, grads, **hp):
     """
     p = torch.nn.Parameter(p0.double())
     opt = torch.optim.AdamW([p], foreach=False, **hp)
-    moved = torch.zeros_like(p, requires_grad=False)
+    moved = torch.zeros_like(p0, dtype=torch.float64)
     for g in grads:
         before = p.detach().clone()
         p.grad = g.double()
