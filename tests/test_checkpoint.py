@@ -138,3 +138,21 @@ def test_import_paths_mirror_fairscale():
 
     assert fairscale_c.nn.checkpoint_wrapper is fairscale_c.nn.checkpoint.checkpoint_wrapper
     assert fairscale_c.nn.misc.checkpoint_wrapper is checkpoint_wrapper  # FairScale's old path
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_last_in_the_wrapped_module_keeps_tracking(momentum):
+    """torch's checkpoint ends the recomputation inside the last BatchNorm's forward (once every
+    saved tensor is back), before its forward hooks run: its momentum and batch count must come
+    back anyway, or its running statistics freeze after the first backward."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm2d(2, momentum=momentum))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.rand(2, 2, 3, 3, requires_grad=True)
+    for step in range(3):
+        for model in (plain, wrapped):
+            model(x * (step + 1)).sum().backward()
+        assert wrapped[1].momentum == momentum
+        assert wrapped[1].num_batches_tracked.item() == plain[1].num_batches_tracked.item() == step + 1
+        assert torch.equal(wrapped[1].running_mean, plain[1].running_mean)
+        assert torch.equal(wrapped[1].running_var, plain[1].running_var)

@@ -27,6 +27,7 @@ class _State(threading.local):
         self.is_checkpointing = False
         self.is_recomputing = False
         self.is_checkpointing_disabled = False
+        self.frozen: list = []  # BatchNorm layers whose statistics this thread's recomputation froze
 
 
 _state = _State()
@@ -52,9 +53,20 @@ def enable_checkpointing():
     return _flag("is_checkpointing")
 
 
-def enable_recomputing():
-    """Makes is_recomputing() true while inside."""
-    return _flag("is_recomputing")
+@contextlib.contextmanager
+def enable_recomputing() -> Generator[None, None, None]:
+    """Makes is_recomputing() true while inside. On leaving, BatchNorm layers frozen inside get
+    their settings back, also those whose forward did not return: torch's checkpoint stops a
+    recomputation as soon as it has every saved tensor, which can be inside a BatchNorm's
+    forward, before its forward hooks."""
+    before, pending = _state.is_recomputing, len(_state.frozen)
+    _state.is_recomputing = True
+    try:
+        yield
+    finally:
+        _state.is_recomputing = before
+        while len(_state.frozen) > pending:
+            _thaw(_state.frozen.pop())
 
 
 def is_checkpointing() -> bool:
@@ -108,15 +120,25 @@ def _freeze_stats_when_recomputing(bn: _BatchNorm, inputs: Any) -> None:
         tracked = bn.num_batches_tracked.clone() if bn.num_batches_tracked is not None else None
         bn._fsc_saved_stats = (bn.momentum, tracked)
         bn.momentum = 0.0
+        _state.frozen.append(bn)
 
 
 def _restore_stats_settings(bn: _BatchNorm, inputs: Any, output: Any) -> None:
+    if _thaw(bn) and bn in _state.frozen:
+        _state.frozen.remove(bn)
+
+
+def _thaw(bn: _BatchNorm) -> bool:
+    """Give `bn` back the momentum and batch count saved by _freeze_stats_when_recomputing;
+    False if nothing was saved."""
     saved = bn.__dict__.pop("_fsc_saved_stats", None)
-    if saved is not None:
-        bn.momentum = saved[0]
-        if saved[1] is not None:
-            with torch.no_grad():
-                bn.num_batches_tracked.copy_(saved[1])
+    if saved is None:
+        return False
+    bn.momentum = saved[0]
+    if saved[1] is not None:
+        with torch.no_grad():
+            bn.num_batches_tracked.copy_(saved[1])
+    return True
 
 
 def _patch_batchnorm(module: nn.Module) -> None:
