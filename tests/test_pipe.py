@@ -354,6 +354,37 @@ def test_exception_in_a_partition_reaches_the_caller(where):
     assert pipe(torch.randn(8, 8)).shape == (8, 8)
 
 
+def test_a_failed_run_starts_no_more_micro_batches():
+    """As FairScale's Pipe: once a partition has raised, the others start nothing new, even
+    when their next input is already there."""
+    raised, calls, armed = threading.Event(), [], [False]
+
+    class Counter(nn.Module):
+        def forward(self, x):
+            if armed[0]:
+                calls.append(len(calls))
+                if len(calls) == 2:  # busy with micro-batch 1 while the next partition fails on 0
+                    assert raised.wait(10)
+                    time.sleep(0.1)
+            return x
+
+    class Raise(nn.Module):
+        def forward(self, x):
+            if armed[0]:
+                raised.set()
+                raise ValueError("boom in the last partition")
+            return x
+
+    pipe = Pipe(nn.Sequential(nn.Identity(), Counter(), Raise()), [1, 1, 1], devices=["cpu"] * 3, chunks=3)
+    pipe(torch.randn(3, 2))  # the first run takes turns while it learns which partitions draw random numbers
+    armed[0] = True
+    with pytest.raises(ValueError, match="boom in the last partition"):
+        pipe(torch.randn(3, 2))
+    # Partition 1 may or may not have started micro-batch 1 before partition 2 failed (FairScale
+    # runs them in the same clock cycle); micro-batch 2 had arrived, and must not start.
+    assert calls in ([0], [0, 1])
+
+
 def test_exception_in_backward_reaches_the_caller():
     pipe = Pipe(nn.Sequential(nn.Linear(8, 8), Boom(on_backward=True), nn.Linear(8, 8)), [1, 2], devices=["cpu"] * 2)
     y = pipe(torch.randn(4, 8, requires_grad=True))

@@ -36,20 +36,21 @@ class Board:
             self.cond.notify_all()
 
     def take(self, key: Hashable) -> Any:
-        """Remove and return the value under `key`, waiting for it (Aborted if the run failed)."""
+        """Remove and return the value under `key`, waiting for it. Aborted once the run has
+        failed, even when the value is there: a failed run starts no more work."""
         with self.cond:
-            while key not in self.slots:
-                if self.error is not None:
-                    raise Aborted()
+            while self.error is None and key not in self.slots:
                 self.cond.wait(_POLL_S)
+            if self.error is not None:
+                raise Aborted()
             return self.slots.pop(key)
 
     def wait_until(self, predicate: Callable[[], bool]) -> None:
         with self.cond:
-            while not predicate():
-                if self.error is not None:
-                    raise Aborted()
+            while self.error is None and not predicate():
                 self.cond.wait(_POLL_S)
+            if self.error is not None:
+                raise Aborted()
 
     def fail(self, exc: BaseException) -> None:
         with self.cond:
