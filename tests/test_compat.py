@@ -120,6 +120,25 @@ def test_alias_names_a_missing_class():
     assert "cannot import name 'PipeRPCWrapper' from 'fairscale_c.nn'" in proc.stderr, proc.stderr
 
 
+def test_messages_name_packages_as_the_caller_imports_them():
+    """Pipe's missing-balance error points to the balance helpers under the name in use."""
+    out = check(
+        run_python("""
+        import torch.nn as nn
+        import fairscale_c.compat
+        from fairscale_c.nn import Pipe
+        for alias in (False, True):
+            if alias:
+                fairscale_c.compat.install()
+            try:
+                Pipe(nn.Sequential(nn.Linear(1, 1)))
+            except ValueError as exc:
+                print([line for line in str(exc).splitlines() if line.strip().startswith("from ")][0].split()[1])
+        """)
+    )
+    assert out.split() == ["fairscale_c.nn.pipe.balance", "fairscale.nn.pipe.balance"]
+
+
 def test_alias_refuses_when_the_real_fairscale_is_loaded(tmp_path):
     # A stand-in for an installed FairScale: a package named fairscale on sys.path.
     pkg = tmp_path / "fairscale"

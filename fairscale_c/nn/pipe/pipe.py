@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, List, Optional, Tuple, Union
@@ -26,10 +27,13 @@ class BalanceError(ValueError):
 
 
 def _recommend_auto_balance(message: str) -> str:
+    # Named as the caller imports it: under the fairscale alias, FairScale's name.
+    compat = sys.modules.get("fairscale_c.compat")
+    package = ("fairscale" if compat is not None and compat.is_installed() else "fairscale_c") + ".nn.pipe.balance"
     return (
         f"{message}\n\nTo find a balance automatically, profile the model with "
-        "fairscale_c.nn.pipe.balance:\n\n"
-        "  from fairscale_c.nn.pipe.balance import balance_by_time\n"
+        f"{package}:\n\n"
+        f"  from {package} import balance_by_time\n"
         "  balance = balance_by_time(partitions, model, sample, device='cpu')\n"
         "  model = Pipe(model, balance, devices=[...])\n"
     )
