@@ -369,6 +369,23 @@ def scenario_bad_input(rank, world):
         ShardedDataParallel(model, OSS(model.parameters(), lr=0.1), reduce_buffer_size=-1)
 
 
+def scenario_gradient_that_requires_grad_refused(rank, world):
+    """As FairScale, at every world size: a training forward refuses a parameter whose .grad
+    requires grad (double backward is not supported); an eval forward runs."""
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    model = Net()
+    chained = torch.zeros_like(model.fc1.weight, requires_grad=True)
+    model.fc1.weight.grad = chained
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1))
+    x = torch.randn(4, 12)
+    with pytest.raises(RuntimeError, match="gradients that do not require grad"):
+        sdp(x)
+    sdp.eval()
+    assert sdp(x).shape == (4, 3)
+
+
 SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 ALL = sorted(SCENARIOS)
 

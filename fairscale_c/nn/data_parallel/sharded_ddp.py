@@ -299,11 +299,11 @@ class ShardedDataParallel(nn.Module):
     def _setup_backward_hooks(self) -> None:
         while self._grad_hooks:
             self._grad_hooks.pop().remove()
+        if self.training and any(p.grad is not None and p.grad.requires_grad for p in self._trainable_params):
+            raise RuntimeError("ShardedDataParallel only works with gradients that do not require grad")
         if self._world_size == 1:
             return  # nothing to reduce: gradients stay where autograd puts them
         for p in self._trainable_params:
-            if p.grad is not None and p.grad.requires_grad:
-                raise RuntimeError("ShardedDataParallel only works with gradients that do not require grad")
             self._grad_hooks.append(p.register_hook(functools.partial(self._before_accumulate, p)))
             self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
