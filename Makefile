@@ -4,7 +4,7 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-installed
 
-.PHONY: demo test install dist asan ctest bench bench-compare bench-tables lint clean tango
+.PHONY: demo test install dist asan ctest bench bench-compare bench-tables lint clean tango fairscale-tests
 
 # torch is pinned: the CPU build of 2.13.0 (an unpinned torch pulls a multi-GB CUDA build).
 $(DEPS):
@@ -60,6 +60,12 @@ lint: $(DEPS)
 # `tango run`s of both FSDP engines compared with DDP (tools/tango/run.sh; docs/tango.md).
 tango: install
 	tools/tango/run.sh $(VPY)
+
+# Optional, not part of `make test`: FairScale 0.4.13's own tests of what fairscale_c provides
+# (tools/fairscale_tests/upstream), run on FairScale and on fairscale_c through the alias, compared
+# test by test (tools/fairscale_tests/run.py; docs/migration.md). Needs PyPI for fairscale==0.4.13.
+fairscale-tests: install
+	$(VPY) tools/fairscale_tests/run.py
 
 # The pytest-benchmark suite (benchmarks/test_*.py; docs/benchmarks.md says how to read it).
 # `make bench` runs it and saves the run as JSON under benchmarks/results/<machine>/.
