@@ -2,12 +2,14 @@
 
 from .checkpoint import checkpoint_wrapper
 from .data_parallel import FullyShardedDataParallel, ShardedDataParallel
+from .misc import FlattenParamsWrapper
 from .pipe import Pipe
 from .wrap import auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap
 
 __all__ = [
     "FullyShardedDataParallel",
     "ShardedDataParallel",
+    "FlattenParamsWrapper",
     "Pipe",
     "checkpoint_wrapper",
     "auto_wrap",
