@@ -51,7 +51,7 @@ def check_blobs() -> list:
 
 def ensure_reference(python: str) -> None:
     version = REFERENCE / "fairscale" / "version.py"
-    if version.is_file() and f'"{VERSION}"' in version.read_text():
+    if version.is_file() and f"({VERSION.replace('.', ', ')})" in version.read_text():  # __version_tuple__
         return
     shutil.rmtree(REFERENCE, ignore_errors=True)
     print(f"fairscale-tests: installing fairscale=={VERSION} into {REFERENCE} (no dependencies)", flush=True)
@@ -61,33 +61,36 @@ def ensure_reference(python: str) -> None:
         sys.exit(f"fairscale-tests: could not install fairscale=={VERSION}:\n{proc.stdout}{proc.stderr}")
 
 
-def run_side(side: str, python: str, tests: list, extra: list, timeout: float) -> Path:
-    """Run the tests in a scratch copy; return the junit XML's path (None if the run did not end)."""
+def run_side(side: str, python: str, tests: list, extra: list, timeout: float):
+    """Run the tests in a scratch copy; return their outcomes (None if the run did not end)."""
     scratch = Path(tempfile.mkdtemp(prefix=f"fairscale-tests-{side}-"))
-    shutil.copytree(UPSTREAM / "tests", scratch / "tests")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.pop("MASTER_PORT", None)
-    if side == "fairscale":
-        env["PYTHONPATH"] = str(REFERENCE)
-    else:
-        env["PYTHONPATH"] = os.pathsep.join([str(HERE / "boot"), str(ROOT)])
-        env["FAIRSCALE_C_REFERENCE"] = str(REFERENCE)
-    env.setdefault("FAIRSCALE_C_TIMEOUT", "120")
-    xml = scratch / "results.xml"
-    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--continue-on-collection-errors"]
-    cmd += ["-o", "junit_family=xunit1", f"--junitxml={xml}", *extra, *tests]
-    print(f"fairscale-tests: {side}: {' '.join(cmd[1:])}", flush=True)
     try:
-        proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"fairscale-tests: {side}: no result within {timeout:.0f} s", flush=True)
-        return None
-    (ROOT / "build").mkdir(exist_ok=True)
-    log = ROOT / "build" / f"fairscale-tests-{side}.log"
-    log.write_text(proc.stdout + proc.stderr)
-    last = (proc.stdout.strip().splitlines() or [""])[-1]
-    print(f"fairscale-tests: {side}: {last} (log: {log.relative_to(ROOT)})", flush=True)
-    return xml if xml.is_file() else None
+        shutil.copytree(UPSTREAM / "tests", scratch / "tests")
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+        env.pop("MASTER_PORT", None)
+        if side == "fairscale":
+            env["PYTHONPATH"] = str(REFERENCE)
+        else:
+            env["PYTHONPATH"] = os.pathsep.join([str(HERE / "boot"), str(ROOT)])
+            env["FAIRSCALE_C_REFERENCE"] = str(REFERENCE)
+        env.setdefault("FAIRSCALE_C_TIMEOUT", "120")
+        xml = scratch / "results.xml"
+        cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--continue-on-collection-errors"]
+        cmd += ["-o", "junit_family=xunit1", f"--junitxml={xml}", *extra, *tests]
+        print(f"fairscale-tests: {side}: pytest {' '.join(cmd[6:])}", flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"fairscale-tests: {side}: no result within {timeout:.0f} s", flush=True)
+            return None
+        (ROOT / "build").mkdir(exist_ok=True)
+        log = ROOT / "build" / f"fairscale-tests-{side}.log"
+        log.write_text(proc.stdout + proc.stderr)
+        last = (proc.stdout.strip().splitlines() or [""])[-1]
+        print(f"fairscale-tests: {side}: {last} (log: {log.relative_to(ROOT)})", flush=True)
+        return outcomes(xml) if xml.is_file() else None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def outcomes(xml: Path) -> dict:
@@ -136,10 +139,10 @@ def main() -> int:
     tests = args.files or sorted(f for f in files if f.startswith("tests/") and Path(f).name.startswith("test_"))
     extra = ["-k", args.keyword] if args.keyword else []
     ensure_reference(python)
-    xmls = {side: run_side(side, python, tests, extra, args.timeout) for side in ("fairscale", "fairscale_c")}
-    if None in xmls.values():
+    ref = run_side("fairscale", python, tests, extra, args.timeout)
+    ours = run_side("fairscale_c", python, tests, extra, args.timeout)
+    if ref is None or ours is None:
         return 1
-    ref, ours = outcomes(xmls["fairscale"]), outcomes(xmls["fairscale_c"])
     expected = load_expected()
 
     per_file: dict = {}

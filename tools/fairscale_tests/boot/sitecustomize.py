@@ -4,8 +4,7 @@ tools/fairscale_tests/run.py (this folder is first on its PYTHONPATH, so spawned
 ``fairscale.<sub>`` is fairscale_c's module wherever fairscale_c provides one (the alias of
 fairscale_c.compat); every other ``fairscale.<sub>`` (the tests' helpers in ``fair_dev``,
 ``internal``, ``nn.model_parallel``) is FairScale's own file from FAIRSCALE_C_REFERENCE, the
-reference installation. FlattenParamsWrapper, which some tests build models with and fairscale_c
-does not provide, is FairScale's class."""
+reference installation."""
 
 import importlib
 import importlib.abc
@@ -38,9 +37,3 @@ class _FromReference(importlib.abc.MetaPathFinder):
 
 fairscale_c.compat.install()
 sys.meta_path.insert(0, _FromReference())
-
-import fairscale_c.nn.misc  # noqa: E402
-
-fairscale_c.nn.misc.FlattenParamsWrapper = importlib.import_module(
-    "fairscale.nn.misc.flatten_params_wrapper"
-).FlattenParamsWrapper
