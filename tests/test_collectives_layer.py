@@ -195,6 +195,43 @@ def test_one_engine_group_per_torch_group_and_role():
         assert threads == 2, f"{threads} progress threads; expected one per (torch group, role): 2"
 
 
+def _released_job(rank, world):
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+    from fairscale_c.distributed import _group
+    from fairscale_c.optim import OSS
+
+    dist.init_process_group("gloo")
+    try:
+        sub = dist.new_group(list(range(world)))
+        model = torch.nn.Linear(8, 4)
+        opt = OSS(model.parameters(), lr=0.1, group=sub)  # the first group built: the module's default
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        group = fdist.group_for(sub)
+        dist.destroy_process_group(sub)
+        alive = weakref.ref(sub)
+        del sub, opt, model
+        _group._close_live_groups()  # what runs at interpreter exit
+        gc.collect()
+        with pytest.raises(RuntimeError, match="has been destroyed"):
+            group.new_group([0])
+        return alive() is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_closed_groups_let_go_of_their_torch_group():
+    """At exit, the engine's groups are closed before the interpreter finalizes; a torch group
+    that torch has destroyed must then end there (its gloo threads joined), not during
+    finalization, where a gloo thread still releasing a finished work aborts the process."""
+    assert run_ranks(_released_job, 2, env=FAST) == [True, True]
+
+
 def _shared_gpu_job(rank, world, scenario):
     import fairscale_c.distributed as fdist
     from fairscale_c.distributed import _group

@@ -160,6 +160,7 @@ class Group:
         self._side: dict = {}  # CUDA device -> the stream this group's NCCL ops run on
         self._shm: Optional[Any] = None
         self._torch_cpu: Optional[_TorchCPU] = None
+        self._closed = False
         self._nccl: Optional[Any] = None
         self._subgroups = 0
         self.shares_gpu = False  # two ranks on one GPU (set at rendezvous; see gpu_identity)
@@ -226,9 +227,17 @@ class Group:
         """destroy(); with `grace`, an op still waiting for a peer after that many seconds is
         abandoned, and teardown errors are swallowed (the exit and error-unwinding path)."""
         _LIVE.discard(self)
+        self._closed = True
         for key, (_, group) in list(REGISTRY.items()):
             if group is self:
                 del REGISTRY[key]
+        # A closed group holds no reference to its torch process group: once torch has destroyed
+        # that group too, it ends (joining its gloo threads) as soon as its user lets go of it,
+        # not during interpreter finalization, where a gloo thread still releasing a finished
+        # work can no longer take the GIL and aborts the process.
+        self._pg = self.process_group = None
+        if isinstance(self._exchange, ProcessGroupExchange):
+            self._exchange.pg = None
         shm, self._shm = self._shm, None
         nccl, self._nccl = self._nccl, None
         self._torch_cpu = None
@@ -261,6 +270,7 @@ class Group:
             raise ValueError(
                 f"new_group: ranks must be distinct ranks of group '{self.name}' (0..{self.size - 1}), got {ranks}"
             )
+        self._check_open("new_group")
         self._subgroups += 1
         name = f"{self.name}/sub{self._subgroups}"
         if isinstance(self._exchange, ProcessGroupExchange):
@@ -279,8 +289,13 @@ class Group:
             raise RuntimeError(f"group '{self.name}' has been destroyed")
         return backend
 
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{op}: group '{self.name}' has been destroyed")
+
     def _cuda(self, device: Any = None) -> Any:
         if self._nccl is None:
+            self._check_open("CUDA collective")
             try:
                 from ._nccl import NcclBackend
             except Exception as exc:
