@@ -184,10 +184,7 @@ class FlattenParamsWrapper(nn.Module):
                     first[p] = (name, m, n)
                     infos.append((name, m, n))
                     params.append(p)
-        kinds = {(p.dtype, p.device) for p in params}
-        if len(kinds) > 1:
-            found = ", ".join(sorted(f"{d} on {dev}" for d, dev in kinds))
-            raise ValueError(f"FlattenParamsWrapper: a group's parameters must share one dtype and device, got {found}")
+        # One dtype and device per group: FlatParameter refuses anything else.
         if len({p.requires_grad for p in params}) > 1:
             raise ValueError("FlattenParamsWrapper: a group's parameters must all require grad, or none")
         return params, infos, shared
