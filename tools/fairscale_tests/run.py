@@ -137,7 +137,11 @@ def main() -> int:
     args = parser.parse_args()
     python = sys.executable
     files = check_blobs()
-    tests = args.files or sorted(f for f in files if f.startswith("tests/") and Path(f).name.startswith("test_"))
+    vendored = sorted(f for f in files if f.startswith("tests/") and Path(f).name.startswith("test_"))
+    unknown = [f for f in args.files if f not in vendored]
+    if unknown:
+        parser.error(f"not a vendored test file: {', '.join(unknown)} (they are named as in BLOBS, e.g. {vendored[0]})")
+    tests = args.files or vendored
     extra = ["-k", args.keyword] if args.keyword else []
     ensure_reference(python)
     ref = run_side("fairscale", python, tests, extra, args.timeout)
@@ -192,6 +196,9 @@ def main() -> int:
         stale = []
     known = len(differences) - len(unexpected)
     print(f"\nfairscale-tests: {len(unexpected)} unexpected difference(s), {known} expected")
+    if total["tests"] == 0:
+        print("fairscale-tests: no test ran", flush=True)
+        return 1
     return 1 if unexpected or stale else 0
 
 

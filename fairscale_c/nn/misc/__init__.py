@@ -1,7 +1,8 @@
-"""fairscale_c.nn.misc — the part of fairscale.nn.misc that is provided: FlattenParamsWrapper and
-the old import path of checkpoint_wrapper (GradBucket and ParamBucket are not)."""
+"""fairscale_c.nn.misc — mirrors fairscale.nn.misc: FlattenParamsWrapper, the parameter and
+gradient buckets, and the old import path of checkpoint_wrapper."""
 
 from ..checkpoint import checkpoint_wrapper
 from .flatten_params_wrapper import FlatParameter, FlattenParamsWrapper
+from .param_bucket import GradBucket, ParamBucket
 
-__all__ = ["checkpoint_wrapper", "FlatParameter", "FlattenParamsWrapper"]
+__all__ = ["checkpoint_wrapper", "FlatParameter", "FlattenParamsWrapper", "GradBucket", "ParamBucket"]
