@@ -62,6 +62,8 @@ __all__ = [
     "send",
     "recv",
     "barrier",
+    "all_to_all_single",
+    "all_to_all",
     "timeout_s",
     "ranks_share_gpus",
     "shared_empty",
@@ -287,6 +289,33 @@ def recv(tensor: Any, src: int, group: Optional[Group] = None, async_op: bool = 
 
 def barrier(group: Optional[Group] = None, async_op: bool = False) -> Any:
     return (group or get_group()).barrier(async_op=async_op)
+
+
+def all_to_all_single(
+    output: Any,
+    input: Any,
+    output_split_sizes: Optional[Sequence[int]] = None,
+    input_split_sizes: Optional[Sequence[int]] = None,
+    group: Optional[Group] = None,
+    async_op: bool = False,
+) -> Any:
+    """torch.distributed.all_to_all_single's meaning: input's dim-0 block j (``input_split_sizes[j]``
+    rows, or an equal split) goes to rank j, output's block i comes from rank i. One batch of sends
+    and receives underneath: it cannot deadlock, on CPU and on CUDA."""
+    return (group or get_group()).all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, async_op=async_op
+    )
+
+
+def all_to_all(
+    output_tensor_list: Sequence[Any],
+    input_tensor_list: Sequence[Any],
+    group: Optional[Group] = None,
+    async_op: bool = False,
+) -> Any:
+    """torch.distributed.all_to_all's meaning: ``input_tensor_list[j]`` goes to rank j,
+    ``output_tensor_list[i]`` comes from rank i."""
+    return (group or get_group()).all_to_all(output_tensor_list, input_tensor_list, async_op=async_op)
 
 
 def shared_empty(*size: Any, dtype: Any = None, group: Optional[Group] = None) -> Any:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from . import _alltoall
 from ._rendezvous import Exchange, ProcessGroupExchange, StoreExchange, timeout_s
 from ._work import CompletedWork, CudaWork, local_copy
 
@@ -444,6 +445,21 @@ class Group:
             return self._cuda_op("batch", lambda n, s: n.batch(items, stream=s), tensors, async_op)
         return self._cpu_op("batch", async_op, (items,), {})
 
+    def all_to_all_single(
+        self,
+        output: Any,
+        input: Any,
+        output_split_sizes: Optional[Sequence[int]] = None,
+        input_split_sizes: Optional[Sequence[int]] = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Input's dim-0 block j goes to rank j; output's block i comes from rank i (see _alltoall)."""
+        return _alltoall.all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, async_op)
+
+    def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any], async_op: bool = False) -> Any:
+        """inputs[j] goes to rank j; outputs[i] comes from rank i (see _alltoall)."""
+        return _alltoall.all_to_all(self, outputs, inputs, async_op)
+
     def barrier(self, async_op: bool = False) -> Any:
         """Every rank waits for all the others (CPU engine; also the NCCL one if it is in use)."""
         work = self._cpu_op("barrier", async_op, (), {})
@@ -532,6 +548,9 @@ class LocalGroup:
 
     def barrier(self, async_op: bool = False) -> Any:
         return self._done(async_op)
+
+    all_to_all_single = Group.all_to_all_single
+    all_to_all = Group.all_to_all
 
     def _no_peer(self, op: str) -> None:
         raise ValueError(f"{op}: group '{self.name}' has one rank, so there is no peer to {op} with")
