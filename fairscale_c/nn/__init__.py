@@ -3,6 +3,7 @@
 from .checkpoint import checkpoint_wrapper
 from .data_parallel import FullyShardedDataParallel, ShardedDataParallel
 from .misc import FlattenParamsWrapper
+from .moe import MOELayer, Top2Gate
 from .pipe import Pipe
 from .wrap import auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap
 
@@ -10,6 +11,8 @@ __all__ = [
     "FullyShardedDataParallel",
     "ShardedDataParallel",
     "FlattenParamsWrapper",
+    "MOELayer",
+    "Top2Gate",
     "Pipe",
     "checkpoint_wrapper",
     "auto_wrap",
