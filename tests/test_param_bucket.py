@@ -228,7 +228,8 @@ def _world2_grads(rank, world):
         rows = slice(4 * rank, 4 * rank + 4)
         (_loss(model, x[rows], y[rows]) / world).backward()
         fdist.all_reduce(bucket.buffer)
-        return [p.grad.clone() for p in model.parameters()]
+        # numpy arrays: torch's queue pickling would share fds with this exiting process
+        return [p.grad.numpy().copy() for p in model.parameters()]
     finally:
         dist.destroy_process_group()
 
@@ -242,4 +243,4 @@ def test_one_all_reduce_of_a_grad_bucket_gives_full_batch_gradients():
     _loss(ref, x, y).backward()
     for grads in results:
         for got, q in zip(grads, ref.parameters()):
-            assert torch.allclose(got, q.grad, rtol=1e-5, atol=1e-6)
+            assert torch.allclose(torch.from_numpy(got), q.grad, rtol=1e-5, atol=1e-6)
