@@ -260,3 +260,68 @@ def test_model_parallel_errors():
     with pytest.raises(ValueError, match="rng state 'nope' is not added"):
         with mpu.get_cuda_rng_tracker().fork("nope"):
             pass
+
+
+def _cuda_job(rank, world):
+    """CUDA tensors on NCCL: the MLP block, the cross-entropy and the CUDA random streams."""
+    import torch.distributed as dist
+
+    import fairscale_c.nn.model_parallel as mpu
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    check = _Checks()
+    try:
+        mpu.initialize_model_parallel(world)
+        d, hidden = 8, 16
+        torch.manual_seed(40)
+        up = mpu.ColumnParallelLinear(d, hidden, gather_output=False).cuda()
+        torch.manual_seed(41)
+        down = mpu.RowParallelLinear(hidden, d, input_is_parallel=True).cuda()
+        ref_up, ref_down = _master(40, hidden, d).requires_grad_(), _master(41, d, hidden).requires_grad_()
+        x = _data(50, 6, d)
+        xc = x.cuda().requires_grad_()
+        out = down(F.gelu(up(xc)))
+        ref = F.linear(F.gelu(F.linear(x, ref_up)), ref_down)
+        check.close(out.cpu(), ref, "CUDA MLP forward")
+        (out * out).sum().backward()
+        (ref * ref).sum().backward()
+        part = slice(rank * hidden // world, (rank + 1) * hidden // world)
+        check.close(up.weight.grad.cpu(), ref_up.grad[part], "CUDA column weight grad")
+        check.close(down.weight.grad.cpu(), ref_down.grad[:, part], "CUDA row weight grad")
+        _cross_entropy_checks_cuda(mpu, check, rank, world)
+        mpu.model_parallel_cuda_manual_seed(7)
+        default = torch.rand(4, device="cuda").cpu()
+        with mpu.get_cuda_rng_tracker().fork():
+            forked = torch.rand(4, device="cuda").cpu()
+        both = [torch.empty(2, 4) for _ in range(world)]
+        dist.all_gather(both, torch.stack([default, forked]))
+        check.true(torch.equal(both[0][0], both[1][0]), "CUDA default stream differs across ranks")
+        check.true(not torch.equal(both[0][1], both[1][1]), "CUDA model-parallel stream equal across ranks")
+        mpu.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+    return check.failures
+
+
+def _cross_entropy_checks_cuda(mpu, check, rank, size):
+    vocab = 16
+    logits0, target = _data(5, 4, vocab) * 3, torch.randint(0, vocab, (4,), generator=torch.Generator().manual_seed(6))
+    ref_logits = logits0.clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits, target, reduction="none")
+    ref.sum().backward()
+    part = slice(rank * vocab // size, (rank + 1) * vocab // size)
+    mine = logits0[:, part].cuda().requires_grad_()
+    loss = mpu.vocab_parallel_cross_entropy(mine, target.cuda())
+    loss.sum().backward()
+    check.close(loss.cpu(), ref, "CUDA vocab-parallel cross-entropy")
+    check.close(mine.grad.cpu(), ref_logits.grad[:, part], "CUDA vocab-parallel cross-entropy grad")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_model_parallel_on_cuda_ranks_equals_plain_torch():
+    from test_cuda import _nccl_devices
+
+    _, nccl_env = _nccl_devices()
+    assert run_ranks(_cuda_job, 2, env=nccl_env, timeout=240) == [[]] * 2
