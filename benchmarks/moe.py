@@ -34,19 +34,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import queue
-import socket
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ranks import max_over_ranks, peak_rise_mib, run_world, timed_rounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "moe.json"
@@ -108,34 +107,6 @@ class Layer:
         self.opt.step()
 
 
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def peak_rise_mib(step: Callable[[], None]) -> float:
-    """MiB the resident high-water mark rises above the resident size during one step."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        return float("nan")
-    before = rss_kib("VmRSS")
-    step()
-    return (rss_kib("VmHWM") - before) / 1024
-
-
-def _max_over_ranks(value: float) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([value])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def _guard(layers: Dict[str, Layer], tokens: int) -> None:
     """The two MoE layers compute the same outputs (same seeds: same routing)."""
     outs = []
@@ -145,23 +116,6 @@ def _guard(layers: Dict[str, Layer], tokens: int) -> None:
     diff = (outs[0] - outs[1]).abs().max().item()
     if diff > 1e-4 * max(outs[1].abs().max().item(), 1.0):
         raise RuntimeError(f"fairscale_c and FairScale outputs differ by {diff} at {tokens} tokens")
-
-
-def _timed(layers: Dict[str, Layer], frameworks: List[str], cfg: Dict[str, Any]) -> Dict[str, List[float]]:
-    """Per framework, the slower rank's mean step of each round."""
-    import torch.distributed as dist
-
-    for layer in layers.values():
-        layer.step()  # warm-up
-    rounds: Dict[str, List[float]] = {f: [] for f in frameworks}
-    for r in range(cfg["rounds"]):
-        for f in frameworks if r % 2 == 0 else frameworks[::-1]:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(cfg["steps"]):
-                layers[f].step()
-            rounds[f].append(_max_over_ranks((time.perf_counter() - start) / cfg["steps"]))
-    return rounds
 
 
 def _all_to_all_times(tokens: int, cfg: Dict[str, Any]) -> Dict[str, float]:
@@ -185,84 +139,34 @@ def _all_to_all_times(tokens: int, cfg: Dict[str, Any]) -> Dict[str, float]:
             start = time.perf_counter()
             for _ in range(reps):
                 ops[name]()
-            times[name].append(_max_over_ranks((time.perf_counter() - start) / reps))
+            times[name].append(max_over_ranks((time.perf_counter() - start) / reps))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def rank_main(rank: int, port: int, cfg: Dict[str, Any], mode: str, q: Any) -> None:
+def rank_main(rank: int, cfg: Dict[str, Any], mode: str) -> Dict[str, Any]:
     """mode "time": step times; "memory": each step's peak (in processes of their own, whose
     allocator settings would slow the timed steps)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
-    try:
-        frameworks = [f for f in FRAMEWORKS if f != "fairscale" or load_fairscale() is not None]
-        results: Dict[str, Any] = {}
-        for tokens in cfg["tokens"]:
-            layers = {f: Layer(f, rank, tokens) for f in frameworks}
-            if mode == "memory":
-                peaks = {}
-                for f, layer in layers.items():
-                    layer.step()  # warm-up
-                    peaks[f] = {"peak_mib": _max_over_ranks(peak_rise_mib(layer.step))}
-                results[str(tokens)] = peaks
-                continue
-            if "fairscale" in layers:
-                _guard(layers, tokens)
-            rounds = _timed(layers, frameworks, cfg)
-            results[str(tokens)] = {f: {"step_s": statistics.median(v), "rounds_s": v} for f, v in rounds.items()}
-            results[str(tokens)]["all_to_all"] = _all_to_all_times(tokens, cfg)
-        if rank == 0:
-            q.put(results)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    frameworks = [f for f in FRAMEWORKS if f != "fairscale" or load_fairscale() is not None]
+    results: Dict[str, Any] = {}
+    for tokens in cfg["tokens"]:
+        layers = {f: Layer(f, rank, tokens) for f in frameworks}
+        if mode == "memory":
+            peaks = {}
+            for f, layer in layers.items():
+                layer.step()  # warm-up
+                peaks[f] = {"peak_mib": max_over_ranks(peak_rise_mib(layer.step))}
+            results[str(tokens)] = peaks
+            continue
+        if "fairscale" in layers:
+            _guard(layers, tokens)
+        rounds = timed_rounds({f: layer.step for f, layer in layers.items()}, cfg["rounds"], cfg["steps"])
+        results[str(tokens)] = {f: {"step_s": statistics.median(v), "rounds_s": v} for f, v in rounds.items()}
+        results[str(tokens)]["all_to_all"] = _all_to_all_times(tokens, cfg)
+    return results
 
 
 def run(cfg: Dict[str, Any], mode: str) -> Dict[str, Any]:
-    env = dict(os.environ)
-    if mode == "memory":
-        # Allocations of 64 KiB and up are mmapped and unmapped on free (glibc's threshold fixed,
-        # not adjusted upwards after frees), so the resident size follows the live tensors and its
-        # high-water mark measures a step's peak. Read by the ranks' C library at start.
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, cfg, mode, q), daemon=True) for r in range(WORLD)]
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-    deadline = time.monotonic() + cfg["timeout"]
-    results = None
-    try:
-        while results is None:
-            try:
-                results = q.get(timeout=1.0)
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead or all(p.exitcode is not None for p in procs):
-                    raise RuntimeError(f"ranks ended without a result (rank, exit code): {dead}") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no result within {cfg['timeout']} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results
+    return run_world(rank_main, WORLD, cfg, mode, cfg["timeout"])
 
 
 def table(results: Dict[str, Any]) -> str:
