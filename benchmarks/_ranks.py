@@ -120,3 +120,22 @@ def run_world(body: Callable, world: int, cfg: Dict[str, Any], mode: str, timeou
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def times_and_peaks(body: Callable, world: int, cfg: Dict[str, Any], timeout: float = 1800) -> Dict[str, Any]:
+    """`body` run twice on fresh ranks, mode "time" then "memory"; each returns {row: {framework:
+    {...}}}, and the memory run's entries are merged into the time run's."""
+    results = run_world(body, world, cfg, "time", timeout)
+    for row, peaks in run_world(body, world, cfg, "memory", timeout).items():
+        for framework, values in peaks.items():
+            results[row][framework].update(values)
+    return results
+
+
+def save(path: str, cfg: Dict[str, Any], results: Dict[str, Any]) -> None:
+    import json
+    from pathlib import Path
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": cfg, "results": results}, indent=1) + "\n")

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ranks import max_over_ranks, peak_rise_mib, run_world, timed_rounds  # noqa: E402
+from _ranks import max_over_ranks, peak_rise_mib, timed_rounds, times_and_peaks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "model_parallel.json"
@@ -174,10 +174,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg = {"sizes": sizes, "rounds": args.rounds or (2 if args.quick else 5), "steps": args.steps}
     if load_fairscale_mpu() is None:
         print("fairscale is not installed (pip install fairscale==0.4.13): its column is skipped", file=sys.stderr)
-    results = run_world(rank_main, WORLD, cfg, "time", timeout=1800)
-    for key, peaks in run_world(rank_main, WORLD, cfg, "memory", timeout=1800).items():
-        for f, v in peaks.items():
-            results[key][f].update(v)
+    results = times_and_peaks(rank_main, WORLD, cfg)
     print(table(results))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

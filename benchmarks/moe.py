@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ranks import max_over_ranks, peak_rise_mib, run_world, timed_rounds  # noqa: E402
+from _ranks import max_over_ranks, peak_rise_mib, timed_rounds, times_and_peaks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "moe.json"
@@ -165,10 +165,6 @@ def rank_main(rank: int, cfg: Dict[str, Any], mode: str) -> Dict[str, Any]:
     return results
 
 
-def run(cfg: Dict[str, Any], mode: str) -> Dict[str, Any]:
-    return run_world(rank_main, WORLD, cfg, mode, cfg["timeout"])
-
-
 def table(results: Dict[str, Any]) -> str:
     lines = [
         "| tokens/rank | floor ms | fairscale_c ms | FairScale ms | step ratio (ours/FS) | own ms ours / FS | "
@@ -210,13 +206,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         tokens = [int(t) for t in args.tokens.split(",")]
     if any(t <= 0 or t % 8 for t in tokens):
         p.error(f"--tokens: each must be a positive multiple of 8, got {tokens}")
-    cfg = {"tokens": tokens, "rounds": args.rounds or (2 if args.quick else 5), "steps": args.steps, "timeout": 1800}
+    cfg = {"tokens": tokens, "rounds": args.rounds or (2 if args.quick else 5), "steps": args.steps}
     if load_fairscale() is None:
         print("fairscale is not installed (pip install fairscale==0.4.13): its column is skipped", file=sys.stderr)
-    results = run(cfg, "time")
-    for tokens, peaks in run(cfg, "memory").items():
-        for f, v in peaks.items():
-            results[tokens][f].update(v)
+    results = times_and_peaks(rank_main, WORLD, cfg)
     print(table(results))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
