@@ -5,9 +5,9 @@ Each case first runs the op once on known data and checks the result, then times
 `calls` back-to-back calls on every rank after a barrier, and the round's per-call time is the
 slowest rank's elapsed time / calls (see _harness.measured_time). extra_info has algorithm and bus
 bandwidth as nccl-tests defines them (S = bytes of the full buffer: all_reduce, broadcast and
-reduce the tensor, all_gather the output, reduce_scatter the input; algbw = S / t; busbw = algbw *
-2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast and reduce
-(to rank 0)) and, on the
+reduce the tensor, all_gather the output, reduce_scatter the input, all_to_all_single's input; algbw
+= S / t; busbw = algbw * 2(n-1)/n for all_reduce, (n-1)/n for all_gather, reduce_scatter and
+all_to_all, 1 for broadcast and reduce (to rank 0)) and, on the
 fairscale_c cases, the ratio of its bus bandwidth to gloo's from the paired case run just before.
 fairscale_c_shared is fairscale_c with the buffers in shared tensors (shared_empty), which the
 ranks map: the engine then copies straight between them.
@@ -23,7 +23,7 @@ from conftest import WORLD
 from _harness import RankState, drive, measured_time, median, time_calls
 
 KiB, MiB = 1024, 1024 * 1024
-OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"]
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"]
 # name -> (S in bytes, calls per round): enough calls that a round is well above timer noise,
 # few enough that every case takes about a second.
 SIZES: Dict[str, Tuple[int, int]] = {"8B": (8, 200), "64KiB": (64 * KiB, 100), "16MiB": (16 * MiB, 3)}
@@ -37,6 +37,7 @@ BUS_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
 }
 
 # (op, size, impl) -> median seconds per call, for the ratio of the paired cases.
@@ -101,6 +102,12 @@ def _prepare_collective(state: RankState, impl: str, op: str, nbytes: int) -> No
         call()
         expected, outs = (ramp * (n * (n + 1) // 2) if r == 0 else t), [t]
         got = t
+    elif op == "all_to_all":  # all_to_all_single: block j of each rank's input goes to rank j
+        inp, out = new(ramp + r * numel), new(torch.empty(numel))
+        call = (lambda: g.all_to_all_single(out, inp)) if ours else (lambda: dist.all_to_all_single(out, inp))
+        call()
+        expected = torch.cat([ramp[r * block : (r + 1) * block] + i * numel for i in range(n)])
+        outs, got = [inp, out], out
     else:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if not torch.equal(got, expected):
