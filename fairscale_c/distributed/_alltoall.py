@@ -34,6 +34,13 @@ def _split_sizes(arg: Optional[Sequence[int]], argname: str, tensor: torch.Tenso
     return sizes
 
 
+def _blocks(t: torch.Tensor, split_sizes: Optional[Sequence[int]], argname: str, size: int, op: str) -> tuple:
+    """`t`'s dim-0 blocks, one per rank."""
+    if not split_sizes and t.shape[0] % size == 0:  # equal blocks: one call makes every view
+        return t.view(size, -1).unbind(0) if t.numel() else t.split(t.shape[0] // size)
+    return t.split(_split_sizes(split_sizes, argname, t, size, op))
+
+
 def _check_tensor(t: Any, argname: str, op: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: argument '{argname}' must be a torch.Tensor, got {type(t).__name__}")
@@ -93,7 +100,8 @@ def all_to_all_single(
     for name, t in (("output", output), ("input", input)):
         if t.dim() == 0:
             raise ValueError(f"{op}: argument '{name}' must have at least one dimension (blocks are split on dim 0)")
-    out_row, in_row = output[0].numel() if output.shape[0] else None, input[0].numel() if input.shape[0] else None
+    out_rows, in_rows = output.shape[0], input.shape[0]
+    out_row, in_row = output.numel() // out_rows if out_rows else None, input.numel() // in_rows if in_rows else None
     if out_row is not None and in_row is not None and out_row != in_row:
         raise ValueError(
             f"{op}: a row of output has {out_row} elements but a row of input has {in_row}; expected the same"
@@ -101,8 +109,8 @@ def all_to_all_single(
     if _overlap(output, input):
         raise ValueError(f"{op}: output overlaps input; expected disjoint tensors")
     size, rank = group.size, group.rank
-    outs = output.split(_split_sizes(output_split_sizes, "output_split_sizes", output, size, op))
-    ins = input.split(_split_sizes(input_split_sizes, "input_split_sizes", input, size, op))
+    outs = _blocks(output, output_split_sizes, "output_split_sizes", size, op)
+    ins = _blocks(input, input_split_sizes, "input_split_sizes", size, op)
     if outs[rank].numel() != ins[rank].numel():
         raise ValueError(
             f"{op}: this rank's own block has {outs[rank].shape[0]} rows in output but {ins[rank].shape[0]} in "
