@@ -3,8 +3,9 @@
     make fairscale-tests          # or: .venv/bin/python tools/fairscale_tests/run.py [-k EXPR] [FILE ...]
 
 1. Checks the vendored test files (upstream/, byte for byte as at FairScale v0.4.13) against their
-   git blob ids, and installs FairScale 0.4.13 from PyPI into build/fairscale-0.4.13 (no
-   dependencies: torch stays the venv's) if it is not there.
+   git blob ids, and installs FairScale 0.4.13 from PyPI into build/fairscale-0.4.13 and
+   `parameterized` (which some of the tests import) into build/fairscale-tests-deps, without
+   dependencies (torch stays the venv's), if they are not there.
 2. Runs the files twice with pytest, each in a scratch copy: once with FairScale on the path (the
    reference), once with fairscale_c serving ``import fairscale`` (boot/sitecustomize.py: the
    compat alias, with FairScale's own test helpers for what fairscale_c does not provide).
@@ -34,7 +35,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 UPSTREAM = HERE / "upstream"
 REFERENCE = ROOT / "build" / "fairscale-0.4.13"
+DEPS = ROOT / "build" / "fairscale-tests-deps"  # TEST_DEPS, on both sides' path
 VERSION = "0.4.13"
+TEST_DEPS = ["parameterized==0.9.0"]  # what FairScale's vendored tests import besides torch and pytest
 PASSED = {"passed", "xfailed"}  # xfail: the test's own expectation of a failure held
 
 
@@ -50,16 +53,23 @@ def check_blobs() -> list:
     return files
 
 
+def _pip_target(python: str, target: Path, what: list) -> None:
+    print(f"fairscale-tests: installing {' '.join(what)} into {target} (no dependencies)", flush=True)
+    shutil.rmtree(target, ignore_errors=True)
+    cmd = [python, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *what]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"fairscale-tests: could not install {' '.join(what)}:\n{proc.stdout}{proc.stderr}")
+
+
 def ensure_reference(python: str) -> None:
     version = REFERENCE / "fairscale" / "version.py"
-    if version.is_file() and f"({VERSION.replace('.', ', ')})" in version.read_text():  # __version_tuple__
-        return
-    shutil.rmtree(REFERENCE, ignore_errors=True)
-    print(f"fairscale-tests: installing fairscale=={VERSION} into {REFERENCE} (no dependencies)", flush=True)
-    cmd = [python, "-m", "pip", "install", "-q", "--no-deps", "--target", str(REFERENCE), f"fairscale=={VERSION}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not version.is_file():
-        sys.exit(f"fairscale-tests: could not install fairscale=={VERSION}:\n{proc.stdout}{proc.stderr}")
+    if not (version.is_file() and f"({VERSION.replace('.', ', ')})" in version.read_text()):  # __version_tuple__
+        _pip_target(python, REFERENCE, [f"fairscale=={VERSION}"])
+        if not version.is_file():
+            sys.exit(f"fairscale-tests: fairscale=={VERSION} did not install into {REFERENCE}")
+    if not (DEPS / "parameterized").is_dir():
+        _pip_target(python, DEPS, TEST_DEPS)
 
 
 def run_side(side: str, python: str, tests: list, extra: list, timeout: float):
@@ -70,9 +80,9 @@ def run_side(side: str, python: str, tests: list, extra: list, timeout: float):
         launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
         env = {k: v for k, v in os.environ.items() if k not in launcher}
         if side == "fairscale":
-            env["PYTHONPATH"] = str(REFERENCE)
+            env["PYTHONPATH"] = os.pathsep.join([str(REFERENCE), str(DEPS)])
         else:
-            env["PYTHONPATH"] = os.pathsep.join([str(HERE / "boot"), str(ROOT)])
+            env["PYTHONPATH"] = os.pathsep.join([str(HERE / "boot"), str(ROOT), str(DEPS)])
             env["FAIRSCALE_C_REFERENCE"] = str(REFERENCE)
         env.setdefault("FAIRSCALE_C_TIMEOUT", "120")
         xml = scratch / "results.xml"

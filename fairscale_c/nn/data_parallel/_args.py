@@ -8,6 +8,8 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
+from fairscale_c.internal.parallel import ProcessGroupName
+
 _BOOLS = (
     "reshard_after_forward",
     "disable_reshard_on_root",
@@ -70,8 +72,6 @@ def _check_process_group(name: str, value: Any, names: Any) -> None:
 def check_fsdp_args(args: Dict[str, Any]) -> None:
     """Check FullyShardedDataParallel.__init__'s arguments (its ``locals()`` on entry). TypeError
     for a wrong type, ValueError for a value out of range, each naming the argument."""
-    from .fully_sharded_data_parallel import ProcessGroupName
-
     if not isinstance(args["module"], nn.Module):
         raise TypeError(f"{_WHERE}: argument 'module' must be an nn.Module, got {type(args['module']).__name__}")
     for name in _BOOLS:

@@ -25,6 +25,7 @@ from torch import nn
 from fairscale_c import _C
 from fairscale_c import distributed as fdist
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
+from fairscale_c.internal.parallel import ProcessGroupName
 
 from . import _optim_state, _state_dict
 from ._args import check_fsdp_args
@@ -40,13 +41,6 @@ class TrainingState(Enum):
     BACKWARD_PRE = auto()
     BACKWARD_POST = auto()
     SUMMON_FULL_PARAMS = auto()
-
-
-class ProcessGroupName(str, Enum):
-    """FairScale's names for the cached process groups."""
-
-    default = "default"
-    reduce_scatter = "reduce_scatter"
 
 
 def _is_managed(p: torch.Tensor) -> bool:

@@ -1,0 +1,123 @@
+"""fairscale_c.internal (FairScale's fairscale.internal helpers): ProcessGroupName is the class FSDP
+takes, the process-group cache over 2 ranks, the container, parameter, state-dict, object and
+version helpers against what they are documented to do, and their misuse."""
+
+import math
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fairscale_c.internal import containers, object as pyobj, params, parallel, state_dict, torch_version
+
+
+def test_process_group_name_is_the_one_fsdp_takes():
+    from fairscale_c.nn.data_parallel import ProcessGroupName
+
+    assert parallel.ProcessGroupName is ProcessGroupName
+    assert ProcessGroupName("reduce_scatter") is ProcessGroupName.reduce_scatter
+
+
+def _cache_job(rank, world):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        a = parallel.get_process_group_cached()
+        b = parallel.get_process_group_cached(parallel.ProcessGroupName.default)
+        rs = parallel.get_process_group_cached(parallel.ProcessGroupName.reduce_scatter)
+        sub = parallel.get_process_group_cached(ranks=[1, 0, 1])
+        sub2 = parallel.get_process_group_cached(ranks=(0, 1))
+        t = torch.ones(1)
+        dist.all_reduce(t, group=rs)
+        return [a is b, rs is not a, sub is sub2, sub is not a, t.item(), dist.get_world_size(rs)]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_process_group_cache_gives_one_group_per_name_and_ranks():
+    from dist_utils import run_ranks
+
+    for result in run_ranks(_cache_job, 2, timeout=120):
+        assert result == [True, True, True, True, 2.0, 2]
+    with pytest.raises(RuntimeError, match="not yet initialized"):
+        parallel.get_process_group_cached()
+
+
+def test_chunk_and_pad():
+    for n, chunks in ((10, 3), (1, 4), (8, 4), (0 + 5, 8)):
+        got = parallel.chunk_and_pad(torch.arange(1.0, n + 1), chunks)
+        assert len(got) == chunks and len({c.numel() for c in got}) == 1
+        flat = torch.cat(got)
+        assert torch.equal(flat[:n], torch.arange(1.0, n + 1)) and torch.count_nonzero(flat[n:]) == 0
+
+
+Point = namedtuple("Point", "x y")
+
+
+def test_containers():
+    t = torch.ones(2)
+    nested = {"a": [t, (t, 3)], "b": OrderedDict(c=Point(t, "s")), "d": {5}}
+    out = containers.apply_to_tensors(lambda x: x * 2, nested)
+    assert torch.equal(out["a"][0], 2 * t) and torch.equal(out["a"][1][0], 2 * t) and out["a"][1][1] == 3
+    assert isinstance(out["b"], OrderedDict) and isinstance(out["b"]["c"], Point)
+    assert torch.equal(out["b"]["c"].x, 2 * t) and out["b"]["c"].y == "s" and out["d"] == {5}
+    arrays = containers.to_np({"k": [t]})
+    assert isinstance(arrays["k"][0], np.ndarray)
+    assert torch.equal(containers.from_np(arrays)["k"][0], t)
+    keys, flat = containers.pack_kwargs(1, 2, a=3, b=4)
+    assert keys == ("a", "b") and flat == (1, 2, 3, 4)
+    assert containers.unpack_kwargs(keys, flat) == ((1, 2), {"a": 3, "b": 4})
+    assert containers.unpack_kwargs((), flat) == (flat, {})
+    with pytest.raises(AssertionError, match="too many keys 5 vs. 4"):
+        containers.unpack_kwargs(("a", "b", "c", "d", "e"), flat)
+    x, y = torch.zeros(1), torch.ones(1)
+    tensors, packed = containers.split_non_tensors((None, x, 3, y))
+    assert tensors == (x, y) and packed == {"is_tensor": [False, True, False, True], "objects": [None, 3]}
+    assert containers.unpack_non_tensors(tensors, packed) == (None, x, 3, y)
+    assert containers.split_non_tensors(x) == ((x,), None)
+    with pytest.raises(AssertionError, match="expected the dict"):
+        containers.unpack_non_tensors(tensors, [1])
+    with pytest.raises(AssertionError, match="len\\(tensors\\) 1"):
+        containers.unpack_non_tensors((x,), packed)
+
+
+def test_params():
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    net(torch.randn(5, 3)).pow(2).sum().backward()
+    ps = list(net.parameters())
+    want = torch.norm(torch.cat([p.grad.reshape(-1) for p in ps]))
+    assert math.isclose(params.calc_grad_norm(ps, 2).item(), want.item(), rel_tol=1e-6)
+    want_inf = max(p.grad.abs().max() for p in ps)
+    assert params.calc_grad_norm(ps, math.inf).item() == want_inf.item()
+    assert params.calc_grad_norm([nn.Parameter(torch.ones(2))], 2).item() == 0.0  # no gradient
+    copied = params.recursive_copy_to_device({"a": [torch.ones(1), (torch.zeros(1), "s")]}, False, torch.device("cpu"))
+    assert copied["a"][1][1] == "s" and isinstance(copied["a"][1], tuple)
+
+
+def test_state_dict_helpers():
+    net = nn.Sequential(
+        nn.Linear(1, 1), nn.ModuleDict({"ln": nn.LayerNorm(1), "lin": nn.Linear(1, 1)}), nn.LayerNorm(1)
+    )
+    found = state_dict.find_module_instances(net, nn.LayerNorm)
+    assert [p for p, _ in found] == ["1.ln.", "2."] and found[1][1] is net[2]
+    assert state_dict.find_module_instances(net, nn.Sequential) == [("", net)]
+    sd = {"layer.x": torch.tensor(1), "other": torch.tensor(2)}
+    state_dict.replace_by_prefix_(sd, "layer.", "module.layer.")
+    assert set(sd) == {"module.layer.x", "other"}
+    with pytest.raises(ValueError, match="must be distinct"):
+        state_dict.replace_by_prefix_(sd, "a", "a")
+
+
+def test_object_and_version_helpers():
+    t = pyobj.pyobject_to_tensor({"k": [1, 2]}, fixed_buffer_size=100)
+    assert t.dtype == torch.uint8 and t.numel() == 100
+    assert pyobj.tensor_to_pyobject(t) == {"k": [1, 2]}
+    with pytest.raises(ValueError, match="message too big"):
+        pyobj.pyobject_to_tensor(list(range(100)), fixed_buffer_size=10)
+    assert torch_version("2.13.0+cpu") == (2, 13, 0)
+    assert torch_version("1.8.0a0fb") == (1, 8, 0)
+    assert torch_version("nonsense") == ()
+    assert torch_version() == tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:3])
