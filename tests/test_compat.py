@@ -65,6 +65,7 @@ PUBLIC_MODULES = [
     "fairscale.internal.state_dict",
     "fairscale.internal.object",
     "fairscale.internal.version",
+    "fairscale.internal.reduce_scatter_bucketer",
     "fairscale.optim",
     "fairscale.optim.grad_scaler",
     "fairscale.nn.pipe",

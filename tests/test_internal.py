@@ -121,3 +121,52 @@ def test_object_and_version_helpers():
     assert torch_version("1.8.0a0fb") == (1, 8, 0)
     assert torch_version("nonsense") == ()
     assert torch_version() == tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:3])
+
+
+def _bucketer_job(rank, world, cap_mb):
+    import torch.distributed as dist
+
+    from fairscale_c.internal.reduce_scatter_bucketer import ReduceScatterBucketer
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        group = dist.group.WORLD
+        bucketer = ReduceScatterBucketer(bucket_cap_mb=cap_mb)
+        got = {}
+        sizes = {"small": 3, "big": 300_000, "small2": 5}  # big: more than a 1 MiB bucket's share
+
+        def inputs(name, r):
+            g = torch.Generator().manual_seed(len(name) * 100 + r)
+            return [torch.randn(sizes[name], generator=g) for _ in range(world)]
+
+        for name in sizes:
+            bucketer.reduce_scatter_async(
+                inputs(name, rank), group, callback_fn=lambda out, k=name: got.update({k: out.clone()})
+            )
+        early = sorted(got)
+        bucketer.flush()
+        failures = []
+        for name in sizes:
+            want = sum(inputs(name, r)[rank] for r in range(world))
+            if not torch.allclose(got[name], want, rtol=1e-6, atol=1e-6):
+                failures.append(name)
+        bucketer.teardown()
+        bucketer.reduce_scatter_async(
+            inputs("small", rank), group, callback_fn=lambda out: got.update(again=out.clone())
+        )
+        bucketer.flush()  # set up again after the teardown
+        if not torch.allclose(got["again"], sum(inputs("small", r)[rank] for r in range(world)), rtol=1e-6, atol=1e-6):
+            failures.append("after teardown")
+        return early, failures
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cap_mb", [1, 0])
+def test_reduce_scatter_bucketer_sums_each_ranks_block(cap_mb):
+    from dist_utils import run_ranks
+
+    for early, failures in run_ranks(_bucketer_job, 2, cap_mb, timeout=120):
+        assert failures == []
+        # bucketed inputs wait for flush(); one too big for a bucket (or every one, unbucketed) runs at once
+        assert early == (["big"] if cap_mb else ["big", "small", "small2"])

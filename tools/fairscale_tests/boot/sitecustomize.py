@@ -2,9 +2,8 @@
 tools/fairscale_tests/run.py (this folder is first on its PYTHONPATH, so spawned ranks get it too).
 
 ``fairscale.<sub>`` is fairscale_c's module wherever fairscale_c provides one (the alias of
-fairscale_c.compat); every other ``fairscale.<sub>`` (the tests' helpers in ``fair_dev``, and
-``internal.reduce_scatter_bucketer``) is FairScale's own file from FAIRSCALE_C_REFERENCE, the
-reference installation."""
+fairscale_c.compat); every other ``fairscale.<sub>`` (the tests' helpers in ``fair_dev``) is
+FairScale's own file from FAIRSCALE_C_REFERENCE, the reference installation."""
 
 import importlib
 import importlib.abc
