@@ -28,7 +28,6 @@ Results go to stdout (a table) and benchmarks/results/model_parallel.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import warnings
@@ -39,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ranks import max_over_ranks, peak_rise_mib, timed_rounds, times_and_peaks  # noqa: E402
+from _ranks import max_over_ranks, peak_rise_mib, save, timed_rounds, times_and_peaks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "model_parallel.json"
@@ -176,9 +175,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("fairscale is not installed (pip install fairscale==0.4.13): its column is skipped", file=sys.stderr)
     results = times_and_peaks(rank_main, WORLD, cfg)
     print(table(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": cfg, "results": results}, indent=1) + "\n")
+    save(args.out, cfg, results)
     return 0
 
 

@@ -22,6 +22,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_cmd(script: str, nproc: int, *args: str) -> List[str]:
+    """The command line of `script` launched by torchrun with `nproc` processes on this host."""
+    import sys
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}"]
+    return launcher + ["--master_addr=127.0.0.1", f"--master_port={free_port()}", script, *args]
+
+
+def torchrun_env() -> Dict[str, str]:
+    """The environment the example tests run torchrun in: a short engine timeout, one thread."""
+    return dict(os.environ, FAIRSCALE_C_TIMEOUT="60", OMP_NUM_THREADS="1")
+
+
 def shm_segments() -> set:
     """Names of fairscale_c segments currently in /dev/shm."""
     try:

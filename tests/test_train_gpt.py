@@ -9,12 +9,11 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
-from dist_utils import free_port, orphaned_segments
+from dist_utils import orphaned_segments, torchrun_cmd, torchrun_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
@@ -24,21 +23,11 @@ pytestmark = pytest.mark.slow
 
 
 def torchrun(*args):
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        SCRIPT,
-        *args,
-    ]
+    return torchrun_cmd(SCRIPT, 2, *args)
 
 
 def env():
-    return dict(os.environ, FAIRSCALE_C_TIMEOUT="60", OMP_NUM_THREADS="1")
+    return torchrun_env()
 
 
 def run(cwd, *args):

@@ -55,10 +55,13 @@ class _AllToAll(torch.autograd.Function):
         return None, _AllToAll.apply(ctx.group, grad)
 
 
+_ENGINE_GROUPS = (fdist.Group, fdist.LocalGroup)  # groups of fairscale_c.distributed itself
+
+
 def _world_size(group: Any) -> int:
     if group is None:
         return 1
-    if isinstance(group, (fdist.Group, fdist.LocalGroup)):
+    if isinstance(group, _ENGINE_GROUPS):
         return group.size
     return dist.get_world_size(group)
 
@@ -101,7 +104,7 @@ class MOELayer(nn.Module):
         self.num_local_experts = len(self.experts)
 
     def _engine(self) -> Any:
-        if isinstance(self.group, (fdist.Group, fdist.LocalGroup)):
+        if isinstance(self.group, _ENGINE_GROUPS):
             return self.group
         return fdist.group_for(self.group) if self.group is not None else fdist.LocalGroup()
 
