@@ -165,3 +165,82 @@ def test_split_sizes_that_disagree_raise_instead_of_leaving_a_message_behind():
         assert "own block has 3 rows in output but 2 in input" in own
     assert peer0 == "no error"  # its message fitted in the channel
     assert "send/recv mismatch" in peer1 and "recv(count=0" in peer1 and "send(count=2" in peer1
+
+
+def _issue_order_job(rank, world):
+    """Rank 1's input arrives through an async recv that is still pending when its async
+    all_to_all_single is issued: the op reads it in issue order, own block included."""
+    import time
+
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        group = fdist.init_group()
+        inp = torch.zeros(4)
+        if rank == 0:
+            time.sleep(0.3)  # rank 1 issues both ops before this send
+            group.send(torch.arange(10.0, 14.0), 1)
+            inp = torch.arange(4.0)
+        else:
+            group.recv(inp, 0, async_op=True)
+        out = torch.full((4,), -1.0)
+        group.all_to_all_single(out, inp, async_op=True).wait()
+        return out.tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_to_all_reads_its_input_in_issue_order():
+    out0, out1 = run_ranks(_issue_order_job, 2, timeout=120)
+    assert out0 == [0.0, 1.0, 10.0, 11.0]
+    assert out1 == [2.0, 3.0, 12.0, 13.0]  # the own block too is what the recv delivered
+
+
+def _copy_job(rank, world):
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    failures = []
+    try:
+        group = fdist.init_group()
+        src, dst = torch.arange(5.0) + rank, torch.zeros(5)
+        got = torch.zeros(3)
+        work = group.batch([("copy", dst, src), ("send", src[:3], 1 - rank), ("recv", got, 1 - rank)], async_op=True)
+        work.wait()
+        if dst.tolist() != src.tolist() or got.tolist() != (torch.arange(3.0) + 1 - rank).tolist():
+            failures.append(f"copy {dst.tolist()} recv {got.tolist()}")
+        bad = [
+            ([("copy", torch.zeros(4), torch.zeros(5))], "copy: output has 4 elements but input has 5"),
+            (
+                [("copy", torch.zeros(5), torch.zeros(5, dtype=torch.int64))],
+                "copy: output is float32 but input is int64",
+            ),
+            ([("copy", src[1:], src[:4])], "copy: output overlaps input"),
+            ([("copy", torch.zeros(5))], "copy"),
+        ]
+        for ops, words in bad:
+            try:
+                group.batch(ops)
+                failures.append(f"no error for {words}")
+            except (ValueError, TypeError) as exc:
+                if words not in str(exc):
+                    failures.append(f"expected {words!r} in: {exc}")
+        for splits in ([1, -1] if world == 2 else None, [True, False], "ab"):
+            try:
+                group.all_to_all_single(torch.zeros(world), torch.zeros(world), None, splits)
+                failures.append(f"split sizes {splits!r} accepted")
+            except ValueError as exc:
+                if "'input_split_sizes' must hold" not in str(exc):
+                    failures.append(f"split sizes {splits!r}: {exc}")
+    finally:
+        dist.destroy_process_group()
+    return failures
+
+
+def test_batch_copies_and_bad_split_sizes_are_refused():
+    assert run_ranks(_copy_job, 2, timeout=120) == [[], []]

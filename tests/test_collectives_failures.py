@@ -290,6 +290,17 @@ def _cross_host_job(rank, world, how):
         peer = 1 - rank
         group.batch([fdist.P2POp("send", mine, peer), fdist.P2POp("recv", theirs, peer), ("all_reduce", total, "sum")])
         assert theirs.tolist() == [float(peer)] * 2 and total.tolist() == [2.0]
+        # all-to-all: torch's, under the engine's argument rules; the list form as a batch with a copy
+        a2a = torch.empty(3)
+        group.all_to_all_single(
+            a2a, torch.arange(3.0) + 10 * rank, [1, 2] if rank == 0 else [2, 1], [1, 2] if rank == 0 else [2, 1]
+        )
+        assert a2a.tolist() == ([0.0, 10.0, 11.0] if rank == 0 else [1.0, 2.0, 12.0]), a2a
+        with pytest.raises(ValueError, match="output overlaps input"):
+            group.all_to_all_single(a2a, a2a)
+        outs = [torch.empty(2), torch.empty(2)]
+        group.all_to_all(outs, [torch.full((2,), 10.0 * rank + j) for j in range(2)])
+        assert [o.tolist() for o in outs] == [[float(rank)] * 2, [10.0 + rank] * 2]
         group.barrier()
         assert "torch" in repr(group)
         group.destroy()

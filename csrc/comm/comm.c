@@ -1,7 +1,9 @@
-/* comm.c — op names, header comparison and the timeout setting shared by all backends. */
+/* comm.c — op names, header comparison, the timeout setting, the argument rules and the all-to-all
+ * plan shared by all backends. */
 #include "comm/comm.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +22,7 @@ const char *fsc_comm_op_name(fsc_comm_op_t op) {
         case FSC_OP_REDUCE: return "reduce";
         case FSC_OP_SEND: return "send";
         case FSC_OP_RECV: return "recv";
+        case FSC_OP_COPY: return "copy";
         case FSC_NUM_OPS: break;
     }
     return "unknown-op";
@@ -195,6 +198,17 @@ static fsc_status_t check_blocks(const char *op, const fsc_tensor_t *big, const 
     return FSC_OK;
 }
 
+/* An op of one output and one input of the same dtype (a copy, an all-to-all) that share no
+ * memory. */
+static fsc_status_t check_pair(const char *op, const fsc_tensor_t *out, const fsc_tensor_t *in) {
+    if (out->dtype != in->dtype)
+        return fsc_error(FSC_ERR_VALUE, "%s: output is %s but input is %s; expected the same dtype", op,
+                         fsc_dtype_name(out->dtype), fsc_dtype_name(in->dtype));
+    if (overlaps(out->data, fsc_tensor_nbytes(out), in->data, fsc_tensor_nbytes(in)))
+        return fsc_error(FSC_ERR_VALUE, "%s: output overlaps input; expected disjoint tensors", op);
+    return FSC_OK;
+}
+
 static int is_p2p(fsc_comm_op_t op) {
     return op == FSC_OP_SEND || op == FSC_OP_RECV;
 }
@@ -221,6 +235,15 @@ fsc_status_t fsc_comm_check_call(const fsc_comm_call_t *c, int rank, int size, i
             FSC_CHECK(check_tensor(c->input, op, "input", 0, redop, device_type, device_id));
             if (c->op == FSC_OP_ALL_GATHER) return check_blocks(op, c->tensor, "output", c->input, "input", rank, size);
             return check_blocks(op, c->input, "input", c->tensor, "output", rank, size);
+        }
+        case FSC_OP_COPY: {
+            if (c->input == NULL) return fsc_error(FSC_ERR_VALUE, "%s needs an input", op);
+            FSC_CHECK(check_tensor(c->tensor, op, "output", 1, -1, device_type, device_id));
+            FSC_CHECK(check_tensor(c->input, op, "input", 0, -1, device_type, device_id));
+            if (c->tensor->numel != c->input->numel)
+                return fsc_error(FSC_ERR_VALUE, "%s: output has %lld elements but input has %lld; expected the same",
+                                 op, (long long)c->tensor->numel, (long long)c->input->numel);
+            return check_pair(op, c->tensor, c->input);
         }
         case FSC_OP_BROADCAST:
         case FSC_OP_REDUCE: FSC_CHECK(check_rank(op, "root", c->peer, rank, size, 0)); break;
@@ -276,4 +299,101 @@ fsc_status_t fsc_comm_check_batch(const fsc_comm_call_t *calls, size_t n, int ra
         }
     }
     return FSC_OK;
+}
+
+/* ---- all-to-all ------------------------------------------------------------------------------ */
+
+/* Elements in one dim-0 row of `t` (the product of its other dims); -1 when that overflows. */
+static int64_t row_numel(const fsc_tensor_t *t) {
+    int64_t n = 1;
+    for (int d = 1; d < t->ndim; d++)
+        if (__builtin_mul_overflow(n, t->shape[d], &n)) return -1;
+    return n;
+}
+
+/* The dim-0 rows of `t` per rank: `given` (NULL: equal blocks), summing to dim 0. */
+static fsc_status_t split_rows(const char *op, const char *argname, const fsc_tensor_t *t, const int64_t *given,
+                               int size, int64_t *rows) {
+    int64_t dim0 = t->shape[0], sum = 0;
+    if (given == NULL) {
+        if (dim0 % size)
+            return fsc_error(
+                FSC_ERR_VALUE,
+                "%s: %s is not given, so dim 0 of the tensor (%lld) must divide evenly over the group's %d "
+                "ranks",
+                op, argname, (long long)dim0, size);
+        for (int j = 0; j < size; j++) rows[j] = dim0 / size;
+        return FSC_OK;
+    }
+    for (int j = 0; j < size; j++) {
+        if (given[j] < 0 || __builtin_add_overflow(sum, given[j], &sum))
+            return fsc_error(FSC_ERR_VALUE, "%s: argument '%s' must hold %d ints >= 0, got %lld at index %d", op,
+                             argname, size, (long long)given[j], j);
+        rows[j] = given[j];
+    }
+    if (sum != dim0)
+        return fsc_error(FSC_ERR_VALUE, "%s: argument '%s' sums to %lld; expected dim 0 of the tensor (%lld)", op,
+                         argname, (long long)sum, (long long)dim0);
+    return FSC_OK;
+}
+
+/* A flat view of `count` elements of contiguous `t`, from element `offset`. */
+static fsc_tensor_t flat_block(const fsc_tensor_t *t, int64_t offset, int64_t count) {
+    fsc_tensor_t v = *t;
+    if (t->data != NULL) v.data = (uint8_t *)t->data + (size_t)offset * fsc_dtype_size(t->dtype);
+    v.ndim = 1;
+    v.numel = count;
+    v.shape[0] = count;
+    v.strides[0] = 1;
+    return v;
+}
+
+fsc_status_t fsc_comm_all_to_all_plan(fsc_tensor_t *output, const fsc_tensor_t *input, const int64_t *out_rows,
+                                      const int64_t *in_rows, int rank, int size, int device_type, int device_id,
+                                      fsc_tensor_t *views, fsc_comm_call_t *calls, size_t *ncalls) {
+    const char *op = "all_to_all_single";
+    *ncalls = 0;
+    FSC_CHECK(check_tensor(output, op, "output", 1, -1, device_type, device_id));
+    FSC_CHECK(check_tensor(input, op, "input", 0, -1, device_type, device_id));
+    FSC_CHECK(check_pair(op, output, input));
+    const fsc_tensor_t *ts[2] = {output, input};
+    const char *names[2] = {"output", "input"};
+    for (int k = 0; k < 2; k++)
+        if (ts[k]->ndim < 1)
+            return fsc_error(FSC_ERR_VALUE,
+                             "%s: argument '%s' must have at least one dimension (blocks are split on dim 0)", op,
+                             names[k]);
+    int64_t row = row_numel(output), in_row = row_numel(input);
+    if (row < 0 || row != in_row)
+        return fsc_error(FSC_ERR_VALUE,
+                         "%s: a row of output has %lld elements but a row of input has %lld; expected the same", op,
+                         (long long)row, (long long)in_row);
+    int64_t *rows = malloc(2 * (size_t)size * sizeof(*rows));
+    if (rows == NULL) return fsc_error(FSC_ERR_NOMEM, "%s: out of memory for %d ranks' split sizes", op, size);
+    int64_t *orows = rows, *irows = rows + size;
+    fsc_status_t st = split_rows(op, "output_split_sizes", output, out_rows, size, orows);
+    if (st == FSC_OK) st = split_rows(op, "input_split_sizes", input, in_rows, size, irows);
+    if (st == FSC_OK && orows[rank] != irows[rank])
+        st = fsc_error(
+            FSC_ERR_VALUE,
+            "%s: this rank's own block has %lld rows in output but %lld in input (rank %d of the split sizes); "
+            "expected the same",
+            op, (long long)orows[rank], (long long)irows[rank], rank);
+    if (st == FSC_OK) {
+        int64_t oo = 0, io = 0;
+        size_t n = 0;
+        for (int j = 0; j < size; j++) {
+            views[2 * j] = flat_block(output, oo, orows[j] * row);
+            views[2 * j + 1] = flat_block(input, io, irows[j] * row);
+            oo += orows[j] * row;
+            io += irows[j] * row;
+            if (j == rank) continue;
+            calls[n++] = (fsc_comm_call_t){FSC_OP_SEND, &views[2 * j + 1], NULL, FSC_RED_SUM, j, 0};
+            calls[n++] = (fsc_comm_call_t){FSC_OP_RECV, &views[2 * j], NULL, FSC_RED_SUM, j, 0};
+        }
+        calls[n++] = (fsc_comm_call_t){FSC_OP_COPY, &views[2 * rank], &views[2 * rank + 1], FSC_RED_SUM, -1, 0};
+        *ncalls = n;
+    }
+    free(rows);
+    return st;
 }

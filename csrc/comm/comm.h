@@ -19,6 +19,7 @@ typedef enum {
     FSC_OP_REDUCE,
     FSC_OP_SEND,
     FSC_OP_RECV,
+    FSC_OP_COPY, /* local: output = input (same dtype and count); no other rank takes part */
     FSC_NUM_OPS
 } fsc_comm_op_t;
 
@@ -93,9 +94,9 @@ fsc_status_t fsc_comm_header_check(const char *group, int rank_a, const fsc_comm
 fsc_status_t fsc_comm_check_dtype(fsc_dtype_t dt, int redop, const char *opname, const char *argname);
 
 /* One call into the engine, as every backend takes it. `tensor` is the tensor the op writes
- * (all_gather / reduce_scatter output; the tensor of all_reduce, broadcast, reduce, recv) or, for
- * send, the one it reads; NULL for barrier. `input` is the all_gather / reduce_scatter input (NULL
- * otherwise). `peer` is the broadcast / reduce root or the send / recv peer (group ranks). `tag` is
+ * (all_gather / reduce_scatter / copy output; the tensor of all_reduce, broadcast, reduce, recv)
+ * or, for send, the one it reads; NULL for barrier. `input` is the all_gather / reduce_scatter /
+ * copy input (NULL otherwise). `peer` is the broadcast / reduce root or the send / recv peer (group ranks). `tag` is
  * a send / recv's message tag (any int32; 0 for every other op). */
 typedef struct {
     fsc_comm_op_t op;
@@ -112,7 +113,8 @@ typedef struct {
  * (all_gather: output = size x input; reduce_scatter: input = size x output); root / peer a rank
  * of the group (a peer other than this rank); input and output disjoint except that the input
  * may be exactly this rank's block of the output (all_gather) or the output exactly this rank's
- * block of the input (reduce_scatter), the in-place forms; a tag only on send / recv, and on CUDA
+ * block of the input (reduce_scatter), the in-place forms; a copy's input and output of one
+ * element count and not sharing memory at all; a tag only on send / recv, and on CUDA
  * (NCCL, which has no message tags) only tag 0. FSC_ERR_VALUE naming the op and the argument
  * otherwise. */
 fsc_status_t fsc_comm_check_call(const fsc_comm_call_t *c, int rank, int size, int device_type, int device_id);
@@ -122,5 +124,20 @@ fsc_status_t fsc_comm_check_call(const fsc_comm_call_t *c, int rank, int size, i
  * collectives of a batch run in list order, so they may share memory with each other). */
 fsc_status_t fsc_comm_check_batch(const fsc_comm_call_t *calls, size_t n, int rank, int size, int device_type,
                                   int device_id);
+
+/* The all-to-all (torch.distributed.all_to_all_single's meaning) as every backend runs it: rank j
+ * receives `input`'s dim-0 block j, and this rank's `output` block i comes from rank i. `out_rows`
+ * and `in_rows` hold `size` row counts (the blocks' lengths on dim 0), or are NULL for equal
+ * blocks. Checks the op's argument rules: both tensors as an all_gather's (device, contiguous,
+ * dtype, output writable), one dtype, at least one dimension, rows of one element count, split
+ * sizes >= 0 that sum to dim 0 (dim 0 divisible by `size` when not given), this rank's own block
+ * the same length in both, output and input disjoint; FSC_ERR_VALUE naming the argument otherwise.
+ * On success fills `views` (2 x size flat blocks: output block j at 2j, input block j at 2j + 1)
+ * and `calls` (2 x size - 1, pointing into `views`: a send and a recv with every peer in rank
+ * order, then the copy of this rank's own block) and sets *ncalls. Empty blocks are sent too, so a
+ * peer whose split sizes disagree fails its recv instead of leaving a message in the channel. */
+fsc_status_t fsc_comm_all_to_all_plan(fsc_tensor_t *output, const fsc_tensor_t *input, const int64_t *out_rows,
+                                      const int64_t *in_rows, int rank, int size, int device_type, int device_id,
+                                      fsc_tensor_t *views, fsc_comm_call_t *calls, size_t *ncalls);
 
 #endif /* FSC_COMM_H */

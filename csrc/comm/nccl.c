@@ -517,27 +517,42 @@ static fsc_status_t op_abandon(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_gpu_ctx
     return fsc_error(FSC_ERR_TIMEOUT, "%s (the timeout is FAIRSCALE_C_TIMEOUT by default)", msg);
 }
 
-/* Check every op (nothing is enqueued unless all pass), then enqueue them on `stream`; inside one
- * ncclGroupStart/End when `grouped` (batches, and point-to-point, so that NCCL can schedule a
- * send/recv pair without deadlocking). `batch` prefixes argument errors with the op's index.
- * A blocking communicator's calls run on its submitter thread, waited for up to the timeout. */
+/* Check every op (nothing is enqueued unless all pass; `checked`: the caller has), then enqueue
+ * them on `stream`; inside one ncclGroupStart/End when `grouped` (batches, and point-to-point, so
+ * that NCCL can schedule a send/recv pair without deadlocking). `batch` prefixes argument errors
+ * with the op's index. A copy (grouped only) is a send to this rank and a recv from it, which NCCL
+ * runs as a local copy. A blocking communicator's calls run on its submitter thread, waited for up
+ * to the timeout. */
 static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream, int grouped,
-                            int batch) {
+                            int batch, int checked) {
     fsc_nccl_call_t calls[FSC_NCCL_MAX_BATCH];
     fsc_gpu_ctx_t g;
-    if (n > FSC_NCCL_MAX_BATCH)
-        return fsc_error(FSC_ERR_VALUE, "batch: at most %d operations, got %zu", FSC_NCCL_MAX_BATCH, n);
-    if (batch)
+    size_t ncalls = n;
+    for (size_t i = 0; i < n; i++) ncalls += ops[i].op == FSC_OP_COPY;
+    if (ncalls > FSC_NCCL_MAX_BATCH)
+        return fsc_error(FSC_ERR_VALUE, "batch: at most %d NCCL calls (a copy makes two), got %zu", FSC_NCCL_MAX_BATCH,
+                         ncalls);
+    if (batch && !checked)
         FSC_CHECK(fsc_comm_check_batch(ops, n, c->rank, c->nranks, FSC_DEV_CUDA, c->device));
-    else if (n == 1)
+    else if (n == 1 && !checked)
         FSC_CHECK(fsc_comm_check_call(&ops[0], c->rank, c->nranks, FSC_DEV_CUDA, c->device));
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0, k = 0; i < n; i++) {
         int dt = 0;
         FSC_CHECK(op_dtype(&ops[i], &dt));
-        calls[i] = call_of(&ops[i], dt);
+        calls[k++] = call_of(&ops[i], dt);
+        if (ops[i].op != FSC_OP_COPY) continue;
+        if (!grouped) return fsc_error(FSC_ERR_INTERNAL, "nccl: a copy outside a group");
+        fsc_nccl_call_t *send = &calls[k - 1], *recv = &calls[k++];
+        *recv = *send;
+        send->op = FSC_OP_SEND, send->send = send->recv = ops[i].input->data, send->peer = c->rank;
+        recv->op = FSC_OP_RECV, recv->send = recv->recv = ops[i].tensor->data, recv->peer = c->rank;
     }
     if (n == 0) return FSC_OK;
-    fsc_comm_op_t last = ops[n - 1].op;
+    /* the op the watchdog names: the last one that involves a peer */
+    size_t named = n - 1;
+    while (named > 0 && ops[named].op == FSC_OP_COPY) named--;
+    fsc_comm_op_t last = ops[named].op;
+    n = ncalls;
     FSC_CHECK(op_begin(c, last, &g));
     nccl_result_t r = NCCL_OK;
     if (c->submitter == NULL) {
@@ -552,44 +567,48 @@ static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t
 fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
                                  fsc_stream_t stream) {
     fsc_nccl_op_t o = {FSC_OP_ALL_GATHER, output, input, FSC_RED_SUM, 0, 0};
-    return enqueue(c, &o, 1, stream, 0, 0);
+    return enqueue(c, &o, 1, stream, 0, 0, 0);
 }
 
 fsc_status_t fsc_nccl_reduce_scatter(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
                                      fsc_reduce_op_t op, fsc_stream_t stream) {
     fsc_nccl_op_t o = {FSC_OP_REDUCE_SCATTER, output, input, op, 0, 0};
-    return enqueue(c, &o, 1, stream, 0, 0);
+    return enqueue(c, &o, 1, stream, 0, 0, 0);
 }
 
 fsc_status_t fsc_nccl_all_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, fsc_stream_t stream) {
     fsc_nccl_op_t o = {FSC_OP_ALL_REDUCE, tensor, NULL, op, 0, 0};
-    return enqueue(c, &o, 1, stream, 0, 0);
+    return enqueue(c, &o, 1, stream, 0, 0, 0);
 }
 
 fsc_status_t fsc_nccl_broadcast(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int root, fsc_stream_t stream) {
     fsc_nccl_op_t o = {FSC_OP_BROADCAST, tensor, NULL, FSC_RED_SUM, root, 0};
-    return enqueue(c, &o, 1, stream, 0, 0);
+    return enqueue(c, &o, 1, stream, 0, 0, 0);
 }
 
 fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, int root,
                              fsc_stream_t stream) {
     fsc_nccl_op_t o = {FSC_OP_REDUCE, tensor, NULL, op, root, 0};
-    return enqueue(c, &o, 1, stream, 0, 0);
+    return enqueue(c, &o, 1, stream, 0, 0, 0);
 }
 
 fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, int32_t tag, fsc_stream_t stream) {
     /* the send only reads `tensor`; the op struct is shared with the writing ops */
     fsc_nccl_op_t o = {FSC_OP_SEND, (fsc_tensor_t *)tensor, NULL, FSC_RED_SUM, peer, tag};
-    return enqueue(c, &o, 1, stream, 1, 0);
+    return enqueue(c, &o, 1, stream, 1, 0, 0);
 }
 
 fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, int32_t tag, fsc_stream_t stream) {
     fsc_nccl_op_t o = {FSC_OP_RECV, tensor, NULL, FSC_RED_SUM, peer, tag};
-    return enqueue(c, &o, 1, stream, 1, 0);
+    return enqueue(c, &o, 1, stream, 1, 0, 0);
 }
 
 fsc_status_t fsc_nccl_batch(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream) {
-    return enqueue(c, ops, n, stream, 1, 1);
+    return enqueue(c, ops, n, stream, 1, 1, 0);
+}
+
+fsc_status_t fsc_nccl_all_to_all(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream) {
+    return enqueue(c, ops, n, stream, 1, 1, 1);
 }
 
 /* ---- waiting and teardown -------------------------------------------------------------------- */

@@ -108,11 +108,16 @@ typedef fsc_comm_call_t fsc_nccl_op_t;
 
 #define FSC_NCCL_MAX_BATCH 256
 
-/* Enqueue `n` (<= FSC_NCCL_MAX_BATCH) operations as one NCCL group (ncclGroupStart/End): they
- * launch together and progress concurrently, and sends and receives between the same ranks
- * cannot deadlock on their order. Every operation is checked first, as the single-op calls
- * check theirs; nothing is enqueued unless all pass. */
+/* Enqueue `n` operations (at most FSC_NCCL_MAX_BATCH NCCL calls; a copy makes two) as one NCCL
+ * group (ncclGroupStart/End): they launch together and progress concurrently, and sends and
+ * receives between the same ranks cannot deadlock on their order. Every operation is checked first, as the single-op
+ * calls check theirs; nothing is enqueued unless all pass. */
 fsc_status_t fsc_nccl_batch(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream);
+
+/* Enqueue an all-to-all: the calls fsc_comm_all_to_all_plan made (and checked) for this
+ * communicator's rank, size and device, as one NCCL group; the own block's copy is a send to this
+ * rank and a recv from it. At most FSC_NCCL_MAX_BATCH / 2 ranks. */
+fsc_status_t fsc_nccl_all_to_all(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream);
 
 /* Block until the work enqueued on `stream` so far has finished, polling the communicator's
  * asynchronous error state meanwhile. On an NCCL error, or when `timeout_s` (<= 0:

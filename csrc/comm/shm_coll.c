@@ -295,6 +295,11 @@ static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
 
 static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     int ran = 0;
+    if (a->op == FSC_OP_COPY) { /* local: no other rank takes part */
+        size_t nb = a->count * fsc_dtype_size(a->dtype);
+        if (nb) fsc_shm_copy_out(a->out, a->in, nb, nb >= FSC_SHM_STREAM_MIN);
+        return FSC_OK;
+    }
     FSC_CHECK(fsc_shm_direct_run(g, a, &ran));
     if (ran) return FSC_OK;
     switch (a->op) {

@@ -143,6 +143,7 @@ int fsc_py_calls_init(fsc_py_calls_t *c, size_t ncalls) {
     c->ncalls = 0;
     c->cap_calls = ncalls ? ncalls : 1;
     c->calls = c->calls_inline;
+    c->views = NULL;
     if (fsc_py_imports_init(&c->args, 2 * c->cap_calls) < 0) return -1;
     if (c->cap_calls > FSC_PY_CALLS_INLINE && (c->calls = PyMem_Calloc(c->cap_calls, sizeof(*c->calls))) == NULL) {
         fsc_py_calls_clear(c);
@@ -155,6 +156,8 @@ int fsc_py_calls_init(fsc_py_calls_t *c, size_t ncalls) {
 void fsc_py_calls_clear(fsc_py_calls_t *c) {
     fsc_py_imports_clear(&c->args);
     if (c->calls != c->calls_inline) PyMem_Free(c->calls);
+    PyMem_Free(c->views);
+    c->views = NULL;
     c->calls = c->calls_inline;
     c->ncalls = 0;
 }
@@ -173,6 +176,7 @@ static int parse_item(fsc_py_calls_t *c, PyObject *module, PyObject *item, Py_ss
         {"reduce", FSC_OP_REDUCE, "Osi"},
         {"send", FSC_OP_SEND, "Oit"},
         {"recv", FSC_OP_RECV, "Oit"},
+        {"copy", FSC_OP_COPY, "OO"},
     };
     if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(item, 0))) {
         PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd must be a tuple (name, ...), got %s", i,
@@ -186,7 +190,7 @@ static int parse_item(fsc_py_calls_t *c, PyObject *module, PyObject *item, Py_ss
     if (k == nkinds) {
         PyErr_Format(PyExc_ValueError,
                      "argument 'ops': item %zd names '%s'; expected all_gather, reduce_scatter, all_reduce, broadcast, "
-                     "reduce, send or recv",
+                     "reduce, send, recv or copy",
                      i, name);
         return -1;
     }
@@ -212,8 +216,9 @@ static int parse_item(fsc_py_calls_t *c, PyObject *module, PyObject *item, Py_ss
             /* first tensor: written (read for send); second: the collective's input */
             int writable = a == 0 && o->op != FSC_OP_SEND;
             fsc_tensor_t *t;
-            if (fsc_py_import_arg(&c->args, module, v, a == 0 ? "tensor" : "input",
-                                  flags | (writable ? FSC_IMPORT_WRITABLE : 0), stream, &t) < 0)
+            const char *argname = a ? "input" : o->op == FSC_OP_COPY ? "output" : "tensor";
+            if (fsc_py_import_arg(&c->args, module, v, argname, flags | (writable ? FSC_IMPORT_WRITABLE : 0), stream,
+                                  &t) < 0)
                 return -1;
             if (a == 0)
                 o->tensor = t;
@@ -260,4 +265,82 @@ int fsc_py_parse_calls(fsc_py_calls_t *c, PyObject *module, PyObject *ops, size_
 exit:
     Py_DECREF(seq);
     return rc;
+}
+
+/* ---- all-to-all ------------------------------------------------------------------------------- */
+
+/* One split-size argument: *rows = NULL for None or an empty sequence (equal blocks), else the
+ * `size` ints it holds, in `buf`. */
+static int parse_splits(PyObject *obj, const char *argname, int size, int64_t *buf, const int64_t **rows) {
+    *rows = NULL;
+    if (obj == Py_None) return 0;
+    PyObject *seq = PySequence_Check(obj) ? PySequence_Fast(obj, "") : NULL;
+    if (seq == NULL) PyErr_Clear();
+    Py_ssize_t n = seq ? PySequence_Fast_GET_SIZE(seq) : -1;
+    int ok = n == 0 || n == size;
+    for (Py_ssize_t j = 0; ok && j < n; j++) {
+        PyObject *v = PySequence_Fast_GET_ITEM(seq, j);
+        ok = PyLong_Check(v) && !PyBool_Check(v);
+        if (ok) {
+            int overflow = 0;
+            buf[j] = PyLong_AsLongLongAndOverflow(v, &overflow);
+            ok = !overflow && !(buf[j] == -1 && PyErr_Occurred());
+            PyErr_Clear();
+        }
+    }
+    Py_XDECREF(seq);
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError,
+                     "all_to_all_single: argument '%s' must hold %d ints >= 0 (one per rank of the group), got %R",
+                     argname, size, obj);
+        return -1;
+    }
+    if (n) *rows = buf;
+    return 0;
+}
+
+int fsc_py_parse_all_to_all(fsc_py_calls_t *c, PyObject *module, PyObject *output, PyObject *input,
+                            PyObject *output_split_sizes, PyObject *input_split_sizes, int rank, int size, int flags,
+                            intptr_t stream, int device_type, int device_id) {
+    size_t ncalls = 2 * (size_t)size - 1;
+    int64_t stack[16], *rows = stack;
+    const int64_t *orows, *irows;
+    fsc_py_calls_init(c, 1); /* two tensors: inline storage, cannot fail */
+    if (ncalls > FSC_PY_CALLS_INLINE) {
+        if ((c->calls = PyMem_Calloc(ncalls, sizeof(*c->calls))) == NULL) {
+            c->calls = c->calls_inline;
+            PyErr_NoMemory();
+            goto fail;
+        }
+        c->cap_calls = ncalls;
+    }
+    if (2 * (size_t)size > sizeof(stack) / sizeof(stack[0]) &&
+        (rows = PyMem_Malloc(2 * (size_t)size * sizeof(*rows))) == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    c->views = PyMem_Malloc(2 * (size_t)size * sizeof(*c->views));
+    if (c->views == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    fsc_tensor_t *out, *in;
+    if (fsc_py_import_arg(&c->args, module, output, "output", flags | FSC_IMPORT_WRITABLE, stream, &out) < 0 ||
+        fsc_py_import_arg(&c->args, module, input, "input", flags, stream, &in) < 0 ||
+        parse_splits(output_split_sizes, "output_split_sizes", size, rows, &orows) < 0 ||
+        parse_splits(input_split_sizes, "input_split_sizes", size, rows + size, &irows) < 0)
+        goto fail;
+    if (device_type < 0) device_type = out->device_type;
+    fsc_status_t st = fsc_comm_all_to_all_plan(out, in, orows, irows, rank, size, device_type, device_id, c->views,
+                                               c->calls, &c->ncalls);
+    if (st != FSC_OK) {
+        fsc_py_raise(module, st);
+        goto fail;
+    }
+    if (rows != stack) PyMem_Free(rows);
+    return 0;
+fail:
+    if (rows != stack) PyMem_Free(rows);
+    fsc_py_calls_clear(c);
+    return -1;
 }

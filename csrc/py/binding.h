@@ -109,6 +109,7 @@ typedef struct {
     size_t ncalls, cap_calls;
     fsc_comm_call_t calls_inline[FSC_PY_CALLS_INLINE];
     fsc_py_imports_t args;
+    fsc_tensor_t *views; /* blocks of the imported tensors the calls point at (an all-to-all), or NULL */
 } fsc_py_calls_t;
 
 /* Room for `ncalls` calls (two tensors each). -1 with MemoryError set on failure. */
@@ -120,9 +121,19 @@ void fsc_py_calls_clear(fsc_py_calls_t *c);
 /* Parse `ops`, a sequence of 1..max tuples (name, *args) as the single-op methods take their
  * arguments: ("all_gather", output, input), ("reduce_scatter", output, input, op),
  * ("all_reduce", tensor, op), ("broadcast", tensor, root), ("reduce", tensor, op, root),
- * ("send", tensor, peer[, tag]), ("recv", tensor, peer[, tag]). Tensors are imported with `flags` (plus
- * FSC_IMPORT_WRITABLE for written ones). Initialises `c`; on failure it is cleared. */
+ * ("send", tensor, peer[, tag]), ("recv", tensor, peer[, tag]), ("copy", output, input). Tensors are imported with
+ * `flags` (plus FSC_IMPORT_WRITABLE for written ones). Initialises `c`; on failure it is cleared. */
 int fsc_py_parse_calls(fsc_py_calls_t *c, PyObject *module, PyObject *ops, size_t max, int flags, intptr_t stream);
+
+/* An all_to_all_single(output, input, output_split_sizes, input_split_sizes) on a group of `size`
+ * ranks as the engine's calls (fsc_comm_all_to_all_plan, which checks every argument rule):
+ * imports both tensors with `flags` (output writable), takes each split-size argument as None /
+ * an empty sequence (equal blocks) or a sequence of `size` ints, and fills `c` with the sends,
+ * recvs and own-block copy; `device_type` < 0 takes the output's. Initialises `c`; -1 with an exception set (and `c`
+ * cleared) otherwise. */
+int fsc_py_parse_all_to_all(fsc_py_calls_t *c, PyObject *module, PyObject *output, PyObject *input,
+                            PyObject *output_split_sizes, PyObject *input_split_sizes, int rank, int size, int flags,
+                            intptr_t stream, int device_type, int device_id);
 
 /* Subsystem hooks called from the module's exec slot, in this order. Each adds its
  * functions/types to `module`, fills its state fields, and returns 0 or -1 with an

@@ -258,6 +258,7 @@ static fsc_shm_args_t shm_args(const fsc_comm_call_t *c) {
             a.out = t->data;
             break;
         case FSC_OP_REDUCE_SCATTER:
+        case FSC_OP_COPY:
             a.count = (size_t)t->numel;
             a.in = c->input->data;
             a.out = t->data;
@@ -331,21 +332,14 @@ static PyObject *queue(GroupObject *self, const fsc_shm_args_t *args, size_t n, 
     Py_RETURN_NONE;
 }
 
-/* Check the calls (the engine's rules, one C function for every backend), then run them: a
- * synchronous op on this thread when nothing is queued (no hand-off), else through the queue.
- * Consumes `c`. */
-static PyObject *run_calls(GroupObject *self, fsc_py_calls_t *c, int async_op) {
+/* Run calls that passed the engine's argument rules: a synchronous op on this thread when nothing
+ * is queued (no hand-off), else through the queue. Consumes `c`. */
+static PyObject *run_checked(GroupObject *self, fsc_py_calls_t *c, int async_op) {
     PyObject *module = module_of((PyObject *)self), *result = NULL;
-    int rank = fsc_shm_group_rank(self->g), size = fsc_shm_group_size(self->g);
     size_t n = c->ncalls;
-    fsc_shm_args_t stack[FSC_PY_CALLS_INLINE], *args = stack;
-    fsc_status_t st = n == 1 ? fsc_comm_check_call(&c->calls[0], rank, size, FSC_DEV_CPU, -1)
-                             : fsc_comm_check_batch(c->calls, n, rank, size, FSC_DEV_CPU, -1);
-    if (st != FSC_OK) {
-        fsc_py_raise(module, st);
-        goto exit;
-    }
-    if (n > FSC_PY_CALLS_INLINE && (args = PyMem_Malloc(n * sizeof(*args))) == NULL) {
+    fsc_shm_args_t stack[4], *args = stack;
+    fsc_status_t st;
+    if (n > sizeof(stack) / sizeof(stack[0]) && (args = PyMem_Malloc(n * sizeof(*args))) == NULL) {
         PyErr_NoMemory();
         goto exit;
     }
@@ -372,6 +366,19 @@ exit:
     if (args != stack) PyMem_Free(args);
     fsc_py_calls_clear(c);
     return result;
+}
+
+/* Check the calls (the engine's rules, one C function for every backend), then run them.
+ * Consumes `c`. */
+static PyObject *run_calls(GroupObject *self, fsc_py_calls_t *c, int async_op) {
+    int rank = fsc_shm_group_rank(self->g), size = fsc_shm_group_size(self->g);
+    fsc_status_t st = c->ncalls == 1 ? fsc_comm_check_call(&c->calls[0], rank, size, FSC_DEV_CPU, -1)
+                                     : fsc_comm_check_batch(c->calls, c->ncalls, rank, size, FSC_DEV_CPU, -1);
+    if (st != FSC_OK) {
+        fsc_py_calls_clear(c);
+        return fsc_py_raise(module_of((PyObject *)self), st);
+    }
+    return run_checked(self, c, async_op);
 }
 
 /* One call with up to two tensors (CPU memory; `tensor` is written unless it is a send). */
@@ -486,6 +493,22 @@ static PyObject *Group_batch(GroupObject *self, PyObject *args, PyObject *kwds) 
     return run_calls(self, &c, async_op);
 }
 
+static PyObject *Group_all_to_all_single(GroupObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"output", "input", "output_split_sizes", "input_split_sizes", "async_op", NULL};
+    PyObject *out, *in, *out_splits = Py_None, *in_splits = Py_None;
+    int async_op = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOp:all_to_all_single", kwlist, &out, &in, &out_splits, &in_splits,
+                                     &async_op))
+        return NULL;
+    if (check_open(self) < 0) return NULL;
+    fsc_py_calls_t c;
+    if (fsc_py_parse_all_to_all(&c, module_of((PyObject *)self), out, in, out_splits, in_splits,
+                                fsc_shm_group_rank(self->g), fsc_shm_group_size(self->g), FSC_IMPORT_CPU_ONLY, 0,
+                                FSC_DEV_CPU, -1) < 0)
+        return NULL;
+    return run_checked(self, &c, async_op);
+}
+
 #define KW_METHOD(name, doc) \
     { #name, (PyCFunction)(void (*)(void))Group_##name, METH_VARARGS | METH_KEYWORDS, doc }
 
@@ -508,10 +531,14 @@ static PyMethodDef Group_methods[] = {
               "must give the same tag."),
     KW_METHOD(recv, "recv(tensor, src, async_op=False, tag=0): the next message from src, which must carry `tag`."),
     KW_METHOD(barrier, "barrier(async_op=False)."),
+    KW_METHOD(all_to_all_single,
+              "all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, async_op=False): "
+              "input's dim-0 block j goes to rank j, output's block i comes from rank i (split sizes in rows; "
+              "None: equal blocks)."),
     KW_METHOD(batch,
               "batch(ops, async_op=False): run the ops together, each a tuple (name, *args) as the single-op "
-              "methods take them, e.g. ('send', t, dst), ('recv', t, src), ('all_reduce', t, 'sum'). Sends "
-              "and recvs move at once (no order of issue can deadlock), then collectives in list order."),
+              "methods take them, e.g. ('send', t, dst), ('recv', t, src), ('all_reduce', t, 'sum'), ('copy', output, "
+              "input). Sends and recvs move at once (no order of issue can deadlock), then collectives in list order."),
     {NULL, NULL, 0, NULL},
 };
 
@@ -544,11 +571,35 @@ static PyType_Slot Group_slots[] = {
 
 static PyType_Spec Group_spec = {"fairscale_c._C.ShmGroup", sizeof(GroupObject), 0, Py_TPFLAGS_DEFAULT, Group_slots};
 
+/* all_to_all_check(output, input, output_split_sizes, input_split_sizes, rank, size): the
+ * all-to-all's argument rules for a group that runs it without the engine (one rank). */
+static PyObject *py_all_to_all_check(PyObject *module, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"output", "input", "output_split_sizes", "input_split_sizes", "rank", "size", NULL};
+    PyObject *out, *in, *out_splits, *in_splits;
+    int rank, size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOii:all_to_all_check", kwlist, &out, &in, &out_splits, &in_splits,
+                                     &rank, &size))
+        return NULL;
+    if (size < 1 || rank < 0 || rank >= size)
+        return PyErr_Format(PyExc_ValueError, "all_to_all_check: rank %d of size %d is not a group rank", rank, size);
+    fsc_py_calls_t c;
+    if (fsc_py_parse_all_to_all(&c, module, out, in, out_splits, in_splits, rank, size, 0, 0, -1, -1) < 0) return NULL;
+    fsc_py_calls_clear(&c);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef comm_functions[] = {
+    FSC_PY_KW_METHOD("all_to_all_check", py_all_to_all_check,
+                     "all_to_all_check(output, input, output_split_sizes, input_split_sizes, rank, size): raise "
+                     "ValueError/TypeError when an all_to_all_single with these arguments breaks a rule."),
+    {NULL, NULL, 0, NULL},
+};
+
 int fsc_py_comm_exec(PyObject *module) {
     fsc_module_state *state = fsc_py_state(module);
     state->WorkType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Work_spec, NULL);
     if (state->WorkType == NULL || PyModule_AddType(module, state->WorkType) < 0) return -1;
     state->GroupType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Group_spec, NULL);
     if (state->GroupType == NULL || PyModule_AddType(module, state->GroupType) < 0) return -1;
-    return 0;
+    return PyModule_AddFunctions(module, comm_functions);
 }

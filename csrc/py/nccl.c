@@ -254,6 +254,30 @@ static PyObject *comm_batch(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_RETURN_NONE;
 }
 
+/* all_to_all_single(output, input, output_split_sizes, input_split_sizes, stream): the
+ * all-to-all (fsc_py_parse_all_to_all) enqueued as one NCCL group. */
+static PyObject *comm_all_to_all_single(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"output", "input", "output_split_sizes", "input_split_sizes", "stream", NULL};
+    PyObject *module = comm_module(self), *out, *in, *out_splits, *in_splits;
+    fsc_stream_t stream;
+    fsc_py_calls_t c;
+    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO&:all_to_all_single", kwlist, &out, &in,
+                                                       &out_splits, &in_splits, fsc_py_stream_converter, &stream))
+        return NULL;
+    fsc_nccl_comm_t *comm = ((NcclCommObject *)self)->comm;
+    if (fsc_py_parse_all_to_all(&c, module, out, in, out_splits, in_splits, fsc_nccl_comm_rank(comm),
+                                fsc_nccl_comm_size(comm), FSC_IMPORT_CONTIGUOUS, (intptr_t)stream, FSC_DEV_CUDA,
+                                fsc_nccl_comm_device(comm)) < 0)
+        return NULL;
+    fsc_status_t st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fsc_nccl_all_to_all(comm, c.calls, c.ncalls, stream);
+    Py_END_ALLOW_THREADS
+    fsc_py_calls_clear(&c); /* NCCL has the pointers; the caller keeps the tensors alive */
+    if (st != FSC_OK) return fsc_py_raise(module, st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *comm_abort(PyObject *self, PyObject *Py_UNUSED(args)) {
     fsc_nccl_comm_t *c = ((NcclCommObject *)self)->comm;
     Py_BEGIN_ALLOW_THREADS
@@ -311,7 +335,11 @@ static PyMethodDef comm_methods[] = {
         "batch(ops, stream): enqueue several operations as one NCCL group; ops are tuples like "
         "('all_gather', output, input), ('reduce_scatter', output, input, op), ('all_reduce', tensor, op), "
         "('broadcast', tensor, root), ('reduce', tensor, op, root), ('send', tensor, peer), "
-        "('recv', tensor, peer)."),
+        "('recv', tensor, peer), ('copy', output, input)."),
+    FSC_PY_KW_METHOD("all_to_all_single", comm_all_to_all_single,
+                     "all_to_all_single(output, input, output_split_sizes, input_split_sizes, stream): input's dim-0 "
+                     "block j goes to rank j, output's block i comes from rank i (split sizes in rows; None: equal "
+                     "blocks)."),
     FSC_PY_KW_METHOD("wait", comm_wait,
                      "wait(stream, timeout=0.0): block until stream's work is done, polling NCCL errors; aborts on "
                      "error or timeout (0 = FAIRSCALE_C_TIMEOUT)."),

@@ -128,6 +128,13 @@ class _TorchCPU:
     def barrier(self) -> None:
         dist.barrier(group=self.pg)
 
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, out_splits: Any, in_splits: Any) -> None:
+        _alltoall.check_single(output, input, out_splits, in_splits, dist.get_rank(self.pg), self.size)
+        dist.all_to_all_single(output, input, out_splits, in_splits, group=self.pg)
+
+    def copy(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        local_copy(output, input)
+
     def batch(self, items: list) -> None:
         """Sends and recvs through torch's batch_isend_irecv, then the collectives in order."""
         p2p = [
@@ -453,8 +460,20 @@ class Group:
         input_split_sizes: Optional[Sequence[int]] = None,
         async_op: bool = False,
     ) -> Any:
-        """Input's dim-0 block j goes to rank j; output's block i comes from rank i (see _alltoall)."""
-        return _alltoall.all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, async_op)
+        """Input's dim-0 block j (``input_split_sizes[j]`` rows; equal blocks if not given) goes to
+        rank j; output's block i (``output_split_sizes[i]`` rows) comes from rank i: the meaning of
+        torch.distributed.all_to_all_single. One op of the engine: a send and a recv with every
+        peer, issued together (no order of issue can deadlock), and the copy of this rank's own
+        block. Tensors: contiguous, at least 1-D, one dtype, rows of the same number of elements,
+        not overlapping. Returns a Work when ``async_op``."""
+        if self._route("all_to_all_single", ("output", output), ("input", input)):
+            return self._cuda_op(
+                "all_to_all_single",
+                lambda n, s: n.all_to_all_single(output, input, output_split_sizes, input_split_sizes, stream=s),
+                (output, input),
+                async_op,
+            )
+        return self._cpu_op("all_to_all_single", async_op, (output, input, output_split_sizes, input_split_sizes), {})
 
     def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any], async_op: bool = False) -> Any:
         """inputs[j] goes to rank j; outputs[i] comes from rank i (see _alltoall)."""
@@ -549,7 +568,18 @@ class LocalGroup:
     def barrier(self, async_op: bool = False) -> Any:
         return self._done(async_op)
 
-    all_to_all_single = Group.all_to_all_single
+    def all_to_all_single(
+        self,
+        output: Any,
+        input: Any,
+        output_split_sizes: Optional[Sequence[int]] = None,
+        input_split_sizes: Optional[Sequence[int]] = None,
+        async_op: bool = False,
+    ) -> Any:
+        _alltoall.check_single(output, input, output_split_sizes, input_split_sizes, 0, 1)
+        local_copy(output, input)
+        return self._done(async_op)
+
     all_to_all = Group.all_to_all
 
     def _no_peer(self, op: str) -> None:
@@ -575,10 +605,12 @@ class LocalGroup:
                 self.reduce(args[0], root=args[2], op=args[1])
             elif name in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
                 getattr(self, name)(*args)
+            elif name == "copy":
+                local_copy(*args)
             else:
                 raise ValueError(
                     f"batch: '{name}' is not an op; expected all_gather, reduce_scatter, all_reduce, "
-                    "broadcast, reduce, send or recv"
+                    "broadcast, reduce, send, recv or copy"
                 )
         return self._done(async_op)
 

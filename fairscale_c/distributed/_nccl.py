@@ -148,10 +148,25 @@ class NcclBackend:
         ``("all_gather", output, input)``, ``("reduce_scatter", output, input, op)``,
         ``("all_reduce", tensor, op)``, ``("broadcast", tensor, root)``,
         ``("reduce", tensor, op, root)``, ``("send", tensor, peer[, tag])``,
-        ``("recv", tensor, peer[, tag])`` (tag 0 only: NCCL has no tags). Every op is checked before
+        ``("recv", tensor, peer[, tag])`` (tag 0 only: NCCL has no tags), ``("copy", output, input)``
+        (a send to this rank and a recv from it). Every op is checked before
         anything is enqueued (ValueError naming the op's index)."""
         detached = [tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in op) for op in ops]
         self._comm.batch(detached, self._stream(stream))
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Optional[Sequence[int]],
+        input_split_sizes: Optional[Sequence[int]],
+        stream: StreamLike = None,
+    ) -> None:
+        """Input's dim-0 block j goes to rank j, output's block i comes from rank i (split sizes in
+        rows; None: equal blocks), as one NCCL group; the own block is a send to this rank."""
+        self._comm.all_to_all_single(
+            output.detach(), input.detach(), output_split_sizes, input_split_sizes, self._stream(stream)
+        )
 
     def wait(self, stream: StreamLike = None, timeout: Optional[float] = None) -> None:
         """Block until the work on ``stream`` is done; DistributedError (communicator aborted)

@@ -2,7 +2,8 @@
  * handling (non-blocking init, async errors, the watchdog, abort) runs on machines without a
  * GPU. Built as one shared object that the tests reach under both names (symlinks), so the
  * driver half and the NCCL half share state. "Device memory" is host memory; communicators have
- * one rank, whose collectives copy input to output on the spot.
+ * one rank, whose collectives copy input to output on the spot, and whose recv from itself takes
+ * the oldest unmatched send to itself.
  *
  * fake_set_mode() picks what the next collectives do:
  *   FAKE_OK          complete at once;
@@ -387,13 +388,26 @@ EXPORT int ncclReduce(const void *in, void *out, size_t n, int dt, int op, int r
     (void)op, (void)root;
     return collective(comm, s, out, in, n * esize(dt));
 }
+/* Point-to-point: the one rank's sends to itself, waiting for their recvs (in order). */
+#define MAX_SELF_SENDS 16
+static struct {
+    const void *buf;
+    size_t bytes;
+} self_sends[MAX_SELF_SENDS];
+static int nself_sends = 0;
+
 EXPORT int ncclSend(const void *buf, size_t n, int dt, int peer, void *comm, void *s) {
-    (void)buf, (void)n, (void)dt, (void)peer, (void)comm, (void)s;
-    return R_NCCL_INVALID_ARGUMENT; /* no peer in a one-rank communicator */
+    (void)comm, (void)s;
+    if (peer != 0 || nself_sends == MAX_SELF_SENDS) return R_NCCL_INVALID_ARGUMENT; /* one rank: only itself */
+    self_sends[nself_sends].buf = buf;
+    self_sends[nself_sends++].bytes = n * esize(dt);
+    return R_OK;
 }
 EXPORT int ncclRecv(void *buf, size_t n, int dt, int peer, void *comm, void *s) {
-    (void)buf, (void)n, (void)dt, (void)peer, (void)comm, (void)s;
-    return R_NCCL_INVALID_ARGUMENT;
+    if (peer != 0 || nself_sends == 0 || self_sends[0].bytes != n * esize(dt)) return R_NCCL_INVALID_ARGUMENT;
+    const void *src = self_sends[0].buf;
+    memmove(self_sends, self_sends + 1, (size_t)--nself_sends * sizeof(self_sends[0]));
+    return collective(comm, s, buf, src, n * esize(dt));
 }
 EXPORT int ncclGroupStart(void) {
     return R_OK;

@@ -102,6 +102,28 @@ static void test_ops_and_wait(void) {
     EXPECT(fsc_nccl_batch(c, ops, 3, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "batch operation 1"),
            "bad batch: %s", fsc_last_error());
     EXPECT(b_out[1] == 0.0f, "a refused batch enqueued its first operation");
+    /* a copy in a batch is a send to this rank and a recv from it */
+    float c_in[3] = {7, 8, 9}, c_out[3] = {0};
+    fsc_tensor_t ci = cuda_view(c_in, 3), co = cuda_view(c_out, 3);
+    fsc_nccl_op_t copy[2] = {{FSC_OP_ALL_REDUCE, &bar, NULL, FSC_RED_SUM, 0, 0},
+                             {FSC_OP_COPY, &co, &ci, FSC_RED_SUM, -1, 0}};
+    EXPECT(fsc_nccl_batch(c, copy, 2, 0) == FSC_OK, "batch with a copy: %s", fsc_last_error());
+    EXPECT(c_out[0] == 7.0f && c_out[2] == 9.0f, "batched copy gave %g %g", c_out[0], c_out[2]);
+    copy[1].tensor = &to;
+    EXPECT(fsc_nccl_batch(c, copy, 2, 0) == FSC_ERR_VALUE && strstr(fsc_last_error(), "copy: output has 4 elements"),
+           "copy of unequal sizes: %s", fsc_last_error());
+    /* an all-to-all of one rank: its plan is the own block's copy */
+    float a_in[6] = {1, 2, 3, 4, 5, 6}, a_out[6] = {0};
+    fsc_tensor_t ai = cuda_view(a_in, 6), ao = cuda_view(a_out, 6), views[2];
+    fsc_nccl_op_t plan[1];
+    size_t n = 0;
+    EXPECT(fsc_comm_all_to_all_plan(&ao, &ai, NULL, NULL, 0, 1, FSC_DEV_CUDA, 0, views, plan, &n) == FSC_OK && n == 1,
+           "plan: %s", fsc_last_error());
+    EXPECT(fsc_nccl_all_to_all(c, plan, n, 0) == FSC_OK, "all_to_all: %s", fsc_last_error());
+    EXPECT(a_out[0] == 1.0f && a_out[5] == 6.0f, "all_to_all copied %g %g", a_out[0], a_out[5]);
+    EXPECT(fsc_comm_all_to_all_plan(&ao, &ai, NULL, NULL, 0, 1, FSC_DEV_CPU, -1, views, plan, &n) == FSC_ERR_VALUE &&
+               strstr(fsc_last_error(), "all_to_all_single: output is on cuda; expected a cpu tensor"),
+           "plan on the wrong device: %s", fsc_last_error());
     nap(0.3); /* the watchdog reaps the completed operations */
     EXPECT(fsc_nccl_comm_destroy(c, 1.0) == FSC_OK, "destroy: %s", fsc_last_error());
     fsc_nccl_comm_free(c);

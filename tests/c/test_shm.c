@@ -212,6 +212,119 @@ static int rank_all_ops(fsc_shm_group_t *g, void *ctx) {
     return bad ? 1 : 0;
 }
 
+/* A contiguous 2-D view (rows x cols) of `data`. */
+static fsc_tensor_t view2d(void *data, fsc_dtype_t dt, int64_t rows, int64_t cols) {
+    fsc_tensor_t t = {data, dt, FSC_DEV_CPU, 0, 2, rows * cols, {rows, cols}, {cols, 1}, 0};
+    return t;
+}
+
+/* Rows rank `src` sends to rank `dst` in the uneven all-to-all (some 0). */
+static int64_t a2a_rows(int src, int dst) {
+    return (src * 3 + dst * 5 + 1) % 4;
+}
+
+/* The all-to-all plan run as one batch (sync, then through the queue): every rank's output blocks
+ * hold what the others sent, with uneven and empty blocks; bad arguments are refused before
+ * anything moves. */
+static int rank_all_to_all(fsc_shm_group_t *g, void *ctx) {
+    (void)ctx;
+    if (g == NULL) return 5;
+    int rank = fsc_shm_group_rank(g), size = fsc_shm_group_size(g), bad = 0;
+    const int64_t cols = 3;
+    int64_t out_rows[4], in_rows[4], nout = 0, nin = 0;
+    for (int j = 0; j < size; j++) {
+        in_rows[j] = a2a_rows(rank, j), out_rows[j] = a2a_rows(j, rank);
+        nin += in_rows[j], nout += out_rows[j];
+    }
+    float *in = malloc((size_t)(nin * cols + 1) * sizeof(float)),
+          *out = malloc((size_t)((nout + 1) * cols) * sizeof(float));
+    for (int64_t i = 0; i < nin * cols; i++) in[i] = (float)(rank * 1000 + i);
+    fsc_tensor_t tin = view2d(in, FSC_FLOAT32, nin, cols), tout = view2d(out, FSC_FLOAT32, nout, cols);
+    fsc_tensor_t views[8];
+    fsc_comm_call_t calls[7];
+    fsc_shm_args_t args[7];
+    size_t n = 0;
+    for (int async = 0; async <= 1; async++) {
+        for (int64_t i = 0; i < nout * cols; i++) out[i] = -1;
+        if (fsc_comm_all_to_all_plan(&tout, &tin, out_rows, in_rows, rank, size, FSC_DEV_CPU, -1, views, calls, &n) !=
+            FSC_OK) {
+            fprintf(stderr, "rank %d plan: %s\n", rank, fsc_last_error());
+            return 1;
+        }
+        if (n != 2 * (size_t)size - 1) return 2;
+        for (size_t i = 0; i < n; i++) {
+            const fsc_comm_call_t *c = &calls[i];
+            fsc_shm_args_t a = {c->op,
+                                FSC_RED_SUM,
+                                c->peer,
+                                c->tensor->dtype,
+                                (size_t)c->tensor->numel,
+                                c->input ? c->input->data : c->tensor->data,
+                                c->tensor->data,
+                                0};
+            args[i] = a;
+        }
+        fsc_status_t st;
+        if (async) {
+            fsc_shm_work_t *w = NULL;
+            if (fsc_shm_engine_start(g) != FSC_OK) return 4;
+            st = fsc_shm_submit(g, args, n, &w);
+            if (st == FSC_OK) st = fsc_shm_work_wait(w, -1);
+            fsc_shm_work_release(w);
+        } else {
+            st = fsc_shm_run_batch(g, args, n);
+        }
+        if (st != FSC_OK) {
+            fprintf(stderr, "rank %d all_to_all: %s\n", rank, fsc_last_error());
+            return 1;
+        }
+        int64_t at = 0;
+        for (int src = 0; src < size; src++) {
+            int64_t start = 0; /* where src's block for this rank starts in src's input */
+            for (int j = 0; j < rank; j++) start += a2a_rows(src, j);
+            for (int64_t i = 0; i < out_rows[src] * cols && bad < 3; i++)
+                if (out[at + i] != (float)(src * 1000 + start * cols + i)) {
+                    fprintf(stderr, "rank %d all_to_all async=%d: from %d element %lld is %g\n", rank, async, src,
+                            (long long)i, out[at + i]);
+                    bad++;
+                }
+            at += out_rows[src] * cols;
+        }
+    }
+    /* refused: rows that do not sum to dim 0, a negative row count, an own block of two sizes,
+     * output overlapping input, rows of different lengths, equal blocks that do not divide */
+    int64_t wrong[4], neg[4], own[4];
+    for (int j = 0; j < size; j++) wrong[j] = in_rows[j], neg[j] = in_rows[j], own[j] = out_rows[j];
+    wrong[0] += 1, neg[size - 1] = -1, own[rank] += 1;
+    fsc_tensor_t shifted = view2d(in + 1, FSC_FLOAT32, nin, cols), narrow = view2d(out, FSC_FLOAT32, nout, cols - 1);
+    fsc_tensor_t odd = view2d(out, FSC_FLOAT32, size + 1, 1), odd_in = view2d(in, FSC_FLOAT32, size + 1, 1);
+    fsc_tensor_t longer = view2d(out, FSC_FLOAT32, nout + 1, cols);
+    struct {
+        fsc_tensor_t *out;
+        const fsc_tensor_t *in;
+        const int64_t *orows, *irows;
+        const char *words;
+    } refused[] = {
+        {&tout, &tin, out_rows, wrong, "'input_split_sizes' sums to"},
+        {&tout, &tin, out_rows, neg, "'input_split_sizes' must hold"},
+        {&longer, &tin, own, in_rows, "own block"},
+        {&shifted, &tin, out_rows, in_rows, "overlaps"},
+        {&narrow, &tin, NULL, NULL, "a row of output"},
+        {&odd, &odd_in, NULL, NULL, "divide evenly"},
+    };
+    for (size_t k = 0; k < sizeof(refused) / sizeof(refused[0]); k++) {
+        fsc_status_t st = fsc_comm_all_to_all_plan(refused[k].out, refused[k].in, refused[k].orows, refused[k].irows,
+                                                   rank, size, FSC_DEV_CPU, -1, views, calls, &n);
+        if (st != FSC_ERR_VALUE || strstr(fsc_last_error(), refused[k].words) == NULL) {
+            fprintf(stderr, "rank %d: expected '%s', got %d: %s\n", rank, refused[k].words, (int)st, fsc_last_error());
+            bad++;
+        }
+    }
+    free(in);
+    free(out);
+    return bad ? 1 : 0;
+}
+
 /* Outputs of 16 MiB and more are written with streaming stores: check them, on an output that
  * is not 16-byte aligned and an element count that leaves a tail. */
 static int rank_large_outputs(fsc_shm_group_t *g, void *ctx) {
@@ -526,6 +639,8 @@ int main(void) {
             EXPECT(spawn(size, size, rank_all_ops, &async) == 0, "all ops at size %d (async=%d)", size, async);
             fprintf(stderr, "all ops, %d ranks, async=%d: %.2f s\n", size, async, fsc_comm_now() - t0);
         }
+    for (int size = 2; size <= 4; size++)
+        EXPECT(spawn(size, size, rank_all_to_all, NULL) == 0, "all-to-all at size %d", size);
     EXPECT(spawn(2, 2, rank_large_outputs, NULL) == 0, "outputs of 16 MiB and more (streaming stores)");
     EXPECT(spawn(2, 2, rank_fork_child, NULL) == 0, "a fork() child neither uses nor hangs on the group");
     EXPECT(spawn(2, 2, rank_mismatch, NULL) == 0, "collective mismatch reported on both ranks");
