@@ -143,9 +143,15 @@ def _thaw(bn: _BatchNorm) -> bool:
 
 def _patch_batchnorm(module: nn.Module) -> None:
     """BatchNorm layers must not update their running statistics a second time while the
-    forward is recomputed (FairScale patches them for the same reason)."""
+    forward is recomputed (FairScale patches them for the same reason). A layer with a
+    ``disable_patch_batchnorm`` attribute (SyncBatchNorm) keeps its statistics itself and is left
+    alone, as in FairScale."""
     for child in module.modules():
-        if isinstance(child, _BatchNorm) and not getattr(child, "_fsc_bn_patched", False):
+        if (
+            isinstance(child, _BatchNorm)
+            and not hasattr(child, "disable_patch_batchnorm")
+            and not getattr(child, "_fsc_bn_patched", False)
+        ):
             child.register_forward_pre_hook(_freeze_stats_when_recomputing)
             child.register_forward_hook(_restore_stats_settings)
             child._fsc_bn_patched = True
