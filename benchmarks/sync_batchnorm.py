@@ -122,8 +122,8 @@ def table(results: Dict[str, Any]) -> str:
         over = ours["step_s"] / floor["step_s"]
         if fs is None:
             lines.append(
-                f"| {key} | {1e3 * floor['step_s']:.2f} | {1e3 * ours['step_s']:.2f} | not installed | - | {over:.3f} | "
-                f"{1e3 * own:.2f} / - | - | {floor['peak_mib']:.1f} / {ours['peak_mib']:.1f} / - |"
+                f"| {key} | {1e3 * floor['step_s']:.2f} | {1e3 * ours['step_s']:.2f} | not installed | - | "
+                f"{over:.3f} | {1e3 * own:.2f} / - | - | {floor['peak_mib']:.1f} / {ours['peak_mib']:.1f} / - |"
             )
             continue
         fs_own = fs["step_s"] - floor["step_s"]
