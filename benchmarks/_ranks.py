@@ -1,11 +1,13 @@
 """Spawned CPU ranks for the stand-alone layer benchmarks (benchmarks/moe.py,
-benchmarks/model_parallel.py): each rank joins a gloo process group, runs the benchmark's body and
-rank 0's result comes back; a rank that dies or a run past its timeout is an error, never a hang.
+benchmarks/model_parallel.py, benchmarks/sync_batchnorm.py): each rank joins a gloo process
+group, runs the benchmark's body and rank 0's result comes back; a rank that dies or a run past
+its timeout is an error, never a hang.
 
 Also: timing frameworks in alternating rounds (the order flips every round, a barrier before each
 framework's steps, the slower rank's mean step per round) and a step's peak resident memory (the
 rise of VmHWM, reset through /proc/self/clear_refs, over the resident size before the step; the
-"memory" runs fix glibc's mmap threshold at 64 KiB so that freed tensors leave the resident set).
+"memory" runs fix glibc's mmap threshold at 64 KiB so that freed tensors leave the resident set),
+and the command line the three share (bench_main).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import queue
 import socket
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -44,7 +46,10 @@ def peak_rise_mib(step: Callable[[], None]) -> float:
             f.write("5")  # resets VmHWM to the current RSS
     except OSError:
         return float("nan")
-    before = rss_kib("VmRSS")
+    # from the mark itself (VmHWM never falls), not from VmRSS: a step that allocates almost
+    # nothing can end with the resident size below the VmRSS read before it, and the kernel raises
+    # the mark only lazily, so VmHWM - VmRSS could come out negative
+    before = rss_kib("VmHWM")
     step()
     return (rss_kib("VmHWM") - before) / 1024
 
@@ -139,3 +144,47 @@ def save(path: str, cfg: Dict[str, Any], results: Dict[str, Any]) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": cfg, "results": results}, indent=1) + "\n")
+
+
+def bench_main(
+    doc: str,
+    argv: Optional[Sequence[str]],
+    *,
+    sizes_flag: str,
+    sizes_help: str,
+    parse_sizes: Callable[[str], list],
+    sizes: list,
+    quick: list,
+    rank_main: Callable,
+    world: int,
+    table: Callable[[Dict[str, Any]], str],
+    results_path: str,
+    peer_installed: bool,
+    default_steps: int = 3,
+    full_rounds: int = 5,
+) -> int:
+    """The benchmarks' command line: ``--quick`` (the `quick` sizes, 2 rounds), ``sizes_flag``
+    (parsed by `parse_sizes`, which raises argparse.ArgumentTypeError), ``--rounds``, ``--steps``,
+    ``--out``; then times_and_peaks of `rank_main` on `world` ranks, the table on stdout and the
+    JSON at ``--out``. Says so on stderr when FairScale (the peer column) is not installed."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"{quick}, 2 rounds")
+    p.add_argument(sizes_flag, dest="sizes", type=parse_sizes, default=None, help=sizes_help)
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--steps", type=int, default=default_steps, help="steps per framework per round")
+    p.add_argument("--out", default=results_path)
+    args = p.parse_args(argv)
+    cfg = {
+        "sizes": args.sizes or (quick if args.quick else sizes),
+        "rounds": args.rounds or (2 if args.quick else full_rounds),
+        "steps": args.steps,
+    }
+    if not peer_installed:
+        print("fairscale is not installed (pip install fairscale==0.4.13): its column is skipped", file=sys.stderr)
+    results = times_and_peaks(rank_main, world, cfg)
+    print(table(results))
+    save(args.out, cfg, results)
+    return 0

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ranks import max_over_ranks, peak_rise_mib, save, timed_rounds, times_and_peaks  # noqa: E402
+from _ranks import bench_main, max_over_ranks, peak_rise_mib, timed_rounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "moe.json"
@@ -147,7 +147,7 @@ def rank_main(rank: int, cfg: Dict[str, Any], mode: str) -> Dict[str, Any]:
     allocator settings would slow the timed steps)."""
     frameworks = [f for f in FRAMEWORKS if f != "fairscale" or load_fairscale() is not None]
     results: Dict[str, Any] = {}
-    for tokens in cfg["tokens"]:
+    for tokens in cfg["sizes"]:
         layers = {f: Layer(f, rank, tokens) for f in frameworks}
         if mode == "memory":
             peaks = {}
@@ -192,26 +192,28 @@ def table(results: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="256 and 512 tokens per rank, 2 rounds")
-    p.add_argument("--tokens", type=str, default=None, help="comma-separated tokens per rank (multiples of 8)")
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--steps", type=int, default=3, help="steps per framework per round")
-    p.add_argument("--out", default=str(RESULTS))
-    args = p.parse_args(argv)
-    tokens = [256, 512] if args.quick else [512, 1024, 2048, 4096]
-    if args.tokens:
-        tokens = [int(t) for t in args.tokens.split(",")]
+def parse_tokens(text: str) -> List[int]:
+    tokens = [int(t) if t.strip().isdigit() else -1 for t in text.split(",")]
     if any(t <= 0 or t % 8 for t in tokens):
-        p.error(f"--tokens: each must be a positive multiple of 8, got {tokens}")
-    cfg = {"tokens": tokens, "rounds": args.rounds or (2 if args.quick else 5), "steps": args.steps}
-    if load_fairscale() is None:
-        print("fairscale is not installed (pip install fairscale==0.4.13): its column is skipped", file=sys.stderr)
-    results = times_and_peaks(rank_main, WORLD, cfg)
-    print(table(results))
-    save(args.out, cfg, results)
-    return 0
+        raise argparse.ArgumentTypeError(f"each must be a positive multiple of 8, got {text!r}")
+    return tokens
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return bench_main(
+        __doc__,
+        argv,
+        sizes_flag="--tokens",
+        sizes_help="comma-separated tokens per rank (multiples of 8)",
+        parse_sizes=parse_tokens,
+        sizes=[512, 1024, 2048, 4096],
+        quick=[256, 512],
+        rank_main=rank_main,
+        world=WORLD,
+        table=table,
+        results_path=str(RESULTS),
+        peer_installed=load_fairscale() is not None,
+    )
 
 
 if __name__ == "__main__":

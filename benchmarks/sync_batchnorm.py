@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ranks import max_over_ranks, peak_rise_mib, save, timed_rounds, times_and_peaks  # noqa: E402
+from _ranks import bench_main, max_over_ranks, peak_rise_mib, timed_rounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "sync_batchnorm.json"
@@ -147,21 +147,22 @@ def parse_sizes(text: str) -> List[Tuple[int, int, int]]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"sizes {QUICK}, 2 rounds")
-    p.add_argument("--sizes", type=parse_sizes, default=None, help="comma-separated CxNxH, e.g. 32x16x16")
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--steps", type=int, default=5, help="steps per framework per round")
-    p.add_argument("--out", default=str(RESULTS))
-    args = p.parse_args(argv)
-    sizes = args.sizes or (QUICK if args.quick else SIZES)
-    cfg = {"sizes": sizes, "rounds": args.rounds or (2 if args.quick else 7), "steps": args.steps}
-    if load_fairscale_sync_bn() is None:
-        print("fairscale is not installed (pip install fairscale==0.4.13): its column is skipped", file=sys.stderr)
-    results = times_and_peaks(rank_main, WORLD, cfg)
-    print(table(results))
-    save(args.out, cfg, results)
-    return 0
+    return bench_main(
+        __doc__,
+        argv,
+        sizes_flag="--sizes",
+        sizes_help="comma-separated CxNxH, e.g. 32x16x16",
+        parse_sizes=parse_sizes,
+        sizes=SIZES,
+        quick=QUICK,
+        rank_main=rank_main,
+        world=WORLD,
+        table=table,
+        results_path=str(RESULTS),
+        peer_installed=load_fairscale_sync_bn() is not None,
+        default_steps=5,
+        full_rounds=7,
+    )
 
 
 if __name__ == "__main__":
