@@ -1,5 +1,6 @@
-"""fairscale_c.experimental.nn — mirrors fairscale.experimental.nn: SyncBatchNorm (docs/experimental.md).
-FairScale's OffloadModel and MEVO are not provided."""
+"""fairscale_c.experimental.nn — mirrors fairscale.experimental.nn: SyncBatchNorm, and
+``auto_shard.shard_model`` (docs/experimental.md). FairScale's OffloadModel and MEVO are not
+provided."""
 
 from .sync_batchnorm import SyncBatchNorm
 
