@@ -156,3 +156,30 @@ def test_batchnorm_last_in_the_wrapped_module_keeps_tracking(momentum):
         assert wrapped[1].num_batches_tracked.item() == plain[1].num_batches_tracked.item() == step + 1
         assert torch.equal(wrapped[1].running_mean, plain[1].running_mean)
         assert torch.equal(wrapped[1].running_var, plain[1].running_var)
+
+
+def test_patch_batchnorm_skips_running_stats_without_grad():
+    from fairscale_c.experimental.nn import SyncBatchNorm
+    from fairscale_c.nn.checkpoint.checkpoint_utils import patch_batchnorm
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), SyncBatchNorm(3))
+    handles = patch_batchnorm(net)
+    assert len(handles) == 2  # SyncBatchNorm keeps its statistics itself (disable_patch_batchnorm)
+    x = torch.randn(6, 4) * 3 + 2
+    with torch.no_grad():
+        net(x)
+    bn = net[1]
+    assert torch.equal(bn.running_mean, torch.zeros(3)) and int(bn.num_batches_tracked) == 0
+    assert bn.track_running_stats  # restored after the forward
+    with torch.no_grad():
+        want = torch.nn.functional.batch_norm(net[0](x), None, None, bn.weight, bn.bias, True)
+        assert torch.allclose(net[1](net[0](x)), want, atol=1e-6)  # batch statistics still normalise
+    net(x)  # with autograd: tracked as usual
+    assert int(bn.num_batches_tracked) == 1 and not torch.equal(bn.running_mean, torch.zeros(3))
+    for h in handles:
+        h.remove()
+    with torch.no_grad():
+        net(x)
+    assert int(bn.num_batches_tracked) == 2
+    with pytest.raises(TypeError, match="argument 'module' must be an nn.Module"):
+        patch_batchnorm(None)
