@@ -7,7 +7,7 @@ cancellation). Backward: one all_reduce of 2C values (the sums of dy and of dy *
 weight and bias gradients stay local, as with torch's and FairScale's (a data-parallel wrapper
 averages them). Statistics are float32 (float64 for float64 input); the output has the input's
 dtype. The per-element passes are torch's fused batch-norm kernels (the statistics, the
-normalisation, the backward's sums), so a layer costs about what torch's own BatchNorm does.
+normalisation, the backward's sums).
 
 Under checkpoint_wrapper the statistics are computed (and the running statistics updated) in the
 first pass only; the recomputation reuses them, so it neither communicates again nor counts the
