@@ -73,9 +73,10 @@ def _cut_points(nodes: List[torch.fx.Node], counts: List[int], shard_count: int)
     for node in nodes:
         if node.op != "get_attr":
             last_use[node] = max((position[u] for u in node.users), default=position[node])
-    computing = [i for i, n in enumerate(nodes) if n.op not in ("placeholder", "get_attr", "output")]
+    computing = {i for i, n in enumerate(nodes) if n.op not in ("placeholder", "get_attr", "output")}
     if not computing:
         return []
+    last_computing = max(computing)
     budget = sum(counts) // shard_count
     cuts: List[int] = []
     held, open_values = 0, set()  # values defined so far that later nodes still read
@@ -87,7 +88,7 @@ def _cut_points(nodes: List[torch.fx.Node], counts: List[int], shard_count: int)
             open_values.add(node)
         open_values = {v for v in open_values if last_use[v] > i}
         crossing = open_values - {node}
-        if held > budget and not crossing and i in computing and i < computing[-1] and len(cuts) < shard_count - 1:
+        if held > budget and not crossing and i in computing and i < last_computing and len(cuts) < shard_count - 1:
             cuts.append(i)
             held = 0
     return cuts

@@ -62,18 +62,12 @@ class DynamicLossScaler:
         self._last_rescale_iter = -1
         self._overflows_since_rescale = 0
         self._per_optimizer_states: Dict[int, OptState] = defaultdict(_refresh_per_optimizer_state)
-        self._scale = None
 
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor, or an iterable of tensors) times the loss scale."""
         if isinstance(outputs, torch.Tensor):
             return self.loss_scale * outputs
         return type(outputs)(self.loss_scale * o for o in outputs)
-
-    @torch.no_grad()
-    def _get_gradients_norm(self, params: List[torch.nn.Parameter]) -> float:
-        grads = [p.grad.detach() for p in params if p.grad is not None]
-        return self._norm(grads)
 
     @staticmethod
     def _norm(grads: List[torch.Tensor]) -> float:
