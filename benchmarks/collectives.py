@@ -24,7 +24,8 @@ table gives each world-2 row's minimum and maximum ratio over the passes. Single
 VM move a lot (docs/benchmarks.md, "Collectives"); the passes' rows are kept in the JSON.
 
 --latency times each synchronous call on its own (time.perf_counter_ns) for all_reduce, all_gather,
-reduce_scatter, broadcast and barrier, on fairscale_c and on gloo in the same processes, and measures
+reduce_scatter, broadcast, all_to_all_single (not judged by the target) and barrier, on fairscale_c
+and on gloo in the same processes, and measures
 in the same run what torch's Tensor.__dlpack__ costs for the tensors each call imports, and the round
 trip of one cache line between two processes (benchmarks/pingpong.c, built with cc) as the floor.
 It prints a verdict against the world-2 target (median - import <= 5 us, p90 <= 2x median) and
@@ -514,7 +515,8 @@ def plot(result: Dict, path: str) -> None:
 
 
 # ---------------------------------------------------------------------- small-message latency
-LAT_OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+LAT_OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]  # the ops the target judges
+LAT_EXTRA_OPS = ["all_to_all"]  # timed beside them, no target
 LAT_SIZES = [8, 64, 512, 4 * KiB, 32 * KiB, 64 * KiB]  # S = the full buffer, as in the bandwidth mode
 LAT_TARGET_NS = 5000  # world 2: median minus the DLPack import of the op's tensors
 LAT_P90_FACTOR = 2.0  # world 2: p90 <= this x median
@@ -587,6 +589,9 @@ def _lat_case(op: str, numel: int, world: int, group: Any, dist: Any) -> Tuple[t
     if op == "all_gather":
         out, inp = torch.empty(numel), torch.randn(numel // world)
         return (group.all_gather, out, inp), (dist.all_gather_into_tensor, out, inp), [out, inp]
+    if op == "all_to_all":
+        out, inp = torch.empty(numel), torch.randn(numel)
+        return (group.all_to_all_single, out, inp), (dist.all_to_all_single, out, inp), [out, inp]
     out, inp = torch.empty(numel // world), torch.randn(numel)
     return (group.reduce_scatter, out, inp), (dist.reduce_scatter_tensor, out, inp), [out, inp]
 
@@ -605,7 +610,7 @@ def _lat_rank_main(rank: int, world: int, port: int, sizes: List[int], iters: La
     group = fdist.init_group()
     try:
         gc.disable()  # as timeit does: no collector pauses inside the timed calls
-        cases = [(op, n) for n in sizes for op in LAT_OPS] + [("barrier", 0)]
+        cases = [(op, n) for n in sizes for op in LAT_OPS + LAT_EXTRA_OPS] + [("barrier", 0)]
         built, samples = [], []
         for op, nbytes in cases:
             numel = max(world, nbytes // 4) // world * world
