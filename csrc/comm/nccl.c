@@ -608,6 +608,10 @@ fsc_status_t fsc_nccl_batch(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t
 }
 
 fsc_status_t fsc_nccl_all_to_all(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream) {
+    if (2 * (size_t)c->nranks > FSC_NCCL_MAX_BATCH) /* a send and a recv per rank, the own block's included */
+        return fsc_error(FSC_ERR_VALUE,
+                         "all_to_all_single on NCCL: at most %d ranks (one NCCL group of %d calls), the group has %d",
+                         FSC_NCCL_MAX_BATCH / 2, FSC_NCCL_MAX_BATCH, c->nranks);
     return enqueue(c, ops, n, stream, 1, 1, 1);
 }
 
