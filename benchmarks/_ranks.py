@@ -40,18 +40,18 @@ def rss_kib(field: str) -> int:
 
 
 def peak_rise_mib(step: Callable[[], None]) -> float:
-    """MiB the resident high-water mark rises above the resident size during one step."""
+    """MiB the resident high-water mark rises above the resident size during one step. The kernel
+    folds each thread's page counts into the process's in batches (up to 64 pages a thread), so
+    the marks read before and after carry that much noise: a step that allocates almost nothing
+    can read a little below zero, which is returned as 0."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
     except OSError:
         return float("nan")
-    # from the mark itself (VmHWM never falls), not from VmRSS: a step that allocates almost
-    # nothing can end with the resident size below the VmRSS read before it, and the kernel raises
-    # the mark only lazily, so VmHWM - VmRSS could come out negative
     before = rss_kib("VmHWM")
     step()
-    return (rss_kib("VmHWM") - before) / 1024
+    return max(0.0, (rss_kib("VmHWM") - before) / 1024)
 
 
 def timed_rounds(steps: Dict[str, Callable[[], None]], rounds: int, per_round: int) -> Dict[str, List[float]]:
