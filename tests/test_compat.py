@@ -68,6 +68,7 @@ PUBLIC_MODULES = [
     "fairscale.internal.reduce_scatter_bucketer",
     "fairscale.optim",
     "fairscale.optim.grad_scaler",
+    "fairscale.optim.layerwise_gradient_scaler",
     "fairscale.nn.pipe",
     "fairscale.nn.pipe.skip",
     "fairscale.nn.pipe.balance",
