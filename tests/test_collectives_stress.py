@@ -2,8 +2,12 @@
 ops (kind, dtype, size, root, reduction, sync or async) from one seed, with up to four async ops
 in flight at once and waits deferred behind later ops, so ops of very different sizes interleave
 in the engine's slots. Every result is checked against a torch reference that each rank computes
-from the other ranks' (seeded) inputs. A protocol slip (a slot reused too early, a result written
-to the wrong op, a lost wake-up) shows up as a wrong value or a timeout, not as a hang."""
+from the other ranks' (seeded) inputs. Ops include all_to_all_single with uneven splits and
+batches of a ring exchange plus a local copy, and each rank decides for itself, op by op, whether its buffers of a float32 or bfloat16 op
+lie in shared tensors: when every rank's do, the op runs on the mapped paths, and when only some
+do, the ranks must agree to fall back. A protocol slip (a slot reused too early, a result written
+to the wrong op, a lost wake-up, ranks taking different paths) shows up as a wrong value or a
+timeout, not as a hang."""
 
 from __future__ import annotations
 
@@ -18,9 +22,22 @@ from test_collectives import _check, _data, _reference
 # Sizes straddle the 1 MiB pipeline chunk for every dtype (262144 float32 elements per chunk).
 SIZES = [1, 7, 1000, 65_537, 262_144, 262_145, 700_001]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64]
-KINDS = ["all_reduce", "all_gather", "all_gather_inplace", "reduce_scatter", "broadcast", "reduce", "ring", "barrier"]
+KINDS = [
+    "all_reduce",
+    "all_gather",
+    "all_gather_inplace",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "ring",
+    "barrier",
+    "all_to_all",
+    "batch",
+]
 STEPS = 120
 MAX_IN_FLIGHT = 4
+SHARED_DTYPES = (torch.float32, torch.bfloat16)  # what the features keep in shared tensors
+POOL_NUMEL = 8 << 20  # per dtype and rank: enough for the ops in flight, drained when full
 
 
 @pytest.fixture(autouse=True)
@@ -40,15 +57,63 @@ def _schedule(seed: int, world: int):
         yield step, kind, dtype, op, n, rng.randrange(world), rng.random() < 0.6
 
 
-def _issue(group, rank, world, step, kind, dtype, op, n, root, async_op):
-    """Start one op; returns (work or None, a check(failures) callable)."""
+class _Pool:
+    """Slices of one shared tensor handed out in turn; ``take`` returns None when the rest is too
+    small (the caller then waits for every op in flight and calls ``reset``)."""
+
+    def __init__(self, tensor):
+        self.tensor, self.offset = tensor, 0
+
+    def take(self, n):
+        if self.offset + n > self.tensor.numel():
+            return None
+        t = self.tensor[self.offset : self.offset + n]
+        self.offset += n
+        return t
+
+    def reset(self):
+        self.offset = 0
+
+
+def _splits(seed, step, world, n):
+    """rows[i][j]: the rows rank i sends rank j in step's all_to_all (zeros included), the same on
+    every rank; and the row width."""
+    rng = random.Random(seed * 104729 + step)
+    cap = max(1, min(n, 50_000) // world)
+    return [[rng.choice([0, rng.randint(1, cap)]) for _ in range(world)] for _ in range(world)], rng.choice([1, 3])
+
+
+def _issue(group, rank, world, step, kind, dtype, op, n, root, async_op, alloc, seed):
+    """Start one op; returns (work or None, a check(failures) callable). ``alloc(n, dtype)`` gives
+    the op's buffers (in a shared tensor or not: the rank's own choice)."""
     inputs = [_data(r, n, dtype, step) for r in range(world)]
-    mine = inputs[rank].clone()
+    mine = alloc(n, dtype).copy_(inputs[rank])
+    if kind == "all_to_all":
+        rows, width = _splits(seed, step, world, n)
+        sent = [_data(r, sum(rows[r]) * width, dtype, step).view(-1, width) for r in range(world)]
+        src = alloc(sent[rank].numel(), dtype).view(-1, width).copy_(sent[rank])
+        out = alloc(sum(rows[r][rank] for r in range(world)) * width, dtype).view(-1, width)
+        out_splits = [rows[r][rank] for r in range(world)]
+        work = group.all_to_all_single(out, src, out_splits, rows[rank], async_op=async_op)
+        want = torch.cat([sent[r][sum(rows[r][:rank]) : sum(rows[r][: rank + 1])] for r in range(world)])
+        return work, lambda f: _check(out, want, f"{step}: all_to_all {rows}", f)
+    if kind == "batch":  # ring exchange plus a local copy, items in this rank's own order
+        got, kept = alloc(n, dtype), alloc(n, dtype)
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        items = [("send", mine, nxt), ("recv", got, prv), ("copy", kept, mine)]
+        random.Random(seed * 31 + rank * 1009 + step).shuffle(items)
+        work = group.batch(items, async_op=async_op)
+
+        def check(f):
+            _check(got, inputs[prv], f"{step}: batch recv {[i[0] for i in items]}", f)
+            _check(kept, inputs[rank], f"{step}: batch copy {[i[0] for i in items]}", f)
+
+        return work, check
     if kind == "all_reduce":
         work = group.all_reduce(mine, op=op, async_op=async_op)
         return work, lambda f: _check(mine, _reference(inputs, op, dtype), f"{step}: all_reduce {op}", f, reduced=True)
     if kind in ("all_gather", "all_gather_inplace"):
-        out = torch.empty(n * world, dtype=dtype)
+        out = alloc(n * world, dtype)
         src = mine
         if kind == "all_gather_inplace":
             out[rank * n : (rank + 1) * n] = mine
@@ -57,8 +122,8 @@ def _issue(group, rank, world, step, kind, dtype, op, n, root, async_op):
         return work, lambda f: _check(out, torch.cat(inputs), f"{step}: {kind}", f)
     if kind == "reduce_scatter":
         full = [_data(r, n * world, dtype, step) for r in range(world)]
-        out = torch.empty(n, dtype=dtype)
-        work = group.reduce_scatter(out, full[rank].clone(), op=op, async_op=async_op)
+        out = alloc(n, dtype)
+        work = group.reduce_scatter(out, alloc(n * world, dtype).copy_(full[rank]), op=op, async_op=async_op)
         want = _reference([x[rank * n : (rank + 1) * n] for x in full], op, dtype)
         return work, lambda f: _check(out, want, f"{step}: reduce_scatter {op}", f, reduced=True)
     if kind == "broadcast":
@@ -69,7 +134,7 @@ def _issue(group, rank, world, step, kind, dtype, op, n, root, async_op):
         want = _reference(inputs, op, dtype) if rank == root else inputs[rank]
         return work, lambda f: _check(mine, want, f"{step}: reduce {op} to {root}", f, reduced=rank == root)
     if kind == "ring":  # to the next rank, from the previous one; rank 0 sends first, the rest receive first
-        got = torch.empty(n, dtype=dtype)
+        got = alloc(n, dtype)
         nxt, prv = (rank + 1) % world, (rank - 1) % world
         if rank == 0:
             group.send(mine, nxt)
@@ -87,9 +152,31 @@ def _stress_job(rank, world, seed):
 
     failures = []
     pending = []  # (work, check) in issue order
+    mine = random.Random(seed * 7 + rank)  # this rank's own choice of shared or private buffers
+
+    def drain():
+        while pending:
+            w, c = pending.pop(0)
+            w.wait()
+            c(failures)
+
     with fdist.init_group(name=f"stress-{seed}") as group:
+        pools = {dt: _Pool(fdist.shared_empty(POOL_NUMEL, dtype=dt, group=group)) for dt in SHARED_DTYPES}
+        assert all(fdist.is_shared(p.tensor) for p in pools.values())
         for step, kind, dtype, op, n, root, async_op in _schedule(seed, world):
-            work, check = _issue(group, rank, world, step, kind, dtype, op, n, root, async_op)
+            shared = dtype in pools and mine.random() < 0.7
+
+            def alloc(numel, dt, shared=shared):
+                if not shared:
+                    return torch.empty(numel, dtype=dt)
+                t = pools[dt].take(numel)
+                if t is None:  # every slice may still be in use by an op in flight
+                    drain()
+                    pools[dt].reset()
+                    t = pools[dt].take(numel)
+                return t
+
+            work, check = _issue(group, rank, world, step, kind, dtype, op, n, root, async_op, alloc, seed)
             if work is None:
                 check(failures)
             else:
@@ -98,16 +185,17 @@ def _stress_job(rank, world, seed):
                 w, c = pending.pop(0)
                 w.wait()
                 c(failures)
-        for w, c in pending:
-            w.wait()
-            c(failures)
-    return failures
+        drain()
+        mapped = group._shm.mapped_ops if group._shm is not None else 0
+    return failures, mapped
 
 
 @pytest.mark.parametrize("world,seed", [(2, 1), (2, 2), (3, 3)])
 def test_random_schedule_of_collectives(world, seed):
-    for rank, failures in enumerate(run_ranks(_stress_job, world, seed, env={"FAIRSCALE_C_TIMEOUT": "60"})):
+    results = run_ranks(_stress_job, world, seed, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    for rank, (failures, _) in enumerate(results):
         assert not failures, f"rank {rank}: " + "; ".join(failures[:5])
+    assert all(mapped > 0 for _, mapped in results), f"no op ran on the mapped paths: {results}"
 
 
 P2P_STEPS = 40
