@@ -3,11 +3,11 @@ ops (kind, dtype, size, root, reduction, sync or async) from one seed, with up t
 in flight at once and waits deferred behind later ops, so ops of very different sizes interleave
 in the engine's slots. Every result is checked against a torch reference that each rank computes
 from the other ranks' (seeded) inputs. Ops include all_to_all_single with uneven splits and
-batches of a ring exchange plus a local copy, and each rank decides for itself, op by op, whether its buffers of a float32 or bfloat16 op
-lie in shared tensors: when every rank's do, the op runs on the mapped paths, and when only some
-do, the ranks must agree to fall back. A protocol slip (a slot reused too early, a result written
-to the wrong op, a lost wake-up, ranks taking different paths) shows up as a wrong value or a
-timeout, not as a hang."""
+batches of a ring exchange plus a local copy, and each rank decides for itself, op by op, whether
+its buffers of a float32 or bfloat16 op lie in shared tensors: when every rank's do, the op runs
+on the mapped paths, and when only some do, the ranks must agree to fall back. A protocol slip (a
+slot reused too early, a result written to the wrong op, a lost wake-up, ranks taking different
+paths) shows up as a wrong value or a timeout, not as a hang."""
 
 from __future__ import annotations
 
