@@ -56,6 +56,39 @@ def test_dead_peer_is_reported_quickly():
     assert elapsed < 10, f"dead peer found after {elapsed:.1f} s; expected well before the 30 s timeout"
 
 
+def _dead_peer_mid_exchange_job(rank, world, mode):
+    """Rank 2 of 3 dies after the ranks' first exchange; ranks 0 and 1 are then inside an
+    all_to_all_single (sync or async) or a batch whose recv from rank 2 is pending."""
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group(name=f"dying-{mode}")
+    x = torch.arange(6.0) + 10 * rank
+    out = torch.empty(6)
+    group.all_to_all_single(out, x)  # everyone alive: one round completes
+    if rank == 2:
+        time.sleep(0.3)  # let the others enter the next exchange first
+        os._exit(1)
+    if mode == "a2a":
+        call = lambda: group.all_to_all_single(out, x)  # noqa: E731
+    elif mode == "a2a_async":
+        call = lambda: group.all_to_all_single(out, x, async_op=True).wait()  # noqa: E731
+    else:
+        peer = 1 - rank  # the live peer's message arrives; the dead rank's recv never completes
+        items = [("send", x[:2], peer), ("recv", out[:2], peer), ("recv", out[2:4], 2), ("copy", out[4:], x[4:])]
+        call = lambda: group.batch(items, async_op=True).wait()  # noqa: E731
+    msg, elapsed = _expect_error(call, f"'dying-{mode}'", "rank 2")
+    _expect_error(lambda: group.all_reduce(torch.ones(4)), "rank 2")  # the group stays broken
+    group.destroy()
+    return elapsed
+
+
+@pytest.mark.parametrize("mode", ["a2a", "a2a_async", "batch"])
+def test_dead_peer_during_all_to_all_or_batch_is_reported_quickly(mode):
+    results = run_ranks(_dead_peer_mid_exchange_job, 3, mode, env={"FAIRSCALE_C_TIMEOUT": "30"}, may_die=[2])
+    elapsed = [e for e in results if e is not None]
+    assert len(elapsed) == 2 and max(elapsed) < 10, f"dead peer found after {elapsed} s; expected well before 30 s"
+
+
 def _fork_child_job(rank, world):
     import fairscale_c.distributed as fdist
 

@@ -190,7 +190,7 @@ def _stress_job(rank, world, seed):
     return failures, mapped
 
 
-@pytest.mark.parametrize("world,seed", [(2, 1), (2, 2), (3, 3)])
+@pytest.mark.parametrize("world,seed", [(2, 1), (2, 2), (3, 3), (4, 4)])
 def test_random_schedule_of_collectives(world, seed):
     results = run_ranks(_stress_job, world, seed, env={"FAIRSCALE_C_TIMEOUT": "60"})
     for rank, (failures, _) in enumerate(results):
