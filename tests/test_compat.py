@@ -69,6 +69,7 @@ PUBLIC_MODULES = [
     "fairscale.optim",
     "fairscale.optim.grad_scaler",
     "fairscale.optim.layerwise_gradient_scaler",
+    "fairscale.optim.adam",
     "fairscale.nn.pipe",
     "fairscale.nn.pipe.skip",
     "fairscale.nn.pipe.balance",

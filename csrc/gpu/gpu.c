@@ -123,14 +123,25 @@ typedef enum {
     K_NORM_BF16,
     K_NORM_FINALIZE,
     K_ADAMW_F32,
+    K_FS_ADAM,
     K_COUNT
 } kernel_id_t;
 
 /* extern "C" names of the kernels in csrc/cuda, indexed by kernel_id_t. */
 static const char *const kernel_names[K_COUNT] = {
-    "fsc_cast_f32_to_f16",       "fsc_cast_f32_to_bf16",      "fsc_cast_f16_to_f32",        "fsc_cast_bf16_to_f32",
-    "fsc_unscale_inf_check_f32", "fsc_unscale_inf_check_f16", "fsc_unscale_inf_check_bf16", "fsc_norm_partials_f32",
-    "fsc_norm_partials_f16",     "fsc_norm_partials_bf16",    "fsc_norm_finalize",          "fsc_adamw_f32",
+    "fsc_cast_f32_to_f16",
+    "fsc_cast_f32_to_bf16",
+    "fsc_cast_f16_to_f32",
+    "fsc_cast_bf16_to_f32",
+    "fsc_unscale_inf_check_f32",
+    "fsc_unscale_inf_check_f16",
+    "fsc_unscale_inf_check_bf16",
+    "fsc_norm_partials_f32",
+    "fsc_norm_partials_f16",
+    "fsc_norm_partials_bf16",
+    "fsc_norm_finalize",
+    "fsc_adamw_f32",
+    "fsc_fs_adam",
 };
 
 #define FSC_GPU_BLOCK 256     /* = FSC_CUDA_BLOCK in csrc/cuda/common.cuh */
@@ -514,6 +525,37 @@ fsc_status_t fsc_gpu_adamw_step(fsc_tensor_t *param, const fsc_tensor_t *grad, f
         &p,    &g, &m, &v, &n, &s.decay, &s.one_minus_b1, &s.beta2, &s.one_minus_b2, &s.bc2_sqrt, &s.neg_step_size,
         &s.eps};
     return launch(param->device_id, K_ADAMW_F32, grid_for(param->numel), stream, args, "cuda_adamw_step");
+}
+
+/* The dtype codes of fsc_fs_adam (csrc/cuda/fs_adam.cu). */
+static int fs_adam_code(fsc_dtype_t dt) {
+    return dt == FSC_FLOAT16 ? 1 : dt == FSC_BFLOAT16 ? 2 : 0;
+}
+
+fsc_status_t fsc_gpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
+                                  fsc_tensor_t *exp_avg_sq, fsc_tensor_t *param_copy, const fsc_fs_adam_scalars_t *s,
+                                  fsc_tensor_t *found_inf, fsc_stream_t stream) {
+    static const char *op = "cuda_fs_adam_step";
+    int dev = param->device_id;
+    FSC_CHECK(fsc_fs_adam_check(param, grad, exp_avg, exp_avg_sq, param_copy, FSC_DEV_CUDA, op));
+    const fsc_tensor_t *ts[4] = {grad, exp_avg, exp_avg_sq, param_copy};
+    static const char *names[4] = {"grad", "exp_avg", "exp_avg_sq", "param_copy"};
+    for (int i = 0; i < 4; i++)
+        if (ts[i] && ts[i]->device_id != dev)
+            return fsc_error(FSC_ERR_VALUE, "%s: %s is on cuda:%d, expected cuda:%d like param", op, names[i],
+                             ts[i]->device_id, dev);
+    FSC_CHECK(check_one_float(found_inf, op, "found_inf", dev));
+    if (param->numel == 0) return FSC_OK;
+    long long n = (long long)param->numel;
+    void *p = param->data, *g = grad->data, *m = exp_avg->data, *v = exp_avg_sq->data;
+    void *c = param_copy ? param_copy->data : NULL, *fi = found_inf->data;
+    int pdt = fs_adam_code(param->dtype), gdt = fs_adam_code(grad->dtype), sdt = fs_adam_code(exp_avg->dtype);
+    int cdt = param_copy ? fs_adam_code(param_copy->dtype) : 0, inside = s->eps_inside_sqrt;
+    float b1 = s->beta1, b2 = s->beta2, omb1 = s->one_minus_b1, omb2 = s->one_minus_b2, eps = s->eps;
+    float gs = s->grad_scale, os = s->optim_scale, ss = s->step_size, decay = s->decay;
+    void *args[] = {&p,  &pdt,  &g,    &gdt, &m,  &v,  &sdt, &c,     &cdt,    &n, &b1,
+                    &b2, &omb1, &omb2, &eps, &gs, &os, &ss,  &decay, &inside, &fi};
+    return launch(dev, K_FS_ADAM, grid_for(param->numel), stream, args, op);
 }
 
 /* Pitches above this go row by row: drivers cap a 2D copy's pitch (CU_DEVICE_ATTRIBUTE_MAX_PITCH,

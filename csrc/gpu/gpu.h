@@ -91,6 +91,12 @@ fsc_status_t fsc_gpu_norm(const fsc_tensor_t *x, fsc_norm_mode_t mode, fsc_tenso
 fsc_status_t fsc_gpu_adamw_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
                                 fsc_tensor_t *exp_avg_sq, const fsc_adamw_hparams_t *hp, fsc_stream_t stream);
 
+/* CUDA twin of fsc_cpu_fs_adam_step (csrc/gpu/kernels_cpu.h): the same tensors on one device,
+ * found_inf a one-element float32 tensor there; bit-identical results. Enqueued on `stream`. */
+fsc_status_t fsc_gpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
+                                  fsc_tensor_t *exp_avg_sq, fsc_tensor_t *param_copy, const fsc_fs_adam_scalars_t *s,
+                                  fsc_tensor_t *found_inf, fsc_stream_t stream);
+
 /* CUDA twin of fsc_tensor_pack_blocks (same layout and checks), enqueued on `stream` as one
  * 2D device-to-device copy per source; no kernel, so it works without CUDA kernels in the
  * build. */

@@ -144,3 +144,195 @@ fsc_status_t fsc_cpu_adamw_step(fsc_tensor_t *param, const fsc_tensor_t *grad, f
     }
     return FSC_OK;
 }
+
+/* ---- FairScale's fused Adam ------------------------------------------------------------- */
+
+fsc_status_t fsc_fs_adam_prepare(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                                 int bias_correction, int eps_inside_sqrt, double grad_scale, double optim_scale,
+                                 fsc_fs_adam_scalars_t *out) {
+    static const char *op = "fs_adam_step";
+    if (!(lr >= 0.0)) return fsc_error(FSC_ERR_VALUE, "%s: lr must be >= 0, got %g", op, lr);
+    if (!(beta1 >= 0.0 && beta1 < 1.0))
+        return fsc_error(FSC_ERR_VALUE, "%s: beta1 must be in [0, 1), got %g", op, beta1);
+    if (!(beta2 >= 0.0 && beta2 < 1.0))
+        return fsc_error(FSC_ERR_VALUE, "%s: beta2 must be in [0, 1), got %g", op, beta2);
+    if (!(eps >= 0.0)) return fsc_error(FSC_ERR_VALUE, "%s: eps must be >= 0, got %g", op, eps);
+    if (!(weight_decay >= 0.0))
+        return fsc_error(FSC_ERR_VALUE, "%s: weight_decay must be >= 0, got %g", op, weight_decay);
+    if (step < 1) return fsc_error(FSC_ERR_VALUE, "%s: step must be >= 1, got %lld", op, (long long)step);
+    if (!(isfinite(grad_scale) && grad_scale > 0.0))
+        return fsc_error(FSC_ERR_VALUE, "%s: grad_scale must be finite and > 0, got %g", op, grad_scale);
+    if (!(isfinite(optim_scale) && optim_scale > 0.0))
+        return fsc_error(FSC_ERR_VALUE, "%s: optim_scale must be finite and > 0, got %g", op, optim_scale);
+    float b1 = (float)beta1, b2 = (float)beta2, lr_f = (float)lr;
+    out->beta1 = b1;
+    out->beta2 = b2;
+    out->one_minus_b1 = 1.0f - b1;
+    out->one_minus_b2 = 1.0f - b2;
+    out->eps = (float)eps;
+    out->grad_scale = (float)grad_scale;
+    out->optim_scale = (float)optim_scale;
+    out->decay = (float)weight_decay;
+    out->eps_inside_sqrt = eps_inside_sqrt != 0;
+    if (bias_correction) {
+        /* FairScale's launcher: const float bc = 1 - std::pow(beta, step), whose pow of a float
+         * and an int is computed in double */
+        float bc1 = (float)(1.0 - pow((double)b1, (double)step));
+        float bc2 = (float)(1.0 - pow((double)b2, (double)step));
+        out->step_size = lr_f * sqrtf(bc2) / bc1;
+    } else {
+        out->step_size = lr_f;
+    }
+    return FSC_OK;
+}
+
+fsc_status_t fsc_fs_adam_check(const fsc_tensor_t *param, const fsc_tensor_t *grad, const fsc_tensor_t *exp_avg,
+                               const fsc_tensor_t *exp_avg_sq, const fsc_tensor_t *param_copy, int device_type,
+                               const char *op) {
+    const unsigned state_mask = FSC_DTYPE_BIT(FSC_FLOAT32) | FSC_DTYPE_BIT(FSC_FLOAT16);
+    const unsigned half_mask = FSC_DTYPE_BIT(FSC_FLOAT16) | FSC_DTYPE_BIT(FSC_BFLOAT16);
+    FSC_CHECK(fsc_kernels_check(param, op, "param", device_type, FSC_FLOAT_DTYPES, 1));
+    FSC_CHECK(fsc_kernels_check(grad, op, "grad", device_type, FSC_FLOAT_DTYPES, 0));
+    FSC_CHECK(fsc_kernels_check(exp_avg, op, "exp_avg", device_type, state_mask, 1));
+    FSC_CHECK(fsc_kernels_check(exp_avg_sq, op, "exp_avg_sq", device_type, state_mask, 1));
+    if (param_copy) FSC_CHECK(fsc_kernels_check(param_copy, op, "param_copy", device_type, half_mask, 1));
+    if (exp_avg_sq->dtype != exp_avg->dtype)
+        return fsc_error(FSC_ERR_TYPE, "%s: exp_avg is %s and exp_avg_sq %s; expected one dtype", op,
+                         fsc_dtype_name(exp_avg->dtype), fsc_dtype_name(exp_avg_sq->dtype));
+    const fsc_tensor_t *ts[4] = {grad, exp_avg, exp_avg_sq, param_copy};
+    static const char *names[4] = {"grad", "exp_avg", "exp_avg_sq", "param_copy"};
+    for (int i = 0; i < 4; i++)
+        if (ts[i] && ts[i]->numel != param->numel)
+            return fsc_error(FSC_ERR_VALUE, "%s: %s has %lld elements, param has %lld", op, names[i],
+                             (long long)ts[i]->numel, (long long)param->numel);
+    return FSC_OK;
+}
+
+/* The kernel runs in blocks: each block's values are converted to float32 temporaries, updated by
+ * plain loops over restrict pointers (which gcc -O3 vectorises; the AVX2 clone is picked at load
+ * time) and converted back. Vector add, multiply, divide and square root round like the scalar
+ * ones, so every width gives the same bits. */
+#define FS_ADAM_BLOCK 512
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define FS_ADAM_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FS_ADAM_MULTIVERSION
+#endif
+
+FS_ADAM_MULTIVERSION static void fs_load_block(float *restrict out, const void *src, fsc_dtype_t dt, int64_t off,
+                                               int n) {
+    if (dt == FSC_FLOAT16) {
+        const uint16_t *restrict h = (const uint16_t *)src + off;
+        for (int i = 0; i < n; i++) out[i] = fsc_half_to_float(h[i]);
+    } else if (dt == FSC_BFLOAT16) {
+        const uint16_t *restrict h = (const uint16_t *)src + off;
+        for (int i = 0; i < n; i++) out[i] = fsc_bf16_to_float(h[i]);
+    } else {
+        const float *restrict f = (const float *)src + off;
+        for (int i = 0; i < n; i++) out[i] = f[i];
+    }
+}
+
+FS_ADAM_MULTIVERSION static void fs_store_block(void *dst, fsc_dtype_t dt, int64_t off, const float *restrict in,
+                                                int n) {
+    if (dt == FSC_FLOAT16) {
+        uint16_t *restrict h = (uint16_t *)dst + off;
+        for (int i = 0; i < n; i++) h[i] = fsc_float_to_half(in[i]);
+    } else if (dt == FSC_BFLOAT16) {
+        uint16_t *restrict h = (uint16_t *)dst + off;
+        for (int i = 0; i < n; i++) h[i] = fsc_float_to_bf16(in[i]);
+    } else {
+        float *restrict f = (float *)dst + off;
+        for (int i = 0; i < n; i++) f[i] = in[i];
+    }
+}
+
+/* p, m, v in: the param and the stored moments (already divided by the state scale); out: the new
+ * param, and the new moments (mom, vel) in m and v. g: the gradient. */
+FS_ADAM_MULTIVERSION static void fs_adam_block(float *restrict p, const float *restrict g, float *restrict m,
+                                               float *restrict v, int n, const fsc_fs_adam_scalars_t *sc) {
+    const float b1 = sc->beta1, b2 = sc->beta2, omb1 = sc->one_minus_b1, omb2 = sc->one_minus_b2;
+    const float eps = sc->eps, gs = sc->grad_scale, ss = sc->step_size, decay = sc->decay;
+    if (sc->eps_inside_sqrt) {
+        for (int i = 0; i < n; i++) {
+            float gi = g[i] / gs;
+            float mom = b1 * m[i] + omb1 * gi;
+            float vel = b2 * v[i] + omb2 * gi * gi;
+            float update = mom / __builtin_sqrtf(vel + eps) + decay * p[i];
+            p[i] = p[i] - ss * update;
+            m[i] = mom;
+            v[i] = vel;
+        }
+    } else {
+        for (int i = 0; i < n; i++) {
+            float gi = g[i] / gs;
+            float mom = b1 * m[i] + omb1 * gi;
+            float vel = b2 * v[i] + omb2 * gi * gi;
+            float update = mom / (__builtin_sqrtf(vel) + eps) + decay * p[i];
+            p[i] = p[i] - ss * update;
+            m[i] = mom;
+            v[i] = vel;
+        }
+    }
+}
+
+FS_ADAM_MULTIVERSION static void fs_scale_block(float *restrict x, int n, float by, int divide) {
+    if (divide)
+        for (int i = 0; i < n; i++) x[i] = x[i] / by;
+    else
+        for (int i = 0; i < n; i++) x[i] = x[i] * by;
+}
+
+fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
+                                  fsc_tensor_t *exp_avg_sq, fsc_tensor_t *param_copy, const fsc_fs_adam_scalars_t *s,
+                                  fsc_tensor_t *found_inf) {
+    static const char *op = "cpu_fs_adam_step";
+    FSC_CHECK(fsc_fs_adam_check(param, grad, exp_avg, exp_avg_sq, param_copy, FSC_DEV_CPU, op));
+    FSC_CHECK(fsc_kernels_check(found_inf, op, "found_inf", FSC_DEV_CPU, FSC_DTYPE_BIT(FSC_FLOAT32), 1));
+    if (found_inf->numel != 1)
+        return fsc_error(FSC_ERR_VALUE, "%s: found_inf must have exactly 1 element, got %lld", op,
+                         (long long)found_inf->numel);
+    const int scaled = exp_avg->dtype == FSC_FLOAT16;
+    const fsc_dtype_t sdt = exp_avg->dtype;
+    if (param->dtype == FSC_FLOAT32 && grad->dtype == FSC_FLOAT32 && sdt == FSC_FLOAT32 && !param_copy) {
+        /* all float32: in place, no temporaries (the tensors do not overlap: each is its own) */
+        float *pp = param->data, *mp = exp_avg->data, *vp = exp_avg_sq->data;
+        const float *gp = grad->data;
+        for (int64_t off = 0; off < param->numel; off += FS_ADAM_BLOCK) {
+            int n = param->numel - off < FS_ADAM_BLOCK ? (int)(param->numel - off) : FS_ADAM_BLOCK;
+            fs_adam_block(pp + off, gp + off, mp + off, vp + off, n, s);
+        }
+        return FSC_OK;
+    }
+    float p[FS_ADAM_BLOCK], g[FS_ADAM_BLOCK], m[FS_ADAM_BLOCK], v[FS_ADAM_BLOCK];
+    int any_bad = 0;
+    for (int64_t off = 0; off < param->numel; off += FS_ADAM_BLOCK) {
+        int n = param->numel - off < FS_ADAM_BLOCK ? (int)(param->numel - off) : FS_ADAM_BLOCK;
+        fs_load_block(p, param->data, param->dtype, off, n);
+        fs_load_block(g, grad->data, grad->dtype, off, n);
+        fs_load_block(m, exp_avg->data, sdt, off, n);
+        fs_load_block(v, exp_avg_sq->data, sdt, off, n);
+        if (scaled) {
+            fs_scale_block(m, n, s->optim_scale, 1);
+            fs_scale_block(v, n, s->optim_scale, 1);
+        }
+        fs_adam_block(p, g, m, v, n, s);
+        if (scaled) {
+            fs_scale_block(m, n, s->optim_scale, 0);
+            fs_scale_block(v, n, s->optim_scale, 0);
+        }
+        fs_store_block(exp_avg->data, sdt, off, m, n);
+        fs_store_block(exp_avg_sq->data, sdt, off, v, n);
+        if (scaled) /* the stored float16 moments: any that is not finite overflowed */
+            for (int i = 0; i < n; i++) {
+                uint16_t hm = ((const uint16_t *)exp_avg->data)[off + i],
+                         hv = ((const uint16_t *)exp_avg_sq->data)[off + i];
+                any_bad |= (hm & 0x7c00u) == 0x7c00u || (hv & 0x7c00u) == 0x7c00u;
+            }
+        fs_store_block(param->data, param->dtype, off, p, n);
+        if (param_copy) fs_store_block(param_copy->data, param_copy->dtype, off, p, n);
+    }
+    if (any_bad) *(float *)found_inf->data = 1.0f;
+    return FSC_OK;
+}

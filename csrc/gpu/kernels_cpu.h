@@ -76,4 +76,49 @@ fsc_status_t fsc_cpu_norm(const fsc_tensor_t *x, fsc_norm_mode_t mode, float *ou
 fsc_status_t fsc_cpu_adamw_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
                                 fsc_tensor_t *exp_avg_sq, const fsc_adamw_hparams_t *hp);
 
+/* One step of FairScale's fused Adam (fairscale.optim.Adam, the fairseq/apex kernel), whose
+ * arithmetic differs from torch's Adam: eps is added to sqrt(v) (or, with eps_inside_sqrt, to v
+ * under the root) without bias correction, the bias corrections fold into one step size, and
+ * the weight decay joins the update:
+ *   g' = g / grad_scale
+ *   m' = b1 * m + (1 - b1) * g'            v' = b2 * v + (1 - b2) * g' * g'
+ *   p' = p - step_size * (m' / (sqrt(v') + eps) + decay * p)
+ * with step_size = lr * sqrt(1 - b2^step) / (1 - b1^step) (lr without bias correction). When the
+ * state is float16 it holds m' and v' times optim_scale (read back divided by it), and a stored
+ * value that is not finite sets *found_inf. Each operation rounds to float32 in that order, so
+ * the CUDA kernel (csrc/cuda/fs_adam.cu) gives the same bits. */
+typedef struct {
+    float beta1, beta2;
+    float one_minus_b1, one_minus_b2;
+    float eps;
+    float grad_scale;
+    float optim_scale; /* used when the state is float16 */
+    float step_size;
+    float decay;
+    int eps_inside_sqrt;
+} fsc_fs_adam_scalars_t;
+
+/* Check the hyper-parameters (lr >= 0, 0 <= beta < 1, eps >= 0, weight_decay >= 0, step >= 1,
+ * grad_scale and optim_scale finite and > 0; FSC_ERR_VALUE naming the field otherwise) and fill
+ * *out: step_size as FairScale's launcher computes it (float32 bias corrections from
+ * std::pow(float, int)). */
+fsc_status_t fsc_fs_adam_prepare(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                                 int bias_correction, int eps_inside_sqrt, double grad_scale, double optim_scale,
+                                 fsc_fs_adam_scalars_t *out);
+
+/* The tensors of one step, on either device: param float32/float16/bfloat16; grad
+ * float32/float16/bfloat16; exp_avg and exp_avg_sq one dtype, float32 or float16; param_copy
+ * (NULL for none) float16/bfloat16, written with the updated param (MIXED_PRECISION's model
+ * weights); every numel equal. `op` names the caller in messages. */
+fsc_status_t fsc_fs_adam_check(const fsc_tensor_t *param, const fsc_tensor_t *grad, const fsc_tensor_t *exp_avg,
+                               const fsc_tensor_t *exp_avg_sq, const fsc_tensor_t *param_copy, int device_type,
+                               const char *op);
+
+/* fairscale.optim.Adam's step on contiguous CPU tensors, in place (see above); found_inf is a
+ * one-element float32 CPU tensor, set to 1 when float16 state overflowed, never cleared. Blocks
+ * the calling thread. */
+fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
+                                  fsc_tensor_t *exp_avg_sq, fsc_tensor_t *param_copy, const fsc_fs_adam_scalars_t *s,
+                                  fsc_tensor_t *found_inf);
+
 #endif /* FSC_KERNELS_CPU_H */

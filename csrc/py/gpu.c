@@ -185,6 +185,71 @@ static PyObject *py_cpu_adamw(PyObject *module, PyObject *args, PyObject *kwargs
     return adamw(module, args, kwargs, 0);
 }
 
+/* Shared by the CUDA and CPU bindings of FairScale's fused Adam step. */
+static PyObject *fs_adam(PyObject *module, PyObject *args, PyObject *kwargs, int cuda) {
+    static char *kwlist_cuda[] = {"param",
+                                  "grad",
+                                  "exp_avg",
+                                  "exp_avg_sq",
+                                  "param_copy",
+                                  "found_inf",
+                                  "lr",
+                                  "beta1",
+                                  "beta2",
+                                  "eps",
+                                  "weight_decay",
+                                  "step",
+                                  "bias_correction",
+                                  "eps_inside_sqrt",
+                                  "grad_scale",
+                                  "optim_scale",
+                                  "stream",
+                                  NULL};
+    static char *kwlist_cpu[] = {"param",        "grad", "exp_avg",         "exp_avg_sq",      "param_copy",
+                                 "found_inf",    "lr",   "beta1",           "beta2",           "eps",
+                                 "weight_decay", "step", "bias_correction", "eps_inside_sqrt", "grad_scale",
+                                 "optim_scale",  NULL};
+    static const char *names[6] = {"param", "grad", "exp_avg", "exp_avg_sq", "param_copy", "found_inf"};
+    PyObject *objs[6];
+    double lr, beta1, beta2, eps, wd, grad_scale, optim_scale;
+    long long step;
+    int bias_correction, inside;
+    fsc_stream_t stream = 0;
+    fsc_py_imports_t im;
+    fsc_tensor_t *t[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    fsc_fs_adam_scalars_t sc;
+    fsc_status_t st;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwargs, cuda ? "OOOOOOdddddLppddO&:cuda_fs_adam_step" : "OOOOOOdddddLppdd:cpu_fs_adam_step",
+            cuda ? kwlist_cuda : kwlist_cpu, &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &lr, &beta1,
+            &beta2, &eps, &wd, &step, &bias_correction, &inside, &grad_scale, &optim_scale, fsc_py_stream_converter,
+            &stream))
+        return NULL;
+    st = fsc_fs_adam_prepare(lr, beta1, beta2, eps, wd, (int64_t)step, bias_correction, inside, grad_scale, optim_scale,
+                             &sc);
+    if (st != FSC_OK) return fsc_py_raise(module, st);
+    fsc_py_imports_init(&im, 6); /* inline: cannot fail */
+    for (int i = 0; i < 6; i++) {
+        if (i == 4 && objs[i] == Py_None) continue; /* no param_copy */
+        if (fsc_py_import_arg(&im, module, objs[i], names[i], (i != 1 ? ARG_OUT : ARG_IN) | ARG_PLACE(cuda), stream,
+                              &t[i]) < 0)
+            return fsc_py_imports_fail(&im);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    st = cuda ? fsc_gpu_fs_adam_step(t[0], t[1], t[2], t[3], t[4], &sc, t[5], stream)
+              : fsc_cpu_fs_adam_step(t[0], t[1], t[2], t[3], t[4], &sc, t[5]);
+    Py_END_ALLOW_THREADS
+    return fsc_py_imports_finish(module, &im, st);
+}
+
+static PyObject *py_cuda_fs_adam(PyObject *module, PyObject *args, PyObject *kwargs) {
+    return fs_adam(module, args, kwargs, 1);
+}
+
+static PyObject *py_cpu_fs_adam(PyObject *module, PyObject *args, PyObject *kwargs) {
+    return fs_adam(module, args, kwargs, 0);
+}
+
 static PyMethodDef gpu_functions[] = {
     {"gpu_info", py_gpu_info, METH_NOARGS,
      "gpu_info() -> dict: CUDA driver/runtime found and versions, kernels built, device count, NCCL loaded."},
@@ -206,6 +271,14 @@ static PyMethodDef gpu_functions[] = {
     FSC_PY_KW_METHOD("cpu_adamw_step", py_cpu_adamw,
                      "cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step): CPU "
                      "reference of cuda_adamw_step."),
+    FSC_PY_KW_METHOD("cuda_fs_adam_step", py_cuda_fs_adam,
+                     "cuda_fs_adam_step(param, grad, exp_avg, exp_avg_sq, param_copy, found_inf, lr, beta1, beta2, "
+                     "eps, weight_decay, step, bias_correction, eps_inside_sqrt, grad_scale, optim_scale, stream): "
+                     "FairScale's fused Adam on one parameter (param_copy: None or a half copy to write)."),
+    FSC_PY_KW_METHOD("cpu_fs_adam_step", py_cpu_fs_adam,
+                     "cpu_fs_adam_step(param, grad, exp_avg, exp_avg_sq, param_copy, found_inf, lr, beta1, beta2, "
+                     "eps, weight_decay, step, bias_correction, eps_inside_sqrt, grad_scale, optim_scale): the same "
+                     "on CPU tensors (bit-identical)."),
     {NULL, NULL, 0, NULL},
 };
 
