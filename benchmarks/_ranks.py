@@ -18,7 +18,7 @@ import os
 import queue
 import socket
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -70,6 +70,27 @@ def timed_rounds(steps: Dict[str, Callable[[], None]], rounds: int, per_round: i
                 steps[f]()
             times[f].append(max_over_ranks((time.perf_counter() - start) / per_round))
     return times
+
+
+def time_steps(steps: Dict[str, Callable[[], None]], cfg: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """timed_rounds over ``cfg``'s rounds and steps: per framework, the median step and the rounds."""
+    import statistics
+
+    rounds = timed_rounds(steps, cfg["rounds"], cfg["steps"])
+    return {f: {"step_s": statistics.median(v), "rounds_s": v} for f, v in rounds.items()}
+
+
+def parse_triples(text: str, example: str) -> List[Tuple[int, int, int]]:
+    """Comma-separated AxBxC of positive ints (argparse.ArgumentTypeError otherwise)."""
+    import argparse
+
+    sizes = []
+    for item in text.split(","):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"expected triples like {example}, got {item!r}")
+        sizes.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return sizes
 
 
 def _rank_entry(rank: int, world: int, port: int, body: Callable, cfg: Dict[str, Any], mode: str, q: Any) -> None:

@@ -28,7 +28,6 @@ Results go to stdout (a table) and benchmarks/results/model_parallel.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ranks import bench_main, max_over_ranks, peak_rise_mib, timed_rounds  # noqa: E402
+from _ranks import bench_main, max_over_ranks, peak_rise_mib, time_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "model_parallel.json"
@@ -121,8 +120,7 @@ def rank_main(rank: int, cfg: Dict[str, Any], mode: str) -> Dict[str, Any]:
         if theirs is not None:
             _guard(blocks, d, tokens)
         steps: Dict[str, Callable[[], None]] = {f: b.step for f, b in blocks.items()}
-        rounds = timed_rounds(steps, cfg["rounds"], cfg["steps"])
-        results[key] = {f: {"step_s": statistics.median(v), "rounds_s": v} for f, v in rounds.items()}
+        results[key] = time_steps(steps, cfg)
     return results
 
 

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ranks import bench_main, max_over_ranks, peak_rise_mib, timed_rounds  # noqa: E402
+from _ranks import bench_main, max_over_ranks, peak_rise_mib, time_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "moe.json"
@@ -158,8 +158,7 @@ def rank_main(rank: int, cfg: Dict[str, Any], mode: str) -> Dict[str, Any]:
             continue
         if "fairscale" in layers:
             _guard(layers, tokens)
-        rounds = timed_rounds({f: layer.step for f, layer in layers.items()}, cfg["rounds"], cfg["steps"])
-        results[str(tokens)] = {f: {"step_s": statistics.median(v), "rounds_s": v} for f, v in rounds.items()}
+        results[str(tokens)] = time_steps({f: layer.step for f, layer in layers.items()}, cfg)
         results[str(tokens)]["all_to_all"] = _all_to_all_times(tokens, cfg)
     return results
 

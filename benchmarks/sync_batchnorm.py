@@ -25,8 +25,6 @@ Results go to stdout (a table) and benchmarks/results/sync_batchnorm.json.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -35,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ranks import bench_main, max_over_ranks, peak_rise_mib, timed_rounds  # noqa: E402
+from _ranks import bench_main, parse_triples, max_over_ranks, peak_rise_mib, time_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "sync_batchnorm.json"
@@ -105,8 +103,7 @@ def rank_main(rank: int, cfg: Dict[str, Any], mode: str) -> Dict[str, Any]:
         if "fairscale" in models:
             _guard(models, key)
         steps: Dict[str, Callable[[], None]] = {f: m.step for f, m in models.items()}
-        rounds = timed_rounds(steps, cfg["rounds"], cfg["steps"])
-        results[key] = {f: {"step_s": statistics.median(v), "rounds_s": v} for f, v in rounds.items()}
+        results[key] = time_steps(steps, cfg)
     return results
 
 
@@ -137,13 +134,7 @@ def table(results: Dict[str, Any]) -> str:
 
 
 def parse_sizes(text: str) -> List[Tuple[int, int, int]]:
-    sizes = []
-    for item in text.split(","):
-        parts = item.split("x")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"expected CxNxH triples, e.g. 32x16x16, got {item!r}")
-        sizes.append(tuple(int(p) for p in parts))
-    return sizes
+    return parse_triples(text, "32x16x16")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -70,6 +70,7 @@ PUBLIC_MODULES = [
     "fairscale.optim.grad_scaler",
     "fairscale.optim.layerwise_gradient_scaler",
     "fairscale.optim.adam",
+    "fairscale.experimental.nn.mevo",
     "fairscale.nn.pipe",
     "fairscale.nn.pipe.skip",
     "fairscale.nn.pipe.balance",
