@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "base/half.h"
+#include "base/simd.h"
 
 size_t fsc_dtype_size(fsc_dtype_t dt) {
     switch (dt) {
@@ -101,7 +102,7 @@ static void store_float(char *p, fsc_dtype_t dt, double v) {
 }
 
 /* Contiguous casts through fp32: the hot ones (FSDP mixed precision) get loops gcc vectorises. */
-static void cast_contiguous(void *dst, fsc_dtype_t ddt, const void *src, fsc_dtype_t sdt, int64_t n) {
+FSC_VECTOR_CLONES static void cast_contiguous(void *dst, fsc_dtype_t ddt, const void *src, fsc_dtype_t sdt, int64_t n) {
     if (sdt == FSC_FLOAT32 && ddt == FSC_BFLOAT16) {
         const float *restrict s = src;
         uint16_t *restrict d = dst;

@@ -4,23 +4,74 @@
 #include <math.h>
 
 #include "base/half.h"
+#include "base/simd.h"
 
 /* ---- element access through float32 ------------------------------------------------------ */
 
-static float load_f32(const void *p, fsc_dtype_t dt, int64_t i) {
-    switch (dt) {
-        case FSC_FLOAT16: return fsc_half_to_float(((const uint16_t *)p)[i]);
-        case FSC_BFLOAT16: return fsc_bf16_to_float(((const uint16_t *)p)[i]);
-        default: return ((const float *)p)[i];
+/* Elements per block of the blocked kernels below: their float32 temporaries stay in L1. */
+#define FS_BLOCK 512
+
+/* Blocks of any float dtype to and from float32 temporaries (vectorised per dtype). */
+FSC_VECTOR_CLONES static void fs_load_block(float *restrict out, const void *src, fsc_dtype_t dt, int64_t off, int n) {
+    if (dt == FSC_FLOAT16) {
+        const uint16_t *restrict h = (const uint16_t *)src + off;
+        for (int i = 0; i < n; i++) out[i] = fsc_half_to_float(h[i]);
+    } else if (dt == FSC_BFLOAT16) {
+        const uint16_t *restrict h = (const uint16_t *)src + off;
+        for (int i = 0; i < n; i++) out[i] = fsc_bf16_to_float(h[i]);
+    } else {
+        const float *restrict f = (const float *)src + off;
+        for (int i = 0; i < n; i++) out[i] = f[i];
     }
 }
 
-static void store_f32(void *p, fsc_dtype_t dt, int64_t i, float v) {
-    switch (dt) {
-        case FSC_FLOAT16: ((uint16_t *)p)[i] = fsc_float_to_half(v); break;
-        case FSC_BFLOAT16: ((uint16_t *)p)[i] = fsc_float_to_bf16(v); break;
-        default: ((float *)p)[i] = v; break;
+FSC_VECTOR_CLONES static void fs_store_block(void *dst, fsc_dtype_t dt, int64_t off, const float *restrict in, int n) {
+    if (dt == FSC_FLOAT16) {
+        uint16_t *restrict h = (uint16_t *)dst + off;
+        for (int i = 0; i < n; i++) h[i] = fsc_float_to_half(in[i]);
+    } else if (dt == FSC_BFLOAT16) {
+        uint16_t *restrict h = (uint16_t *)dst + off;
+        for (int i = 0; i < n; i++) h[i] = fsc_float_to_bf16(in[i]);
+    } else {
+        float *restrict f = (float *)dst + off;
+        for (int i = 0; i < n; i++) f[i] = in[i];
     }
+}
+
+/* Whether any of the n values is inf or NaN. */
+FSC_VECTOR_CLONES static int fs_nonfinite_block(const float *restrict x, int n) {
+    int bad = 0;
+    for (int i = 0; i < n; i++) bad |= (fsc_f32_bits(x[i]) & 0x7f800000u) == 0x7f800000u;
+    return bad;
+}
+
+FSC_VECTOR_CLONES static void fs_mul_block(float *restrict x, int n, float by) {
+    for (int i = 0; i < n; i++) x[i] = x[i] * by;
+}
+
+/* Sum of squares in double, over 8 lanes (element i goes to lane i % 8), then the lanes in order:
+ * a fixed order, so the result does not depend on the vector width. */
+FSC_VECTOR_CLONES static double fs_sumsq_block(const float *restrict x, int n) {
+    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) lane[k] += (double)x[i + k] * (double)x[i + k];
+    for (; i < n; i++) lane[i % 8] += (double)x[i] * (double)x[i];
+    double acc = 0.0;
+    for (int k = 0; k < 8; k++) acc += lane[k];
+    return acc;
+}
+
+/* max |x| over the n values; NaN if any is NaN. */
+FSC_VECTOR_CLONES static double fs_absmax_block(const float *restrict x, int n) {
+    float m = 0.0f;
+    int nan = 0;
+    for (int i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        nan |= a != a;
+        m = a > m ? a : m;
+    }
+    return nan ? (double)NAN : (double)m;
 }
 
 /* ---- argument checks -------------------------------------------------------------------- */
@@ -49,10 +100,16 @@ fsc_status_t fsc_cpu_unscale_inf_check(fsc_tensor_t *buf, float inv_scale, fsc_t
         return fsc_error(FSC_ERR_VALUE, "%s: found_inf must have exactly 1 element, got %lld", op,
                          (long long)found_inf->numel);
     int any_bad = 0;
-    for (int64_t i = 0; i < buf->numel; i++) {
-        float v = load_f32(buf->data, buf->dtype, i);
-        any_bad |= !isfinite(v);
-        if (inv_scale != 1.0f) store_f32(buf->data, buf->dtype, i, v * inv_scale);
+    float tmp[FS_BLOCK];
+    for (int64_t off = 0; off < buf->numel; off += FS_BLOCK) {
+        int n = buf->numel - off < FS_BLOCK ? (int)(buf->numel - off) : FS_BLOCK;
+        float *x = buf->dtype == FSC_FLOAT32 ? (float *)buf->data + off : tmp; /* float32: in place */
+        if (x == tmp) fs_load_block(tmp, buf->data, buf->dtype, off, n);
+        any_bad |= fs_nonfinite_block(x, n);
+        if (inv_scale != 1.0f) {
+            fs_mul_block(x, n, inv_scale);
+            if (x == tmp) fs_store_block(buf->data, buf->dtype, off, tmp, n);
+        }
     }
     if (any_bad) *(float *)found_inf->data = 1.0f;
     return FSC_OK;
@@ -66,12 +123,15 @@ fsc_status_t fsc_cpu_norm(const fsc_tensor_t *x, fsc_norm_mode_t mode, float *ou
     if (mode != FSC_NORM_SUMSQ && mode != FSC_NORM_ABSMAX)
         return fsc_error(FSC_ERR_VALUE, "%s: mode must be FSC_NORM_SUMSQ or FSC_NORM_ABSMAX, got %d", op, (int)mode);
     double acc = 0.0;
-    for (int64_t i = 0; i < x->numel; i++) {
-        double v = load_f32(x->data, x->dtype, i);
+    float tmp[FS_BLOCK];
+    for (int64_t off = 0; off < x->numel; off += FS_BLOCK) {
+        int n = x->numel - off < FS_BLOCK ? (int)(x->numel - off) : FS_BLOCK;
+        const float *v = x->dtype == FSC_FLOAT32 ? (const float *)x->data + off : tmp;
+        if (v == tmp) fs_load_block(tmp, x->data, x->dtype, off, n);
         if (mode == FSC_NORM_SUMSQ) {
-            acc += v * v;
+            acc += fs_sumsq_block(v, n);
         } else {
-            double a = fabs(v);
+            double a = fs_absmax_block(v, n);
             if (a > acc || isnan(a)) acc = a;
             if (isnan(acc)) break; /* NaN wins; nothing can change it */
         }
@@ -209,49 +269,14 @@ fsc_status_t fsc_fs_adam_check(const fsc_tensor_t *param, const fsc_tensor_t *gr
 }
 
 /* The kernel runs in blocks: each block's values are converted to float32 temporaries, updated by
- * plain loops over restrict pointers (which gcc -O3 vectorises; the AVX2 clone is picked at load
+ * plain loops over restrict pointers (which gcc -O3 vectorises; the widest clone is picked at load
  * time) and converted back. Vector add, multiply, divide and square root round like the scalar
  * ones, so every width gives the same bits. */
-#define FS_ADAM_BLOCK 512
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
-#define FS_ADAM_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FS_ADAM_MULTIVERSION
-#endif
-
-FS_ADAM_MULTIVERSION static void fs_load_block(float *restrict out, const void *src, fsc_dtype_t dt, int64_t off,
-                                               int n) {
-    if (dt == FSC_FLOAT16) {
-        const uint16_t *restrict h = (const uint16_t *)src + off;
-        for (int i = 0; i < n; i++) out[i] = fsc_half_to_float(h[i]);
-    } else if (dt == FSC_BFLOAT16) {
-        const uint16_t *restrict h = (const uint16_t *)src + off;
-        for (int i = 0; i < n; i++) out[i] = fsc_bf16_to_float(h[i]);
-    } else {
-        const float *restrict f = (const float *)src + off;
-        for (int i = 0; i < n; i++) out[i] = f[i];
-    }
-}
-
-FS_ADAM_MULTIVERSION static void fs_store_block(void *dst, fsc_dtype_t dt, int64_t off, const float *restrict in,
-                                                int n) {
-    if (dt == FSC_FLOAT16) {
-        uint16_t *restrict h = (uint16_t *)dst + off;
-        for (int i = 0; i < n; i++) h[i] = fsc_float_to_half(in[i]);
-    } else if (dt == FSC_BFLOAT16) {
-        uint16_t *restrict h = (uint16_t *)dst + off;
-        for (int i = 0; i < n; i++) h[i] = fsc_float_to_bf16(in[i]);
-    } else {
-        float *restrict f = (float *)dst + off;
-        for (int i = 0; i < n; i++) f[i] = in[i];
-    }
-}
 
 /* p, m, v in: the param and the stored moments (already divided by the state scale); out: the new
  * param, and the new moments (mom, vel) in m and v. g: the gradient. */
-FS_ADAM_MULTIVERSION static void fs_adam_block(float *restrict p, const float *restrict g, float *restrict m,
-                                               float *restrict v, int n, const fsc_fs_adam_scalars_t *sc) {
+FSC_VECTOR_CLONES static void fs_adam_block(float *restrict p, const float *restrict g, float *restrict m,
+                                            float *restrict v, int n, const fsc_fs_adam_scalars_t *sc) {
     const float b1 = sc->beta1, b2 = sc->beta2, omb1 = sc->one_minus_b1, omb2 = sc->one_minus_b2;
     const float eps = sc->eps, gs = sc->grad_scale, ss = sc->step_size, decay = sc->decay;
     if (sc->eps_inside_sqrt) {
@@ -277,7 +302,7 @@ FS_ADAM_MULTIVERSION static void fs_adam_block(float *restrict p, const float *r
     }
 }
 
-FS_ADAM_MULTIVERSION static void fs_scale_block(float *restrict x, int n, float by, int divide) {
+FSC_VECTOR_CLONES static void fs_scale_block(float *restrict x, int n, float by, int divide) {
     if (divide)
         for (int i = 0; i < n; i++) x[i] = x[i] / by;
     else
@@ -299,16 +324,16 @@ fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad,
         /* all float32: in place, no temporaries (the tensors do not overlap: each is its own) */
         float *pp = param->data, *mp = exp_avg->data, *vp = exp_avg_sq->data;
         const float *gp = grad->data;
-        for (int64_t off = 0; off < param->numel; off += FS_ADAM_BLOCK) {
-            int n = param->numel - off < FS_ADAM_BLOCK ? (int)(param->numel - off) : FS_ADAM_BLOCK;
+        for (int64_t off = 0; off < param->numel; off += FS_BLOCK) {
+            int n = param->numel - off < FS_BLOCK ? (int)(param->numel - off) : FS_BLOCK;
             fs_adam_block(pp + off, gp + off, mp + off, vp + off, n, s);
         }
         return FSC_OK;
     }
-    float p[FS_ADAM_BLOCK], g[FS_ADAM_BLOCK], m[FS_ADAM_BLOCK], v[FS_ADAM_BLOCK];
+    float p[FS_BLOCK], g[FS_BLOCK], m[FS_BLOCK], v[FS_BLOCK];
     int any_bad = 0;
-    for (int64_t off = 0; off < param->numel; off += FS_ADAM_BLOCK) {
-        int n = param->numel - off < FS_ADAM_BLOCK ? (int)(param->numel - off) : FS_ADAM_BLOCK;
+    for (int64_t off = 0; off < param->numel; off += FS_BLOCK) {
+        int n = param->numel - off < FS_BLOCK ? (int)(param->numel - off) : FS_BLOCK;
         fs_load_block(p, param->data, param->dtype, off, n);
         fs_load_block(g, grad->data, grad->dtype, off, n);
         fs_load_block(m, exp_avg->data, sdt, off, n);
