@@ -354,3 +354,17 @@ def test_cuda_kernel_equals_the_cpu_kernel(pdt, gdt, sdt, with_copy):
     for p, q in zip(params, cuda_params):
         assert torch.equal(p, q.cpu())
     assert opts[0]._optim_scale == opts[1]._optim_scale
+
+
+def test_groups_given_as_generators_and_groups_added_later():
+    model = _model(torch.float16)
+    layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+    opt = Adam([{"params": (p for p in layers[0].parameters())}], lr=1e-2)  # a generator
+    assert opt.precision is Precision.MIXED_PRECISION and len(opt.param_groups[0]["params"]) == 2
+    opt.add_param_group({"params": layers[1].parameters(), "lr": 1e-3})
+    assert len(opt.fp32_param_groups) == 2 and len(opt.fp32_param_groups[1]["params"]) == 2
+    before = layers[1].weight.detach().clone()
+    _loss(model, 0).backward()
+    opt.step()
+    assert not torch.equal(before, layers[1].weight)
+    assert torch.equal(opt.fp32_param_groups[1]["params"][0].half(), layers[1].weight.detach())

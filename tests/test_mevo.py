@@ -179,3 +179,27 @@ def test_under_fsdp_with_the_weight_tied_to_an_embedding():
     tied embedding equals the one trained on the whole batch in one process without MEVO."""
     for diff, finite in run_ranks(_fsdp_job, 2, timeout=120):
         assert finite and diff < 1e-5, diff
+
+
+def test_under_autocast_the_backward_recomputes_what_the_forward_computed():
+    """Forward under CPU autocast (the logits' matmuls in bfloat16), backward outside it, as
+    training loops do: the backward replays the forward's autocast state, so the gradients equal
+    those of a backward run inside the autocast region, and are close to the unfused layer's."""
+    x, w, target = _case(48, 32, 200, torch.float32)
+    results = []
+    for backward_inside in (False, True):
+        x.grad = w.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = MEVO(w, tile_factor=4)(x, target)
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        results.append((x.grad, w.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    x.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy((x @ w.T).float(), target, reduction="sum")
+    loss.backward()
+    for a, b in zip(results[0], (x.grad, w.grad)):
+        assert not not_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))

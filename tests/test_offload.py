@@ -134,3 +134,20 @@ def test_on_cuda_parameters_stay_home_between_steps(checkpoint, micro):
         assert all(p.device.type == "cpu" and p.grad.device.type == "cpu" for p in om.parameters())
     for p, q in zip(ref.parameters(), om.parameters()):
         assert torch.allclose(p.cpu(), q, atol=1e-5)
+
+
+def test_checkpointed_slices_replay_the_forwards_autocast():
+    x = torch.randn(12, 8)
+    ref = _model(0.0)
+    om = OffloadModel(_model(0.0), torch.device("cpu"), num_slices=3, checkpoint_activation=True)
+    results = []
+    for model in (ref, om):
+        inp = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(inp)
+        assert y.dtype == torch.bfloat16
+        y.float().square().sum().backward()
+        results.append((y.detach(), inp.grad, [p.grad for p in model.parameters()]))
+    (y1, g1, p1), (y2, g2, p2) = results
+    assert torch.equal(y1, y2) and torch.equal(g1, g2)
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2))

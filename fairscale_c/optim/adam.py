@@ -20,9 +20,11 @@ size multiplies. The precision modes:
 
 Differences from FairScale's class: half-precision parameters may be bfloat16 as well as float16
 for MIXED_PRECISION and MEMORY_EFFICIENT_MIXED_PRECISION (FairScale asserts float16; PURE_FP16
-keeps that rule); each parameter group gets its own float32 master group (FairScale builds one,
-so a second group fails with IndexError); the PURE_FP16 scale is updated once per step (FairScale
-updates it once per parameter group); bad arguments raise ValueError or TypeError naming them.
+keeps that rule); each parameter group gets its own float32 master group, also one added later
+with ``add_param_group`` (FairScale builds one, so a second group fails with IndexError); the
+PURE_FP16 scale is updated once per step (FairScale updates it once per parameter group); the
+state dict also carries the master weights; bad arguments raise ValueError or TypeError naming
+them.
 """
 
 from __future__ import annotations
@@ -87,15 +89,19 @@ class Adam(torch.optim.Optimizer):
         amsgrad: bool = False,
         precision: Optional[Precision] = None,
     ) -> None:
-        parameters: List[Any] = list(params)
+        # groups' "params" as lists: a generator would be used up by the dtype check below
+        parameters: List[Any] = [
+            {**p, "params": [p["params"]] if isinstance(p["params"], torch.Tensor) else list(p["params"])}
+            if isinstance(p, dict)
+            else p
+            for p in params
+        ]
         if not parameters:
             raise ValueError("Adam: argument 'params' is empty; expected parameters or parameter groups")
         _check_hparams(lr, betas, eps, weight_decay)
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        first = parameters[0]["params"] if isinstance(parameters[0], dict) else parameters[0]
-        if not isinstance(first, torch.Tensor):
-            first = list(first)[0]
+        first = parameters[0]["params"][0] if isinstance(parameters[0], dict) else parameters[0]
         if precision is None:
             precision = Precision.FULL_PRECISION if first.dtype == torch.float32 else Precision.MIXED_PRECISION
         if not isinstance(precision, Precision):
@@ -127,12 +133,21 @@ class Adam(torch.optim.Optimizer):
     def _build_fp32_params(self) -> None:
         """A float32 master copy of every parameter, one master group per parameter group."""
         for group in self.param_groups:
-            masters = []
-            for p in group["params"]:
-                p32 = torch.nn.Parameter(p.detach().float().contiguous())
-                p32.grad = torch.zeros_like(p32)
-                masters.append(p32)
-            self.fp32_param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+            self._add_master_group(group)
+
+    def _add_master_group(self, group: Dict[str, Any]) -> None:
+        masters = []
+        for p in group["params"]:
+            p32 = torch.nn.Parameter(p.detach().float().contiguous())
+            p32.grad = torch.zeros_like(p32)
+            masters.append(p32)
+        self.fp32_param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's add_param_group; with MIXED_PRECISION the new group gets its master copies too."""
+        super().add_param_group(param_group)
+        if self.mixed_precision and getattr(self, "fp32_param_groups", None) is not None:
+            self._add_master_group(self.param_groups[-1])
 
     @property
     def supports_memory_efficient_fp16(self) -> bool:

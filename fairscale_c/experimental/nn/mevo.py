@@ -10,7 +10,8 @@ one tile of them at a time; FairScale's MEVO computes them in separate max, sum 
 and recomputes the max and sum passes in backward, about twice the matrix products. The loss is
 ``logsumexp(logits) - logits[target]`` per token, which stays finite where FairScale's
 ``log(exp(target - max) / sum)`` underflows to ``-log(0)``. Reductions run in float32 (float64
-for float64 inputs).
+for float64 inputs). Under torch.autocast the backward recomputes the logits in the forward's
+autocast state, so both passes see the same logits.
 
 LMCL (``scale`` given): logits are ``scale * (cos(x, w) - margin * onehot(target))``, as in
 FairScale (CosFace). FairScale places the margin of a vocabulary tile at columns counted from
@@ -94,6 +95,15 @@ def _tile_logits(x: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, col0: int,
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+def _autocast_state(device_type: str) -> dict:
+    """What ``torch.autocast(**state)`` needs to recompute under the autocast state of now."""
+    return {
+        "device_type": device_type,
+        "dtype": torch.get_autocast_dtype(device_type),
+        "enabled": torch.is_autocast_enabled(device_type),
+    }
+
+
 class _TiledSoftmaxNll(torch.autograd.Function):
     """Per-token ``logsumexp(logits) - logits[target]`` over tiles of tokens and of the vocabulary."""
 
@@ -128,6 +138,7 @@ class _TiledSoftmaxNll(torch.autograd.Function):
                 score[r0 : r0 + x_split] = tscore
         ctx.save_for_backward(x, w, target, lse)
         ctx.splits, ctx.lmcl = (x_split, w_split), (margin, scale)
+        ctx.autocast = _autocast_state(x.device.type)
         return lse - score
 
     @staticmethod
@@ -146,7 +157,7 @@ class _TiledSoftmaxNll(torch.autograd.Function):
             lse_i = lse[r0 : r0 + x_split].unsqueeze(1)
             for c0 in range(0, w.shape[0], w_split):
                 wj = w[c0 : c0 + w_split].detach().requires_grad_(need_w)
-                with torch.enable_grad():
+                with torch.enable_grad(), torch.autocast(**ctx.autocast):  # the forward's autocast state
                     logits = _tile_logits(xi, wj, ti, c0, margin, scale)
                 # d nll / d logits = softmax - onehot(target), times the token's incoming gradient
                 g = torch.exp(logits.detach() - lse_i)

@@ -14,8 +14,8 @@ boundary, so a slice may start with an in-place op (FairScale's refuses that).
   slices swaps them in forward and in backward. Autograd keeps the activations on the device.
 - ``checkpoint_activation=True``: the forward runs without autograd and keeps only each slice's
   input, on the offload device; the backward recomputes each slice from it (with the random
-  state its forward had, so dropout masks repeat) and ``num_microbatches`` splits each slice's
-  batch into that many pieces per visit.
+  state and the autocast state its forward had, so dropout masks and precisions repeat) and
+  ``num_microbatches`` splits each slice's batch into that many pieces per visit.
 
 Differences from FairScale's class: it runs where the compute device is the CPU too (FairScale's
 refuses without CUDA; there, with ``device`` and ``offload_device`` the same, nothing moves); the
@@ -168,6 +168,11 @@ class _Checkpointed(torch.autograd.Function):
                 values = model._run_slice(shard, values)
                 shard.drop()
         ctx.saved, ctx.rng = saved, rng
+        ctx.autocast = {
+            "device_type": model.device.type,
+            "dtype": torch.get_autocast_dtype(model.device.type),
+            "enabled": torch.is_autocast_enabled(model.device.type),
+        }
         return values[0] if len(values) == 1 else values
 
     @staticmethod
@@ -187,7 +192,8 @@ class _Checkpointed(torch.autograd.Function):
                 chunk = tuple(
                     c.detach().requires_grad_(c.requires_grad) if isinstance(c, torch.Tensor) else c for c in chunk
                 )
-                with torch.enable_grad():  # the slice gets copies: it may modify its input in place
+                # the forward's autocast state; the slice gets copies: it may modify its input in place
+                with torch.enable_grad(), torch.autocast(**ctx.autocast):
                     outs = shard(*(c.clone() if isinstance(c, torch.Tensor) and c.requires_grad else c for c in chunk))
                 outs = outs if isinstance(outs, tuple) else (outs,)
                 pairs = [(o, g) for o, g in zip(outs, chunk_grads) if o.requires_grad and g is not None]
