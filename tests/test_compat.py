@@ -72,6 +72,7 @@ PUBLIC_MODULES = [
     "fairscale.optim.adam",
     "fairscale.experimental.nn.mevo",
     "fairscale.experimental.nn.offload",
+    "fairscale.version",
     "fairscale.nn.pipe",
     "fairscale.nn.pipe.skip",
     "fairscale.nn.pipe.balance",
@@ -105,6 +106,8 @@ def test_alias_gives_the_same_module_objects():
         assert ShardedGradScaler is fairscale_c.optim.grad_scaler.ShardedGradScaler
         assert fairscale.nn is fairscale_c.nn and fairscale.optim is fairscale_c.optim
         assert fairscale.DistributedError is fairscale_c.DistributedError
+        from fairscale.version import __version_tuple__
+        assert __version_tuple__ == fairscale.__version_tuple__ == (0, 4, 13)
         print(fairscale.__version__, fairscale.__version_tuple__)
         fairscale_c.compat.uninstall()
         assert "fairscale" not in sys.modules and "fairscale.nn" not in sys.modules
