@@ -73,6 +73,7 @@ PUBLIC_MODULES = [
     "fairscale.experimental.nn.mevo",
     "fairscale.experimental.nn.offload",
     "fairscale.version",
+    "fairscale.nn.pipe.types",
     "fairscale.nn.pipe",
     "fairscale.nn.pipe.skip",
     "fairscale.nn.pipe.balance",
@@ -107,6 +108,8 @@ def test_alias_gives_the_same_module_objects():
         assert fairscale.nn is fairscale_c.nn and fairscale.optim is fairscale_c.optim
         assert fairscale.DistributedError is fairscale_c.DistributedError
         from fairscale.version import __version_tuple__
+        from fairscale.nn.pipe import LazyModule, Pipe
+        assert LazyModule(lambda: fairscale.nn.Pipe)() is Pipe
         assert __version_tuple__ == fairscale.__version_tuple__ == (0, 4, 13)
         print(fairscale.__version__, fairscale.__version_tuple__)
         fairscale_c.compat.uninstall()

@@ -19,9 +19,11 @@ from .schedule import (
     TensorChunkSpec,
 )
 from .stage import PipelineStage, TensorMeta
+from .types import LazyModule
 
 __all__ = [
     "Pipe",
+    "LazyModule",
     "is_checkpointing",
     "is_recomputing",
     "PipelineSchedule",
