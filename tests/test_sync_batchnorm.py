@@ -221,3 +221,37 @@ def test_bad_input_raises_before_anything_is_sent():
         assert "2 or more dimensions, got 1D" in errors[0]
         assert "input has 5 channels (dim 1); expected num_features=3" in errors[1]
         assert errors[2] is True
+
+
+def test_c_helpers_agree_with_the_formulas_and_refuse_bad_sizes():
+    from fairscale_c import _C
+
+    g = torch.Generator().manual_seed(3)
+    c, counts = 4, [5.0, 0.0, 11.0]
+    means, vars_ = (
+        torch.randn(3, c, generator=g, dtype=torch.float64),
+        torch.rand(3, c, generator=g, dtype=torch.float64),
+    )
+    gathered = torch.cat(
+        [torch.cat([means[r], vars_[r], torch.tensor([counts[r]], dtype=torch.float64)]) for r in range(3)]
+    )
+    out = torch.empty(3 * c + 1, dtype=torch.float64)
+    _C.cpu_bn_combine(gathered, 3, 1e-5, out)
+    n = torch.tensor(counts, dtype=torch.float64).unsqueeze(1)
+    mean = (n * means).sum(0) / n.sum()
+    var = (n * (vars_ + (means - mean) ** 2)).sum(0) / n.sum()
+    assert torch.allclose(out[:c], mean) and torch.allclose(out[c : 2 * c], var)
+    assert torch.allclose(out[2 * c : 3 * c], torch.rsqrt(var + 1e-5)) and out[-1] == 16.0
+    sums, weight = torch.randn(2 * c, generator=g, dtype=torch.float64), torch.rand(c, generator=g)
+    coeffs = torch.empty(3 * c, dtype=torch.float64)
+    _C.cpu_bn_coeffs(sums, 16.0, out[2 * c : 3 * c], weight, coeffs)
+    a = out[2 * c : 3 * c] * weight.double()
+    assert torch.allclose(coeffs[:c], a)
+    assert torch.allclose(coeffs[c : 2 * c], -a * out[2 * c : 3 * c] * sums[c:] / 16.0)
+    assert torch.allclose(coeffs[2 * c :], -a * sums[:c] / 16.0)
+    with pytest.raises(ValueError, match="expected world=2 rows of 2C \\+ 1"):
+        _C.cpu_bn_combine(gathered, 2, 1e-5, out)
+    with pytest.raises(TypeError, match="out has unsupported dtype float32"):
+        _C.cpu_bn_combine(gathered, 3, 1e-5, out.float())
+    with pytest.raises(ValueError, match="expected sums of 2C, out of 3C"):
+        _C.cpu_bn_coeffs(sums[:-1], 16.0, out[2 * c : 3 * c], None, coeffs)

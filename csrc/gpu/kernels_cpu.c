@@ -361,3 +361,76 @@ fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad,
     if (any_bad) *(float *)found_inf->data = 1.0f;
     return FSC_OK;
 }
+
+/* ---- SyncBatchNorm's per-channel arithmetic ----------------------------------------------- */
+
+static double load_stat(const fsc_tensor_t *t, int64_t i) {
+    switch (t->dtype) {
+        case FSC_FLOAT64: return ((const double *)t->data)[i];
+        case FSC_FLOAT16: return fsc_half_to_float(((const uint16_t *)t->data)[i]);
+        case FSC_BFLOAT16: return fsc_bf16_to_float(((const uint16_t *)t->data)[i]);
+        default: return ((const float *)t->data)[i];
+    }
+}
+
+static void store_stat(fsc_tensor_t *t, int64_t i, double v) {
+    if (t->dtype == FSC_FLOAT64)
+        ((double *)t->data)[i] = v;
+    else
+        ((float *)t->data)[i] = (float)v;
+}
+
+#define FSC_STAT_DTYPES (FSC_DTYPE_BIT(FSC_FLOAT32) | FSC_DTYPE_BIT(FSC_FLOAT64))
+
+fsc_status_t fsc_cpu_bn_combine(const fsc_tensor_t *gathered, int world, double eps, fsc_tensor_t *out) {
+    static const char *op = "bn_combine";
+    FSC_CHECK(fsc_kernels_check(gathered, op, "gathered", FSC_DEV_CPU, FSC_STAT_DTYPES, 0));
+    FSC_CHECK(fsc_kernels_check(out, op, "out", FSC_DEV_CPU, FSC_DTYPE_BIT(gathered->dtype), 1));
+    if (world < 1 || gathered->numel % world != 0 || (gathered->numel / world) % 2 != 1)
+        return fsc_error(FSC_ERR_VALUE, "%s: gathered has %lld elements; expected world=%d rows of 2C + 1", op,
+                         (long long)gathered->numel, world);
+    int64_t row = gathered->numel / world, c = (row - 1) / 2;
+    if (out->numel != 3 * c + 1)
+        return fsc_error(FSC_ERR_VALUE, "%s: out has %lld elements; expected 3C + 1 = %lld", op, (long long)out->numel,
+                         (long long)(3 * c + 1));
+    double total = 0.0;
+    for (int r = 0; r < world; r++) total += load_stat(gathered, r * row + 2 * c);
+    for (int64_t k = 0; k < c; k++) {
+        double mean = 0.0, var = 0.0;
+        for (int r = 0; r < world; r++) mean += load_stat(gathered, r * row + 2 * c) * load_stat(gathered, r * row + k);
+        mean /= total;
+        for (int r = 0; r < world; r++) {
+            double d = load_stat(gathered, r * row + k) - mean;
+            var += load_stat(gathered, r * row + 2 * c) * (load_stat(gathered, r * row + c + k) + d * d);
+        }
+        var /= total;
+        store_stat(out, k, mean);
+        store_stat(out, c + k, var);
+        store_stat(out, 2 * c + k, 1.0 / sqrt(var + eps));
+    }
+    store_stat(out, 3 * c, total);
+    return FSC_OK;
+}
+
+fsc_status_t fsc_cpu_bn_coeffs(const fsc_tensor_t *sums, double total, const fsc_tensor_t *invstd,
+                               const fsc_tensor_t *weight, fsc_tensor_t *out) {
+    static const char *op = "bn_coeffs";
+    FSC_CHECK(fsc_kernels_check(sums, op, "sums", FSC_DEV_CPU, FSC_STAT_DTYPES, 0));
+    FSC_CHECK(fsc_kernels_check(invstd, op, "invstd", FSC_DEV_CPU, FSC_DTYPE_BIT(sums->dtype), 0));
+    FSC_CHECK(fsc_kernels_check(out, op, "out", FSC_DEV_CPU, FSC_DTYPE_BIT(sums->dtype), 1));
+    if (weight)
+        FSC_CHECK(
+            fsc_kernels_check(weight, op, "weight", FSC_DEV_CPU, FSC_FLOAT_DTYPES | FSC_DTYPE_BIT(FSC_FLOAT64), 0));
+    int64_t c = invstd->numel;
+    if (sums->numel != 2 * c || out->numel != 3 * c || (weight && weight->numel != c))
+        return fsc_error(FSC_ERR_VALUE, "%s: expected sums of 2C, out of 3C and weight of C elements for C = %lld", op,
+                         (long long)c);
+    for (int64_t k = 0; k < c; k++) {
+        double is = load_stat(invstd, k);
+        double a = weight ? is * load_stat(weight, k) : is;
+        store_stat(out, k, a);
+        store_stat(out, c + k, -a * is * (load_stat(sums, c + k) / total));
+        store_stat(out, 2 * c + k, -a * (load_stat(sums, k) / total));
+    }
+    return FSC_OK;
+}

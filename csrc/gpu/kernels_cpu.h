@@ -121,4 +121,20 @@ fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad,
                                   fsc_tensor_t *exp_avg_sq, fsc_tensor_t *param_copy, const fsc_fs_adam_scalars_t *s,
                                   fsc_tensor_t *found_inf);
 
+/* SyncBatchNorm's statistics combination. `gathered` holds `world` rows of 2C + 1 values, each
+ * rank's [mean (C) | biased variance (C) | row count]; `out` (3C + 1 values) receives [mean |
+ * biased variance | 1 / sqrt(variance + eps) | total count] over every rank, combined without
+ * E[x^2] - E[x]^2 cancellation: var = sum_r n_r (var_r + (mean_r - mean)^2) / total. Both
+ * contiguous CPU tensors of one dtype, float32 or float64; computed in double. A total of 0 gives
+ * NaN statistics. */
+fsc_status_t fsc_cpu_bn_combine(const fsc_tensor_t *gathered, int world, double eps, fsc_tensor_t *out);
+
+/* SyncBatchNorm's input-gradient coefficients, dx = a * dy + b * (x - mean) + c per channel:
+ * from `sums` = [sum dy | sum dy * xhat] over every rank (2C), the total count, `invstd` (C) and
+ * `weight` (C, or NULL for none): a = invstd * weight, b = -a * invstd * mean(dy * xhat),
+ * c = -a * mean(dy), written to `out` as [a | b | c] (3C). Contiguous CPU tensors of one dtype,
+ * float32 or float64 (weight: any float dtype); computed in double. */
+fsc_status_t fsc_cpu_bn_coeffs(const fsc_tensor_t *sums, double total, const fsc_tensor_t *invstd,
+                               const fsc_tensor_t *weight, fsc_tensor_t *out);
+
 #endif /* FSC_KERNELS_CPU_H */

@@ -250,6 +250,44 @@ static PyObject *py_cpu_fs_adam(PyObject *module, PyObject *args, PyObject *kwar
     return fs_adam(module, args, kwargs, 0);
 }
 
+static PyObject *py_cpu_bn_combine(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"gathered", "world", "eps", "out", NULL};
+    PyObject *g_obj, *o_obj;
+    int world;
+    double eps;
+    fsc_py_imports_t im;
+    fsc_tensor_t *g, *o;
+    fsc_status_t st;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OidO:cpu_bn_combine", kwlist, &g_obj, &world, &eps, &o_obj))
+        return NULL;
+    fsc_py_imports_init(&im, 2); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, g_obj, "gathered", ARG_IN | ARG_PLACE(0), 0, &g) < 0 ||
+        fsc_py_import_arg(&im, module, o_obj, "out", ARG_OUT | ARG_PLACE(0), 0, &o) < 0)
+        return fsc_py_imports_fail(&im);
+    st = fsc_cpu_bn_combine(g, world, eps, o);
+    return fsc_py_imports_finish(module, &im, st);
+}
+
+static PyObject *py_cpu_bn_coeffs(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"sums", "total", "invstd", "weight", "out", NULL};
+    PyObject *s_obj, *i_obj, *w_obj, *o_obj;
+    double total;
+    fsc_py_imports_t im;
+    fsc_tensor_t *s, *inv, *w = NULL, *o;
+    fsc_status_t st;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OdOOO:cpu_bn_coeffs", kwlist, &s_obj, &total, &i_obj, &w_obj,
+                                     &o_obj))
+        return NULL;
+    fsc_py_imports_init(&im, 4); /* inline: cannot fail */
+    if (fsc_py_import_arg(&im, module, s_obj, "sums", ARG_IN | ARG_PLACE(0), 0, &s) < 0 ||
+        fsc_py_import_arg(&im, module, i_obj, "invstd", ARG_IN | ARG_PLACE(0), 0, &inv) < 0 ||
+        (w_obj != Py_None && fsc_py_import_arg(&im, module, w_obj, "weight", ARG_IN | ARG_PLACE(0), 0, &w) < 0) ||
+        fsc_py_import_arg(&im, module, o_obj, "out", ARG_OUT | ARG_PLACE(0), 0, &o) < 0)
+        return fsc_py_imports_fail(&im);
+    st = fsc_cpu_bn_coeffs(s, total, inv, w, o);
+    return fsc_py_imports_finish(module, &im, st);
+}
+
 static PyMethodDef gpu_functions[] = {
     {"gpu_info", py_gpu_info, METH_NOARGS,
      "gpu_info() -> dict: CUDA driver/runtime found and versions, kernels built, device count, NCCL loaded."},
@@ -279,6 +317,12 @@ static PyMethodDef gpu_functions[] = {
                      "cpu_fs_adam_step(param, grad, exp_avg, exp_avg_sq, param_copy, found_inf, lr, beta1, beta2, "
                      "eps, weight_decay, step, bias_correction, eps_inside_sqrt, grad_scale, optim_scale): the same "
                      "on CPU tensors (bit-identical)."),
+    FSC_PY_KW_METHOD("cpu_bn_combine", py_cpu_bn_combine,
+                     "cpu_bn_combine(gathered, world, eps, out): SyncBatchNorm's statistics over the ranks' "
+                     "[mean | var | count] rows into out = [mean | var | invstd | total]."),
+    FSC_PY_KW_METHOD("cpu_bn_coeffs", py_cpu_bn_coeffs,
+                     "cpu_bn_coeffs(sums, total, invstd, weight, out): SyncBatchNorm's input-gradient coefficients "
+                     "[a | b | c] from the reduced [sum dy | sum dy*xhat]."),
     {NULL, NULL, 0, NULL},
 };
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from ... import _C
 from ...distributed import group_for
 from ...nn.checkpoint import is_checkpointing, is_recomputing
 
@@ -35,13 +36,18 @@ def _calculate_stats(input: Tensor, eps: float, group: Any) -> Tuple[Tensor, Ten
     """(mean, biased var, invstd, total count) per channel over every rank's batch."""
     channels, dtype = input.size(1), _stat_dtype(input)
     count = input.numel() // channels if channels else 0
-    local = torch.zeros(2 * channels + 1, dtype=dtype, device=input.device)
     if count:
-        mean, var = torch.batch_norm_update_stats(input.to(dtype), None, None, 0.0)  # var: biased
-        local[:channels], local[channels:-1] = mean, var
-    local[-1] = count
+        x = input if input.dtype == dtype else input.to(dtype)
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)  # var: biased
+        local = torch.cat([mean, var, torch.tensor([float(count)], dtype=dtype, device=input.device)])
+    else:
+        local = torch.zeros(2 * channels + 1, dtype=dtype, device=input.device)
     gathered = torch.empty(group.size * local.numel(), dtype=dtype, device=input.device)
     group.all_gather(gathered, local)
+    if gathered.device.type == "cpu":  # the combination in one C call
+        out = torch.empty(3 * channels + 1, dtype=dtype)
+        _C.cpu_bn_combine(gathered, group.size, eps, out)
+        return out[:channels], out[channels : 2 * channels], out[2 * channels : 3 * channels], out[3 * channels :]
     rows = gathered.view(group.size, -1)
     means, vars_, counts = rows[:, :channels], rows[:, channels:-1], rows[:, -1:]
     total = counts.sum()
@@ -61,7 +67,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx.save_for_backward(input, weight, mean, invstd, total)
         ctx.group = group
         # torch's kernel takes the parameters in the statistics' dtype beside a lower-precision input
-        weight, bias = (None if t is None else t.to(mean.dtype) for t in (weight, bias))
+        weight, bias = (t if t is None or t.dtype == mean.dtype else t.to(mean.dtype) for t in (weight, bias))
         return F.batch_norm(input, mean, var, weight, bias, False, 0.0, eps)
 
     @staticmethod
@@ -77,19 +83,29 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             )
         else:  # this rank holds no rows (torch's kernel divides by the row count)
             sum_dy_xhat = sum_dy = torch.zeros_like(mean)
-        sums = torch.cat([sum_dy, sum_dy_xhat]).to(mean.dtype)
+        sums = torch.cat([sum_dy, sum_dy_xhat])
+        if sums.dtype != mean.dtype:
+            sums = sums.to(mean.dtype)
         work = ctx.group.all_reduce(sums, async_op=True) if need_input else None
         grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight else None
         grad_bias = sum_dy.to(weight.dtype) if need_bias else None
         grad_input = None
         if need_input:
             work.wait()
-            mean_dy, mean_dy_xhat = (sums / total).chunk(2)
             # dx = a * dy + b * (x - mean) + c, per channel
-            a = invstd if weight is None else invstd * weight.to(invstd.dtype)
-            b, c = -a * invstd * mean_dy_xhat, -a * mean_dy
+            if sums.device.type == "cpu":  # the coefficients in one C call
+                channels = mean.numel()
+                coeffs = torch.empty(3 * channels, dtype=mean.dtype)
+                w = None if weight is None else weight.detach()
+                _C.cpu_bn_coeffs(sums, float(total), invstd, w, coeffs)
+                a, b, c = coeffs[:channels], coeffs[channels : 2 * channels], coeffs[2 * channels :]
+            else:
+                mean_dy, mean_dy_xhat = (sums / total).chunk(2)
+                a = invstd if weight is None else invstd * weight.to(invstd.dtype)
+                b, c = -a * invstd * mean_dy_xhat, -a * mean_dy
             if input.numel():
-                xmu_part = F.batch_norm(input.to(a.dtype), mean, torch.ones_like(mean), b, c, False, 0.0, 0.0)
+                x = input if input.dtype == a.dtype else input.to(a.dtype)
+                xmu_part = F.batch_norm(x, mean, torch.ones_like(mean), b, c, False, 0.0, 0.0)
                 shape = (1, -1) + (1,) * (input.ndim - 2)
                 grad_input = torch.addcmul(xmu_part, grad_output, a.view(shape)).to(input.dtype)
             else:
