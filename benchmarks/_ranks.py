@@ -12,11 +12,13 @@ and the command line the three share (bench_main).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import multiprocessing as mp
 import os
 import queue
 import socket
+import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -74,16 +76,12 @@ def timed_rounds(steps: Dict[str, Callable[[], None]], rounds: int, per_round: i
 
 def time_steps(steps: Dict[str, Callable[[], None]], cfg: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """timed_rounds over ``cfg``'s rounds and steps: per framework, the median step and the rounds."""
-    import statistics
-
     rounds = timed_rounds(steps, cfg["rounds"], cfg["steps"])
     return {f: {"step_s": statistics.median(v), "rounds_s": v} for f, v in rounds.items()}
 
 
 def parse_triples(text: str, example: str) -> List[Tuple[int, int, int]]:
     """Comma-separated AxBxC of positive ints (argparse.ArgumentTypeError otherwise)."""
-    import argparse
-
     sizes = []
     for item in text.split(","):
         parts = item.split("x")
@@ -188,7 +186,6 @@ def bench_main(
     (parsed by `parse_sizes`, which raises argparse.ArgumentTypeError), ``--rounds``, ``--steps``,
     ``--out``; then times_and_peaks of `rank_main` on `world` ranks, the table on stdout and the
     JSON at ``--out``. Says so on stderr when FairScale (the peer column) is not installed."""
-    import argparse
     import sys
 
     p = argparse.ArgumentParser(description=doc.split("\n")[0])

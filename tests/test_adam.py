@@ -368,3 +368,17 @@ def test_groups_given_as_generators_and_groups_added_later():
     opt.step()
     assert not torch.equal(before, layers[1].weight)
     assert torch.equal(opt.fp32_param_groups[1]["params"][0].half(), layers[1].weight.detach())
+
+
+def test_pure_fp16_state_reset_keeps_channels_last_parameters_steppable():
+    """The moments an overflow zeroes are contiguous again, as the kernel takes them, also for a
+    channels_last parameter."""
+    conv = torch.nn.Conv2d(3, 4, 3).half()
+    conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
+    opt = Adam(conv.parameters(), lr=1e-3, precision=Precision.PURE_FP16)
+    for scale in (1e4, 1e-3):  # the first step overflows the scaled moments, the second steps normally
+        opt.zero_grad()
+        (conv(torch.randn(2, 3, 6, 6).half()).float().sum() * scale).backward()
+        opt.step()
+    assert opt._optim_scale == 2.0**15
+    assert opt.state[conv.weight]["exp_avg"].is_contiguous() and opt.state[conv.weight]["exp_avg"].any()

@@ -268,13 +268,12 @@ fsc_status_t fsc_fs_adam_check(const fsc_tensor_t *param, const fsc_tensor_t *gr
     return FSC_OK;
 }
 
-/* The kernel runs in blocks: each block's values are converted to float32 temporaries, updated by
- * plain loops over restrict pointers (which gcc -O3 vectorises; the widest clone is picked at load
- * time) and converted back. Vector add, multiply, divide and square root round like the scalar
- * ones, so every width gives the same bits. */
-
-/* p, m, v in: the param and the stored moments (already divided by the state scale); out: the new
- * param, and the new moments (mom, vel) in m and v. g: the gradient. */
+/* The step runs in blocks: each block's values are converted to float32 temporaries (float32
+ * tensors are stepped in place), updated by plain loops over restrict pointers and converted back.
+ * Vector add, multiply, divide and square root round like the scalar ones, so every clone gives
+ * the same bits.
+ * p, m, v in: the param and the stored moments (already divided by the state scale); out: the
+ * new param, and the new moments (mom, vel) in m and v. g: the gradient. */
 FSC_VECTOR_CLONES static void fs_adam_block(float *restrict p, const float *restrict g, float *restrict m,
                                             float *restrict v, int n, const fsc_fs_adam_scalars_t *sc) {
     const float b1 = sc->beta1, b2 = sc->beta2, omb1 = sc->one_minus_b1, omb2 = sc->one_minus_b2;
@@ -302,11 +301,8 @@ FSC_VECTOR_CLONES static void fs_adam_block(float *restrict p, const float *rest
     }
 }
 
-FSC_VECTOR_CLONES static void fs_scale_block(float *restrict x, int n, float by, int divide) {
-    if (divide)
-        for (int i = 0; i < n; i++) x[i] = x[i] / by;
-    else
-        for (int i = 0; i < n; i++) x[i] = x[i] * by;
+FSC_VECTOR_CLONES static void fs_div_block(float *restrict x, int n, float by) {
+    for (int i = 0; i < n; i++) x[i] = x[i] / by;
 }
 
 fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
@@ -339,13 +335,13 @@ fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad,
         fs_load_block(m, exp_avg->data, sdt, off, n);
         fs_load_block(v, exp_avg_sq->data, sdt, off, n);
         if (scaled) {
-            fs_scale_block(m, n, s->optim_scale, 1);
-            fs_scale_block(v, n, s->optim_scale, 1);
+            fs_div_block(m, n, s->optim_scale);
+            fs_div_block(v, n, s->optim_scale);
         }
         fs_adam_block(p, g, m, v, n, s);
         if (scaled) {
-            fs_scale_block(m, n, s->optim_scale, 0);
-            fs_scale_block(v, n, s->optim_scale, 0);
+            fs_mul_block(m, n, s->optim_scale);
+            fs_mul_block(v, n, s->optim_scale);
         }
         fs_store_block(exp_avg->data, sdt, off, m, n);
         fs_store_block(exp_avg_sq->data, sdt, off, v, n);

@@ -219,10 +219,7 @@ class Adam(torch.optim.Optimizer):
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.optim_type, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(
-                        p, dtype=self.optim_type, memory_format=torch.contiguous_format
-                    )
+                    self._zero_moments(p)
                 state["step"] += 1
                 param, copy = p, None
                 if self.mixed_precision:
@@ -234,6 +231,11 @@ class Adam(torch.optim.Optimizer):
         if self.precision is Precision.PURE_FP16 and found:
             self._update_optim_scale(any(bool(f.item()) for f in found.values()))
         return loss
+
+    def _zero_moments(self, p: torch.Tensor) -> None:
+        """Zeroed moments for ``p``, contiguous (as the kernels take them) whatever ``p``'s layout."""
+        for key in ("exp_avg", "exp_avg_sq"):
+            self.state[p][key] = torch.zeros_like(p, dtype=self.optim_type, memory_format=torch.contiguous_format)
 
     def _step_one(
         self,
@@ -288,8 +290,7 @@ class Adam(torch.optim.Optimizer):
             for group in self.param_groups:
                 for p in group["params"]:
                     if "exp_avg" in self.state[p]:
-                        self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=self.optim_type)
-                        self.state[p]["exp_avg_sq"] = torch.zeros_like(p, dtype=self.optim_type)
+                        self._zero_moments(p)
         else:
             self._steps_since_optim_scale_change += 1
         if self._steps_since_optim_scale_change == self._optim_scale_update_freq:

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...utils.replay import autocast, autocast_state
+
 __all__ = [
     "MemoryEfficientVocabOutput",
     "BaselineSoftmax",
@@ -95,13 +97,15 @@ def _tile_logits(x: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, col0: int,
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def _autocast_state(device_type: str) -> dict:
-    """What ``torch.autocast(**state)`` needs to recompute under the autocast state of now."""
-    return {
-        "device_type": device_type,
-        "dtype": torch.get_autocast_dtype(device_type),
-        "enabled": torch.is_autocast_enabled(device_type),
-    }
+def _targets_in(ti: torch.Tensor, c0: int, cols: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The rows of a token tile whose target lies in vocabulary columns [c0, c0 + cols), and those
+    targets counted from c0; None when no row's does."""
+    local = ti - c0
+    hit = (local >= 0) & (local < cols)
+    if not bool(hit.any()):
+        return None
+    rows = hit.nonzero().squeeze(1)
+    return rows, local[rows]
 
 
 class _TiledSoftmaxNll(torch.autograd.Function):
@@ -113,32 +117,30 @@ class _TiledSoftmaxNll(torch.autograd.Function):
         acc = torch.promote_types(x.dtype, torch.float32)
         lse = torch.empty(x.shape[0], dtype=acc, device=x.device)
         score = torch.empty_like(lse)
-        w_tiles = torch.split(w, w_split)
         with torch.no_grad():
             for r0 in range(0, x.shape[0], x_split):
                 xi, ti = x[r0 : r0 + x_split], target[r0 : r0 + x_split]
                 run_max: Optional[torch.Tensor] = None
                 run_sum = torch.zeros(xi.shape[0], dtype=acc, device=x.device)
                 tscore = torch.zeros_like(run_sum)
-                for j, wj in enumerate(w_tiles):
-                    logits = _tile_logits(xi, wj, ti, j * w_split, margin, scale)
+                for c0 in range(0, w.shape[0], w_split):
+                    wj = w[c0 : c0 + w_split]
+                    logits = _tile_logits(xi, wj, ti, c0, margin, scale)
                     tile_max = logits.amax(dim=1)
                     new_max = tile_max if run_max is None else torch.maximum(run_max, tile_max)
                     if run_max is not None:
                         run_sum.mul_(torch.exp(run_max - new_max))
                     run_sum.add_(torch.exp(logits - new_max.unsqueeze(1)).sum(dim=1))
                     run_max = new_max
-                    local = ti - j * w_split
-                    hit = (local >= 0) & (local < wj.shape[0])
-                    if bool(hit.any()):
-                        rows = hit.nonzero().squeeze(1)
-                        tscore[rows] = logits[rows, local[rows]]
+                    targets = _targets_in(ti, c0, wj.shape[0])
+                    if targets is not None:
+                        tscore[targets[0]] = logits[targets]
                 assert run_max is not None
                 lse[r0 : r0 + x_split] = run_max + torch.log(run_sum)
                 score[r0 : r0 + x_split] = tscore
         ctx.save_for_backward(x, w, target, lse)
         ctx.splits, ctx.lmcl = (x_split, w_split), (margin, scale)
-        ctx.autocast = _autocast_state(x.device.type)
+        ctx.autocast = autocast_state()
         return lse - score
 
     @staticmethod
@@ -157,15 +159,13 @@ class _TiledSoftmaxNll(torch.autograd.Function):
             lse_i = lse[r0 : r0 + x_split].unsqueeze(1)
             for c0 in range(0, w.shape[0], w_split):
                 wj = w[c0 : c0 + w_split].detach().requires_grad_(need_w)
-                with torch.enable_grad(), torch.autocast(**ctx.autocast):  # the forward's autocast state
+                with torch.enable_grad(), autocast(ctx.autocast):  # the forward's autocast state
                     logits = _tile_logits(xi, wj, ti, c0, margin, scale)
                 # d nll / d logits = softmax - onehot(target), times the token's incoming gradient
                 g = torch.exp(logits.detach() - lse_i)
-                local = ti - c0
-                hit = (local >= 0) & (local < wj.shape[0])
-                if bool(hit.any()):
-                    rows = hit.nonzero().squeeze(1)
-                    g[rows, local[rows]] -= 1.0
+                targets = _targets_in(ti, c0, wj.shape[0])
+                if targets is not None:
+                    g[targets] -= 1.0
                 g.mul_(gi.unsqueeze(1))
                 inputs = [t for t, need in ((xi, need_x), (wj, need_w)) if need]
                 grads = torch.autograd.grad(logits, inputs, g)

@@ -32,6 +32,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ...utils.replay import autocast, autocast_state, capture_rng, restore_rng
+
 __all__ = ["OffloadModel", "ModelShard"]
 
 _HOST = torch.device("cpu")
@@ -108,17 +110,6 @@ def _to(device: torch.device, values: Tuple[Any, ...]) -> Tuple[Any, ...]:
     return tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in values)
 
 
-def _rng_state(device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(device: torch.device, state: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
 class _Boundary(torch.autograd.Function):
     """Between slice ``index`` and ``index + 1`` (index -1: before the first): in forward, sends
     slice ``index`` home and loads the next; in backward, the reverse. ``anchor`` (an empty tensor
@@ -164,36 +155,32 @@ class _Checkpointed(torch.autograd.Function):
                     tuple(v.to(model.offload_device, copy=True) if isinstance(v, torch.Tensor) else v for v in values)
                 )
                 shard.load()
-                rng.append(_rng_state(model.device))
+                rng.append(capture_rng(model.device))
                 values = model._run_slice(shard, values)
                 shard.drop()
         ctx.saved, ctx.rng = saved, rng
-        ctx.autocast = {
-            "device_type": model.device.type,
-            "dtype": torch.get_autocast_dtype(model.device.type),
-            "enabled": torch.is_autocast_enabled(model.device.type),
-        }
+        ctx.autocast = autocast_state()
         return values[0] if len(values) == 1 else values
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         model = ctx.model
         grads = tuple(g.to(model.device) if isinstance(g, torch.Tensor) else g for g in grads)
-        outer = _rng_state(model.device)
+        outer = capture_rng(model.device)
         for shard, saved, rng in zip(reversed(model.model_slices), reversed(ctx.saved), reversed(ctx.rng)):
             shard.load()
             values = tuple(
                 v.to(model.device).detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
                 for v in saved
             )  # each micro-batch below becomes a leaf of its own, whose .grad is the input gradient
-            _set_rng_state(model.device, rng)
+            restore_rng(rng, model.device)
             in_grads: List[List[torch.Tensor]] = [[] for _ in values]
             for chunk, chunk_grads in model._chunks(values, grads):
                 chunk = tuple(
                     c.detach().requires_grad_(c.requires_grad) if isinstance(c, torch.Tensor) else c for c in chunk
                 )
                 # the forward's autocast state; the slice gets copies: it may modify its input in place
-                with torch.enable_grad(), torch.autocast(**ctx.autocast):
+                with torch.enable_grad(), autocast(ctx.autocast):
                     outs = shard(*(c.clone() if isinstance(c, torch.Tensor) and c.requires_grad else c for c in chunk))
                 outs = outs if isinstance(outs, tuple) else (outs,)
                 pairs = [(o, g) for o, g in zip(outs, chunk_grads) if o.requires_grad and g is not None]
@@ -204,7 +191,7 @@ class _Checkpointed(torch.autograd.Function):
                         in_grads[k].append(c.grad if c.grad is not None else torch.zeros_like(c))
             grads = tuple(torch.cat(g) if g else None for g in in_grads)
             shard.drop()
-        _set_rng_state(model.device, outer)
+        restore_rng(outer, model.device)
         return (None, None) + tuple(g if need else None for g, need in zip(grads, ctx.needs))
 
 

@@ -25,6 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint.checkpoint_activations import enable_checkpointing, enable_recomputing
+from ...utils.replay import AutocastState
+from ...utils.replay import autocast as _autocast
+from ...utils.replay import autocast_state as _autocast_state
 from . import microbatch, rng
 from .copy import Hold, Streams, move
 from .microbatch import Tensors
@@ -58,7 +61,7 @@ class Run:
     turns: Dict[Tuple[int, int], int]  # position of each task that takes turns (see rng.py)
     probing: bool
     signature: Tuple[bool, ...]
-    autocast: List[Tuple[str, torch.dtype]]
+    autocast: AutocastState
     share: ThreadShare  # of the pass in progress
     tasks: Dict[Tuple[int, int], Task] = field(default_factory=dict)
     holds: List[Hold] = field(default_factory=list)
@@ -398,22 +401,6 @@ class Pipeline:
 
     def close(self) -> None:
         self.workers.close()
-
-
-def _autocast_state() -> List[Tuple[str, torch.dtype]]:
-    state = []
-    for device_type in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device_type):
-            state.append((device_type, torch.get_autocast_dtype(device_type)))
-    return state
-
-
-@contextlib.contextmanager
-def _autocast(state: List[Tuple[str, torch.dtype]]) -> Generator[None, None, None]:
-    with contextlib.ExitStack() as stack:
-        for device_type, dtype in state:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
-        yield
 
 
 class PipeFunction(torch.autograd.Function):

@@ -17,25 +17,15 @@ only on some inputs is not reliably detected.
 from __future__ import annotations
 
 import threading
-from typing import List, NamedTuple, Optional
+from typing import List
 
 import torch
 
+from ...utils.replay import RNGState
+from ...utils.replay import capture_rng as capture
+from ...utils.replay import restore_rng as restore
 
-class RNGState(NamedTuple):
-    cpu: torch.Tensor
-    cuda: Optional[torch.Tensor]
-
-
-def capture(device: torch.device) -> RNGState:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return RNGState(torch.get_rng_state(), cuda)
-
-
-def restore(state: RNGState, device: torch.device) -> None:
-    torch.set_rng_state(state.cpu)
-    if state.cuda is not None:
-        torch.cuda.set_rng_state(state.cuda, device)
+__all__ = ["RNGState", "capture", "restore", "same", "replay_lock", "turn_order"]
 
 
 def same(a: RNGState, b: RNGState) -> bool:
