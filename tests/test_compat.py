@@ -80,6 +80,15 @@ PUBLIC_MODULES = [
     "fairscale.optim.oss",
     "fairscale.optim.adascale",
     "fairscale.nn.data_parallel.sharded_ddp",
+    "fairscale.experimental.nn.data_parallel",
+    "fairscale.experimental.nn.data_parallel.gossip",
+    "fairscale.experimental.nn.data_parallel.gossip.distributed",
+    "fairscale.experimental.nn.data_parallel.gossip.gossiper",
+    "fairscale.experimental.nn.data_parallel.gossip.graph_manager",
+    "fairscale.experimental.nn.data_parallel.gossip.mixing_manager",
+    "fairscale.experimental.nn.data_parallel.gossip.utils",
+    "fairscale.experimental.nn.data_parallel.gossip.utils.helpers",
+    "fairscale.experimental.nn.data_parallel.gossip.utils.cuda_metering",
 ]
 
 
