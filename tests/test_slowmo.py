@@ -95,12 +95,21 @@ def _reference(world, steps, lr_mom=None, slowmo=None):
     return out
 
 
-def _slowmo_run(rank, world, settings, steps, device="cpu"):
-    """Parameters after each step of the SlowMo model trained on this rank's slice."""
+def _slowmo_run(rank, world, settings, steps, device="cpu", move=False):
+    """Parameters after each step of the SlowMo model trained on this rank's slice. The wrapper
+    keeps the parameters in one buffer per dtype (a shared tensor on CPU ranks); `move` gives them
+    storage of their own again after wrapping, as a cast or a move would."""
+    import fairscale_c.distributed as fdist
     from fairscale_c.experimental.nn.data_parallel import SlowMoDistributedDataParallel
 
     torch.manual_seed(0)
     model = SlowMoDistributedDataParallel(Net().to(device), **settings)
+    (flat,) = model._flats
+    assert all(p.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr() for p in model.parameters())
+    assert fdist.is_shared(flat.flat) == (device == "cpu" and world > 1)
+    if move:
+        for p in model.module.parameters():
+            p.data = p.data.clone()
     opt = torch.optim.SGD(model.module.parameters(), lr=1, momentum=0)
     model._init_global_momentum_buffers(opt)
     x, y = _data(world)
@@ -285,6 +294,9 @@ def _train_job(rank, world, device="cpu"):
             _compare(f"{name} (world {world})", got, want, failures)
         _local_sgd_every_2(rank, world, failures, device)
         if world == 2:
+            for name, settings, steps, ref in (CASES[2], CASES[3], SGP_PAIR_CASES[1]):
+                got = _slowmo_run(rank, world, dict(settings, nprocs_per_node=1), steps, device=device, move=True)
+                _compare(f"{name}, parameters moved after wrapping", got, _reference(world, steps, **ref), failures)
             for name, settings, steps, ref in SGP_PAIR_CASES:
                 got = _slowmo_run(rank, world, dict(settings, nprocs_per_node=1), steps, device=device)
                 _compare(name, got, _reference(world, steps, **ref), failures)

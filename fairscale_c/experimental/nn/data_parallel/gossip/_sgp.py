@@ -13,11 +13,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ._flat import as_flat
 from .gossiper import Gossiper, PushPull, PushSum
 from .graph_manager import GraphManager
 from .graph_manager import NPeerDynamicDirectedExponentialGraph as NPDDEGraph
 from .mixing_manager import MixingManager, UniformMixing
-from .utils import flatten_tensors, group_by_dtype, make_logger, unflatten_tensors
+from .utils import flatten_tensors, make_logger, unflatten_tensors
 
 _NAME = "SlowMoDistributedDataParallel"
 
@@ -36,6 +37,9 @@ class SGPMixin:
     logical_world_size: int
     local_rank: int
     _global_comm: Any
+
+    def _param_buffers(self) -> List[List[torch.Tensor]]:
+        raise NotImplementedError  # SlowMoDistributedDataParallel's: the parameters, per dtype
 
     def _sgp_init(
         self,
@@ -70,8 +74,8 @@ class SGPMixin:
         if self.process_rank % self.nprocs_per_node == 0:
             cls = PushSum if push_sum else PushPull
             logger = make_logger(self.logical_rank, self.dist_config["verbose"])
-            for dtype, params in group_by_dtype([p.detach() for p in module.parameters()]).items():
-                self._gossipers[dtype] = cls(
+            for params in self._param_buffers():
+                self._gossipers[params[0].dtype] = cls(
                     flatten_tensors(params).to(comm_device),
                     graph,
                     device=comm_device,
@@ -103,7 +107,7 @@ class SGPMixin:
 
     def _scale_params(self, factor: torch.Tensor, divide: bool) -> None:
         with torch.no_grad():
-            for params in group_by_dtype([p.detach() for p in self.module.parameters()]).values():
+            for params in self._param_buffers():
                 f = _scalar(factor, params[0])
                 if divide:
                     torch._foreach_div_(params, f)
@@ -127,10 +131,13 @@ class SGPMixin:
         comm_device = self.dist_config["comm_device"]
         received: List[Tuple[List[torch.Tensor], torch.Tensor]] = []
         with torch.no_grad():
-            by_dtype = group_by_dtype([p.detach() for p in self.module.parameters()])
-            for dtype, params in by_dtype.items():
-                gossiper = self._gossipers[dtype]
-                in_msg, ps_weight = gossiper.mix(flatten_tensors(params).to(comm_device), self.gossip_ps_weight)
+            uniform = isinstance(self.dist_config["mixing"], UniformMixing)  # never scales the message in place
+            for params in self._param_buffers():
+                gossiper = self._gossipers[params[0].dtype]
+                out_msg, copied = as_flat(params)
+                if not copied and not uniform:
+                    out_msg = out_msg.clone()
+                in_msg, ps_weight = gossiper.mix(out_msg.to(comm_device), self.gossip_ps_weight)
                 received.append((params, in_msg))
                 ps_factor = gossiper.mixing_weights["lo"]
             self.gossip_ps_weight.copy_(ps_weight)

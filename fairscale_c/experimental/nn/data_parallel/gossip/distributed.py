@@ -20,10 +20,11 @@ from torch import nn
 
 from .....distributed import group_for
 from . import _slow_momentum as sm
+from ._flat import FlatParams, as_flat, flatten_module
 from ._sgp import SGPMixin
 from .graph_manager import GraphManager
 from .mixing_manager import MixingManager
-from .utils import MultiProcessAdapter, flatten_tensors, group_by_dtype, unflatten_tensors
+from .utils import MultiProcessAdapter, group_by_dtype, unflatten_tensors
 from .utils.cuda_metering import EventRecorder, create_event_recorder
 
 HEARTBEAT_TIMEOUT = 300  # FairScale's limit on a gossip wait; the engine's timeout bounds every wait here
@@ -161,6 +162,13 @@ class SlowMoDistributedDataParallel(SGPMixin, nn.Module):
         )
         self.nprocs_per_node_device = torch.tensor([self.nprocs_per_node], device=comm_device, dtype=first.dtype)
         self._shard: Optional[sm.Shard] = None
+        # the parameters move into one buffer per dtype (padded to whole slow momentum portions)
+        params = list(module.parameters())
+        f32 = sum(p.numel() for p in params if p.dtype == torch.float32)
+        portion = -(-f32 // self.slowmo_num_shards)
+        self._flats: Optional[List[FlatParams]] = flatten_module(
+            params, self._global_comm, {torch.float32: portion * self.slowmo_num_shards}
+        )
 
         if self.sgp:
             self._sgp_init(
@@ -261,20 +269,40 @@ class SlowMoDistributedDataParallel(SGPMixin, nn.Module):
         if self.sgp:
             self._sgp_ps_numerator()
 
-    def _communicate(self, tensors: List[torch.Tensor], op: Any) -> None:
-        """op(flat) on each dtype's tensors flattened, then the result copied back into them."""
+    def _param_buffers(self) -> List[List[torch.Tensor]]:
+        """Per dtype, tensors whose concatenation is the module's parameters of that dtype: the
+        one buffer they live in, or the parameters themselves once something moved them out."""
+        if self._flats is not None:
+            if all(f.intact() for f in self._flats):
+                return [[f.used] for f in self._flats]
+            self.logger.warning("the parameters left their flat buffers (moved or cast): flattening copies from now on")
+            self._flats = None
+        return list(group_by_dtype([p.detach() for p in self.module.parameters()]).values())
+
+    def _communicate(self, tensors: Optional[List[torch.Tensor]], op: Any) -> None:
+        """op(flat) on each dtype's tensors (None: the module's parameters) as one flat tensor,
+        copied in and back only where they are not one already."""
+        groups = self._param_buffers() if tensors is None else list(group_by_dtype(tensors).values())
         with torch.no_grad():
-            for same in group_by_dtype(tensors).values():
-                flat = flatten_tensors(same)
+            for same in groups:
+                flat, copied = as_flat(same)
                 op(flat)
-                torch._foreach_copy_(same, unflatten_tensors(flat, same))
+                if copied:
+                    torch._foreach_copy_(same, unflatten_tensors(flat, same))
+
+    def _flat_for(self, params: List[torch.Tensor], length: int) -> Optional[torch.Tensor]:
+        """The buffer of at least ``length`` elements that ``params`` (in order) live in, if any."""
+        for f in self._flats or []:
+            if len(f.params) == len(params) and all(a is b for a, b in zip(f.params, params)):
+                if f.intact() and f.flat.numel() >= length:
+                    return f.flat[:length]
+        return None
 
     def _sync_params(self) -> None:
         """The node master's parameters to the other processes of its node."""
         if self._local_comm is None:
             return
-        params = [p.detach() for p in self.module.parameters()]
-        self._communicate(params, lambda flat: self._local_comm.broadcast(flat, root=self._local_root))
+        self._communicate(None, lambda flat: self._local_comm.broadcast(flat, root=self._local_root))
         self.logger.debug("Intra-node param sync complete")
 
     def _sync_buffers(self) -> None:
@@ -378,13 +406,12 @@ class SlowMoDistributedDataParallel(SGPMixin, nn.Module):
         if self._should_allreduce_params():
             comm, world = self._master_comm, self.logical_world_size
             if comm is not None:  # the other processes of a node get the result from their master
-                params = [p.detach() for p in self.parameters()]
 
                 def average(flat: torch.Tensor) -> None:
                     flat.div_(world)
                     comm.all_reduce(flat, op="sum")
 
-                self._communicate(params, average)
+                self._communicate(None, average)
             self.logger.debug("Allreduce completed")
         rec.stop()
 
@@ -471,18 +498,22 @@ class SlowMoDistributedDataParallel(SGPMixin, nn.Module):
             self._init_global_momentum_buffers(optimizer)
         params, ranges = sm.optimizer_params(optimizer)
         length, shards = self.world_portion_length, self.slowmo_num_shards
+        size = shards * length if self.slowmo_memory_efficient else length
+        flat = self._flat_for(params, size)
+        in_place = flat is not None
         with torch.no_grad():
+            if flat is None:
+                flat = sm.flat_copy(params, size)
             if self.slowmo_memory_efficient:
-                flat = sm.flat_copy(params, shards * length)
                 world = self.process_world_size
                 mine = sm.average_into_owners(self._global_comm, flat, self.process_rank, world, shards, length)
                 if self._shard is not None:
                     sm.step_portion(self._shard, mine, ranges, self.slowmo_momentum, self.slowmo_lr)
                 sm.send_back_from_owners(self._global_comm, flat, mine, world, shards, length)
             else:
-                flat = sm.flat_copy(params, length)
                 sm.step_portion(cast(sm.Shard, self._shard), flat, ranges, self.slowmo_momentum, self.slowmo_lr)
-            sm.copy_back(params, flat)
+            if not in_place:
+                sm.copy_back(params, flat)
 
     # ------------------------------------------------------------------ module protocol
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:

@@ -121,7 +121,9 @@ class Gossiper:
         if not self.regular:
             out_msg = torch.cat([out_msg, self.ps_weight.to(out_msg.dtype)])
         if self._mixing_manager.is_uniform():
-            out_msg *= self.mixing_weights["uniform"].to(out_msg.dtype)
+            weight = self.mixing_weights["uniform"]
+            if weight.device.type != "cpu" or weight.item() != 1.0:  # times one changes no value
+                out_msg *= weight.to(out_msg.dtype)
             for _ in self.out_edges:
                 yield out_msg
         else:
