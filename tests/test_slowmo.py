@@ -358,6 +358,16 @@ def _features_job(rank, world):
             expect = 10.0 if broadcast else 10.0 + rank
             if not torch.equal(net.running_mean, torch.full((3,), expect)) or out.abs().max() > 10:
                 failures.append(f"broadcast_buffers={broadcast}: running_mean {net.running_mean.tolist()}")
+        # a parameter buffer of 1.2 MB: LocalSGD's all-reduce and the sharded slow momentum step's
+        # reduce-scatter and all-gather run on the engine's mapped path (each byte copied once)
+        big = SlowMo(nn.Linear(600, 500), nprocs_per_node=1, localsgd_frequency=1, slowmo_frequency=2)
+        opt = torch.optim.SGD(big.parameters(), lr=0.1)
+        shm = big._global_comm._shm
+        for expected in (1, 2):  # step 1: the all-reduce; step 2: a reduce-scatter and an all-gather
+            before = shm.mapped_ops
+            big.perform_slowmo(opt)
+            if shm.mapped_ops - before != expected:
+                failures.append(f"mapped ops: {shm.mapped_ops - before}, expected {expected}")
         # SGP state dict: ps_weight and the numerator flag travel, also inside a parent module
         model = SlowMo(Net(), nprocs_per_node=1, slowmo_base_algorithm="sgp", slowmo_momentum=0.0)
         parent = nn.Sequential(model)
