@@ -89,6 +89,8 @@ PUBLIC_MODULES = [
     "fairscale.experimental.nn.data_parallel.gossip.utils",
     "fairscale.experimental.nn.data_parallel.gossip.utils.helpers",
     "fairscale.experimental.nn.data_parallel.gossip.utils.cuda_metering",
+    "fairscale.experimental.tooling",
+    "fairscale.experimental.tooling.layer_memory_tracker",
 ]
 
 

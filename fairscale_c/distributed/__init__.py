@@ -145,10 +145,16 @@ def group_for(process_group: Any = None, role: str = "default", *, device: Any =
     side by side, as with FairScale's separate reduce-scatter group). ``device``: create the NCCL
     communicator now (Pipe and OSS ask for it).
 
+    A process group wrapped by a tracker (an object with ``traced_process_group``, such as
+    layer_memory_tracker's ProcessGroupTracker) gets the wrapped group's engine group.
+
     As in FairScale, ``process_group`` may also be any object with ``rank()`` and ``size()`` (a
     stand-in for a torch process group): of size 1 it gets a :class:`LocalGroup` and needs no
     torch.distributed at all; of a larger size it is a ValueError, since only a torch process
     group can carry collectives across processes."""
+    traced = getattr(process_group, "traced_process_group", None)
+    if traced is not None:  # a tracker around a process group (layer_memory_tracker.ProcessGroupTracker)
+        return group_for(traced, role, device=device)
     if process_group is not None and not _is_torch_group(process_group):
         return _stand_in_group(process_group, role)
     if process_group is None:

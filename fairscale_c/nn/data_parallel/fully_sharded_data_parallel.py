@@ -153,6 +153,8 @@ class FullyShardedDataParallel(nn.Module):
         reduce-scatters (see _reduce_scatter_comm), and this rank's place in them."""
         self.comm = fdist.group_for(process_group)
         self.process_group = self.comm.process_group
+        # a ProcessGroupTracker (layer_memory_tracker) given as process_group hears of each all-gather
+        self.all_gather_tracker = process_group if hasattr(process_group, "notify_all_gather") else None
         self.comm_rs = self._reduce_scatter_comm(process_group_reduce_scatter)
         self.process_group_reduce_scatter = self.comm_rs.process_group
         self.rank, self.world_size = self.comm.rank, self.comm.size
@@ -478,6 +480,8 @@ class FullyShardedDataParallel(nn.Module):
                 mine = full[self.rank * n : (self.rank + 1) * n]
                 _copy(mine, shard)
                 shard = mine
+            if self.all_gather_tracker is not None:
+                self.all_gather_tracker.notify_all_gather(full, shard)
             h.gathering = _Gathering(self.comm.all_gather(full, shard, async_op=True), shard)
 
     @torch.no_grad()
