@@ -16,6 +16,17 @@ from typing import Any, Callable, Dict, List, Optional
 import pytest
 
 
+def join_gloo(rank: int, world: int, device: str = "cpu") -> None:
+    """A spawned rank's set-up: one torch thread, its GPU (device "cuda"), a gloo process group."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

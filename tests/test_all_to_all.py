@@ -6,7 +6,7 @@ async; a group of one rank; bad input raising before anything is sent."""
 import pytest
 import torch
 
-from dist_utils import clean_dev_shm, not_equal, rank_data, run_ranks  # noqa: F401 (fixture)
+from dist_utils import clean_dev_shm, join_gloo, not_equal, rank_data, run_ranks  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("clean_dev_shm")
 
@@ -26,10 +26,7 @@ def _job(rank, world, device="cpu"):
 
     import fairscale_c.distributed as fdist
 
-    torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, device)
     failures = []
     try:
         group = fdist.init_group()

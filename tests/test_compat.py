@@ -74,6 +74,7 @@ PUBLIC_MODULES = [
     "fairscale.experimental.nn.offload",
     "fairscale.version",
     "fairscale.nn.pipe.types",
+    "fairscale.nn.pipe.async_pipe",
     "fairscale.nn.pipe",
     "fairscale.nn.pipe.skip",
     "fairscale.nn.pipe.balance",

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_utils import clean_dev_shm, run_ranks  # noqa: F401 (fixture)
+from dist_utils import clean_dev_shm, join_gloo, run_ranks  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("clean_dev_shm")
 
@@ -280,10 +280,7 @@ def _sgp_against_gathered(name, rank, world, settings, in_peers, own, failures, 
 def _train_job(rank, world, device="cpu"):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, device)
     failures = []
     try:
         for name, settings, steps, ref in CASES:

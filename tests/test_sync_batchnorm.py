@@ -7,7 +7,7 @@ mode, no torch.distributed, convert_sync_batchnorm and bad input."""
 import pytest
 import torch
 
-from dist_utils import clean_dev_shm, not_close, run_ranks  # noqa: F401 (fixture)
+from dist_utils import clean_dev_shm, join_gloo, not_close, run_ranks  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("clean_dev_shm")
 
@@ -49,10 +49,7 @@ def _job(rank, world, dtype, momentum, device="cpu"):
 
     from fairscale_c.experimental.nn import SyncBatchNorm
 
-    torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, device)
     failures = []
     try:
         for shape, rows in CASES:

@@ -1,5 +1,6 @@
-"""fairscale_c.nn.pipe — mirrors fairscale.nn.pipe: Pipe (GPipe in one process), skip
-connections (``.skip``) and balance helpers (``.balance``); see docs/pipe.md.
+"""fairscale_c.nn.pipe — mirrors fairscale.nn.pipe: Pipe (GPipe in one process), AsyncPipe (one
+partition per rank), skip connections (``.skip``) and balance helpers (``.balance``); see
+docs/pipe.md.
 
 Beyond FairScale, multi-process pipelines: :class:`PipelineStage` with the schedules
 :class:`ScheduleGPipe`, :class:`Schedule1F1B`, :class:`ScheduleInterleaved1F1B` and
@@ -8,6 +9,7 @@ docs/pipe_stages.md.
 """
 
 from ..checkpoint import is_checkpointing, is_recomputing
+from .async_pipe import AsyncPipe
 from .pipe import Pipe
 from .schedule import (
     PipelineSchedule,
@@ -23,6 +25,7 @@ from .types import LazyModule
 
 __all__ = [
     "Pipe",
+    "AsyncPipe",
     "LazyModule",
     "is_checkpointing",
     "is_recomputing",
