@@ -5,6 +5,7 @@ rank's exception with its traceback. Ranks get RANK / WORLD_SIZE / MASTER_ADDR /
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -25,6 +26,40 @@ def join_gloo(rank: int, world: int, device: str = "cpu") -> None:
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+class OneRankGroup:
+    """A process group stand-in of one rank (rank() and size()), for one-process tests."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
+@contextlib.contextmanager
+def fairscale_pipeline_rpc(rank: int, world: int):
+    """What FairScale's AsyncPipe needs on a joined gloo rank: torch RPC (workers "Test<rank>")
+    and FairScale's model parallel groups (one pipeline of every rank). Yields the worker map.
+    The RPC agent shuts down gracefully only if the body succeeded, so a failed rank does not
+    wait for its peer's."""
+    import torch
+    import torch.distributed as dist
+    from fairscale.nn.model_parallel import initialize_model_parallel
+    from torch.distributed import rpc
+
+    port = torch.tensor([free_port() if rank == 0 else 0])
+    dist.broadcast(port, 0)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port.item()}")
+    rpc.init_rpc(f"Test{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    graceful = False
+    try:
+        initialize_model_parallel(1, world)
+        yield {r: f"Test{r}" for r in range(world)}
+        graceful = True
+    finally:
+        rpc.shutdown(graceful=graceful)
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist_utils import clean_dev_shm, join_gloo, run_ranks  # noqa: F401 (fixture)
+from dist_utils import OneRankGroup, clean_dev_shm, join_gloo, run_ranks  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("clean_dev_shm")
 
@@ -185,18 +185,10 @@ def test_dead_stage_is_reported():
     assert elapsed < 10, f"dead stage found after {elapsed:.1f} s; expected well before the 30 s timeout"
 
 
-class _OneRank:
-    def rank(self):
-        return 0
-
-    def size(self):
-        return 1
-
-
 def test_one_stage_and_bad_arguments():
     from fairscale_c.nn.pipe import AsyncPipe
 
-    g = _OneRank()
+    g = OneRankGroup()
     ref, outs = _reference(1, 6)
     pipe = AsyncPipe(_model(), [8], group=g, chunks=3, checkpoint="always")
     assert pipe.final_stage and len(pipe) == 8 and isinstance(pipe[0], nn.Linear)
@@ -241,35 +233,28 @@ def _fairscale_job(rank, world):
     """FairScale's AsyncPipe (over RPC) and ours on the same model and batch: the same output on
     the last stage and the same gradients on every stage."""
     import torch.distributed as dist
-    from fairscale.nn.model_parallel import initialize_model_parallel
     from fairscale.nn.pipe import AsyncPipe as Theirs
-    from torch.distributed import rpc
 
-    from dist_utils import free_port
+    from dist_utils import fairscale_pipeline_rpc
     from fairscale_c.nn.pipe import AsyncPipe as Ours
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    port = torch.tensor([free_port() if rank == 0 else 0])
-    dist.broadcast(port, 0)
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port.item()}")
-    rpc.init_rpc(f"Test{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    join_gloo(rank, world)
     failures = []
-    graceful = False
     try:
-        initialize_model_parallel(1, world)
-        workers = {r: f"Test{r}" for r in range(world)}
-        results = []
-        for make in (
-            lambda m: Theirs(m, [3, 5], worker_map=workers, chunks=3, checkpoint="except_last"),
-            lambda m: Ours(m, [3, 5], group=dist.group.WORLD, chunks=3, checkpoint="except_last"),
-        ):
-            # stage 1 starts with Join: a (float, int64) tuple crosses (FairScale's AsyncPipe refuses
-            # an in-place op at a stage's start, so not the balance the other tests use)
-            pipe = make(_model())
-            out = pipe(_data(9))
-            if pipe.final_stage:
-                out.pow(2).mean().backward()
-            results.append((out.detach() if pipe.final_stage else None, [p.grad.clone() for p in pipe.parameters()]))
+        with fairscale_pipeline_rpc(rank, world) as workers:
+            results = []
+            for make in (
+                lambda m: Theirs(m, [3, 5], worker_map=workers, chunks=3, checkpoint="except_last"),
+                lambda m: Ours(m, [3, 5], group=dist.group.WORLD, chunks=3, checkpoint="except_last"),
+            ):
+                # stage 1 starts with Join: a (float, int64) tuple crosses (FairScale's AsyncPipe
+                # refuses an in-place op at a stage's start, so not the balance the other tests use)
+                pipe = make(_model())
+                out = pipe(_data(9))
+                if pipe.final_stage:
+                    out.pow(2).mean().backward()
+                grads = [p.grad.clone() for p in pipe.parameters()]
+                results.append((out.detach() if pipe.final_stage else None, grads))
         (out_fs, grads_fs), (out_ours, grads_ours) = results
         if out_fs is not None and not torch.allclose(out_fs, out_ours, rtol=1e-12, atol=1e-12):
             failures.append("outputs differ")
@@ -277,9 +262,7 @@ def _fairscale_job(rank, world):
             torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(grads_fs, grads_ours)
         ):
             failures.append("gradients differ")
-        graceful = True
     finally:
-        rpc.shutdown(graceful=graceful)  # a failed rank does not wait for its peer's RPC agent
         dist.destroy_process_group()
     return failures
 

@@ -75,6 +75,9 @@ PUBLIC_MODULES = [
     "fairscale.version",
     "fairscale.nn.pipe.types",
     "fairscale.nn.pipe.async_pipe",
+    "fairscale.experimental.nn.ampnet_pipe",
+    "fairscale.experimental.nn.ampnet_pipe.pipe",
+    "fairscale.experimental.nn.ampnet_pipe.ampnet",
     "fairscale.nn.pipe",
     "fairscale.nn.pipe.skip",
     "fairscale.nn.pipe.balance",
@@ -140,7 +143,7 @@ def test_alias_gives_the_same_module_objects():
     assert out.split() == ["0.4.13+fairscale_c.0.1.0", "(0,", "4,", "13)", "gone"]
 
 
-@pytest.mark.parametrize("name", ["fairscale.experimental.nn.ampnet_pipe", "fairscale.nn.pipe.rpc"])
+@pytest.mark.parametrize("name", ["fairscale.experimental.nn.distributed_pipeline", "fairscale.nn.pipe.rpc"])
 def test_alias_names_a_module_it_does_not_provide(name):
     proc = run_python(f"""
         import importlib, fairscale_c.compat
