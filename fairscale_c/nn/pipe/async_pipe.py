@@ -116,14 +116,16 @@ class AsyncPipe(nn.Module):
         size, rank = group.size(), group.rank()
         if size < len(self.balance):
             raise IndexError(f"too few ranks to hold given partitions (ranks: {size}, partitions: {len(self.balance)})")
-        self._comm = fdist.group_for(group)
+        comm = fdist.group_for(group)
         self.stage = rank
         self.final_stage = rank == len(self.balance) - 1
         self.partition: Optional[nn.Sequential] = None
         self.partitions: List[nn.Sequential] = []
+        self.pipeline: Optional[AsyncPipeline] = None
         if rank >= len(self.balance):
             warnings.warn("More ranks than partitions, some ranks unused", stacklevel=2)
         else:
+            self.pipeline = AsyncPipeline(comm, rank, self.final_stage)
             start = sum(self.balance[:rank])
             part = _instantiate(module, start, start + self.balance[rank])
             if deferred_batch_norm:
@@ -179,6 +181,14 @@ class AsyncPipe(nn.Module):
         return first.device if first is not None else torch.device("cpu")
 
 
+class AsyncPipeline:
+    """A rank's place in its AsyncPipe (None on ranks beyond the partitions, as FairScale's
+    ``pipeline``): the engine group the stages talk through, its stage, whether it is the last."""
+
+    def __init__(self, comm: Any, stage: int, final_stage: bool) -> None:
+        self.comm, self.stage, self.final_stage = comm, stage, final_stage
+
+
 def _instantiate(module: Union[nn.Sequential, List[Any]], start: int, end: int) -> nn.Sequential:
     """Layers [start, end) of ``module`` as an nn.Sequential (LazyModules realised here only)."""
     if isinstance(module, nn.Sequential):
@@ -204,7 +214,7 @@ class _Step:
         self.pipe = pipe
         self.batches = batches
         self.atomic = atomic
-        self.comm = pipe._comm
+        self.comm = pipe.pipeline.comm
         self.stage = pipe.stage
         self.train = pipe.training and torch.is_grad_enabled()
         self.stop = pipe.checkpoint_stop if self.train else 0
@@ -234,7 +244,9 @@ class _Step:
         partition = self.pipe.partition
         arg: Any = xs[0] if atomic else xs
         if index >= self.stop:
-            return partition(arg)
+            out = partition(arg)
+            microbatch.check(out, "a partition's output")
+            return out
         passes: List[None] = []
 
         def run(*inputs: Tensor) -> TensorOrTensors:
@@ -246,7 +258,9 @@ class _Step:
             with enable_checkpointing() if first else enable_recomputing():
                 return partition(inputs[0] if atomic else inputs)
 
-        return torch_checkpoint.checkpoint(run, *xs, use_reentrant=False)
+        out = torch_checkpoint.checkpoint(run, *xs, use_reentrant=False)
+        microbatch.check(out, "a partition's output")
+        return out
 
     def backward(self, outputs: List[Tensors]) -> None:
         """Receive each micro-batch's output gradients from the next stage (in whatever order it
@@ -298,7 +312,7 @@ class _Step:
         self.comm.send(header, peer)
         for t in tensors:
             if t is not None and t.numel():
-                self.comm.send(t.contiguous(), peer)
+                self.comm.send(_wire(t), peer)
 
     def receive_header(self, peer: int) -> Tuple[int, int, bool, List[Optional[Tuple[torch.dtype, List[int]]]]]:
         header = torch.empty(_HEADER, dtype=torch.int64)
@@ -327,9 +341,19 @@ class _Step:
                 continue
             t = torch.empty(meta[1], dtype=meta[0], device=self.device)
             if t.numel():
-                self.comm.recv(t, peer)
+                self.comm.recv(_wire(t), peer)
             out.append(t)
         return out
+
+
+_ON_THE_WIRE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
+
+
+def _wire(t: Tensor) -> Tensor:
+    """``t`` (contiguous) as the engine's point-to-point takes it: itself, or its bytes for the
+    dtypes it does not (bool, int8, int16, complex) — a view, so a receive fills ``t``."""
+    t = t.contiguous()
+    return t if t.dtype in _ON_THE_WIRE else t.reshape(-1).view(torch.uint8)
 
 
 class _Receive(torch.autograd.Function):
