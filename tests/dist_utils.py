@@ -39,27 +39,35 @@ class OneRankGroup:
 
 
 @contextlib.contextmanager
-def fairscale_pipeline_rpc(rank: int, world: int):
-    """What FairScale's AsyncPipe needs on a joined gloo rank: torch RPC (workers "Test<rank>")
-    and FairScale's model parallel groups (one pipeline of every rank). Yields the worker map.
-    The RPC agent shuts down gracefully only if the body succeeded, so a failed rank does not
-    wait for its peer's."""
+def rpc_workers(rank: int, world: int, prefix: str = "worker"):
+    """torch RPC on a joined gloo rank, workers named "<prefix><rank>"; yields {rank: name}. The
+    agent shuts down gracefully only if the body succeeded, so a failed rank does not wait for its
+    peer's."""
     import torch
     import torch.distributed as dist
-    from fairscale.nn.model_parallel import initialize_model_parallel
     from torch.distributed import rpc
 
     port = torch.tensor([free_port() if rank == 0 else 0])
     dist.broadcast(port, 0)
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port.item()}")
-    rpc.init_rpc(f"Test{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    rpc.init_rpc(f"{prefix}{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     graceful = False
     try:
-        initialize_model_parallel(1, world)
-        yield {r: f"Test{r}" for r in range(world)}
+        yield {r: f"{prefix}{r}" for r in range(world)}
         graceful = True
     finally:
         rpc.shutdown(graceful=graceful)
+
+
+@contextlib.contextmanager
+def fairscale_pipeline_rpc(rank: int, world: int):
+    """What FairScale's AsyncPipe needs on a joined gloo rank: torch RPC (workers "Test<rank>")
+    and FairScale's model parallel groups (one pipeline of every rank). Yields the worker map."""
+    from fairscale.nn.model_parallel import initialize_model_parallel
+
+    with rpc_workers(rank, world, "Test") as workers:
+        initialize_model_parallel(1, world)
+        yield workers
 
 
 def free_port() -> int:

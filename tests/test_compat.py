@@ -78,6 +78,12 @@ PUBLIC_MODULES = [
     "fairscale.experimental.nn.ampnet_pipe",
     "fairscale.experimental.nn.ampnet_pipe.pipe",
     "fairscale.experimental.nn.ampnet_pipe.ampnet",
+    "fairscale.experimental.nn.distributed_pipeline",
+    "fairscale.experimental.nn.distributed_pipeline.graph",
+    "fairscale.experimental.nn.distributed_pipeline.pipeline",
+    "fairscale.experimental.nn.distributed_pipeline.loss",
+    "fairscale.experimental.nn.distributed_pipeline.data",
+    "fairscale.experimental.nn.distributed_pipeline.trace",
     "fairscale.nn.pipe",
     "fairscale.nn.pipe.skip",
     "fairscale.nn.pipe.balance",
@@ -143,7 +149,7 @@ def test_alias_gives_the_same_module_objects():
     assert out.split() == ["0.4.13+fairscale_c.0.1.0", "(0,", "4,", "13)", "gone"]
 
 
-@pytest.mark.parametrize("name", ["fairscale.experimental.nn.distributed_pipeline", "fairscale.nn.pipe.rpc"])
+@pytest.mark.parametrize("name", ["fairscale.experimental.wgit", "fairscale.nn.pipe.rpc"])
 def test_alias_names_a_module_it_does_not_provide(name):
     proc = run_python(f"""
         import importlib, fairscale_c.compat

@@ -1,0 +1,165 @@
+"""DistributedPipeline: a PipelineModulesGraph run in micro-batches on its RPC workers.
+
+``pipe(*inputs)`` cuts the inputs into ``chunks`` micro-batches and, for every micro-batch and
+partition in graph order, asks the partition's worker (``rpc.remote``) to run it on its inputs:
+model inputs travel with the request, other partitions' outputs as RRefs the worker fetches. All
+requests go out at once, so the workers run different micro-batches at the same time and each
+waits only for its own inputs. The last partition's worker joins the micro-batches' outputs and
+the call returns an RRef to them there. Inside ``torch.distributed.autograd.context()`` every
+hop is recorded, so a loss computed from that RRef (DistributedLoss) backpropagates through
+every worker; the first ``checkpoint_stop`` micro-batches of a training step keep only their
+partitions' inputs and recompute in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import Tensor, nn
+from torch.distributed import rpc
+
+from ....nn.pipe import microbatch
+from .graph import Node, PipelineModulesGraph
+
+Device = Union[torch.device, int, str]
+
+MOVING_DENIED = TypeError(
+    "denied to move parameters and buffers, because DistributedPipeline should manage device placement"
+)
+
+
+def _fetch(arg: Any, device: str) -> Tensor:
+    """A partition's input: a tensor sent along, or (RRef, index) of another partition's output."""
+    if isinstance(arg, tuple):
+        rref, index = arg
+        value = rref.to_here()
+        if index is not None:
+            value = value[index]
+        arg = value
+    return arg.to(device) if device else arg
+
+
+def _run_partition(module_rref: rpc.RRef, args: List[Any], device: str, checkpointed: bool) -> Any:
+    """On the partition's worker: its module on its inputs."""
+    module = module_rref.local_value()
+    xs = [_fetch(a, device) for a in args]
+    if checkpointed and module.training and torch.is_grad_enabled():
+        return torch_checkpoint.checkpoint(module, *xs, use_reentrant=False)
+    return module(*xs)
+
+
+def _join(rrefs: List[rpc.RRef]) -> Any:
+    """On the last partition's worker: the micro-batches' outputs joined along dimension 0."""
+    outs = [r.to_here() for r in rrefs]
+    atomic = isinstance(outs[0], Tensor)
+    joined = microbatch.gather([microbatch.as_tuple(o) for o in outs])
+    return microbatch.from_tuple(joined, atomic)
+
+
+def _import_on(workers: Set[str]) -> None:
+    """Import this package on each worker now, in one call: otherwise its first requests (run by
+    several threads of the worker's RPC pool at once) import it concurrently, which Python's
+    import lock can refuse as a deadlock."""
+    for worker in sorted(workers):
+        rpc.rpc_sync(worker, exec, args=(f"import {__package__}",))
+
+
+def _parameter_rrefs(module_rref: rpc.RRef) -> List[rpc.RRef]:
+    return [rpc.RRef(p) for p in module_rref.local_value().parameters()]
+
+
+class DistributedPipeline(nn.Module):
+    """FairScale's ``DistributedPipeline(graph, chunks=1, checkpoint="except_last")``: runs a
+    :class:`PipelineModulesGraph` in ``chunks`` micro-batches (see the module docstring);
+    ``checkpoint`` is "always", "except_last" or "never"; ``parameter_rrefs()`` feeds a
+    ``torch.distributed.optim.DistributedOptimizer``."""
+
+    @dataclass
+    class Partition:
+        nodes: List[Node]
+        handler: rpc.RRef  # the module that runs the partition, on its worker
+
+        def __hash__(self) -> int:
+            return id(self)
+
+    def __init__(self, graph: PipelineModulesGraph, chunks: int = 1, checkpoint: str = "except_last") -> None:
+        super().__init__()
+        if not isinstance(graph, PipelineModulesGraph):
+            raise TypeError(
+                f"DistributedPipeline: argument 'graph' must be a PipelineModulesGraph, got {type(graph).__name__}"
+            )
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+            raise ValueError("number of chunks must be positive integer")
+        if checkpoint not in ["always", "except_last", "never"]:
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.checkpoint_stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
+        _import_on({str(n.module.on) for n in graph.nodes})
+        self.partitions = [self.Partition(nodes, rref) for nodes, rref in graph.partition_graph()]
+        self._first_of = {id(p.nodes[0]): i for i, p in enumerate(self.partitions)}
+        self._last_of = {id(p.nodes[-1]): i for i, p in enumerate(self.partitions)}
+        for i, p in enumerate(self.partitions):
+            for source in p.nodes[0].inputs:
+                if source.producer is not None and self._last_of.get(id(source.producer), len(self.partitions)) >= i:
+                    raise ValueError(
+                        "DistributedPipeline: a module's inputs must come from model inputs or modules added before it"
+                    )
+        self.graph = graph
+
+    # DistributedPipeline places every partition: no moves of the whole.
+    def cuda(self, device: Optional[Device] = None) -> "DistributedPipeline":
+        raise MOVING_DENIED
+
+    def cpu(self) -> "DistributedPipeline":
+        raise MOVING_DENIED
+
+    def to(self, *args: Any, **kwargs: Any) -> "DistributedPipeline":
+        if "device" in kwargs or "tensor" in kwargs:
+            raise MOVING_DENIED
+        if args and (isinstance(args[0], (torch.device, int, str)) or torch.is_tensor(args[0])):
+            raise MOVING_DENIED
+        return super().to(*args, **kwargs)
+
+    def parameter_rrefs(self) -> List[rpc.RRef]:
+        """RRefs to every partition's parameters (for DistributedOptimizer)."""
+        out: List[rpc.RRef] = []
+        for p in self.partitions:
+            out.extend(rpc.rpc_sync(p.handler.owner(), _parameter_rrefs, args=(p.handler,)))
+        return out
+
+    def forward(self, *inputs: Tensor) -> rpc.RRef:  # type: ignore[override]
+        """An RRef, on the last partition's worker, to the model's output for ``inputs``."""
+        for i, x in enumerate(inputs):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"DistributedPipeline: input {i} must be a Tensor, got {type(x).__name__}")
+        scattered = [microbatch.scatter(x, self.chunks) for x in inputs]
+        count = len(scattered[0]) if scattered else 1
+        if any(len(s) != count for s in scattered):
+            raise ValueError("DistributedPipeline: the inputs split into different numbers of micro-batches")
+        finals = []
+        for j in range(count):
+            outputs: List[rpc.RRef] = []
+            for p in self.partitions:
+                args = [self._argument(source, scattered, outputs, j) for source in p.nodes[0].inputs]
+                device = str(p.nodes[0].module.device) if p.nodes[0].module.device is not None else ""
+                checkpointed = j < self.checkpoint_stop
+                outputs.append(
+                    rpc.remote(p.handler.owner(), _run_partition, args=(p.handler, args, device, checkpointed))
+                )
+            finals.append(outputs[-1])
+        return rpc.remote(self.partitions[-1].handler.owner(), _join, args=(finals,))
+
+    def _argument(
+        self, source: Any, scattered: Sequence[List[Tuple[Tensor, ...]]], outputs: List[rpc.RRef], j: int
+    ) -> Any:
+        if source.producer is None:
+            if source.output_idx >= len(scattered):
+                raise ValueError(f"DistributedPipeline: model input {source.output_idx} was not given")
+            return scattered[source.output_idx][j][0]
+        index = self._last_of[id(source.producer)]
+        element = source.output_idx if source.producer.num_outputs is not None else None
+        return (outputs[index], element)
