@@ -225,7 +225,7 @@ class LayerwiseMemoryTracker:
             max_memory_allocated=self.max_memory_allocated,
             max_memory_cached=self.max_memory_cached,
             total_activation_allocations=sum(t.event.memory_activations for t in forward),
-            total_forward_allocations=sum(cast_forward(t).memory_diff for t in forward),
+            total_forward_allocations=sum(_forward_event(t).memory_diff for t in forward),
             top_forward_activation_producers=self.top_forward_activation_producers(top=10),
         )
 
@@ -381,7 +381,7 @@ class LayerwiseMemoryTracker:
         return tensors
 
 
-def cast_forward(trace: LayerMemoryTrace) -> TraceForwardEvent:
+def _forward_event(trace: LayerMemoryTrace) -> TraceForwardEvent:
     return trace.event  # type: ignore[return-value]
 
 

@@ -46,7 +46,7 @@ from .types import LazyModule
 Tensors = Tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
 
-_ACTIVATIONS, _GRADIENTS = 1, 2
+ACTIVATIONS, GRADIENTS = 1, 2  # the kinds of message between stages
 _HEADER = 256  # int64 entries in a message header
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -125,7 +125,7 @@ class AsyncPipe(nn.Module):
         if rank >= len(self.balance):
             warnings.warn("More ranks than partitions, some ranks unused", stacklevel=2)
         else:
-            self.pipeline = AsyncPipeline(comm, rank, self.final_stage)
+            self.pipeline = AsyncPipeline(comm)
             start = sum(self.balance[:rank])
             part = _instantiate(module, start, start + self.balance[rank])
             if deferred_batch_norm:
@@ -159,7 +159,7 @@ class AsyncPipe(nn.Module):
             return input
         batches = microbatch.scatter(input, self.chunks)
         with self.lock:
-            return _Step(self, batches, isinstance(input, Tensor)).run()
+            return StageStep(self, batches, isinstance(input, Tensor)).run()
 
     def back_helper(self, output: Any) -> None:
         """FairScale's: nothing to do here (the first and middle stages' backward runs inside
@@ -182,11 +182,11 @@ class AsyncPipe(nn.Module):
 
 
 class AsyncPipeline:
-    """A rank's place in its AsyncPipe (None on ranks beyond the partitions, as FairScale's
-    ``pipeline``): the engine group the stages talk through, its stage, whether it is the last."""
+    """What a rank holding a partition runs its stage with (None on ranks beyond the partitions,
+    as FairScale's ``pipeline``): the engine group the stages talk through."""
 
-    def __init__(self, comm: Any, stage: int, final_stage: bool) -> None:
-        self.comm, self.stage, self.final_stage = comm, stage, final_stage
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
 
 
 def _instantiate(module: Union[nn.Sequential, List[Any]], start: int, end: int) -> nn.Sequential:
@@ -207,8 +207,9 @@ def _instantiate(module: Union[nn.Sequential, List[Any]], start: int, end: int) 
     return nn.Sequential(layers)
 
 
-class _Step:
-    """One call of AsyncPipe.forward on this rank."""
+class StageStep:
+    """One call of AsyncPipe.forward on this rank: the messages to and from the neighbouring
+    stages and the partition's compute (AMPnetPipe drives the same pieces with its schedule)."""
 
     def __init__(self, pipe: AsyncPipe, batches: List[Tensors], atomic: bool) -> None:
         self.pipe = pipe
@@ -232,7 +233,7 @@ class _Step:
             out_atomic = isinstance(ys, Tensor)
             ys = microbatch.as_tuple(ys)
             if not self.pipe.final_stage:
-                self.send(_ACTIVATIONS, i, [y.detach() for y in ys], out_atomic, self.stage + 1)
+                self.send(ACTIVATIONS, i, [y.detach() for y in ys], out_atomic, self.stage + 1)
             outputs.append(ys)
         if self.pipe.final_stage:
             return microbatch.from_tuple(microbatch.gather(outputs), out_atomic)
@@ -267,7 +268,7 @@ class _Step:
         sends them) and run the backward of that micro-batch."""
         for _ in range(len(outputs)):
             kind, index, _, metas = self.receive_header(self.stage + 1)
-            if kind != _GRADIENTS or not 0 <= index < len(outputs):
+            if kind != GRADIENTS or not 0 <= index < len(outputs):
                 raise fdist.DistributedError(
                     f"AsyncPipe stage {self.stage}: expected gradients from stage {self.stage + 1}, got a message "
                     f"of kind {kind} for micro-batch {index}"
@@ -290,7 +291,7 @@ class _Step:
         return tuple(xs), meta["atomic"]
 
     def check_activations(self, kind: int, got: int, index: int) -> None:
-        if kind != _ACTIVATIONS or got != index:
+        if kind != ACTIVATIONS or got != index:
             raise fdist.DistributedError(
                 f"AsyncPipe stage {self.stage}: expected the activations of micro-batch {index} from stage "
                 f"{self.stage - 1}, got a message of kind {kind} for micro-batch {got}"
@@ -361,7 +362,7 @@ class _Receive(torch.autograd.Function):
     gradients back there."""
 
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, step: _Step, index: int, meta: Dict[str, Any]) -> Tensors:  # type: ignore[override]
+    def forward(ctx: Any, phony: Tensor, step: StageStep, index: int, meta: Dict[str, Any]) -> Tensors:  # type: ignore[override]
         kind, got, atomic, metas = step.receive_header(step.stage - 1)
         step.check_activations(kind, got, index)
         xs = [t for t in step.receive_tensors(metas, step.stage - 1) if t is not None]
@@ -374,8 +375,8 @@ class _Receive(torch.autograd.Function):
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[None, ...]:
         step = ctx.step
         wanted = [g if g is not None and (g.is_floating_point() or g.is_complex()) else None for g in grads]
-        step.send(_GRADIENTS, ctx.index, wanted, False, step.stage - 1)
+        step.send(GRADIENTS, ctx.index, wanted, False, step.stage - 1)
         return (None, None, None, None)
 
 
-__all__ = ["AsyncPipe", "verify_module", "check_balance"]
+__all__ = ["AsyncPipe", "AsyncPipeline", "StageStep", "ACTIVATIONS", "GRADIENTS", "verify_module", "check_balance"]

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .... import distributed as fdist
 from ....nn.pipe import microbatch
-from ....nn.pipe.async_pipe import _ACTIVATIONS, _GRADIENTS, AsyncPipe, _Step
+from ....nn.pipe.async_pipe import ACTIVATIONS, GRADIENTS, AsyncPipe, StageStep
 
 
 class AMPnetEventLoop:
@@ -36,7 +36,7 @@ class AMPnetEventLoop:
         weight_prediction: bool,
     ) -> None:
         self.pipe = pipe
-        self.step = _Step(pipe, [], True)
+        self.step = StageStep(pipe, [], True)
         self.criterion = criterion
         self.optimizer = optimizer
         self.hooks = hooks
@@ -132,12 +132,12 @@ class AMPnetEventLoop:
 
     def _send(self, held: Tuple[tuple, bool], index: int) -> None:
         ys, atomic = held
-        self.step.send(_ACTIVATIONS, index, [y.detach() for y in ys], atomic, self.rank + 1)
+        self.step.send(ACTIVATIONS, index, [y.detach() for y in ys], atomic, self.rank + 1)
 
     def _backward_one(self) -> None:
         """Receive one micro-batch's output gradients from the next stage and run its backward."""
         kind, index, _, metas = self.step.receive_header(self.rank + 1)
-        if kind != _GRADIENTS or index not in self.activations:
+        if kind != GRADIENTS or index not in self.activations:
             raise fdist.DistributedError(
                 f"AMPnetPipe stage {self.rank}: expected gradients of a held micro-batch from stage {self.rank + 1}, "
                 f"got a message of kind {kind} for micro-batch {index}"

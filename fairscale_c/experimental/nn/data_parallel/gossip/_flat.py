@@ -10,12 +10,11 @@ flattening copies."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .....distributed import shared_zeros
-from .utils import flatten_tensors
 
 
 class FlatParams:
@@ -58,10 +57,3 @@ def flatten_module(
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
     return [FlatParams(ps, padded.get(dtype, 0), group) for dtype, ps in by_dtype.items()]
-
-
-def as_flat(tensors: List[torch.Tensor]) -> Tuple[torch.Tensor, bool]:
-    """(one 1-D tensor holding ``tensors``, whether it is a copy)."""
-    if len(tensors) == 1 and tensors[0].dim() == 1 and tensors[0].is_contiguous():
-        return tensors[0], False
-    return flatten_tensors(tensors), True

@@ -13,12 +13,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ._flat import as_flat
 from .gossiper import Gossiper, PushPull, PushSum
 from .graph_manager import GraphManager
 from .graph_manager import NPeerDynamicDirectedExponentialGraph as NPDDEGraph
 from .mixing_manager import MixingManager, UniformMixing
-from .utils import flatten_tensors, make_logger, unflatten_tensors
+from .utils import as_flat, flatten_tensors, make_logger, unflatten_tensors
 
 _NAME = "SlowMoDistributedDataParallel"
 

@@ -20,11 +20,11 @@ from torch import nn
 
 from .....distributed import group_for
 from . import _slow_momentum as sm
-from ._flat import FlatParams, as_flat, flatten_module
+from ._flat import FlatParams, flatten_module
 from ._sgp import SGPMixin
 from .graph_manager import GraphManager
 from .mixing_manager import MixingManager
-from .utils import MultiProcessAdapter, group_by_dtype, unflatten_tensors
+from .utils import MultiProcessAdapter, communicate, group_by_dtype
 from .utils.cuda_metering import EventRecorder, create_event_recorder
 
 HEARTBEAT_TIMEOUT = 300  # FairScale's limit on a gossip wait; the engine's timeout bounds every wait here
@@ -280,15 +280,14 @@ class SlowMoDistributedDataParallel(SGPMixin, nn.Module):
         return list(group_by_dtype([p.detach() for p in self.module.parameters()]).values())
 
     def _communicate(self, tensors: Optional[List[torch.Tensor]], op: Any) -> None:
-        """op(flat) on each dtype's tensors (None: the module's parameters) as one flat tensor,
-        copied in and back only where they are not one already."""
-        groups = self._param_buffers() if tensors is None else list(group_by_dtype(tensors).values())
+        """op(flat) on each dtype's tensors (None: the module's parameters, in their buffers) as
+        one flat tensor, copied in and back only where they are not one already."""
         with torch.no_grad():
-            for same in groups:
-                flat, copied = as_flat(same)
-                op(flat)
-                if copied:
-                    torch._foreach_copy_(same, unflatten_tensors(flat, same))
+            if tensors is not None:
+                communicate(tensors, lambda tensor: op(tensor))
+                return
+            for same in self._param_buffers():
+                communicate(same, lambda tensor: op(tensor))
 
     def _flat_for(self, params: List[torch.Tensor], length: int) -> Optional[torch.Tensor]:
         """The buffer of at least ``length`` elements that ``params`` (in order) live in, if any."""
@@ -375,22 +374,21 @@ class SlowMoDistributedDataParallel(SGPMixin, nn.Module):
     def _maybe_pre_communicate_error_feedback(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         rec = self._create_event_recorder("Error feedback")
         if self._should_use_error_feedback(pairs):
+            p16s, p32s = [p for p, _ in pairs], [p for _, p in pairs]
             with torch.no_grad():
-                for p16, p32 in pairs:
-                    if self._should_allreduce_params():
-                        # lose now the bits the division before the all-reduce will lose, so
-                        # that the error feedback keeps them
-                        p16.div_(self.logical_world_size)
-                        p16.mul_(self.logical_world_size)
-                    p32 -= p16.float()
+                if self._should_allreduce_params():
+                    # lose now the bits the division before the all-reduce will lose, so that
+                    # the error feedback keeps them
+                    torch._foreach_div_(p16s, self.logical_world_size)
+                    torch._foreach_mul_(p16s, self.logical_world_size)
+                torch._foreach_sub_(p32s, [p.float() for p in p16s])
         rec.stop()
 
     def _maybe_post_communicate_error_feedback(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         rec = self._create_event_recorder("Sync and error feedback unroll rec")
         if self._should_use_error_feedback(pairs):
             with torch.no_grad():
-                for p16, p32 in pairs:
-                    p32 += p16.float()
+                torch._foreach_add_([p for _, p in pairs], [p.float() for p, _ in pairs])
         rec.stop()
 
     def _maybe_perform_sgp(self) -> None:
@@ -430,8 +428,7 @@ class SlowMoDistributedDataParallel(SGPMixin, nn.Module):
         busy = self._should_perform_sgp() or self._should_allreduce_params() or self._should_perform_slowmo()
         if busy and pairs:
             with torch.no_grad():
-                for p16, p32 in pairs:
-                    p16.copy_(p32)
+                torch._foreach_copy_([p for p, _ in pairs], [p for _, p in pairs])
         rec.stop()
 
     def perform_slowmo(self, optimizer: torch.optim.Optimizer, fp32_params: Optional[Any] = None) -> None:

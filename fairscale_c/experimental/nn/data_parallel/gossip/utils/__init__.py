@@ -2,6 +2,7 @@
 
 from .helpers import (
     MultiProcessAdapter,
+    as_flat,
     communicate,
     create_process_group,
     flatten_tensors,
@@ -12,6 +13,7 @@ from .helpers import (
 
 __all__ = [
     "MultiProcessAdapter",
+    "as_flat",
     "communicate",
     "create_process_group",
     "flatten_tensors",

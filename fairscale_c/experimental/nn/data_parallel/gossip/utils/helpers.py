@@ -47,19 +47,28 @@ def group_by_dtype(tensors: Sequence[torch.Tensor]) -> Dict[torch.dtype, List[to
     return groups
 
 
+def as_flat(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, bool]:
+    """(one 1-D tensor holding ``tensors``, whether it is a copy): a single contiguous 1-D tensor
+    is its own flat form."""
+    if len(tensors) == 1 and tensors[0].dim() == 1 and tensors[0].is_contiguous():
+        return tensors[0], False
+    return flatten_tensors(tensors), True
+
+
 def communicate(
     tensors: Sequence[torch.Tensor], communication_op: Callable[..., Any], logger: Optional[logging.Logger] = None
 ) -> None:
     """Run ``communication_op(tensor=flat)`` once per dtype on the flattened ``tensors`` (for
-    instance ``functools.partial(torch.distributed.all_reduce, group=g)``), then copy the result
-    back into them."""
+    instance ``functools.partial(torch.distributed.all_reduce, group=g)``); the result ends up in
+    ``tensors`` (copied back where flattening copied)."""
     for same in group_by_dtype(tensors).values():
-        flat = flatten_tensors(same)
+        flat, copied = as_flat(same)
         communication_op(tensor=flat)
         if logger is not None:
             logger.debug("communicated %d tensors of %s", len(same), flat.dtype)
-        with torch.no_grad():
-            torch._foreach_copy_(same, unflatten_tensors(flat, same))
+        if copied:
+            with torch.no_grad():
+                torch._foreach_copy_(same, unflatten_tensors(flat, same))
 
 
 _CONFIGURED: Set[str] = set()
