@@ -77,10 +77,15 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_output = grad_output.contiguous()
         # this rank's sums of dy * xhat and of dy (xhat = (x - mean) * invstd): the weight's and
         # bias's gradients, and after an all_reduce over the group what the input's needs
-        if input.numel():
+        if input.numel() and input.device.type == "cpu":
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
                 grad_output, input, None, None, None, mean, invstd, True, 0.0, [False, True, True]
             )
+        elif input.numel():  # the reduction torch's SyncBatchNorm uses off the host
+            sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
+                grad_output, input, mean, invstd, None, True, False, False
+            )
+            sum_dy_xhat = sum_dy_xmu * invstd
         else:  # this rank holds no rows (torch's kernel divides by the row count)
             sum_dy_xhat = sum_dy = torch.zeros_like(mean)
         sums = torch.cat([sum_dy, sum_dy_xhat])
@@ -105,7 +110,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 b, c = -a * invstd * mean_dy_xhat, -a * mean_dy
             if input.numel():
                 x = input if input.dtype == a.dtype else input.to(a.dtype)
-                xmu_part = F.batch_norm(x, mean, torch.ones_like(mean), b, c, False, 0.0, 0.0)
+                # b * (x - mean) + c in one kernel: batch_norm with unit variance and no eps (the
+                # aten op; F.batch_norm refuses eps 0)
+                xmu_part = torch.batch_norm(x, b, c, mean, torch.ones_like(mean), False, 0.0, 0.0, False)
                 shape = (1, -1) + (1,) * (input.ndim - 2)
                 grad_input = torch.addcmul(xmu_part, grad_output, a.view(shape)).to(input.dtype)
             else:
