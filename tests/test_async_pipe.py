@@ -24,7 +24,7 @@ class Split(nn.Module):
     """Returns (x, row lengths as int64): a tuple with a non-differentiable tensor crosses stages."""
 
     def forward(self, x):
-        return x, torch.full((x.shape[0],), 3, dtype=torch.int64)
+        return x, torch.full((x.shape[0],), 3, dtype=torch.int64, device=x.device)
 
 
 class Join(nn.Module):

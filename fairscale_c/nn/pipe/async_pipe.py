@@ -20,7 +20,7 @@ only at the partition's input and recomputed in backward.
 
 Transport: fairscale_c.distributed point-to-point between neighbouring ranks (the shared-memory
 engine for CPU tensors, NCCL for CUDA ones): a small header (kind, micro-batch, and each tensor's
-dtype and shape) and then the tensors, activations forward and gradients back, each direction
+device type, dtype and shape) and then the tensors, activations forward and gradients back, each direction
 one ordered stream. A rank that dies raises DistributedError on the others within the engine's
 timeout; so does a last stage whose caller never runs backward in training mode.
 """
@@ -52,6 +52,7 @@ _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]  # fmt: skip
+_Meta = Tuple[torch.dtype, List[int], bool]  # dtype, shape, sent from a CUDA tensor
 
 
 def verify_module(module: Union[nn.Sequential, List[Any]]) -> None:
@@ -76,7 +77,8 @@ class AsyncPipe(nn.Module):
 
     group: the pipeline's process group (default: model_parallel's pipeline group); stage i is
     its rank i. worker_map: accepted for FairScale's signature; unused (no RPC here).
-    input_device: where received activations are placed (default: the partition's device).
+    input_device: where received activations are placed (default: the partition's device; for a
+    partition without parameters, the device type they were sent from).
     See the module docstring for how a step runs."""
 
     balance: List[int] = []
@@ -174,11 +176,13 @@ class AsyncPipe(nn.Module):
             return 0
         return {"always": self.chunks, "except_last": self.chunks - 1, "never": 0}[self.checkpoint]
 
-    def _device(self) -> torch.device:
+    def _device(self) -> Optional[torch.device]:
+        """Where received activations go: ``input_device``, else the partition's parameters' device;
+        None for a partition without parameters (they stay on the device they were sent from)."""
         if self.input_device is not None:
             return self.input_device
         first = next(self.partition.parameters(), None) if self.partition is not None else None
-        return first.device if first is not None else torch.device("cpu")
+        return first.device if first is not None else None
 
 
 class AsyncPipeline:
@@ -273,7 +277,7 @@ class StageStep:
                     f"AsyncPipe stage {self.stage}: expected gradients from stage {self.stage + 1}, got a message "
                     f"of kind {kind} for micro-batch {index}"
                 )
-            grads = self.receive_tensors(metas, self.stage + 1)
+            grads = self.receive_tensors(metas, self.stage + 1, [y.device for y in outputs[index]])
             pairs = [(y, g) for y, g in zip(outputs[index], grads) if g is not None and y.requires_grad]
             if pairs:
                 torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
@@ -306,7 +310,8 @@ class StageStep:
             else:
                 if t.dtype not in _DTYPES:
                     raise TypeError(f"AsyncPipe: cannot send a {t.dtype} tensor between stages")
-                fields += [1, _DTYPES.index(t.dtype), t.dim(), *t.shape]
+                # 1 for a host tensor, 2 for a CUDA one: the receive goes by the same route
+                fields += [2 if t.is_cuda else 1, _DTYPES.index(t.dtype), t.dim(), *t.shape]
         if len(fields) > _HEADER:
             raise ValueError(f"AsyncPipe: too many tensors or dimensions to describe in one message ({len(fields)})")
         header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
@@ -315,12 +320,12 @@ class StageStep:
             if t is not None and t.numel():
                 self.comm.send(_wire(t), peer)
 
-    def receive_header(self, peer: int) -> Tuple[int, int, bool, List[Optional[Tuple[torch.dtype, List[int]]]]]:
+    def receive_header(self, peer: int) -> Tuple[int, int, bool, List[Optional[_Meta]]]:
         header = torch.empty(_HEADER, dtype=torch.int64)
         self.comm.recv(header, peer)
         f = header.tolist()
         kind, index, atomic, n = f[0], f[1], bool(f[2]), f[3]
-        metas: List[Optional[Tuple[torch.dtype, List[int]]]] = []
+        metas: List[Optional[_Meta]] = []
         pos = 4
         for _ in range(n):
             if f[pos] == 0:
@@ -328,22 +333,31 @@ class StageStep:
                 pos += 1
                 continue
             dtype, ndim = _DTYPES[f[pos + 1]], f[pos + 2]
-            metas.append((dtype, f[pos + 3 : pos + 3 + ndim]))
+            metas.append((dtype, f[pos + 3 : pos + 3 + ndim], f[pos] == 2))
             pos += 3 + ndim
         return kind, index, atomic, metas
 
     def receive_tensors(
-        self, metas: Sequence[Optional[Tuple[torch.dtype, List[int]]]], peer: int
+        self, metas: Sequence[Optional[_Meta]], peer: int, to: Sequence[Optional[torch.device]] = ()
     ) -> List[Optional[Tensor]]:
+        """The tensors ``metas`` describe, each received on a device of the sender's type (the
+        route, host or NCCL, must be the same on both sides) and then moved to ``to[i]`` if given,
+        else to the stage's device if it has one."""
         out: List[Optional[Tensor]] = []
-        for meta in metas:
+        for i, meta in enumerate(metas):
             if meta is None:
                 out.append(None)
                 continue
-            t = torch.empty(meta[1], dtype=meta[0], device=self.device)
+            dtype, shape, cuda = meta
+            want = to[i] if i < len(to) else self.device
+            if want is not None and want.type == ("cuda" if cuda else "cpu"):
+                device = want
+            else:
+                device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            t = torch.empty(shape, dtype=dtype, device=device)
             if t.numel():
                 self.comm.recv(_wire(t), peer)
-            out.append(t)
+            out.append(t if want is None or want == device else t.to(want))
         return out
 
 
