@@ -99,6 +99,26 @@ def test_cuda_cast_matches_torch(dtype):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("consumer", ["current", "side"])
+def test_cuda_import_orders_a_producer_still_running(consumer):
+    """A tensor still being written on torch's current stream, taken by a kernel on that stream
+    (imported without synchronising: the same stream orders it) or on another one (the import
+    makes that stream wait for the producer): either way the kernel sees the written values."""
+    n = 1 << 24
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # tens of milliseconds of work ahead of the producer
+    src = torch.full((n,), 3.0, device="cuda").mul_(2)
+    dst = torch.zeros(n, dtype=torch.float16, device="cuda")
+    stream = torch.cuda.current_stream() if consumer == "current" else side
+    _C.cuda_cast(dst, src, stream.cuda_stream)
+    stream.synchronize()
+    torch.cuda.synchronize()
+    assert torch.equal(dst, torch.full((n,), 6.0, dtype=torch.float16, device="cuda"))
+
+
+@gpu
+@needs_cuda
 def test_cuda_cast_rejects_unsupported_pairs():
     a = torch.zeros(8, device="cuda")
     with pytest.raises(TypeError, match="float32 and float16/bfloat16"):

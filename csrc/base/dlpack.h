@@ -92,13 +92,18 @@ typedef struct DLPackExchangeAPIHeader {
  * valid until control returns to the producer. 0, or -1 with a Python exception set. */
 typedef int (*DLPackDLTensorFromPyObjectNoSync)(void *py_object, DLTensor *out);
 
+/* The producer's current work stream on a device (for CUDA, a cudaStream_t; NULL is the legacy
+ * default stream): memory the producer exports without synchronising is safe to use from that
+ * stream. 0, or -1 with a Python exception set. */
+typedef int (*DLPackCurrentWorkStream)(DLDeviceType device_type, int32_t device_id, void **out_current_stream);
+
 typedef struct {
     DLPackExchangeAPIHeader header;
     void *managed_tensor_allocator;
     void *managed_tensor_from_py_object_no_sync;
     void *managed_tensor_to_py_object_no_sync;
     DLPackDLTensorFromPyObjectNoSync dltensor_from_py_object_no_sync;
-    void *current_work_stream;
+    DLPackCurrentWorkStream current_work_stream;
 } DLPackExchangeAPI;
 
 #endif /* FSC_DLPACK_H */

@@ -351,12 +351,26 @@ static const DLPackExchangeAPI *exchange_api_of(fsc_module_state *st, PyTypeObje
     return api;
 }
 
-/* A host tensor of a producer with an exchange API (torch): a non-owning view, no capsule, no
- * Python-level __dlpack__ call; the owner is the tensor itself. Returns 1
+/* Whether CUDA memory exported without synchronisation may be used from `stream`: when it is the
+ * producer's current work stream on the device, as __dlpack__(stream=) would not synchronise
+ * then either. */
+static int on_current_work_stream(const DLPackExchangeAPI *api, int32_t device_id, intptr_t stream) {
+    void *cur = NULL;
+    if (api->current_work_stream == NULL) return 0;
+    if (api->current_work_stream(kDLCUDA, device_id, &cur) != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return (intptr_t)cur == stream;
+}
+
+/* A tensor of a producer with an exchange API (torch): a non-owning view, no capsule, no
+ * Python-level __dlpack__ call; the owner is the tensor itself. Host memory always; CUDA memory
+ * when the consumer's `cuda_stream` is the producer's current stream on that device. Returns 1
  * when it handled `obj` (*rc: 0, or -1 with an exception set), 0 to take the __dlpack__ path (no
- * API, or device memory, whose producer must first order its work before the consumer's stream). */
-static int import_exchange(PyObject *module, PyObject *obj, const char *argname, int flags, fsc_tensor_t *out,
-                           PyObject **owner, int *rc) {
+ * API, or CUDA memory for another stream, which the producer must first order its work before). */
+static int import_exchange(PyObject *module, PyObject *obj, const char *argname, int flags, intptr_t cuda_stream,
+                           fsc_tensor_t *out, PyObject **owner, int *rc) {
     const DLPackExchangeAPI *api = exchange_api_of(fsc_py_state(module), Py_TYPE(obj));
     if (api == NULL) return 0;
     *rc = -1;
@@ -372,7 +386,9 @@ static int import_exchange(PyObject *module, PyObject *obj, const char *argname,
         Py_XDECREF(tb);
         return 1;
     }
-    if (t.device.device_type != kDLCPU) return 0; /* device memory: let __dlpack__(stream=) order it */
+    if (t.device.device_type != kDLCPU &&
+        !(t.device.device_type == kDLCUDA && on_current_work_stream(api, t.device.device_id, cuda_stream)))
+        return 0; /* let __dlpack__(stream=) order it */
     if (view_from_dl(&t, 0, argname, flags, out) < 0) return 1;
     *owner = Py_NewRef(obj);
     *rc = 0;
@@ -387,7 +403,7 @@ int fsc_py_import(PyObject *module, PyObject *obj, const char *argname, int flag
         return *owner == NULL ? -1 : 0;
     }
     int rc;
-    if (module != NULL && import_exchange(module, obj, argname, flags, out, owner, &rc)) return rc;
+    if (module != NULL && import_exchange(module, obj, argname, flags, cuda_stream, out, owner, &rc)) return rc;
     if (!PyObject_HasAttrString(obj, "__dlpack__")) {
         PyErr_Format(PyExc_TypeError,
                      "argument '%s': expected an object supporting the DLPack protocol (__dlpack__), e.g. a "
