@@ -19,7 +19,8 @@ events on the current stream, per call (see _harness.measured_time).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterator
+import os
+from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
 import torch
@@ -330,3 +331,68 @@ def test_fs_adam_step_cpu(benchmark: Any, size: str, impl: str) -> None:
 @pytest.mark.parametrize("size", list(SIZES))
 def test_fs_adam_step_cuda(benchmark: Any, size: str, impl: str) -> None:
     _run_fs_adam(benchmark, "cuda", size, impl)
+
+
+# A model's parameters rather than one flat shard: the per-parameter cost of a step, and (on the
+# CPU) the threads torch's fused step uses, which the C step now splits its work over too.
+MODELS: Dict[str, List[int]] = {"200x16Ki": [1 << 14] * 200, "16x1Mi": [1 << 20] * 16}
+
+
+class _FsAdamModel:
+    """One step per call over many parameters: fairscale_c.optim.Adam, or torch.optim.Adam
+    single-tensor ("torch"), multi-tensor ("torch_foreach", torch's default) or fused."""
+
+    def __init__(self, impl: str, device: str, sizes: List[int]) -> None:
+        from fairscale_c.optim import Adam
+
+        self.params = [torch.nn.Parameter(_data(n, device, seed=i)) for i, n in enumerate(sizes)]
+        for i, p in enumerate(self.params):
+            p.grad = _data(p.numel(), device, seed=1000 + i)
+        if impl == "fairscale_c":
+            self.opt: torch.optim.Optimizer = Adam(self.params, lr=1e-3, eps=0.0)
+        else:
+            self.opt = torch.optim.Adam(
+                self.params, lr=1e-3, eps=0.0, foreach=impl == "torch_foreach", fused=impl == "torch_fused" or None
+            )
+
+    def __call__(self) -> None:
+        self.opt.step()
+
+
+def _run_fs_adam_model(benchmark: Any, device: str, model: str, impl: str, label: str = "") -> None:
+    sizes = MODELS[model]
+    _label(benchmark, "Adam step over a model (fairscale.optim.Adam)", device, model + label, impl, sum(sizes))
+    fn, ref = _FsAdamModel(impl, device, sizes), _FsAdamModel("torch_fused", device, sizes)
+    for _ in range(2):
+        fn()
+        ref()
+    for a, b in zip(fn.params, ref.params):
+        # equal_nan: eps = 0 makes 0 / 0 of a zero gradient (one in millions of normal samples)
+        torch.testing.assert_close(
+            a, b, rtol=1e-5, atol=1e-6, equal_nan=True, msg=lambda m: f"{impl} Adam differs: {m}"
+        )
+    del ref
+    if device == "cpu":
+        benchmark(fn)
+    else:
+        _time_cuda(benchmark, fn)
+
+
+@cpu_case
+@pytest.mark.parametrize("impl", ["torch", "torch_foreach", "torch_fused", "fairscale_c"])
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("threads", ["1", "all"])
+def test_fs_adam_model_cpu(benchmark: Any, threads: str, model: str, impl: str) -> None:
+    torch.set_num_threads(1 if threads == "1" else os.cpu_count() or 1)
+    try:
+        benchmark.extra_info["torch_threads"] = torch.get_num_threads()
+        _run_fs_adam_model(benchmark, "cpu", model, impl, f", {torch.get_num_threads()} thread(s)")
+    finally:
+        torch.set_num_threads(1)
+
+
+@cuda_case
+@pytest.mark.parametrize("impl", ["torch", "torch_foreach", "torch_fused", "fairscale_c"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fs_adam_model_cuda(benchmark: Any, model: str, impl: str) -> None:
+    _run_fs_adam_model(benchmark, "cuda", model, impl)

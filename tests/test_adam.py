@@ -101,6 +101,79 @@ def test_float16_state_overflow_is_reported():
         assert torch.equal(a, b)
 
 
+# (param, grad, state dtype, with a half copy): the precision modes' combinations
+_DTYPE_CASES = [
+    (torch.float32, torch.float32, torch.float32, False),  # FULL_PRECISION
+    (torch.float32, torch.float16, torch.float32, True),  # MIXED_PRECISION's master step
+    (torch.float16, torch.float16, torch.float32, False),  # MEMORY_EFFICIENT_MIXED_PRECISION
+    (torch.bfloat16, torch.bfloat16, torch.float32, False),
+    (torch.float16, torch.float16, torch.float16, False),  # PURE_FP16
+]
+_HP = dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.01, bias_correction=True)
+_HP.update(eps_inside_sqrt=False, grad_scale=1.0)
+
+
+def _multi_case(pdt, gdt, sdt, with_copy, sizes):
+    """Per parameter (param, grad, exp_avg, exp_avg_sq, copy or None), of the given sizes."""
+    out = []
+    for i, n in enumerate(sizes):
+        m, v = _data(n, sdt, 10 * i + 3, 0.1), _data(n, torch.float32, 10 * i + 4, 0.1).abs().to(sdt)
+        copy_ = torch.empty(n, dtype=torch.float16) if with_copy else None
+        out.append([_data(n, pdt, 10 * i + 1), _data(n, gdt, 10 * i + 2, 100.0 if i == 1 else 1.0), m, v, copy_])
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize(
+    "pdt,gdt,sdt,with_copy",
+    _DTYPE_CASES,
+)
+def test_multi_parameter_step_equals_one_step_per_parameter(pdt, gdt, sdt, with_copy, threads):
+    """cpu_fs_adam_multi (Adam.step's path) gives the bits of cpu_fs_adam_step on each parameter,
+    with each parameter's own step count, also split over threads (sizes that do not divide into
+    the pieces, a parameter with no elements, one that overflows float16 state)."""
+    sizes = [300_001, 5, 0, 1 << 18, 77_777]
+    steps = [1, 4, 2, 3, 9]
+    os_ = 4096.0 if sdt == torch.float16 else 1.0
+    one, multi = _multi_case(pdt, gdt, sdt, with_copy, sizes), _multi_case(pdt, gdt, sdt, with_copy, sizes)
+    flag_one = torch.zeros(1)
+    for (p, g, m, v, c), step in zip(one, steps):
+        _C.cpu_fs_adam_step(p, g, m, v, c, flag_one, step=step, optim_scale=os_, **_HP)
+    flag_multi = torch.zeros(1)
+    lists = list(zip(*multi))
+    _C.cpu_fs_adam_multi(
+        list(lists[0]), list(lists[1]), list(lists[2]), list(lists[3]), list(lists[4]) if with_copy else None,
+        steps, flag_multi, optim_scale=os_, threads=threads, **_HP,
+    )  # fmt: skip
+    for i, (a, b) in enumerate(zip(one, multi)):
+        for name, x, y in zip(("param", "grad", "exp_avg", "exp_avg_sq", "copy"), a, b):
+            assert x is None and y is None or torch.equal(x, y), f"parameter {i}: {name} differs"
+    assert torch.equal(flag_one, flag_multi)
+    assert bool(flag_multi) == (sdt == torch.float16)  # the second parameter's large gradient
+
+
+def test_multi_parameter_step_bad_input_changes_nothing():
+    ps, gs = [torch.zeros(4), torch.zeros(3)], [torch.ones(4), torch.ones(4)]
+    ms, vs = [torch.zeros(4), torch.zeros(3)], [torch.zeros(4), torch.zeros(3)]
+    flag = torch.zeros(1)
+    hp = dict(optim_scale=1.0, **_HP)
+    with pytest.raises(ValueError, match="grad has 4 elements, param has 3"):
+        _C.cpu_fs_adam_multi(ps, gs, ms, vs, None, [1, 1], flag, **hp)
+    assert torch.equal(ps[0], torch.zeros(4)) and torch.equal(ms[0], torch.zeros(4))  # checked before stepping
+    with pytest.raises(ValueError, match="argument 'steps': 1 entries, expected 2"):
+        _C.cpu_fs_adam_multi(ps, gs, ms, vs, None, [1], flag, **hp)
+    with pytest.raises(ValueError, match="argument 'grads': 1 entries, expected 2"):
+        _C.cpu_fs_adam_multi(ps, gs[:1], ms, vs, None, [1, 1], flag, **hp)
+    with pytest.raises(TypeError, match="argument 'params': expected a list of tensors"):
+        _C.cpu_fs_adam_multi(3, gs, ms, vs, None, [1, 1], flag, **hp)
+    with pytest.raises(TypeError, match="argument 'steps': entry 1 is not an int"):
+        _C.cpu_fs_adam_multi(ps[:1] * 2, gs, ms[:1] * 2, vs[:1] * 2, None, [1, 1.5], flag, **hp)
+    with pytest.raises(ValueError, match="step must be >= 1, got 0"):
+        _C.cpu_fs_adam_multi(ps[:1] * 2, gs, ms[:1] * 2, vs[:1] * 2, None, [1, 0], flag, **hp)
+    with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
+        _C.cpu_fs_adam_multi(ps[:1], gs[:1], ms[:1], vs[:1], None, [1], flag, threads=0, **hp)
+
+
 def _model(dtype):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(dtype)
@@ -311,13 +384,7 @@ def test_bad_parameters_and_state():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
     "pdt,gdt,sdt,with_copy",
-    [
-        (torch.float32, torch.float32, torch.float32, False),
-        (torch.float32, torch.float16, torch.float32, True),
-        (torch.float16, torch.float16, torch.float32, False),
-        (torch.bfloat16, torch.bfloat16, torch.float32, False),
-        (torch.float16, torch.float16, torch.float16, False),
-    ],
+    _DTYPE_CASES,
 )
 def test_cuda_kernel_equals_the_cpu_kernel(pdt, gdt, sdt, with_copy):
     if not _C.gpu_info()["kernels_built"]:

@@ -2,6 +2,9 @@
 #include "gpu/kernels_cpu.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 
 #include "base/half.h"
 #include "base/simd.h"
@@ -10,6 +13,8 @@
 
 /* Elements per block of the blocked kernels below: their float32 temporaries stay in L1. */
 #define FS_BLOCK 512
+#define FS_MAX_THREADS 64           /* the multi-parameter Adam step's threads, at most */
+#define FS_MIN_PER_THREAD (1 << 17) /* elements a thread must have to be worth starting */
 
 /* Blocks of any float dtype to and from float32 temporaries (vectorised per dtype). */
 FSC_VECTOR_CLONES static void fs_load_block(float *restrict out, const void *src, fsc_dtype_t dt, int64_t off, int n) {
@@ -305,31 +310,32 @@ FSC_VECTOR_CLONES static void fs_div_block(float *restrict x, int n, float by) {
     for (int i = 0; i < n; i++) x[i] = x[i] / by;
 }
 
-fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
-                                  fsc_tensor_t *exp_avg_sq, fsc_tensor_t *param_copy, const fsc_fs_adam_scalars_t *s,
-                                  fsc_tensor_t *found_inf) {
-    static const char *op = "cpu_fs_adam_step";
-    FSC_CHECK(fsc_fs_adam_check(param, grad, exp_avg, exp_avg_sq, param_copy, FSC_DEV_CPU, op));
-    FSC_CHECK(fsc_kernels_check(found_inf, op, "found_inf", FSC_DEV_CPU, FSC_DTYPE_BIT(FSC_FLOAT32), 1));
-    if (found_inf->numel != 1)
-        return fsc_error(FSC_ERR_VALUE, "%s: found_inf must have exactly 1 element, got %lld", op,
-                         (long long)found_inf->numel);
+static fsc_status_t fs_adam_check_cpu(fsc_tensor_t *const *t, const char *op) {
+    FSC_CHECK(fsc_fs_adam_check(t[0], t[1], t[2], t[3], t[4], FSC_DEV_CPU, op));
+    return FSC_OK;
+}
+
+/* Elements [lo, hi) of one parameter (lo a multiple of FS_BLOCK); t = param, grad, exp_avg,
+ * exp_avg_sq, param_copy (or NULL). Returns whether a stored float16 moment is not finite. */
+static int fs_adam_range(fsc_tensor_t *const *t, const fsc_fs_adam_scalars_t *s, int64_t lo, int64_t hi) {
+    fsc_tensor_t *param = t[0], *exp_avg = t[2], *exp_avg_sq = t[3], *param_copy = t[4];
+    const fsc_tensor_t *grad = t[1];
     const int scaled = exp_avg->dtype == FSC_FLOAT16;
     const fsc_dtype_t sdt = exp_avg->dtype;
     if (param->dtype == FSC_FLOAT32 && grad->dtype == FSC_FLOAT32 && sdt == FSC_FLOAT32 && !param_copy) {
         /* all float32: in place, no temporaries (the tensors do not overlap: each is its own) */
         float *pp = param->data, *mp = exp_avg->data, *vp = exp_avg_sq->data;
         const float *gp = grad->data;
-        for (int64_t off = 0; off < param->numel; off += FS_BLOCK) {
-            int n = param->numel - off < FS_BLOCK ? (int)(param->numel - off) : FS_BLOCK;
+        for (int64_t off = lo; off < hi; off += FS_BLOCK) {
+            int n = hi - off < FS_BLOCK ? (int)(hi - off) : FS_BLOCK;
             fs_adam_block(pp + off, gp + off, mp + off, vp + off, n, s);
         }
-        return FSC_OK;
+        return 0;
     }
     float p[FS_BLOCK], g[FS_BLOCK], m[FS_BLOCK], v[FS_BLOCK];
     int any_bad = 0;
-    for (int64_t off = 0; off < param->numel; off += FS_BLOCK) {
-        int n = param->numel - off < FS_BLOCK ? (int)(param->numel - off) : FS_BLOCK;
+    for (int64_t off = lo; off < hi; off += FS_BLOCK) {
+        int n = hi - off < FS_BLOCK ? (int)(hi - off) : FS_BLOCK;
         fs_load_block(p, param->data, param->dtype, off, n);
         fs_load_block(g, grad->data, grad->dtype, off, n);
         fs_load_block(m, exp_avg->data, sdt, off, n);
@@ -353,6 +359,94 @@ fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad,
             }
         fs_store_block(param->data, param->dtype, off, p, n);
         if (param_copy) fs_store_block(param_copy->data, param_copy->dtype, off, p, n);
+    }
+    return any_bad;
+}
+
+static fsc_status_t check_found_inf(const fsc_tensor_t *found_inf, const char *op) {
+    FSC_CHECK(fsc_kernels_check(found_inf, op, "found_inf", FSC_DEV_CPU, FSC_DTYPE_BIT(FSC_FLOAT32), 1));
+    if (found_inf->numel != 1)
+        return fsc_error(FSC_ERR_VALUE, "%s: found_inf must have exactly 1 element, got %lld", op,
+                         (long long)found_inf->numel);
+    return FSC_OK;
+}
+
+fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad, fsc_tensor_t *exp_avg,
+                                  fsc_tensor_t *exp_avg_sq, fsc_tensor_t *param_copy, const fsc_fs_adam_scalars_t *s,
+                                  fsc_tensor_t *found_inf) {
+    static const char *op = "cpu_fs_adam_step";
+    fsc_tensor_t *const t[5] = {param, (fsc_tensor_t *)grad, exp_avg, exp_avg_sq, param_copy};
+    FSC_CHECK(fs_adam_check_cpu(t, op));
+    FSC_CHECK(check_found_inf(found_inf, op));
+    if (fs_adam_range(t, s, 0, param->numel)) *(float *)found_inf->data = 1.0f;
+    return FSC_OK;
+}
+
+/* The multi-parameter step's work, shared by its threads: pieces of parameters, taken in order. */
+typedef struct {
+    fsc_tensor_t *const *t;
+    const fsc_fs_adam_scalars_t *sc;
+    const int64_t (*pieces)[3]; /* parameter, first element, end */
+    int64_t npieces;
+    _Atomic int64_t next;
+    _Atomic int any_bad;
+} fs_adam_work_t;
+
+static void *fs_adam_worker(void *arg) {
+    fs_adam_work_t *w = arg;
+    int bad = 0;
+    for (int64_t k; (k = atomic_fetch_add(&w->next, 1)) < w->npieces;) {
+        int64_t i = w->pieces[k][0];
+        bad |= fs_adam_range(&w->t[i * 5], &w->sc[i], w->pieces[k][1], w->pieces[k][2]);
+    }
+    if (bad) atomic_store(&w->any_bad, 1);
+    return NULL;
+}
+
+fsc_status_t fsc_cpu_fs_adam_multi(fsc_tensor_t *const *t, const fsc_fs_adam_scalars_t *sc, int64_t n,
+                                   fsc_tensor_t *found_inf, int threads) {
+    static const char *op = "cpu_fs_adam_multi";
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        FSC_CHECK(fs_adam_check_cpu(&t[i * 5], op));
+        total += t[i * 5]->numel;
+    }
+    FSC_CHECK(check_found_inf(found_inf, op));
+    if (threads < 1) return fsc_error(FSC_ERR_VALUE, "%s: threads must be >= 1, got %d", op, threads);
+    if (threads > FS_MAX_THREADS) threads = FS_MAX_THREADS;
+    if (total < (int64_t)threads * FS_MIN_PER_THREAD) threads = (int)(total / FS_MIN_PER_THREAD);
+    int any_bad = 0;
+    if (threads <= 1) {
+        for (int64_t i = 0; i < n; i++) any_bad |= fs_adam_range(&t[i * 5], &sc[i], 0, t[i * 5]->numel);
+    } else {
+        /* pieces of about a quarter of a thread's share, whole blocks, so that the threads finish
+         * together whatever the parameters' sizes */
+        int64_t piece = total / ((int64_t)threads * 4);
+        piece = (piece + FS_BLOCK - 1) / FS_BLOCK * FS_BLOCK;
+        int64_t npieces = 0;
+        for (int64_t i = 0; i < n; i++) npieces += (t[i * 5]->numel + piece - 1) / piece;
+        int64_t(*pieces)[3] = malloc((size_t)npieces * sizeof(*pieces));
+        pthread_t tid[FS_MAX_THREADS];
+        if (pieces == NULL) return fsc_error(FSC_ERR_NOMEM, "%s: cannot allocate the work list", op);
+        npieces = 0;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t lo = 0; lo < t[i * 5]->numel; lo += piece) {
+                pieces[npieces][0] = i;
+                pieces[npieces][1] = lo;
+                pieces[npieces][2] = lo + piece < t[i * 5]->numel ? lo + piece : t[i * 5]->numel;
+                npieces++;
+            }
+        fs_adam_work_t w = {.t = t, .sc = sc, .pieces = (const int64_t(*)[3])pieces, .npieces = npieces};
+        atomic_init(&w.next, 0);
+        atomic_init(&w.any_bad, 0);
+        int started = 0;
+        /* a thread that cannot start leaves its share to the others: the calling thread works too */
+        for (int k = 0; k < threads - 1; k++)
+            if (pthread_create(&tid[started], NULL, fs_adam_worker, &w) == 0) started++;
+        fs_adam_worker(&w);
+        for (int k = 0; k < started; k++) pthread_join(tid[k], NULL);
+        any_bad = atomic_load(&w.any_bad);
+        free(pieces);
     }
     if (any_bad) *(float *)found_inf->data = 1.0f;
     return FSC_OK;

@@ -121,6 +121,13 @@ fsc_status_t fsc_cpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad,
                                   fsc_tensor_t *exp_avg_sq, fsc_tensor_t *param_copy, const fsc_fs_adam_scalars_t *s,
                                   fsc_tensor_t *found_inf);
 
+/* fsc_cpu_fs_adam_step over n parameters: t holds five tensors per parameter (param, grad,
+ * exp_avg, exp_avg_sq, param_copy or NULL), sc the scalars of each (their step counts may
+ * differ). Every parameter is checked before any is stepped. Large steps are split over up to
+ * `threads` threads (the calling one included), in pieces of whole blocks, with the same bits. */
+fsc_status_t fsc_cpu_fs_adam_multi(fsc_tensor_t *const *t, const fsc_fs_adam_scalars_t *sc, int64_t n,
+                                   fsc_tensor_t *found_inf, int threads);
+
 /* SyncBatchNorm's statistics combination. `gathered` holds `world` rows of 2C + 1 values, each
  * rank's [mean (C) | biased variance (C) | row count]; `out` (3C + 1 values) receives [mean |
  * biased variance | 1 / sqrt(variance + eps) | total count] over every rank, combined without

@@ -250,6 +250,120 @@ static PyObject *py_cpu_fs_adam(PyObject *module, PyObject *args, PyObject *kwar
     return fs_adam(module, args, kwargs, 0);
 }
 
+/* FairScale's fused Adam over a list of parameters in one call: the per-parameter Python and
+ * binding costs of fs_adam paid once. Every list has one entry per parameter (param_copies may
+ * be None); steps holds each parameter's step count. */
+static PyObject *fs_adam_multi(PyObject *module, PyObject *args, PyObject *kwargs, int cuda) {
+    static char *kwlist_cuda[] = {
+        "params",     "grads",       "exp_avgs", "exp_avg_sqs", "param_copies", "steps",           "found_inf",
+        "lr",         "beta1",       "beta2",    "eps",         "weight_decay", "bias_correction", "eps_inside_sqrt",
+        "grad_scale", "optim_scale", "stream",   NULL};
+    static char *kwlist_cpu[] = {
+        "params",     "grads",       "exp_avgs", "exp_avg_sqs", "param_copies", "steps",           "found_inf",
+        "lr",         "beta1",       "beta2",    "eps",         "weight_decay", "bias_correction", "eps_inside_sqrt",
+        "grad_scale", "optim_scale", "threads",  NULL};
+    static const char *names[5] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "param_copies"};
+    PyObject *objs[5], *steps_obj, *found_obj, *seqs[5] = {NULL, NULL, NULL, NULL, NULL}, *steps = NULL;
+    double lr, beta1, beta2, eps, wd, grad_scale, optim_scale;
+    int bias_correction, inside, threads = 1;
+    fsc_stream_t stream = 0;
+    fsc_py_imports_t im;
+    fsc_tensor_t **t = NULL, *found = NULL;
+    fsc_fs_adam_scalars_t *sc = NULL;
+    fsc_status_t st = FSC_OK;
+    PyObject *result = NULL;
+    fsc_py_imports_init(&im, 0); /* inline: cannot fail */
+    if (cuda ? !PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOdddddppddO&:cuda_fs_adam_multi", kwlist_cuda,
+                                            &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &steps_obj, &found_obj,
+                                            &lr, &beta1, &beta2, &eps, &wd, &bias_correction, &inside, &grad_scale,
+                                            &optim_scale, fsc_py_stream_converter, &stream)
+             : !PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOdddddppdd|$i:cpu_fs_adam_multi", kwlist_cpu, &objs[0],
+                                            &objs[1], &objs[2], &objs[3], &objs[4], &steps_obj, &found_obj, &lr, &beta1,
+                                            &beta2, &eps, &wd, &bias_correction, &inside, &grad_scale, &optim_scale,
+                                            &threads))
+        return NULL;
+    int lists = objs[4] == Py_None ? 4 : 5;
+    for (int k = 0; k < lists; k++) {
+        seqs[k] = PySequence_Fast(objs[k], "");
+        if (seqs[k] == NULL) {
+            PyErr_Format(PyExc_TypeError, "argument '%s': expected a list of tensors, got %.200s", names[k],
+                         Py_TYPE(objs[k])->tp_name);
+            goto exit;
+        }
+    }
+    steps = PySequence_Fast(steps_obj, "");
+    if (steps == NULL) {
+        PyErr_Format(PyExc_TypeError, "argument 'steps': expected a list of ints, got %.200s",
+                     Py_TYPE(steps_obj)->tp_name);
+        goto exit;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seqs[0]);
+    for (int k = 1; k <= lists; k++) {
+        PyObject *seq = k < lists ? seqs[k] : steps;
+        if (PySequence_Fast_GET_SIZE(seq) != n) {
+            PyErr_Format(PyExc_ValueError, "argument '%s': %zd entries, expected %zd (one per param)",
+                         k < lists ? names[k] : "steps", PySequence_Fast_GET_SIZE(seq), n);
+            goto exit;
+        }
+    }
+    t = PyMem_Calloc((size_t)(n * 5 + 1), sizeof(*t));
+    sc = PyMem_Calloc((size_t)n + 1, sizeof(*sc));
+    if (t == NULL || sc == NULL || fsc_py_imports_init(&im, (size_t)(n * lists + 1)) < 0) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto exit;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long step = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(steps, i));
+        if (step == -1 && PyErr_Occurred()) {
+            PyErr_Format(PyExc_TypeError, "argument 'steps': entry %zd is not an int", i);
+            goto exit;
+        }
+        st = fsc_fs_adam_prepare(lr, beta1, beta2, eps, wd, (int64_t)step, bias_correction, inside, grad_scale,
+                                 optim_scale, &sc[i]);
+        if (st != FSC_OK) goto exit;
+        for (int k = 0; k < lists; k++) {
+            PyObject *obj = PySequence_Fast_GET_ITEM(seqs[k], i);
+            if (k == 4 && obj == Py_None) continue; /* this parameter has no half copy */
+            if (fsc_py_import_arg(&im, module, obj, names[k], (k != 1 ? ARG_OUT : ARG_IN) | ARG_PLACE(cuda), stream,
+                                  &t[i * 5 + k]) < 0)
+                goto exit;
+        }
+    }
+    if (fsc_py_import_arg(&im, module, found_obj, "found_inf", ARG_OUT | ARG_PLACE(cuda), stream, &found) < 0)
+        goto exit;
+    Py_BEGIN_ALLOW_THREADS
+    if (cuda) {
+        for (Py_ssize_t i = 0; i < n && st == FSC_OK; i++) /* all checked before any is stepped */
+            st = fsc_fs_adam_check(t[i * 5], t[i * 5 + 1], t[i * 5 + 2], t[i * 5 + 3], t[i * 5 + 4], FSC_DEV_CUDA,
+                                   "cuda_fs_adam_multi");
+        for (Py_ssize_t i = 0; i < n && st == FSC_OK; i++) {
+            fsc_tensor_t **ti = &t[i * 5];
+            st = fsc_gpu_fs_adam_step(ti[0], ti[1], ti[2], ti[3], ti[4], &sc[i], found, stream);
+        }
+    } else {
+        st = fsc_cpu_fs_adam_multi(t, sc, n, found, threads);
+    }
+    Py_END_ALLOW_THREADS
+exit:
+    if (PyErr_Occurred())
+        fsc_py_imports_clear(&im);
+    else
+        result = fsc_py_imports_finish(module, &im, st);
+    for (int k = 0; k < 5; k++) Py_XDECREF(seqs[k]);
+    Py_XDECREF(steps);
+    PyMem_Free(t);
+    PyMem_Free(sc);
+    return result;
+}
+
+static PyObject *py_cuda_fs_adam_multi(PyObject *module, PyObject *args, PyObject *kwargs) {
+    return fs_adam_multi(module, args, kwargs, 1);
+}
+
+static PyObject *py_cpu_fs_adam_multi(PyObject *module, PyObject *args, PyObject *kwargs) {
+    return fs_adam_multi(module, args, kwargs, 0);
+}
+
 static PyObject *py_cpu_bn_combine(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"gathered", "world", "eps", "out", NULL};
     PyObject *g_obj, *o_obj;
@@ -317,6 +431,15 @@ static PyMethodDef gpu_functions[] = {
                      "cpu_fs_adam_step(param, grad, exp_avg, exp_avg_sq, param_copy, found_inf, lr, beta1, beta2, "
                      "eps, weight_decay, step, bias_correction, eps_inside_sqrt, grad_scale, optim_scale): the same "
                      "on CPU tensors (bit-identical)."),
+    FSC_PY_KW_METHOD("cuda_fs_adam_multi", py_cuda_fs_adam_multi,
+                     "cuda_fs_adam_multi(params, grads, exp_avgs, exp_avg_sqs, param_copies, steps, found_inf, lr, "
+                     "beta1, beta2, eps, weight_decay, bias_correction, eps_inside_sqrt, grad_scale, optim_scale, "
+                     "stream): cuda_fs_adam_step over lists of parameters (param_copies: None or a list with None "
+                     "for a parameter without a copy; steps: each parameter's step)."),
+    FSC_PY_KW_METHOD("cpu_fs_adam_multi", py_cpu_fs_adam_multi,
+                     "cpu_fs_adam_multi(params, grads, exp_avgs, exp_avg_sqs, param_copies, steps, found_inf, lr, "
+                     "beta1, beta2, eps, weight_decay, bias_correction, eps_inside_sqrt, grad_scale, optim_scale, *, "
+                     "threads=1): the same on CPU tensors, large steps split over up to `threads` threads."),
     FSC_PY_KW_METHOD("cpu_bn_combine", py_cpu_bn_combine,
                      "cpu_bn_combine(gathered, world, eps, out): SyncBatchNorm's statistics over the ranks' "
                      "[mean | var | count] rows into out = [mean | var | invstd | total]."),

@@ -126,6 +126,7 @@ class Adam(torch.optim.Optimizer):
         }
         super().__init__(parameters, defaults)
         self.eps_mode = 0 if eps_inside_sqrt else 1
+        self._flags: Dict[torch.device, torch.Tensor] = {}  # found_inf per device (see _found_flags)
         self.fp32_param_groups: List[Dict[str, Any]] = []
         if self.mixed_precision:
             self._build_fp32_params()
@@ -206,9 +207,13 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found: Dict[torch.device, torch.Tensor] = {}
+        found = self._found_flags()
+        stepped = set()
         for i, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
+            # per device, the parameters the kernel takes as they are (contiguous), stepped in one
+            # call; any other is stepped alone through contiguous copies
+            batches: Dict[torch.device, List[List[Any]]] = {}
             for j, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -226,11 +231,57 @@ class Adam(torch.optim.Optimizer):
                     param, copy = self.fp32_param_groups[i]["params"][j], p
                 flag = found.get(p.device)
                 if flag is None:
-                    flag = found[p.device] = torch.zeros(1, dtype=torch.float32, device=p.device)
-                self._step_one(param, p.grad, state, copy, flag, group, beta1, beta2)
-        if self.precision is Precision.PURE_FP16 and found:
-            self._update_optim_scale(any(bool(f.item()) for f in found.values()))
+                    flag = found[p.device] = self._flags[p.device] = torch.zeros(1, device=p.device)
+                stepped.add(p.device)
+                grad = p.grad
+                if param.is_contiguous() and grad.is_contiguous() and (copy is None or copy.is_contiguous()):
+                    lists = batches.get(p.device)
+                    if lists is None:
+                        lists = batches[p.device] = [[], [], [], [], [], []]
+                    for k, t in enumerate((param, grad, state["exp_avg"], state["exp_avg_sq"], copy)):
+                        lists[k].append(t if t is None else t.detach())
+                    lists[5].append(state["step"])
+                else:
+                    self._step_one(param, grad, state, copy, flag, group, beta1, beta2)
+            for device, (params, grads, exp_avgs, exp_avg_sqs, copies, steps) in batches.items():
+                kwargs = dict(
+                    params=params,
+                    grads=grads,
+                    exp_avgs=exp_avgs,
+                    exp_avg_sqs=exp_avg_sqs,
+                    param_copies=copies if self.mixed_precision else None,
+                    steps=steps,
+                    found_inf=found[device],
+                    **self._hparams(group, beta1, beta2),
+                )
+                if device.type == "cuda":
+                    _C.cuda_fs_adam_multi(**kwargs, stream=torch.cuda.current_stream(device).cuda_stream)
+                else:
+                    _C.cpu_fs_adam_multi(**kwargs, threads=torch.get_num_threads())
+        if self.precision is Precision.PURE_FP16 and stepped:
+            self._update_optim_scale(any(bool(found[d].item()) for d in stepped))
         return loss
+
+    def _found_flags(self) -> Dict[torch.device, torch.Tensor]:
+        """One float32 flag per device, kept between steps: only PURE_FP16's float16 moments set
+        it, so only then is it zeroed before a step."""
+        if self.precision is Precision.PURE_FP16:
+            for f in self._flags.values():
+                f.zero_()
+        return dict(self._flags)
+
+    def _hparams(self, group: Dict[str, Any], beta1: float, beta2: float) -> Dict[str, Any]:
+        return dict(
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=bool(group["bias_correction"]),
+            eps_inside_sqrt=self.eps_mode == 0,
+            grad_scale=1.0,
+            optim_scale=self._optim_scale,
+        )
 
     def _zero_moments(self, p: torch.Tensor) -> None:
         """Zeroed moments for ``p``, contiguous (as the kernels take them) whatever ``p``'s layout."""
@@ -261,16 +312,8 @@ class Adam(torch.optim.Optimizer):
             exp_avg_sq=state["exp_avg_sq"],
             param_copy=out_copy,
             found_inf=flag,
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
             step=state["step"],
-            bias_correction=bool(group["bias_correction"]),
-            eps_inside_sqrt=self.eps_mode == 0,
-            grad_scale=1.0,
-            optim_scale=self._optim_scale,
+            **self._hparams(group, beta1, beta2),
         )
         if param.is_cuda:
             _C.cuda_fs_adam_step(**kwargs, stream=torch.cuda.current_stream(param.device).cuda_stream)
