@@ -307,6 +307,51 @@ def _cuda_work_job(rank, world):
         dist.destroy_process_group()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ops_keep_issue_order_across_streams():
+    """Synchronous CUDA ops run on the caller's current stream, asynchronous ones on the group's
+    side stream: a synchronous op issued while an asynchronous one still runs, and ops issued
+    from another stream, still run after the group's previous op, and the caller's later work on
+    its stream sees their results without a host synchronisation."""
+    from test_cuda import _nccl_devices
+
+    _, nccl_env = _nccl_devices()
+    results = run_ranks(_stream_order_job, 2, env={**FAST, **nccl_env}, timeout=240)
+    assert results == [[]] * 2, results
+
+
+def _stream_order_job(rank, world):
+    import fairscale_c.distributed as fdist
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    problems = []
+    with fdist.init_group(name="stream-order", device=torch.device("cuda", torch.cuda.current_device())) as g:
+        for step in range(3):
+            big = torch.full((1 << 24,), float(rank + 1), device="cuda")
+            torch.cuda._sleep(50_000_000)  # the async op waits behind this
+            work = g.all_reduce(big, async_op=True)
+            small = torch.full((4,), float(rank + 1 + step), device="cuda")
+            g.all_reduce(small)  # on the current stream, after the async op
+            doubled = small * 2  # the caller's next kernel sees the sum
+            other = torch.cuda.Stream()
+            with torch.cuda.stream(other):
+                x = torch.full((8,), float(10 * (rank + 1)), device="cuda")
+                g.all_reduce(x)  # another stream: after the op before it
+                y = torch.full((8,), float(rank), device="cuda")
+                g.broadcast(y, 1)
+            torch.cuda.current_stream().wait_stream(other)
+            work.wait()
+            torch.cuda.synchronize()
+            want = {
+                "big": float(1 + 2), "doubled": 2.0 * (1 + step + 2 + step), "x": 30.0, "y": 1.0,
+            }  # fmt: skip
+            for name, t in (("big", big), ("doubled", doubled), ("x", x), ("y", y)):
+                if not bool((t == want[name]).all()):
+                    problems.append(f"step {step}: {name} = {t.unique().tolist()}, want {want[name]}")
+    return problems
+
+
 def test_local_group_batch_and_point_to_point():
     import fairscale_c.distributed as fdist
 

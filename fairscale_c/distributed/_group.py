@@ -165,7 +165,8 @@ class Group:
         self.rank, self.size, self.name = exchange.rank, exchange.size, name
         self._exchange, self._pg = exchange, pg
         self.process_group = pg  # the torch.distributed group it was built from, if any
-        self._side: dict = {}  # CUDA device -> the stream this group's NCCL ops run on
+        self._side: dict = {}  # CUDA device -> the stream this group's asynchronous NCCL ops run on
+        self._last: dict = {}  # CUDA device -> the stream this group's last NCCL op was enqueued on
         self._shm: Optional[Any] = None
         self._torch_cpu: Optional[_TorchCPU] = None
         self._closed = False
@@ -364,20 +365,30 @@ class Group:
         return CompletedWork() if async_op else None
 
     def _cuda_op(self, what: str, enqueue: Any, tensors: tuple, async_op: bool) -> Any:
-        """Run ``enqueue(nccl, stream)`` on this group's side stream after the work already on the
-        current stream; the Work's event marks its end (see CudaWork)."""
+        """Run ``enqueue(nccl, stream)`` after the work already on the current stream. A
+        synchronous op goes on the current stream itself (nothing to record or wait for); an
+        asynchronous one on this group's side stream, its Work's event marking its end (see
+        CudaWork). Either way the op also follows the group's previous op on the device, so that
+        its NCCL kernels run in issue order whatever streams the caller used."""
         nccl = self._cuda()
         device = nccl.device
+        current = torch.cuda.current_stream(device)
+        last = self._last.get(device)
+        if not async_op:
+            if last is not None and last != current:
+                current.wait_stream(last)
+            enqueue(nccl, current)
+            self._last[device] = current
+            return None
         side = self._side_stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
+        side.wait_stream(current)
+        if last is not None and last != current and last != side:
+            side.wait_stream(last)
         enqueue(nccl, side)
+        self._last[device] = side
         event = torch.cuda.Event()
         event.record(side)
-        work = CudaWork(event, device, tensors, nccl, what)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return CudaWork(event, device, tensors, nccl, what)
 
     # ------------------------------------------------------------------ collectives
     def all_gather(self, output: Any, input: Any, async_op: bool = False) -> Any:
