@@ -423,6 +423,34 @@ def test_cuda_kernel_equals_the_cpu_kernel(pdt, gdt, sdt, with_copy):
     assert opts[0]._optim_scale == opts[1]._optim_scale
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pdt,gdt,sdt,with_copy", _DTYPE_CASES)
+def test_cuda_multi_parameter_step_equals_the_cpu_one(pdt, gdt, sdt, with_copy):
+    """cuda_fs_adam_multi (tables of up to 24 parameters per launch, one block per 4096-element
+    chunk) gives the bits of cpu_fs_adam_multi over 30 parameters of uneven sizes, empty ones
+    and each parameter's own step count included."""
+    if not _C.gpu_info()["kernels_built"]:
+        pytest.skip("built without CUDA kernels")
+    sizes = [(i * 7919) % 20_000 for i in range(30)] + [4096, 4097, 1]
+    steps = [1 + i % 5 for i in range(len(sizes))]
+    os_ = 1024.0 if sdt == torch.float16 else 1.0
+    cpu = _multi_case(pdt, gdt, sdt, with_copy, sizes)
+    dev = [[None if t is None else t.cuda() for t in row] for row in cpu]
+    flags = [torch.zeros(1), torch.zeros(1, device="cuda")]
+    for rows, flag, fn, extra in (
+        (cpu, flags[0], _C.cpu_fs_adam_multi, {}),
+        (dev, flags[1], _C.cuda_fs_adam_multi, {"stream": torch.cuda.current_stream().cuda_stream}),
+    ):
+        lists = [list(c) for c in zip(*rows)]
+        fn(*lists[:4], lists[4] if with_copy else None, steps, flag, optim_scale=os_, **_HP, **extra)
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(cpu, dev)):
+        for name, x, y in zip(("param", "grad", "exp_avg", "exp_avg_sq", "copy"), a, b):
+            assert x is None and y is None or torch.equal(x, y.cpu()), f"parameter {i}: {name} differs"
+    assert torch.equal(flags[0], flags[1].cpu())
+
+
 def test_groups_given_as_generators_and_groups_added_later():
     model = _model(torch.float16)
     layers = [m for m in model if isinstance(m, torch.nn.Linear)]

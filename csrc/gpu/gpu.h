@@ -97,6 +97,13 @@ fsc_status_t fsc_gpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad,
                                   fsc_tensor_t *exp_avg_sq, fsc_tensor_t *param_copy, const fsc_fs_adam_scalars_t *s,
                                   fsc_tensor_t *found_inf, fsc_stream_t stream);
 
+/* fsc_gpu_fs_adam_step over n parameters (t: five tensors per parameter as
+ * fsc_cpu_fs_adam_multi takes them; sc: each one's scalars, which differ only in step_size),
+ * every one checked before any is stepped; one launch per run of up to FSC_FS_ADAM_TABLE
+ * parameters of one dtype combination, same bits. Enqueued on `stream`. */
+fsc_status_t fsc_gpu_fs_adam_multi(fsc_tensor_t *const *t, const fsc_fs_adam_scalars_t *sc, int64_t n,
+                                   fsc_tensor_t *found_inf, fsc_stream_t stream);
+
 /* CUDA twin of fsc_tensor_pack_blocks (same layout and checks), enqueued on `stream` as one
  * 2D device-to-device copy per source; no kernel, so it works without CUDA kernels in the
  * build. */

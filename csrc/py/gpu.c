@@ -332,17 +332,7 @@ static PyObject *fs_adam_multi(PyObject *module, PyObject *args, PyObject *kwarg
     if (fsc_py_import_arg(&im, module, found_obj, "found_inf", ARG_OUT | ARG_PLACE(cuda), stream, &found) < 0)
         goto exit;
     Py_BEGIN_ALLOW_THREADS
-    if (cuda) {
-        for (Py_ssize_t i = 0; i < n && st == FSC_OK; i++) /* all checked before any is stepped */
-            st = fsc_fs_adam_check(t[i * 5], t[i * 5 + 1], t[i * 5 + 2], t[i * 5 + 3], t[i * 5 + 4], FSC_DEV_CUDA,
-                                   "cuda_fs_adam_multi");
-        for (Py_ssize_t i = 0; i < n && st == FSC_OK; i++) {
-            fsc_tensor_t **ti = &t[i * 5];
-            st = fsc_gpu_fs_adam_step(ti[0], ti[1], ti[2], ti[3], ti[4], &sc[i], found, stream);
-        }
-    } else {
-        st = fsc_cpu_fs_adam_multi(t, sc, n, found, threads);
-    }
+    st = cuda ? fsc_gpu_fs_adam_multi(t, sc, n, found, stream) : fsc_cpu_fs_adam_multi(t, sc, n, found, threads);
     Py_END_ALLOW_THREADS
 exit:
     if (PyErr_Occurred())
