@@ -10,7 +10,6 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "gpu/fs_adam_table.h"
 
 /* ---- the driver ABI we use (from the documented cuda.h; no header needed) --------------- */
 
@@ -561,17 +560,70 @@ fsc_status_t fsc_gpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad,
     return launch(dev, K_FS_ADAM, grid_for(param->numel), stream, args, op);
 }
 
-/* Launch the table's parameters (one dtype combination) as one kernel; empties the table. */
-static fsc_status_t fs_adam_flush(int dev, fsc_fs_adam_table_t *tab, const int codes[4], const fsc_fs_adam_scalars_t *s,
-                                  void *found, fsc_stream_t stream, const char *op) {
-    if (tab->count == 0) return FSC_OK;
+fsc_status_t fsc_gpu_fs_adam_plan(fsc_tensor_t *const *t, int64_t n, fsc_fs_adam_visit_t visit, void *ctx) {
+    fsc_fs_adam_table_t tab;
+    memset(&tab, 0, sizeof(tab));
+    int codes[4] = {-1, -1, -1, -1};
+    int64_t first = 0; /* the table's first parameter */
+    for (int64_t i = 0; i < n; i++) {
+        fsc_tensor_t *const *ti = &t[i * 5];
+        if (ti[0]->numel == 0) continue;
+        int64_t blocks = (ti[0]->numel + FSC_FS_ADAM_CHUNK - 1) / FSC_FS_ADAM_CHUNK;
+        int mine[4] = {fs_adam_code(ti[0]->dtype), fs_adam_code(ti[1]->dtype), fs_adam_code(ti[2]->dtype),
+                       ti[4] ? fs_adam_code(ti[4]->dtype) : -1};
+        int alone = blocks > INT32_MAX / 2; /* more blocks than a table counts: the one-parameter kernel */
+        if (tab.count > 0 && (alone || memcmp(mine, codes, sizeof(mine)) != 0 || tab.count == FSC_FS_ADAM_TABLE ||
+                              blocks > INT32_MAX - tab.first_block[tab.count])) {
+            FSC_CHECK(visit(ctx, &tab, codes, first, -1));
+            tab.count = 0;
+        }
+        if (alone) {
+            FSC_CHECK(visit(ctx, NULL, mine, i, i));
+            continue;
+        }
+        if (tab.count == 0) first = i;
+        memcpy(codes, mine, sizeof(codes));
+        int c = tab.count;
+        tab.param[c] = ti[0]->data;
+        tab.grad[c] = ti[1]->data;
+        tab.exp_avg[c] = ti[2]->data;
+        tab.exp_avg_sq[c] = ti[3]->data;
+        tab.copy[c] = ti[4] ? ti[4]->data : NULL;
+        tab.numel[c] = (long long)ti[0]->numel;
+        tab.first_block[c + 1] = tab.first_block[c] + (int)blocks;
+        tab.count = c + 1;
+    }
+    return tab.count > 0 ? visit(ctx, &tab, codes, first, -1) : FSC_OK;
+}
+
+typedef struct {
+    int dev;
+    fsc_tensor_t *const *t;
+    const fsc_fs_adam_scalars_t *sc;
+    fsc_tensor_t *found_inf;
+    fsc_stream_t stream;
+} fs_adam_launch_t;
+
+/* The launching visitor of fsc_gpu_fs_adam_plan: one kernel per table (each parameter's step
+ * size filled in from its scalars), or the one-parameter kernel. */
+static fsc_status_t fs_adam_launch(void *ctx, const fsc_fs_adam_table_t *planned, const int codes[4], int64_t first,
+                                   int64_t single) {
+    static const char *op = "cuda_fs_adam_multi";
+    fs_adam_launch_t *l = ctx;
+    if (single >= 0) {
+        fsc_tensor_t *const *ti = &l->t[single * 5];
+        return fsc_gpu_fs_adam_step(ti[0], ti[1], ti[2], ti[3], ti[4], &l->sc[single], l->found_inf, l->stream);
+    }
+    fsc_fs_adam_table_t tab = *planned;
+    for (int c = 0, i = (int)first; c < tab.count; i++) /* the table's parameters, empty ones skipped */
+        if (l->t[(int64_t)i * 5]->numel > 0) tab.step_size[c++] = l->sc[i].step_size;
+    const fsc_fs_adam_scalars_t *s = &l->sc[first];
     int pdt = codes[0], gdt = codes[1], sdt = codes[2], cdt = codes[3], inside = s->eps_inside_sqrt;
     float b1 = s->beta1, b2 = s->beta2, omb1 = s->one_minus_b1, omb2 = s->one_minus_b2, eps = s->eps;
     float gs = s->grad_scale, os = s->optim_scale, decay = s->decay;
-    void *args[] = {tab, &pdt, &gdt, &sdt, &cdt, &b1, &b2, &omb1, &omb2, &eps, &gs, &os, &decay, &inside, &found};
-    fsc_status_t st = launch(dev, K_FS_ADAM_MULTI, (unsigned int)tab->first_block[tab->count], stream, args, op);
-    tab->count = 0; /* the launch copied the table */
-    return st;
+    void *found = l->found_inf->data;
+    void *args[] = {&tab, &pdt, &gdt, &sdt, &cdt, &b1, &b2, &omb1, &omb2, &eps, &gs, &os, &decay, &inside, &found};
+    return launch(l->dev, K_FS_ADAM_MULTI, (unsigned int)tab.first_block[tab.count], l->stream, args, op);
 }
 
 fsc_status_t fsc_gpu_fs_adam_multi(fsc_tensor_t *const *t, const fsc_fs_adam_scalars_t *sc, int64_t n,
@@ -590,36 +642,8 @@ fsc_status_t fsc_gpu_fs_adam_multi(fsc_tensor_t *const *t, const fsc_fs_adam_sca
                                  "%s: parameter %lld's %s is on cuda:%d, expected cuda:%d like found_inf", op,
                                  (long long)i, names[k], ti[k]->device_id, dev);
     }
-    fsc_fs_adam_table_t tab;
-    memset(&tab, 0, sizeof(tab));
-    int codes[4] = {-1, -1, -1, -1};
-    for (int64_t i = 0; i < n; i++) {
-        fsc_tensor_t *const *ti = &t[i * 5];
-        if (ti[0]->numel == 0) continue;
-        int64_t blocks = (ti[0]->numel + FSC_FS_ADAM_CHUNK - 1) / FSC_FS_ADAM_CHUNK;
-        int mine[4] = {fs_adam_code(ti[0]->dtype), fs_adam_code(ti[1]->dtype), fs_adam_code(ti[2]->dtype),
-                       ti[4] ? fs_adam_code(ti[4]->dtype) : -1};
-        if (blocks > INT32_MAX / 2) { /* a parameter too large for a table's block count: alone */
-            FSC_CHECK(fs_adam_flush(dev, &tab, codes, &sc[i], found_inf->data, stream, op));
-            FSC_CHECK(fsc_gpu_fs_adam_step(ti[0], ti[1], ti[2], ti[3], ti[4], &sc[i], found_inf, stream));
-            continue;
-        }
-        if (tab.count > 0 && (memcmp(mine, codes, sizeof(mine)) != 0 || tab.count == FSC_FS_ADAM_TABLE ||
-                              blocks > INT32_MAX - tab.first_block[tab.count]))
-            FSC_CHECK(fs_adam_flush(dev, &tab, codes, &sc[i], found_inf->data, stream, op));
-        memcpy(codes, mine, sizeof(codes));
-        int c = tab.count;
-        tab.param[c] = ti[0]->data;
-        tab.grad[c] = ti[1]->data;
-        tab.exp_avg[c] = ti[2]->data;
-        tab.exp_avg_sq[c] = ti[3]->data;
-        tab.copy[c] = ti[4] ? ti[4]->data : NULL;
-        tab.numel[c] = (long long)ti[0]->numel;
-        tab.step_size[c] = sc[i].step_size;
-        tab.first_block[c + 1] = tab.first_block[c] + (int)blocks;
-        tab.count = c + 1;
-    }
-    return fs_adam_flush(dev, &tab, codes, &sc[0], found_inf->data, stream, op);
+    fs_adam_launch_t l = {.dev = dev, .t = t, .sc = sc, .found_inf = found_inf, .stream = stream};
+    return fsc_gpu_fs_adam_plan(t, n, fs_adam_launch, &l);
 }
 
 /* Pitches above this go row by row: drivers cap a 2D copy's pitch (CU_DEVICE_ATTRIBUTE_MAX_PITCH,

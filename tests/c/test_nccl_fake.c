@@ -289,6 +289,103 @@ static void test_block_count_overflow(void) {
     fsc_nccl_comm_free(c);
 }
 
+/* What fsc_gpu_fs_adam_plan handed its visitor, checked as it comes. */
+typedef struct {
+    fsc_tensor_t *const *t;
+    int64_t n, next; /* the next non-empty parameter a table or a single launch must start at */
+    int tables, singles, full_tables;
+} plan_seen_t;
+
+static int64_t next_nonempty(plan_seen_t *p, int64_t i) {
+    while (i < p->n && p->t[i * 5]->numel == 0) i++;
+    return i;
+}
+
+static fsc_status_t plan_visit(void *ctx, const fsc_fs_adam_table_t *tab, const int codes[4], int64_t first,
+                               int64_t single) {
+    plan_seen_t *p = ctx;
+    EXPECT(first == next_nonempty(p, p->next), "launch starts at parameter %lld, expected %lld", (long long)first,
+           (long long)next_nonempty(p, p->next));
+    if (single >= 0) {
+        EXPECT(tab == NULL && single == first, "a single launch: table %p, single %lld", (const void *)tab,
+               (long long)single);
+        p->singles++;
+        p->next = single + 1;
+        return FSC_OK;
+    }
+    EXPECT(tab->count >= 1 && tab->count <= FSC_FS_ADAM_TABLE, "table of %d parameters", tab->count);
+    EXPECT(tab->first_block[0] == 0, "first block %d", tab->first_block[0]);
+    int64_t i = first;
+    for (int c = 0; c < tab->count; c++, i++) {
+        i = next_nonempty(p, i);
+        fsc_tensor_t *const *ti = &p->t[i * 5];
+        int blocks = tab->first_block[c + 1] - tab->first_block[c];
+        EXPECT(tab->param[c] == ti[0]->data && tab->grad[c] == ti[1]->data && tab->exp_avg[c] == ti[2]->data &&
+                   tab->exp_avg_sq[c] == ti[3]->data && tab->copy[c] == (ti[4] ? ti[4]->data : NULL),
+               "table entry %d is not parameter %lld", c, (long long)i);
+        EXPECT(tab->numel[c] == ti[0]->numel && (int64_t)blocks == (ti[0]->numel + 4095) / 4096,
+               "parameter %lld: %lld elements in %d blocks", (long long)i, tab->numel[c], blocks);
+        int mine[4] = {ti[0]->dtype == FSC_FLOAT16    ? 1
+                       : ti[0]->dtype == FSC_BFLOAT16 ? 2
+                                                      : 0,
+                       ti[1]->dtype == FSC_FLOAT16    ? 1
+                       : ti[1]->dtype == FSC_BFLOAT16 ? 2
+                                                      : 0,
+                       ti[2]->dtype == FSC_FLOAT16 ? 1 : 0, ti[4] ? 1 : -1};
+        EXPECT(memcmp(mine, codes, sizeof(mine)) == 0, "parameter %lld's dtypes differ from its table's", (long long)i);
+    }
+    /* a table ends only where it must: full, the end, or a parameter that cannot join it */
+    int64_t after = next_nonempty(p, i);
+    if (tab->count < FSC_FS_ADAM_TABLE && after < p->n) {
+        fsc_tensor_t *const *ta = &p->t[after * 5];
+        fsc_tensor_t *const *tl = &p->t[(i - 1) * 5]; /* the table's last parameter */
+        int joins = ta[0]->dtype == tl[0]->dtype && ta[1]->dtype == tl[1]->dtype && ta[2]->dtype == tl[2]->dtype &&
+                    (ta[4] != NULL) == (tl[4] != NULL) && ta[0]->numel < ((int64_t)1 << 40);
+        EXPECT(!joins, "table of %d ended before parameter %lld, which could join it", tab->count, (long long)after);
+    }
+    p->full_tables += tab->count == FSC_FS_ADAM_TABLE;
+    p->tables++;
+    p->next = i;
+    return FSC_OK;
+}
+
+/* fsc_gpu_fs_adam_plan (Adam's CUDA launches, planned on the host): every non-empty parameter in
+ * exactly one launch, in order; tables of at most 24 parameters of one dtype combination with
+ * one block per 4096 elements; a parameter too large for a table's block count alone. */
+static void test_fs_adam_plan(void) {
+    enum { N = 70 };
+    static float mem[5][N]; /* distinct addresses; the plan never touches the data */
+    static uint16_t half[N];
+    fsc_tensor_t ts[N][5], *t[N * 5];
+    for (int i = 0; i < N; i++) {
+        int64_t numel = i % 9 == 4 ? 0 : (int64_t)((i * 7919) % 30000) + 1;
+        if (i == 10 || i == 11) numel = 4096 * (i - 9); /* whole chunks */
+        if (i == 40) numel = (int64_t)1 << 45;          /* more chunks than INT32_MAX / 2 */
+        for (int k = 0; k < 5; k++) {
+            ts[i][k] = cuda_view(&mem[k][i], numel);
+            t[i * 5 + k] = &ts[i][k];
+        }
+        if (i >= 50 && i < 60) { /* float16 parameters and gradients, float16 then float32 state */
+            for (int k = 0; k < 4; k++) ts[i][k].dtype = k < 2 || i < 55 ? FSC_FLOAT16 : FSC_FLOAT32;
+        }
+        if (i >= 60) { /* MIXED_PRECISION's master step: float16 gradient and a float16 copy */
+            ts[i][1].dtype = FSC_FLOAT16;
+            ts[i][4].dtype = FSC_FLOAT16;
+            ts[i][4].data = &half[i];
+        } else {
+            t[i * 5 + 4] = NULL;
+        }
+    }
+    plan_seen_t seen = {.t = t, .n = N};
+    EXPECT(fsc_gpu_fs_adam_plan(t, N, plan_visit, &seen) == FSC_OK, "plan: %s", fsc_last_error());
+    EXPECT(next_nonempty(&seen, seen.next) == N, "the plan stopped at parameter %lld", (long long)seen.next);
+    EXPECT(seen.singles == 1, "%d single launches, expected 1 (parameter 40)", seen.singles);
+    EXPECT(seen.full_tables >= 1, "no table of %d parameters", FSC_FS_ADAM_TABLE);
+    seen = (plan_seen_t){.t = t, .n = 0};
+    EXPECT(fsc_gpu_fs_adam_plan(t, 0, plan_visit, &seen) == FSC_OK && seen.tables == 0, "no parameters: %d tables",
+           seen.tables);
+}
+
 /* fsc_gpu_pack_blocks: the CPU layout (block r of every source, in order, for r = 0..world-1),
  * one 2D copy per non-empty source, and the CPU version's argument checks. */
 static void test_pack_blocks(void) {
@@ -429,6 +526,7 @@ int main(void) {
     EXPECT(fsc_nccl_version() == 23102, "version %d", fsc_nccl_version());
     EXPECT(fsc_gpu_load() == FSC_OK, "driver: %s", fsc_last_error());
     test_pack_blocks();
+    test_fs_adam_plan();
     test_block_count_overflow();
     test_blocking_mode();
     test_blocking_enqueue_timeout();
