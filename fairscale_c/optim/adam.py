@@ -238,8 +238,12 @@ class Adam(torch.optim.Optimizer):
                     lists = batches.get(p.device)
                     if lists is None:
                         lists = batches[p.device] = [[], [], [], [], [], []]
-                    for k, t in enumerate((param, grad, state["exp_avg"], state["exp_avg_sq"], copy)):
-                        lists[k].append(t if t is None else t.detach())
+                    # the binding takes no tensor that requires grad: the parameters' detached views
+                    lists[0].append(param.detach())
+                    lists[1].append(grad.detach() if grad.requires_grad else grad)
+                    lists[2].append(state["exp_avg"])
+                    lists[3].append(state["exp_avg_sq"])
+                    lists[4].append(None if copy is None else copy.detach())
                     lists[5].append(state["step"])
                 else:
                     self._step_one(param, grad, state, copy, flag, group, beta1, beta2)
