@@ -334,7 +334,7 @@ def test_fs_adam_step_cuda(benchmark: Any, size: str, impl: str) -> None:
 
 
 # A model's parameters rather than one flat shard: the per-parameter cost of a step, and (on the
-# CPU) the threads torch's fused step uses, which the C step now splits its work over too.
+# CPU) the threads torch's fused step uses, which the C step splits its work over as well.
 MODELS: Dict[str, List[int]] = {"200x16Ki": [1 << 14] * 200, "16x1Mi": [1 << 20] * 16}
 
 

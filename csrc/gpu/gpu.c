@@ -560,7 +560,8 @@ fsc_status_t fsc_gpu_fs_adam_step(fsc_tensor_t *param, const fsc_tensor_t *grad,
     return launch(dev, K_FS_ADAM, grid_for(param->numel), stream, args, op);
 }
 
-fsc_status_t fsc_gpu_fs_adam_plan(fsc_tensor_t *const *t, int64_t n, fsc_fs_adam_visit_t visit, void *ctx) {
+fsc_status_t fsc_gpu_fs_adam_plan(fsc_tensor_t *const *t, const fsc_fs_adam_scalars_t *sc, int64_t n,
+                                  fsc_fs_adam_visit_t visit, void *ctx) {
     fsc_fs_adam_table_t tab;
     memset(&tab, 0, sizeof(tab));
     int codes[4] = {-1, -1, -1, -1};
@@ -590,6 +591,7 @@ fsc_status_t fsc_gpu_fs_adam_plan(fsc_tensor_t *const *t, int64_t n, fsc_fs_adam
         tab.exp_avg_sq[c] = ti[3]->data;
         tab.copy[c] = ti[4] ? ti[4]->data : NULL;
         tab.numel[c] = (long long)ti[0]->numel;
+        tab.step_size[c] = sc[i].step_size;
         tab.first_block[c + 1] = tab.first_block[c] + (int)blocks;
         tab.count = c + 1;
     }
@@ -604,9 +606,9 @@ typedef struct {
     fsc_stream_t stream;
 } fs_adam_launch_t;
 
-/* The launching visitor of fsc_gpu_fs_adam_plan: one kernel per table (each parameter's step
- * size filled in from its scalars), or the one-parameter kernel. */
-static fsc_status_t fs_adam_launch(void *ctx, const fsc_fs_adam_table_t *planned, const int codes[4], int64_t first,
+/* The launching visitor of fsc_gpu_fs_adam_plan: one kernel per table, or the one-parameter
+ * kernel. */
+static fsc_status_t fs_adam_launch(void *ctx, const fsc_fs_adam_table_t *tab, const int codes[4], int64_t first,
                                    int64_t single) {
     static const char *op = "cuda_fs_adam_multi";
     fs_adam_launch_t *l = ctx;
@@ -614,16 +616,14 @@ static fsc_status_t fs_adam_launch(void *ctx, const fsc_fs_adam_table_t *planned
         fsc_tensor_t *const *ti = &l->t[single * 5];
         return fsc_gpu_fs_adam_step(ti[0], ti[1], ti[2], ti[3], ti[4], &l->sc[single], l->found_inf, l->stream);
     }
-    fsc_fs_adam_table_t tab = *planned;
-    for (int c = 0, i = (int)first; c < tab.count; i++) /* the table's parameters, empty ones skipped */
-        if (l->t[(int64_t)i * 5]->numel > 0) tab.step_size[c++] = l->sc[i].step_size;
     const fsc_fs_adam_scalars_t *s = &l->sc[first];
     int pdt = codes[0], gdt = codes[1], sdt = codes[2], cdt = codes[3], inside = s->eps_inside_sqrt;
     float b1 = s->beta1, b2 = s->beta2, omb1 = s->one_minus_b1, omb2 = s->one_minus_b2, eps = s->eps;
     float gs = s->grad_scale, os = s->optim_scale, decay = s->decay;
     void *found = l->found_inf->data;
-    void *args[] = {&tab, &pdt, &gdt, &sdt, &cdt, &b1, &b2, &omb1, &omb2, &eps, &gs, &os, &decay, &inside, &found};
-    return launch(l->dev, K_FS_ADAM_MULTI, (unsigned int)tab.first_block[tab.count], l->stream, args, op);
+    void *args[] = {(void *)tab, &pdt, &gdt, &sdt, &cdt,   &b1,     &b2,   &omb1,
+                    &omb2,       &eps, &gs,  &os,  &decay, &inside, &found};
+    return launch(l->dev, K_FS_ADAM_MULTI, (unsigned int)tab->first_block[tab->count], l->stream, args, op);
 }
 
 fsc_status_t fsc_gpu_fs_adam_multi(fsc_tensor_t *const *t, const fsc_fs_adam_scalars_t *sc, int64_t n,
@@ -643,7 +643,7 @@ fsc_status_t fsc_gpu_fs_adam_multi(fsc_tensor_t *const *t, const fsc_fs_adam_sca
                                  (long long)i, names[k], ti[k]->device_id, dev);
     }
     fs_adam_launch_t l = {.dev = dev, .t = t, .sc = sc, .found_inf = found_inf, .stream = stream};
-    return fsc_gpu_fs_adam_plan(t, n, fs_adam_launch, &l);
+    return fsc_gpu_fs_adam_plan(t, sc, n, fs_adam_launch, &l);
 }
 
 /* Pitches above this go row by row: drivers cap a 2D copy's pitch (CU_DEVICE_ATTRIBUTE_MAX_PITCH,

@@ -107,13 +107,14 @@ fsc_status_t fsc_gpu_fs_adam_multi(fsc_tensor_t *const *t, const fsc_fs_adam_sca
 
 /* How fsc_gpu_fs_adam_multi groups parameters into launches, without launching: `visit` gets
  * each table in order (codes: the param, grad, state and copy dtype codes, -1 for no copy; first:
- * the index of its first parameter; single: -1), or, for a parameter with more chunks than a
- * table counts, NULL and that parameter's index as `first` and `single`. Empty parameters are
- * skipped; the tables' step sizes are left 0 for the visitor to fill. Stops at the first status
- * `visit` returns that is not FSC_OK. */
+ * the index of its first parameter, whose scalars but step_size hold for the whole table;
+ * single: -1), or, for a parameter with more chunks than a table counts, NULL and that
+ * parameter's index as `first` and `single`. Empty parameters are skipped. Stops at the first
+ * status `visit` returns that is not FSC_OK. */
 typedef fsc_status_t (*fsc_fs_adam_visit_t)(void *ctx, const fsc_fs_adam_table_t *tab, const int codes[4],
                                             int64_t first, int64_t single);
-fsc_status_t fsc_gpu_fs_adam_plan(fsc_tensor_t *const *t, int64_t n, fsc_fs_adam_visit_t visit, void *ctx);
+fsc_status_t fsc_gpu_fs_adam_plan(fsc_tensor_t *const *t, const fsc_fs_adam_scalars_t *sc, int64_t n,
+                                  fsc_fs_adam_visit_t visit, void *ctx);
 
 /* CUDA twin of fsc_tensor_pack_blocks (same layout and checks), enqueued on `stream` as one
  * 2D device-to-device copy per source; no kernel, so it works without CUDA kernels in the

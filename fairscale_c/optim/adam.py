@@ -69,6 +69,14 @@ def _check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise ValueError(f"Adam: argument 'weight_decay' must be >= 0, got {weight_decay}")
 
 
+def _written_copy(t: torch.Tensor, copy_back: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """A contiguous copy of ``t`` (the kernels take contiguous tensors) for the step to write,
+    listed in ``copy_back`` as (``t``, copy)."""
+    c = t.contiguous()
+    copy_back.append((t, c))
+    return c
+
+
 class Adam(torch.optim.Optimizer):
     """``Adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
     eps_inside_sqrt=False, weight_decay=0.0, max_grad_norm=0.0, amsgrad=False, precision=None)``:
@@ -126,7 +134,7 @@ class Adam(torch.optim.Optimizer):
         }
         super().__init__(parameters, defaults)
         self.eps_mode = 0 if eps_inside_sqrt else 1
-        self._flags: Dict[torch.device, torch.Tensor] = {}  # found_inf per device (see _found_flags)
+        self._flags: Dict[torch.device, torch.Tensor] = {}  # found_inf per device, kept between steps
         self.fp32_param_groups: List[Dict[str, Any]] = []
         if self.mixed_precision:
             self._build_fp32_params()
@@ -207,13 +215,17 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found = self._found_flags()
+        if self.precision is Precision.PURE_FP16:  # only its float16 moments set the flags
+            for flag in self._flags.values():
+                flag.zero_()
         stepped = set()
         for i, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
-            # per device, the parameters the kernel takes as they are (contiguous), stepped in one
-            # call; any other is stepped alone through contiguous copies
+            # per device, the group's parameters stepped by one C call: param, grad, exp_avg,
+            # exp_avg_sq, half copy, step count; a non-contiguous tensor goes in as a contiguous
+            # copy that is copied back after the call
             batches: Dict[torch.device, List[List[Any]]] = {}
+            copy_back: List[Tuple[torch.Tensor, torch.Tensor]] = []
             for j, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -229,24 +241,23 @@ class Adam(torch.optim.Optimizer):
                 param, copy = p, None
                 if self.mixed_precision:
                     param, copy = self.fp32_param_groups[i]["params"][j], p
-                flag = found.get(p.device)
-                if flag is None:
-                    flag = found[p.device] = self._flags[p.device] = torch.zeros(1, device=p.device)
+                if p.device not in self._flags:
+                    self._flags[p.device] = torch.zeros(1, device=p.device)
                 stepped.add(p.device)
-                grad = p.grad
-                if param.is_contiguous() and grad.is_contiguous() and (copy is None or copy.is_contiguous()):
-                    lists = batches.get(p.device)
-                    if lists is None:
-                        lists = batches[p.device] = [[], [], [], [], [], []]
-                    # the binding takes no tensor that requires grad: the parameters' detached views
-                    lists[0].append(param.detach())
-                    lists[1].append(grad.detach() if grad.requires_grad else grad)
-                    lists[2].append(state["exp_avg"])
-                    lists[3].append(state["exp_avg_sq"])
-                    lists[4].append(None if copy is None else copy.detach())
-                    lists[5].append(state["step"])
-                else:
-                    self._step_one(param, grad, state, copy, flag, group, beta1, beta2)
+                lists = batches.get(p.device)
+                if lists is None:
+                    lists = batches[p.device] = [[], [], [], [], [], []]
+                # the binding takes no tensor that requires grad: the parameters' detached views
+                param, grad = param.detach(), p.grad.detach() if p.grad.requires_grad else p.grad
+                lists[0].append(param if param.is_contiguous() else _written_copy(param, copy_back))
+                lists[1].append(grad if grad.is_contiguous() else grad.contiguous())
+                lists[2].append(state["exp_avg"])
+                lists[3].append(state["exp_avg_sq"])
+                if copy is not None:
+                    copy = copy.detach()
+                    copy = copy if copy.is_contiguous() else _written_copy(copy, copy_back)
+                lists[4].append(copy)
+                lists[5].append(state["step"])
             for device, (params, grads, exp_avgs, exp_avg_sqs, copies, steps) in batches.items():
                 kwargs = dict(
                     params=params,
@@ -255,78 +266,31 @@ class Adam(torch.optim.Optimizer):
                     exp_avg_sqs=exp_avg_sqs,
                     param_copies=copies if self.mixed_precision else None,
                     steps=steps,
-                    found_inf=found[device],
-                    **self._hparams(group, beta1, beta2),
+                    found_inf=self._flags[device],
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    bias_correction=bool(group["bias_correction"]),
+                    eps_inside_sqrt=self.eps_mode == 0,
+                    grad_scale=1.0,
+                    optim_scale=self._optim_scale,
                 )
                 if device.type == "cuda":
                     _C.cuda_fs_adam_multi(**kwargs, stream=torch.cuda.current_stream(device).cuda_stream)
                 else:
                     _C.cpu_fs_adam_multi(**kwargs, threads=torch.get_num_threads())
+            for dst, src in copy_back:
+                dst.copy_(src)
         if self.precision is Precision.PURE_FP16 and stepped:
-            self._update_optim_scale(any(bool(found[d].item()) for d in stepped))
+            self._update_optim_scale(any(bool(self._flags[d].item()) for d in stepped))
         return loss
-
-    def _found_flags(self) -> Dict[torch.device, torch.Tensor]:
-        """One float32 flag per device, kept between steps: only PURE_FP16's float16 moments set
-        it, so only then is it zeroed before a step."""
-        if self.precision is Precision.PURE_FP16:
-            for f in self._flags.values():
-                f.zero_()
-        return dict(self._flags)
-
-    def _hparams(self, group: Dict[str, Any], beta1: float, beta2: float) -> Dict[str, Any]:
-        return dict(
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            bias_correction=bool(group["bias_correction"]),
-            eps_inside_sqrt=self.eps_mode == 0,
-            grad_scale=1.0,
-            optim_scale=self._optim_scale,
-        )
 
     def _zero_moments(self, p: torch.Tensor) -> None:
         """Zeroed moments for ``p``, contiguous (as the kernels take them) whatever ``p``'s layout."""
         for key in ("exp_avg", "exp_avg_sq"):
             self.state[p][key] = torch.zeros_like(p, dtype=self.optim_type, memory_format=torch.contiguous_format)
-
-    def _step_one(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        state: Dict[str, Any],
-        copy: Optional[torch.Tensor],
-        flag: torch.Tensor,
-        group: Dict[str, Any],
-        beta1: float,
-        beta2: float,
-    ) -> None:
-        # the kernel takes contiguous tensors; others are stepped in a contiguous copy
-        param, grad = param.detach(), grad.detach()
-        target = param if param.is_contiguous() else param.contiguous()
-        out_copy = None if copy is None else copy.detach()
-        if out_copy is not None and not out_copy.is_contiguous():
-            out_copy = out_copy.contiguous()
-        kwargs = dict(
-            param=target,
-            grad=grad if grad.is_contiguous() else grad.contiguous(),
-            exp_avg=state["exp_avg"],
-            exp_avg_sq=state["exp_avg_sq"],
-            param_copy=out_copy,
-            found_inf=flag,
-            step=state["step"],
-            **self._hparams(group, beta1, beta2),
-        )
-        if param.is_cuda:
-            _C.cuda_fs_adam_step(**kwargs, stream=torch.cuda.current_stream(param.device).cuda_stream)
-        else:
-            _C.cpu_fs_adam_step(**kwargs)
-        if target is not param:
-            param.copy_(target)
-        if copy is not None and not copy.is_contiguous():
-            copy.detach().copy_(out_copy)
 
     def _update_optim_scale(self, overflow: bool) -> None:
         if overflow:

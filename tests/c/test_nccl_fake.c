@@ -292,6 +292,7 @@ static void test_block_count_overflow(void) {
 /* What fsc_gpu_fs_adam_plan handed its visitor, checked as it comes. */
 typedef struct {
     fsc_tensor_t *const *t;
+    const fsc_fs_adam_scalars_t *sc;
     int64_t n, next; /* the next non-empty parameter a table or a single launch must start at */
     int tables, singles, full_tables;
 } plan_seen_t;
@@ -323,6 +324,8 @@ static fsc_status_t plan_visit(void *ctx, const fsc_fs_adam_table_t *tab, const 
         EXPECT(tab->param[c] == ti[0]->data && tab->grad[c] == ti[1]->data && tab->exp_avg[c] == ti[2]->data &&
                    tab->exp_avg_sq[c] == ti[3]->data && tab->copy[c] == (ti[4] ? ti[4]->data : NULL),
                "table entry %d is not parameter %lld", c, (long long)i);
+        EXPECT(tab->step_size[c] == p->sc[i].step_size, "parameter %lld: step size %g, expected %g", (long long)i,
+               tab->step_size[c], p->sc[i].step_size);
         EXPECT(tab->numel[c] == ti[0]->numel && (int64_t)blocks == (ti[0]->numel + 4095) / 4096,
                "parameter %lld: %lld elements in %d blocks", (long long)i, tab->numel[c], blocks);
         int mine[4] = {ti[0]->dtype == FSC_FLOAT16    ? 1
@@ -357,7 +360,10 @@ static void test_fs_adam_plan(void) {
     static float mem[5][N]; /* distinct addresses; the plan never touches the data */
     static uint16_t half[N];
     fsc_tensor_t ts[N][5], *t[N * 5];
+    fsc_fs_adam_scalars_t sc[N];
+    memset(sc, 0, sizeof(sc));
     for (int i = 0; i < N; i++) {
+        sc[i].step_size = 1.0f + (float)i; /* each parameter its own */
         int64_t numel = i % 9 == 4 ? 0 : (int64_t)((i * 7919) % 30000) + 1;
         if (i == 10 || i == 11) numel = 4096 * (i - 9); /* whole chunks */
         if (i == 40) numel = (int64_t)1 << 45;          /* more chunks than INT32_MAX / 2 */
@@ -376,13 +382,13 @@ static void test_fs_adam_plan(void) {
             t[i * 5 + 4] = NULL;
         }
     }
-    plan_seen_t seen = {.t = t, .n = N};
-    EXPECT(fsc_gpu_fs_adam_plan(t, N, plan_visit, &seen) == FSC_OK, "plan: %s", fsc_last_error());
+    plan_seen_t seen = {.t = t, .sc = sc, .n = N};
+    EXPECT(fsc_gpu_fs_adam_plan(t, sc, N, plan_visit, &seen) == FSC_OK, "plan: %s", fsc_last_error());
     EXPECT(next_nonempty(&seen, seen.next) == N, "the plan stopped at parameter %lld", (long long)seen.next);
     EXPECT(seen.singles == 1, "%d single launches, expected 1 (parameter 40)", seen.singles);
     EXPECT(seen.full_tables >= 1, "no table of %d parameters", FSC_FS_ADAM_TABLE);
-    seen = (plan_seen_t){.t = t, .n = 0};
-    EXPECT(fsc_gpu_fs_adam_plan(t, 0, plan_visit, &seen) == FSC_OK && seen.tables == 0, "no parameters: %d tables",
+    seen = (plan_seen_t){.t = t, .sc = sc, .n = 0};
+    EXPECT(fsc_gpu_fs_adam_plan(t, sc, 0, plan_visit, &seen) == FSC_OK && seen.tables == 0, "no parameters: %d tables",
            seen.tables);
 }
 
