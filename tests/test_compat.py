@@ -149,7 +149,7 @@ def test_alias_gives_the_same_module_objects():
     assert out.split() == ["0.4.13+fairscale_c.0.1.0", "(0,", "4,", "13)", "gone"]
 
 
-@pytest.mark.parametrize("name", ["fairscale.experimental.wgit", "fairscale.nn.pipe.rpc"])
+@pytest.mark.parametrize("name", ["fairscale.experimental.wgit", "fairscale.nn.pipe.async_schedule"])
 def test_alias_names_a_module_it_does_not_provide(name):
     proc = run_python(f"""
         import importlib, fairscale_c.compat
@@ -164,10 +164,10 @@ def test_alias_names_a_missing_class():
     proc = run_python("""
         import fairscale_c.compat
         fairscale_c.compat.install()
-        from fairscale.nn import PipeRPCWrapper
+        from fairscale.nn.pipe.types import PipeMessage
         """)
     assert proc.returncode != 0, proc.stderr
-    assert "cannot import name 'PipeRPCWrapper' from 'fairscale_c.nn'" in proc.stderr, proc.stderr
+    assert "cannot import name 'PipeMessage' from 'fairscale_c.nn.pipe.types'" in proc.stderr, proc.stderr
 
 
 def test_messages_name_packages_as_the_caller_imports_them():

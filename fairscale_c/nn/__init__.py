@@ -4,7 +4,7 @@ from .checkpoint import checkpoint_wrapper
 from .data_parallel import FullyShardedDataParallel, ShardedDataParallel
 from .misc import FlattenParamsWrapper
 from .moe import MOELayer, Top2Gate
-from .pipe import Pipe
+from .pipe import Pipe, PipeRPCWrapper
 from .wrap import auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "MOELayer",
     "Top2Gate",
     "Pipe",
+    "PipeRPCWrapper",
     "checkpoint_wrapper",
     "auto_wrap",
     "config_auto_wrap_policy",

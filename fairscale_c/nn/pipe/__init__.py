@@ -1,5 +1,6 @@
 """fairscale_c.nn.pipe — mirrors fairscale.nn.pipe: Pipe (GPipe in one process), AsyncPipe (one
-partition per rank), skip connections (``.skip``) and balance helpers (``.balance``); see
+partition per rank) and PipeRPCWrapper (an AsyncPipe driven from rank 0 over torch RPC), skip
+connections (``.skip``) and balance helpers (``.balance``); see
 docs/pipe.md.
 
 Beyond FairScale, multi-process pipelines: :class:`PipelineStage` with the schedules
@@ -11,6 +12,7 @@ docs/pipe_stages.md.
 from ..checkpoint import is_checkpointing, is_recomputing
 from .async_pipe import AsyncPipe
 from .pipe import Pipe
+from .rpc import PipeRPCWrapper
 from .schedule import (
     PipelineSchedule,
     Schedule1F1B,
@@ -26,6 +28,7 @@ from .types import LazyModule
 __all__ = [
     "Pipe",
     "AsyncPipe",
+    "PipeRPCWrapper",
     "LazyModule",
     "is_checkpointing",
     "is_recomputing",
