@@ -11,6 +11,9 @@ rank's partition. Rows: (width, batch, chunks), checkpoint "never".
 - fairscale_c: activations and gradients through fairscale_c.distributed point-to-point.
 - fairscale: FairScale 0.4.13's AsyncPipe, which needs torch RPC (its transport: TensorPipe).
   Skipped, and said so, without fairscale.
+- fairscale_c rpc: the same AsyncPipe driven from rank 0 by PipeRPCWrapper (the last stage's
+  output and its gradient, and the optimizer step through ``foreach_worker``, over torch RPC; rank
+  1 only serves RPC). FairScale's PipeRPCWrapper needs CUDA, so it has no row here.
 - local: one process training the whole model on the whole batch (no pipeline, no messages): what
   the two stages together compute, run by one core.
 
@@ -70,6 +73,15 @@ class Stage:
         import torch.distributed as dist
 
         model = _model(width)
+        self.x = torch.randn(batch, width, generator=torch.Generator().manual_seed(10))
+        self.out: Any = None
+        if framework == "fairscale_c rpc":
+            from fairscale_c.nn.pipe import PipeRPCWrapper
+
+            self.wrapper = PipeRPCWrapper(model, [8, 8], group=dist.group.WORLD, chunks=chunks, checkpoint="never")
+            self.wrapper.foreach_worker(_register_sgd, include_self=True)
+            return
+        self.wrapper = None
         if framework == "fairscale":
             cls = load_fairscale_async_pipe()
             self.pipe = cls(model, [8, 8], worker_map=workers, chunks=chunks, checkpoint="never")
@@ -78,16 +90,28 @@ class Stage:
 
             self.pipe = AsyncPipe(model, [8, 8], group=dist.group.WORLD, chunks=chunks, checkpoint="never")
         self.opt = torch.optim.SGD(self.pipe.parameters(), lr=1e-3)
-        self.x = torch.randn(batch, width, generator=torch.Generator().manual_seed(10))
-        self.out: Any = None
 
     def step(self) -> None:
+        if self.wrapper is not None:
+            out = self.wrapper(self.x)
+            out.pow(2).mean().backward()
+            self.wrapper.foreach_worker(_sgd_step, include_self=True)
+            return
         self.opt.zero_grad(set_to_none=True)
         out = self.pipe(self.x)
         if self.pipe.final_stage:
             out.pow(2).mean().backward()
             self.out = out.detach()
         self.opt.step()
+
+
+def _register_sgd(ctx: Any, model: nn.Module) -> None:
+    model.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def _sgd_step(ctx: Any, model: nn.Module) -> None:
+    model.opt.step()
+    model.opt.zero_grad(set_to_none=True)
 
 
 def _local_step_s(width: int, batch: int, cfg: Dict[str, Any]) -> float:
@@ -115,40 +139,46 @@ def rank_main(rank: int, cfg: Dict[str, Any], mode: str) -> Dict[str, Any]:
     import torch.distributed as dist
 
     have_fs = load_fairscale_async_pipe() is not None
-    frameworks = ["fairscale_c"] + (["fairscale"] if have_fs else [])
+    frameworks = ["fairscale_c", "fairscale_c rpc"] + (["fairscale"] if have_fs else [])
     if mode == "memory":  # no peaks are measured here: the harness's second run has nothing to do
         return {f"w{w} b{b} c{c}": {f: {} for f in frameworks} for w, b, c in cfg["sizes"]}
+    from torch.distributed import rpc
+
     workers = {r: f"worker{r}" for r in range(WORLD)}
+    port = torch.tensor([_free_port() if rank == 0 else 0])
+    dist.broadcast(port, 0)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port.item()}")
+    rpc.init_rpc(workers[rank], rank=rank, world_size=WORLD, rpc_backend_options=options)
     if have_fs:
         from fairscale.nn.model_parallel import initialize_model_parallel
-        from torch.distributed import rpc
 
-        port = torch.tensor([_free_port() if rank == 0 else 0])
-        dist.broadcast(port, 0)
-        options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port.item()}")
-        rpc.init_rpc(workers[rank], rank=rank, world_size=WORLD, rpc_backend_options=options)
         initialize_model_parallel(1, WORLD)
     try:
         results: Dict[str, Any] = {}
         for width, batch, chunks in cfg["sizes"]:
             key = f"w{width} b{batch} c{chunks}"
-            stages = {f: Stage(f, width, batch, chunks, workers) for f in frameworks}
+            stages = {f: Stage(f, width, batch, chunks, workers) for f in frameworks if f != "fairscale_c rpc"}
+            if rank == 0:  # the wrapper lives on rank 0; rank 1 builds its stage when asked over RPC
+                stages["fairscale_c rpc"] = Stage("fairscale_c rpc", width, batch, chunks, workers)
+            steps: Dict[str, Callable[[], None]] = {f: stages[f].step if f in stages else _idle for f in frameworks}
             if have_fs:
                 _guard(stages, key)
-            steps: Dict[str, Callable[[], None]] = {f: s.step for f, s in stages.items()}
             results[key] = time_steps(steps, cfg)
             local = _local_step_s(width, batch, cfg) if rank == 0 else 0.0
             results[key]["local"] = {"step_s": max_over_ranks(local)}
         return results
     finally:
-        if have_fs:
-            rpc.shutdown()
+        rpc.shutdown()
+
+
+def _idle() -> None:
+    """Rank 1's part of a PipeRPCWrapper step: none (its RPC threads run the stage)."""
 
 
 def _guard(stages: Dict[str, Stage], key: str) -> None:
     """One step of each pipe from the same weights gives the same last-stage output."""
-    for s in stages.values():
-        s.step()
+    for f in ("fairscale_c", "fairscale"):
+        stages[f].step()
     a, b = stages["fairscale_c"].out, stages["fairscale"].out
     if a is not None and not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
         raise RuntimeError(f"fairscale_c's and FairScale's AsyncPipe outputs differ at {key}")
@@ -156,15 +186,19 @@ def _guard(stages: Dict[str, Stage], key: str) -> None:
 
 def table(results: Dict[str, Any]) -> str:
     lines = [
-        "| width, batch, chunks | local ms (one process) | fairscale_c ms | FairScale ms | ours / FairScale "
-        "| ours / local |",
-        "|---|---|---|---|---|---|",
+        "| width, batch, chunks | local ms (one process) | fairscale_c ms | fairscale_c rpc ms | FairScale ms "
+        "| ours / FairScale | rpc / ours | ours / local |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, r in results.items():
         ours, local, fs = r["fairscale_c"]["step_s"], r["local"]["step_s"], r.get("fairscale")
+        rpc = r["fairscale_c rpc"]["step_s"]
         fs_ms = f"{1e3 * fs['step_s']:.2f}" if fs else "not installed"
         ratio = f"{ours / fs['step_s']:.2f}" if fs else "-"
-        lines.append(f"| {key} | {1e3 * local:.2f} | {1e3 * ours:.2f} | {fs_ms} | {ratio} | {ours / local:.2f} |")
+        lines.append(
+            f"| {key} | {1e3 * local:.2f} | {1e3 * ours:.2f} | {1e3 * rpc:.2f} | {fs_ms} | {ratio} | {rpc / ours:.2f} "
+            f"| {ours / local:.2f} |"
+        )
     return "\n".join(lines)
 
 
