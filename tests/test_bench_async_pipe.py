@@ -1,5 +1,6 @@
 """benchmarks/async_pipe.py end to end at a tiny size: both spawned runs finish, every pipe present
-is timed beside the one-process reference, and the table has a row per size."""
+(PipeRPCWrapper's included) is timed beside the one-process reference, and the table has a row per
+size."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_async_pipe_benchmark_runs_and_reports_every_framework(tmp_path, capsys)
     assert async_pipe_script.main(argv) == 0
     results = json.loads(out.read_text())["results"]
     have_fairscale = async_pipe_script.load_fairscale_async_pipe() is not None
-    frameworks = ["fairscale_c", "local"] + (["fairscale"] if have_fairscale else [])
+    frameworks = ["fairscale_c", "fairscale_c rpc", "local"] + (["fairscale"] if have_fairscale else [])
     assert sorted(results) == ["w8 b4 c1", "w8 b4 c2"]
     for row in results.values():
         assert sorted(row) == sorted(frameworks)
