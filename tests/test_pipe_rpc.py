@@ -185,7 +185,7 @@ def _errors_job(rank, world):
     join_gloo(rank, world)
     seen = []
     try:
-        with rpc_workers(rank, world) as _:
+        with rpc_workers(rank, world):
             if rank == 0:
                 # rank 1's stage raises on its micro-batch (in eval mode stage 0 has sent it and is done)
                 pipe = PipeRPCWrapper(nn.Sequential(nn.Linear(4, 4), Boom()), [1, 1], group=dist.group.WORLD).eval()

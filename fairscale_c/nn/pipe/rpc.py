@@ -32,6 +32,7 @@ What differs from FairScale 0.4.13 (whose wrapper needs CUDA and MPI-launched te
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -75,23 +76,19 @@ def _device_scope(model: AsyncPipe) -> Any:
     device = model._device()
     if device is not None and device.type == "cuda":
         return torch.cuda.device(device)
-    return _Null()
+    return contextlib.nullcontext()
 
 
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+def _host(t: Tensor) -> Tensor:
+    """``t`` detached, on the host (what RPC carries without a device map)."""
+    return t.detach().cpu() if t.is_cuda else t.detach()
 
 
 class _Worker:
     """The thread that runs a stage's work, one per stage and kept between steps: on rank 0 the
-    stage's step; on the other ranks everything RPC asks of the stage. The first operators a new
-    thread runs cost milliseconds of torch's per-thread set-up, and memory freed on a thread other
-    than the one that allocated it goes back to another heap arena (RPC's handler threads change
-    from call to call), which costs page faults on every step."""
+    stage's step; on the other ranks everything RPC asks of the stage (RPC's handler threads
+    change from call to call). The first operators a new thread runs cost milliseconds of torch's
+    per-thread set-up."""
 
     def __init__(self) -> None:
         self.jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
@@ -137,10 +134,11 @@ def _build(key: Tuple[int, int], kind: str, args: Sequence[Any], kwargs: Dict[st
     """On a rank other than 0: this rank's stage of the wrapper ``key``."""
     kwargs = dict(kwargs)
     device = kwargs.get("input_device")
-    if device is not None and torch.device(device).type == "cuda":
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
         kwargs["input_device"] = torch.device("cuda", torch.cuda.current_device())
     model = AsyncPipe(*args, group=_group(kind), **kwargs)
-    if device is not None and torch.device(device).type == "cuda":
+    if cuda:
         model.to(kwargs["input_device"])
     _models[key] = model
     _workers[key] = _Worker()
@@ -176,7 +174,7 @@ def _forward(
             outs = out if isinstance(out, tuple) else (out,)
             if training and grad:
                 _results[key] = outs
-            return isinstance(out, Tensor), [o.detach().cpu() if o.is_cuda else o.detach() for o in outs]
+            return isinstance(out, Tensor), [_host(o) for o in outs]
 
     return _workers[key].call(run)
 
@@ -282,7 +280,7 @@ class _FromLastStage(torch.autograd.Function):
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[None, ...]:
         wrapper, step = ctx.wrapper, ctx.step
         ctx.wrapper = ctx.step = None  # the graph node outlives the step: it must not keep the wrapper
-        host = [None if g is None else (g.detach().cpu() if g.is_cuda else g.detach()) for g in grads]
+        host = [None if g is None else _host(g) for g in grads]
         last = wrapper._rpc_name(len(wrapper.model.balance) - 1)
         fut = step.watch(rpc.rpc_async(last, _backward, args=(wrapper._key, host), timeout=fdist.timeout_s()))
         step.wait_for(fut, "the last stage's backward")
