@@ -408,6 +408,33 @@ def test_export_outlives_interpreter_shutdown():
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.parametrize("first", ["parameter", "refused_parameter", "subclass"])
+def test_exchange_api_serves_every_tensor_type_whichever_comes_first(first):
+    # torch tensors are imported through DLPack's C exchange API, without calling __dlpack__. The
+    # first tensor the process imports may be a subclass (nn.Parameter, even one refused for
+    # requiring grad, or a user's subclass): plain tensors and other subclasses must still take
+    # that path, here made observable by a __dlpack__ that raises.
+    code = (
+        "import torch; from fairscale_c import _C\n"
+        "class Mine(torch.Tensor): pass\n"
+        f"first = {first!r}\n"
+        "if first == 'parameter': _C.describe(torch.nn.Parameter(torch.zeros(2), requires_grad=False))\n"
+        "if first == 'subclass': _C.describe(torch.zeros(2).as_subclass(Mine))\n"
+        "if first == 'refused_parameter':\n"
+        "    try: _C.describe(torch.nn.Parameter(torch.zeros(2)))\n"
+        "    except ValueError: pass\n"
+        "    else: raise SystemExit('a parameter that requires grad was imported')\n"
+        "def no_python_export(self, *a, **k): raise AssertionError('__dlpack__ called')\n"
+        "torch.Tensor.__dlpack__ = no_python_export\n"
+        "for t in (torch.arange(3.0), torch.nn.Parameter(torch.ones(2), requires_grad=False),\n"
+        "          torch.ones(2).as_subclass(Mine)):\n"
+        "    assert _C.describe(t)['shape'] == tuple(t.shape)\n"
+        "dst = torch.zeros(3); _C.copy_(dst, torch.arange(3.0)); assert dst.tolist() == [0.0, 1.0, 2.0]\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 def test_pack_blocks_interleaves_rank_blocks():
     a, b = torch.arange(6.0), torch.arange(10.0, 14.0)
     out = torch.empty(10)

@@ -18,7 +18,7 @@ typedef struct {
     PyTypeObject *WorkType;     /* _C.Work (async collective handle) */
     PyTypeObject *NcclCommType; /* _C.NcclComm (collective engine, nccl backend) */
     /* DLPack C exchange API of the tensor type that has one (torch.Tensor), found at first use */
-    PyObject *xtype;    /* that type */
+    PyObject *xtype;    /* the type that defines it (its subclasses use it too) */
     PyObject *xcapsule; /* its __dlpack_c_exchange_api__ capsule (keeps the API alive) */
     const void *xapi;   /* const DLPackExchangeAPI * */
     PyObject *xnone;    /* the last type found without one (probed once, not every call) */

@@ -327,14 +327,28 @@ static int device_is_cuda(PyObject *obj, const char *argname, int *is_cuda) {
     return 0;
 }
 
+/* The type in `type`'s MRO whose own dict defines `__dlpack_c_exchange_api__` (borrowed), or NULL. */
+static PyTypeObject *exchange_api_owner(PyTypeObject *type) {
+    PyObject *mro = type->tp_mro;
+    if (mro == NULL || !PyTuple_Check(mro)) return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if (base->tp_dict != NULL && PyDict_GetItemString(base->tp_dict, "__dlpack_c_exchange_api__") != NULL)
+            return base;
+    }
+    return NULL;
+}
+
 /* The exchange API of `type` (DLPack >= 1.2, `__dlpack_c_exchange_api__`), or NULL. Found once per
- * process for the type that has it (and its subclasses, e.g. nn.Parameter); a type without it is
+ * process and remembered for the type that defines it, so that every subclass of it (torch.Tensor,
+ * nn.Parameter, a user's subclass) takes it whichever is imported first; a type without it is
  * remembered so that the probe is not repeated for every call. */
 static const DLPackExchangeAPI *exchange_api_of(fsc_module_state *st, PyTypeObject *type) {
     if (st->xtype != NULL && (type == (PyTypeObject *)st->xtype || PyType_IsSubtype(type, (PyTypeObject *)st->xtype)))
         return st->xapi;
     if (st->xtype != NULL || type == (PyTypeObject *)st->xnone) return NULL;
-    PyObject *cap = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
+    PyTypeObject *owner = exchange_api_owner(type);
+    PyObject *cap = owner == NULL ? NULL : PyObject_GetAttrString((PyObject *)owner, "__dlpack_c_exchange_api__");
     const DLPackExchangeAPI *api = NULL;
     if (cap != NULL && PyCapsule_IsValid(cap, "dlpack_exchange_api"))
         api = PyCapsule_GetPointer(cap, "dlpack_exchange_api");
@@ -345,7 +359,7 @@ static const DLPackExchangeAPI *exchange_api_of(fsc_module_state *st, PyTypeObje
         Py_XSETREF(st->xnone, Py_NewRef((PyObject *)type));
         return NULL;
     }
-    st->xtype = Py_NewRef((PyObject *)type);
+    st->xtype = Py_NewRef((PyObject *)owner);
     st->xcapsule = cap;
     st->xapi = api;
     return api;
