@@ -179,8 +179,8 @@ static int parse_item(fsc_py_calls_t *c, PyObject *module, PyObject *item, Py_ss
         {"copy", FSC_OP_COPY, "OO"},
     };
     if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(item, 0))) {
-        PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd must be a tuple (name, ...), got %s", i,
-                     Py_TYPE(item)->tp_name);
+        PyErr_Format(PyExc_TypeError, "argument 'ops': item %zd must be a tuple whose first value names the op, got %R",
+                     i, item);
         return -1;
     }
     const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(item, 0));

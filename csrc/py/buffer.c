@@ -1,4 +1,5 @@
 /* buffer.c — _C.Buffer (C-owned host memory exported through DLPack) and host copy functions. */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -66,9 +67,14 @@ static int parse_shape(PyObject *obj, int *ndim, int64_t *shape, int64_t *numel)
             Py_DECREF(seq);
             return -1;
         }
-        if (v < 0 || (v > 0 && *numel > INT64_MAX / v / 8)) {
+        if (v < 0) {
             Py_DECREF(seq);
             PyErr_Format(PyExc_ValueError, "argument 'shape': dim %zd is %lld; expected a non-negative size", i, v);
+            return -1;
+        }
+        if (v > 0 && *numel > INT64_MAX / v / 8) {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "argument 'shape': %R has more elements than a buffer can hold", obj);
             return -1;
         }
         shape[i] = v;
@@ -194,6 +200,26 @@ static PyObject *export_capsule(BufferObject *self, int versioned, int copied) {
     return cap;
 }
 
+/* `obj` as a 2-tuple of ints that fit a C int, or -1 with a TypeError/OverflowError naming `argname`. */
+static int int_pair(PyObject *obj, const char *argname, int *a, int *b) {
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 2 || !PyLong_Check(PyTuple_GET_ITEM(obj, 0)) ||
+        !PyLong_Check(PyTuple_GET_ITEM(obj, 1))) {
+        PyErr_Format(PyExc_TypeError, "__dlpack__: argument '%s' must be a tuple of two ints, got %R", argname, obj);
+        return -1;
+    }
+    int *out[2] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        long v = PyLong_AsLong(PyTuple_GET_ITEM(obj, i));
+        if ((v == -1 && PyErr_Occurred()) || v < INT_MIN || v > INT_MAX) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_OverflowError, "__dlpack__: argument '%s' holds an int out of range", argname);
+            return -1;
+        }
+        *out[i] = (int)v;
+    }
+    return 0;
+}
+
 /* __dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None) per the array API. */
 static PyObject *buffer_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
@@ -201,13 +227,17 @@ static PyObject *buffer_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs) 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$OOOO:__dlpack__", kwlist, &stream, &max_version, &dl_device,
                                      &copy))
         return NULL;
-    if (stream != Py_None && !(PyLong_Check(stream) && PyLong_AsLong(stream) == -1)) {
-        PyErr_SetString(PyExc_BufferError, "__dlpack__: argument 'stream' must be None for a CPU buffer");
-        return NULL;
+    if (stream != Py_None) {
+        int overflow = 0;
+        long long v = PyLong_Check(stream) ? PyLong_AsLongLongAndOverflow(stream, &overflow) : 0;
+        if (!PyLong_Check(stream) || overflow || v != -1) {
+            PyErr_SetString(PyExc_BufferError, "__dlpack__: argument 'stream' must be None for a CPU buffer");
+            return NULL;
+        }
     }
     if (dl_device != Py_None) {
         int type, id;
-        if (!PyArg_ParseTuple(dl_device, "ii", &type, &id)) return NULL;
+        if (int_pair(dl_device, "dl_device", &type, &id) < 0) return NULL;
         if (type != kDLCPU) {
             PyErr_Format(PyExc_BufferError,
                          "__dlpack__: argument 'dl_device': cannot export a CPU buffer to device type %d", type);
@@ -216,11 +246,12 @@ static PyObject *buffer_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs) 
     }
     int versioned = 0;
     if (max_version != Py_None) {
-        unsigned int major, minor;
-        if (!PyArg_ParseTuple(max_version, "II", &major, &minor)) return NULL;
+        int major, minor;
+        if (int_pair(max_version, "max_version", &major, &minor) < 0) return NULL;
         versioned = major >= 1;
     }
-    int copied = copy != Py_None && PyObject_IsTrue(copy) == 1;
+    int copied = 0;
+    if (copy != Py_None && (copied = PyObject_IsTrue(copy)) < 0) return NULL;
     return export_capsule((BufferObject *)obj, versioned, copied);
 }
 

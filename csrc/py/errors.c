@@ -13,7 +13,7 @@ PyObject *fsc_py_raise(PyObject *module, fsc_status_t st) {
         case FSC_ERR_VALUE: exc = PyExc_ValueError; break;
         case FSC_ERR_TYPE: exc = PyExc_TypeError; break;
         case FSC_ERR_DLPACK: exc = PyExc_BufferError; break;
-        case FSC_ERR_NOMEM: return PyErr_NoMemory();
+        case FSC_ERR_NOMEM: exc = PyExc_MemoryError; break;
         case FSC_ERR_SYSTEM: exc = PyExc_OSError; break;
         case FSC_ERR_COMM:
         case FSC_ERR_TIMEOUT:

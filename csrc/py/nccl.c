@@ -18,6 +18,10 @@ static PyObject *py_nccl_load(PyObject *module, PyObject *args, PyObject *kwargs
     const char *paths[16];
     Py_ssize_t n = 0;
     if (paths_obj != NULL && paths_obj != Py_None) {
+        if (PyUnicode_Check(paths_obj) || PyBytes_Check(paths_obj)) {
+            PyErr_SetString(PyExc_TypeError, "argument 'paths': expected a sequence of str, got one string");
+            return NULL;
+        }
         seq = PySequence_Fast(paths_obj, "argument 'paths': expected a sequence of str");
         if (seq == NULL) return NULL;
         n = PySequence_Fast_GET_SIZE(seq);
@@ -27,8 +31,13 @@ static PyObject *py_nccl_load(PyObject *module, PyObject *args, PyObject *kwargs
             return NULL;
         }
         for (Py_ssize_t i = 0; i < n; i++) {
-            paths[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
-            if (paths[i] == NULL) {
+            PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+            Py_ssize_t len = 0;
+            paths[i] = PyUnicode_Check(item) ? PyUnicode_AsUTF8AndSize(item, &len) : NULL;
+            if (paths[i] == NULL || strlen(paths[i]) != (size_t)len) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError, "argument 'paths': item %zd must be a str without NUL characters, got %R",
+                             i, item);
                 Py_DECREF(seq);
                 return NULL;
             }
