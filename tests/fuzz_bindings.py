@@ -11,6 +11,11 @@ SystemError (the C API misused: an error set without NULL returned, or NULL with
 on anything that is not an Exception, and it dies on a crash. At the end, with every object
 dropped, no C-owned host buffer, shared mapping or /dev/shm segment of this process may remain.
 Prints one JSON line: per function, how many calls returned and how many raised each type.
+
+FZ_FAKE_CUDA=1, with LD_LIBRARY_PATH naming the fake CUDA driver and NCCL of the C tests
+(tests/c/build/fake), adds _C.NcclComm's methods and the CUDA launchers, fed "CUDA tensors" that
+are host memory exported through DLPack as device memory: the fake NCCL only moves bytes between
+host pointers, and the fake driver refuses every kernel launch.
 """
 
 import ctypes
@@ -23,6 +28,15 @@ import sys
 import numpy as np
 import torch
 
+from dlpack_ctypes import (
+    DLDataType,
+    DLDevice,
+    DLManagedTensorVersioned,
+    DLPackVersion,
+    DLTensor,
+    PyCapsule_New,
+    VersionedDeleter,
+)
 from fairscale_c import _C
 
 SEED, CALLS = int(sys.argv[1]), int(sys.argv[2])
@@ -68,9 +82,33 @@ _capsule_memory = ctypes.create_string_buffer(256)
 
 
 def foreign_capsule(name: bytes):
-    new = ctypes.pythonapi.PyCapsule_New
-    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    return new(ctypes.addressof(_capsule_memory), name, None)
+    return PyCapsule_New(ctypes.addressof(_capsule_memory), name, None)
+
+
+class FakeCuda:
+    """Host memory exported through DLPack as memory of CUDA device `device` (fake driver only)."""
+
+    DL = {"float32": (2, 32), "float16": (2, 16), "bfloat16": (4, 16), "float64": (2, 64), "int64": (0, 64)}
+    NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64, "int64": np.int64}
+
+    def __init__(self, numel, dtype, device=0, strides=None, readonly=False):
+        self.array = np.zeros(max(numel, 1), dtype=self.NP[dtype])
+        self.numel, self.dtype, self.device, self.readonly = numel, dtype, device, readonly
+        self.shape = (ctypes.c_int64 * 1)(numel)
+        self.strides = None if strides is None else (ctypes.c_int64 * 1)(strides)
+        self.exports = []  # every managed tensor handed out stays alive with this object
+
+    def __dlpack_device__(self):
+        return (2, self.device)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        code, bits = self.DL[self.dtype]
+        t = DLTensor(self.array.ctypes.data, DLDevice(2, self.device), 1, DLDataType(code, bits, 1))
+        t.shape, t.strides = self.shape, self.strides
+        deleter = VersionedDeleter(lambda _: None)
+        managed = DLManagedTensorVersioned(DLPackVersion(1, 0), None, deleter, 1 if self.readonly else 0, t)
+        self.exports.append((managed, deleter))
+        return PyCapsule_New(ctypes.addressof(managed), b"dltensor_versioned", None)
 
 
 def tensor():
@@ -126,7 +164,7 @@ def arg():
     return tensor() if rng.random() < 0.85 else scalar()
 
 
-def tensors(n=None):
+def tensors(n=None, tensor=tensor):
     if rng.random() < 0.8:
         return [tensor() for _ in range(rng.randrange(4) if n is None else n)]
     return rng.choice([[arg() for _ in range(rng.randrange(3))], None, arg(), (tensor(),)])
@@ -136,13 +174,13 @@ def maybe(value, p=0.97):
     return value if rng.random() < p else scalar()
 
 
-def adam_kwargs(multi: bool) -> dict:
+def adam_kwargs(multi: bool, tensor=tensor) -> dict:
     n = rng.randrange(4)
     kw = {}
     for name in ("param", "grad", "exp_avg", "exp_avg_sq", "param_copy"):
         plural = name + "s" if name != "param_copy" else "param_copies"
         if multi:
-            kw[plural] = tensors(n)
+            kw[plural] = tensors(n, tensor)
         else:
             kw[name] = None if name == "param_copy" and flag() else tensor()
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, bias_correction=True)
@@ -283,6 +321,106 @@ FUNCTIONS = {
 }
 
 
+# ---- CUDA, against the fake driver and NCCL (FZ_FAKE_CUDA=1) -------------------------------------
+
+cuda_theme = ["float32", 4]
+cuda_keep = []  # what the fake NCCL may still read: every buffer sent, until the run ends
+
+
+def cuda_tensor():
+    if rng.random() < 0.1:
+        return tensor()  # host memory where device memory is expected
+    dtype, numel = cuda_theme if rng.random() < 0.85 else (rng.choice(list(FakeCuda.DL)), rng.choice([0, 1, 4, 64]))
+    odd = rng.randrange(20)
+    t = FakeCuda(
+        numel,
+        dtype,
+        device=rng.choice([1, -1]) if odd == 0 else 0,
+        strides=rng.choice([2, 0, -1]) if odd == 1 else None,
+        readonly=odd == 2,
+    )
+    cuda_keep.append(t)
+    return t
+
+
+def stream():
+    return 0 if rng.random() < 0.9 else rng.choice([-1, 2**64, "x", None, 1.5])
+
+
+comm_state = {"comm": None, "calls": 0}
+
+
+def comm():
+    comm_state["calls"] += 1
+    if comm_state["comm"] is None or comm_state["calls"] % 64 == 0:
+        comm_state["comm"] = _C.NcclComm(_C.nccl_unique_id(), 0, 1, 0, rng.choice([0.0, 5.0]))
+    return comm_state["comm"]
+
+
+def comm_end():
+    c = comm()
+    c.abort() if flag() else c.destroy(rng.choice([0.0, 1.0, -1.0, scalar()]))
+    comm_state["comm"] = None
+
+
+def nccl_batch():
+    t = cuda_tensor()
+    ops = rng.choice(
+        [
+            [("send", t, 0), ("recv", cuda_tensor(), 0)],
+            [("recv", cuda_tensor(), 0), ("send", t, 0)],
+            [("send", t, 1)],
+            [("all_reduce", t, "sum")],
+            [("send", t)],
+            [],
+            [(scalar(), t, 0)],
+            scalar(),
+        ]
+    )
+    comm().batch(ops, stream())
+
+
+CUDA_FUNCTIONS = {
+    "NcclComm.all_gather": lambda: comm().all_gather(cuda_tensor(), cuda_tensor(), stream()),
+    "NcclComm.reduce_scatter": lambda: comm().reduce_scatter(cuda_tensor(), cuda_tensor(), op(), stream()),
+    "NcclComm.all_reduce": lambda: comm().all_reduce(cuda_tensor(), op(), stream()),
+    "NcclComm.broadcast": lambda: comm().broadcast(cuda_tensor(), rng.choice([0, 1, -1, scalar()]), stream()),
+    "NcclComm.reduce": lambda: comm().reduce(cuda_tensor(), op(), rng.choice([0, 1, -1]), stream()),
+    "NcclComm.send": lambda: comm().send(cuda_tensor(), rng.choice([0, 1, -1]), stream()),
+    "NcclComm.recv": lambda: comm().recv(cuda_tensor(), rng.choice([0, 1, -1]), stream()),
+    "NcclComm.batch": nccl_batch,
+    "NcclComm.all_to_all_single": lambda: comm().all_to_all_single(
+        cuda_tensor(), cuda_tensor(), splits(), splits(), stream()
+    ),
+    "NcclComm.wait": lambda: comm().wait(stream(), rng.choice([0.0, 0.5, -1.0, float("nan"), scalar()])),
+    "NcclComm.abort/destroy": comm_end,
+    "cuda_cast (device)": lambda: _C.cuda_cast(cuda_tensor(), cuda_tensor(), stream()),
+    "cuda_unscale_inf_check (device)": lambda: _C.cuda_unscale_inf_check(
+        cuda_tensor(), maybe(0.5), FakeCuda(1, "float32"), stream()
+    ),
+    "cuda_sq_norm (device)": lambda: _C.cuda_sq_norm(cuda_tensor(), cuda_tensor(), cuda_tensor(), stream(), flag()),
+    "cuda_adamw_step (device)": lambda: _C.cuda_adamw_step(
+        *[cuda_tensor() for _ in range(4)], *[maybe(v) for v in (1e-3, 0.9, 0.999, 1e-8, 0.0)], maybe(1), stream()
+    ),
+    "cuda_fs_adam_step (device)": lambda: _C.cuda_fs_adam_step(**adam_kwargs(False, cuda_tensor), stream=stream()),
+    "cuda_fs_adam_multi (device)": lambda: _C.cuda_fs_adam_multi(**adam_kwargs(True, cuda_tensor), stream=stream()),
+    "pack_blocks (device)": lambda: _C.pack_blocks(
+        cuda_tensor(), tensors(None, cuda_tensor), rng.choice([1, 2, 0]), stream=stream()
+    ),
+}
+if os.environ.get("FZ_FAKE_CUDA"):
+    FUNCTIONS.update(CUDA_FUNCTIONS)
+
+
+def ours(segment: str) -> bool:
+    """Whether a /dev/shm name that appeared during the run can be this process's: not another
+    process's engine segment ("fsc-<pid>-..."), not a POSIX semaphore of another program."""
+    if segment.startswith("sem."):
+        return False
+    parts = segment.split("-")
+    return not (parts[0] == "fsc" and len(parts) > 2 and parts[1] != str(os.getpid()))
+
+
 def main() -> int:
     segments_before = set(os.listdir("/dev/shm"))
     outcomes = {name: {} for name in FUNCTIONS}
@@ -291,6 +429,7 @@ def main() -> int:
     for i in range(CALLS):
         name = rng.choice(names)
         theme[:] = [torch.float32 if rng.random() < 0.5 else rng.choice(DTYPES), rng.choice(SHAPES)]
+        cuda_theme[:] = ["float32" if flag() else rng.choice(list(FakeCuda.DL)), rng.choice([0, 1, 4, 4096])]
         views.append(torch.zeros(8))
         del views[:-2]
         try:
@@ -305,6 +444,8 @@ def main() -> int:
             kind = type(e).__name__
             failures.append(f"call {i} ({name}): {kind} is not an Exception: {e}")
         outcomes[name][kind] = outcomes[name].get(kind, 0) + 1
+    comm_state["comm"] = None
+    cuda_keep.clear()
     g = group_state.pop("group")
     if g is not None:
         g.close()
@@ -313,7 +454,7 @@ def main() -> int:
     gc.collect()
     left = {"host buffers": _C._live_host_buffers(), "shared mappings": _C._shared_live()}
     left = {k: v for k, v in left.items() if v}
-    new_segments = sorted(set(os.listdir("/dev/shm")) - segments_before)
+    new_segments = sorted(n for n in set(os.listdir("/dev/shm")) - segments_before if ours(n))
     if left or new_segments:
         failures.append(f"left behind: {left} {new_segments}")
     print(json.dumps({"seed": SEED, "outcomes": outcomes, "failures": failures}))

@@ -34,8 +34,21 @@ MUST_RETURN = [
 ]
 
 
-def run_fuzzer(seed: int) -> dict:
-    env = dict(os.environ, FAIRSCALE_C_TIMEOUT="3")  # attaching to a group nobody creates gives up soon
+MUST_RETURN_CUDA = [
+    "NcclComm.all_gather",
+    "NcclComm.reduce_scatter",
+    "NcclComm.all_reduce",
+    "NcclComm.broadcast",
+    "NcclComm.reduce",
+    "NcclComm.wait",
+    "NcclComm.abort/destroy",
+    "pack_blocks (device)",
+]
+C_TESTS = Path(__file__).with_name("c")
+
+
+def run_fuzzer(seed: int, **extra_env: str) -> dict:
+    env = dict(os.environ, FAIRSCALE_C_TIMEOUT="3", **extra_env)  # attaching to a group nobody creates gives up soon
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same fairscale_c as this test
     r = subprocess.run(
         [sys.executable, str(FUZZER), str(seed), str(CALLS)], capture_output=True, text=True, timeout=600, env=env
@@ -57,6 +70,24 @@ def test_malformed_arguments_raise_ordinary_exceptions_and_leave_nothing_behind(
     never_called = [name for name, kinds in totals.items() if not kinds]
     assert never_called == []
     never_returned = [name for name in MUST_RETURN if not totals[name].get("returned")]
+    assert never_returned == [], f"the fuzzer no longer reaches past the checks of {never_returned}"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the fake driver is a Linux shared object")
+def test_malformed_arguments_on_the_cuda_paths_against_a_fake_driver_and_nccl():
+    # The C tests' fake CUDA driver and NCCL stand in for the real ones, so the NCCL backend's and
+    # the CUDA launchers' argument handling runs on a machine without a GPU.
+    cmd = ["make", "-C", str(C_TESTS), "build/fake/libnccl.so.2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    fake = str(C_TESTS / "build" / "fake")
+    totals: dict = {}
+    for seed in (4, 5):
+        for name, kinds in run_fuzzer(seed, FZ_FAKE_CUDA="1", LD_LIBRARY_PATH=fake).items():
+            for kind, n in kinds.items():
+                totals.setdefault(name, {}).setdefault(kind, 0)
+                totals[name][kind] += n
+    never_returned = [name for name in MUST_RETURN_CUDA if not totals[name].get("returned")]
     assert never_returned == [], f"the fuzzer no longer reaches past the checks of {never_returned}"
 
 
