@@ -385,6 +385,32 @@ def test_a_failed_run_starts_no_more_micro_batches():
     assert calls in ([0], [0, 1])
 
 
+def test_a_failed_first_run_starts_no_more_micro_batches():
+    """The same in a Pipe's first run, whose tasks take turns in clock order while it learns which
+    partitions draw random numbers: the failure is recorded before the next task's turn comes."""
+
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x
+
+    class Raise(nn.Module):
+        def forward(self, x):
+            raise ValueError("boom in the last partition")
+
+    for _ in range(200):  # when the race was there, a few of 200 runs lost it
+        counter = Counter()
+        pipe = Pipe(nn.Sequential(nn.Identity(), counter, Raise()), [1, 1, 1], devices=["cpu"] * 3, chunks=3)
+        with pytest.raises(ValueError, match="boom in the last partition"):
+            pipe(torch.randn(3, 2))
+        # turns: ... (1, 1) counter, (0, 2) raises, (2, 1) counter must not run
+        assert counter.calls == 2
+
+
 def test_exception_in_backward_reaches_the_caller():
     pipe = Pipe(nn.Sequential(nn.Linear(8, 8), Boom(on_backward=True), nn.Linear(8, 8)), [1, 2], devices=["cpu"] * 2)
     y = pipe(torch.randn(4, 8, requires_grad=True))
@@ -543,6 +569,17 @@ def test_bad_arguments_raise_fairscales_exception_types():
         Pipe(model, [9], devices=["cpu"], chunks=0)
     with pytest.raises(ValueError, match="checkpoint is not one of"):
         Pipe(model, [9], devices=["cpu"], checkpoint="sometimes")
+    # FairScale's types where its own code fails (not iterable, int(), torch.device), the argument named
+    with pytest.raises(TypeError, match="argument 'balance': expected a sequence of positive ints, got int"):
+        Pipe(model, 9, devices=["cpu"])
+    with pytest.raises(TypeError, match="argument 'devices': expected a sequence of devices"):
+        Pipe(model, [9], devices="cpu")
+    with pytest.raises(RuntimeError, match="argument 'devices': 'bogus' is not a device"):
+        Pipe(model, [9], devices=["bogus"])
+    with pytest.raises(TypeError, match="argument 'chunks': expected a positive int, got None"):
+        Pipe(model, [9], devices=["cpu"], chunks=None)
+    with pytest.raises(ValueError, match="argument 'chunks': expected a positive int, got 'many'"):
+        Pipe(model, [9], devices=["cpu"], chunks="many")
     pipe = Pipe(model, [4, 5], devices=["cpu", "cpu"])
     with pytest.raises(TypeError, match="expected Tensor, but got list"):
         pipe([torch.randn(2, 8)])

@@ -82,6 +82,20 @@ def _verify_splitting(partitions: nn.ModuleList, devices: List[torch.device]) ->
                 raise ValueError("module with duplicate parameters on distinct devices is not supported")
 
 
+def _sequence(value: Any, name: str, items: str) -> list:
+    """list(value), or the TypeError FairScale raises (not iterable) with the argument named."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"argument '{name}': expected a sequence of {items}, got {type(value).__name__}")
+    return list(value)
+
+
+def _device(d: Any) -> torch.device:
+    try:
+        return torch.device(d)
+    except (RuntimeError, TypeError) as exc:  # torch.device's own types, with the argument named
+        raise type(exc)(f"argument 'devices': {d!r} is not a device: {exc}") from None
+
+
 def _moving_denied() -> TypeError:
     return TypeError("denied to move parameters and buffers, because Pipe should manage device placement")
 
@@ -104,9 +118,10 @@ class Pipe(nn.Module):
     deferred_batch_norm: BatchNorm layers are replaced by DeferredBatchNorm, whose running
     statistics are those of the whole mini-batch.
 
-    Raises TypeError (not an nn.Sequential), ValueError (no balance, a balance that does not
-    cover the module or has a zero, chunks < 1, an unknown checkpoint mode), IndexError (fewer
-    devices than partitions).
+    Raises TypeError (not an nn.Sequential; balance or devices not a sequence; chunks not a
+    number), ValueError (no balance, a balance that does not cover the module or has a zero,
+    chunks < 1, an unknown checkpoint mode), IndexError (fewer devices than partitions),
+    RuntimeError (a device torch does not know).
     """
 
     balance: List[int] = []
@@ -125,7 +140,10 @@ class Pipe(nn.Module):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        chunks = int(chunks)
+        try:
+            chunks = int(chunks)
+        except (TypeError, ValueError) as exc:  # FairScale's exception types, with the argument named
+            raise type(exc)(f"argument 'chunks': expected a positive int, got {chunks!r}") from None
         checkpoint = str(checkpoint)
         if balance is None:
             raise ValueError(_recommend_auto_balance("balance is required"))
@@ -141,7 +159,8 @@ class Pipe(nn.Module):
             module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
         if devices is None:
             devices = range(torch.cuda.device_count())
-        devices = [torch.device(d) for d in devices]
+        devices = [_device(d) for d in _sequence(devices, "devices", "devices (str, int or torch.device)")]
+        balance = _sequence(balance, "balance", "positive ints")
         try:
             self.partitions, self.balance, self.devices = _split_module(module, balance, devices)
         except BalanceError as exc:

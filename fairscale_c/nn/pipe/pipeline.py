@@ -294,6 +294,11 @@ class Pipeline:
             if run.probing and before is not None and not rng.same(before, rng.capture(self.devices[j])):
                 run.drew[j] = True
             return out
+        except BaseException as exc:
+            # Recorded before the next task's turn comes (below), so that it sees the failure
+            # and stops instead of running.
+            run.board.fail(exc)
+            raise
         finally:
             if turn is not None:
                 with run.board.cond:
