@@ -401,6 +401,7 @@ def test_pack_blocks_interleaves_rank_blocks():
     out = torch.empty(10)
     _C.pack_blocks(out, [a, b], 2)
     assert out.tolist() == [0, 1, 2, 10, 11, 3, 4, 5, 12, 13]
+    _C.pack_blocks(torch.empty(0), [torch.empty(0)] * 3, 2**31 - 1)  # nothing to move: returns at once
     with pytest.raises(ValueError, match="'dst' has 9 elements"):
         _C.pack_blocks(torch.empty(9), [a, b], 2)
     with pytest.raises(ValueError, match=r"srcs\[1\] has 3 elements, not a multiple of world=2"):

@@ -199,6 +199,7 @@ fsc_status_t fsc_tensor_pack_blocks(fsc_tensor_t *dst, const fsc_tensor_t *srcs,
     FSC_CHECK(fsc_tensor_pack_check(dst, srcs, n, world, FSC_DEV_CPU, "pack_blocks"));
     size_t esz = fsc_dtype_size(dst->dtype);
     char *out = dst->data;
+    if (dst->numel == 0) return FSC_OK; /* nothing to move, however many (empty) blocks */
     for (int r = 0; r < world; r++) {
         for (int i = 0; i < n; i++) {
             size_t block = (size_t)(srcs[i].numel / world) * esz;
