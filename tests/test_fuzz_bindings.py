@@ -60,13 +60,19 @@ def run_fuzzer(seed: int, **extra_env: str) -> dict:
     return report["outcomes"]
 
 
-def test_malformed_arguments_raise_ordinary_exceptions_and_leave_nothing_behind():
+def fuzz_totals(seeds, **extra_env: str) -> dict:
+    """Per function, how each outcome counts over the runs of `seeds`."""
     totals: dict = {}
-    for seed in (1, 2, 3):
-        for name, kinds in run_fuzzer(seed).items():
+    for seed in seeds:
+        for name, kinds in run_fuzzer(seed, **extra_env).items():
             for kind, n in kinds.items():
                 totals.setdefault(name, {}).setdefault(kind, 0)
                 totals[name][kind] += n
+    return totals
+
+
+def test_malformed_arguments_raise_ordinary_exceptions_and_leave_nothing_behind():
+    totals = fuzz_totals((1, 2, 3))
     never_called = [name for name, kinds in totals.items() if not kinds]
     assert never_called == []
     never_returned = [name for name in MUST_RETURN if not totals[name].get("returned")]
@@ -80,13 +86,8 @@ def test_malformed_arguments_on_the_cuda_paths_against_a_fake_driver_and_nccl():
     cmd = ["make", "-C", str(C_TESTS), "build/fake/libnccl.so.2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    fake = str(C_TESTS / "build" / "fake")
-    totals: dict = {}
-    for seed in (4, 5):
-        for name, kinds in run_fuzzer(seed, FZ_FAKE_CUDA="1", LD_LIBRARY_PATH=fake).items():
-            for kind, n in kinds.items():
-                totals.setdefault(name, {}).setdefault(kind, 0)
-                totals[name][kind] += n
+    fake = os.pathsep.join(p for p in (str(C_TESTS / "build" / "fake"), os.environ.get("LD_LIBRARY_PATH")) if p)
+    totals = fuzz_totals((4, 5), FZ_FAKE_CUDA="1", LD_LIBRARY_PATH=fake)
     never_returned = [name for name in MUST_RETURN_CUDA if not totals[name].get("returned")]
     assert never_returned == [], f"the fuzzer no longer reaches past the checks of {never_returned}"
 
