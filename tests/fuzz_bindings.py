@@ -164,25 +164,26 @@ def arg():
     return tensor() if rng.random() < 0.85 else scalar()
 
 
-def tensors(n=None, tensor=tensor):
+def tensors(n=None, make=tensor):
+    """Mostly a list of `n` (default: 0-3) tensors from `make`; else something that is not one."""
     if rng.random() < 0.8:
-        return [tensor() for _ in range(rng.randrange(4) if n is None else n)]
-    return rng.choice([[arg() for _ in range(rng.randrange(3))], None, arg(), (tensor(),)])
+        return [make() for _ in range(rng.randrange(4) if n is None else n)]
+    return rng.choice([[arg() for _ in range(rng.randrange(3))], None, arg(), (make(),)])
 
 
 def maybe(value, p=0.97):
     return value if rng.random() < p else scalar()
 
 
-def adam_kwargs(multi: bool, tensor=tensor) -> dict:
+def adam_kwargs(multi: bool, make=tensor) -> dict:
     n = rng.randrange(4)
     kw = {}
     for name in ("param", "grad", "exp_avg", "exp_avg_sq", "param_copy"):
         plural = name + "s" if name != "param_copy" else "param_copies"
         if multi:
-            kw[plural] = tensors(n, tensor)
+            kw[plural] = tensors(n, make)
         else:
-            kw[name] = None if name == "param_copy" and flag() else tensor()
+            kw[name] = None if name == "param_copy" and flag() else make()
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, bias_correction=True)
     hyper.update(eps_inside_sqrt=False, grad_scale=1.0, optim_scale=1.0)
     kw.update({k: maybe(v) for k, v in hyper.items()})
@@ -191,7 +192,7 @@ def adam_kwargs(multi: bool, tensor=tensor) -> dict:
         kw["steps"] = [1] * n if rng.random() < 0.7 else bad
     else:
         kw["step"] = 1 if rng.random() < 0.7 else rng.choice([0, -1, 2**40, scalar()])
-    kw["found_inf"] = rng.choice([None, torch.zeros(1), tensor()])
+    kw["found_inf"] = rng.choice([None, torch.zeros(1), make()])
     if rng.random() < 0.03:
         kw[rng.choice(["bogus", "stream"])] = scalar()
     return kw

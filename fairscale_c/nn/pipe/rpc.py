@@ -87,8 +87,8 @@ def _host(t: Tensor) -> Tensor:
 class _Worker:
     """The thread that runs a stage's work, one per stage and kept between steps: on rank 0 the
     stage's step; on the other ranks everything RPC asks of the stage (RPC's handler threads
-    change from call to call). The first operators a new thread runs cost milliseconds of torch's
-    per-thread set-up."""
+    change from call to call). Torch sets up per-thread state on a thread's first operators, which
+    a new thread per step would pay at every step."""
 
     def __init__(self) -> None:
         self.jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
