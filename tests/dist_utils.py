@@ -1,7 +1,8 @@
 """Spawning ranks for multi-process tests: one job runs `fn(rank, world_size, *args)` on every
-rank (fresh interpreters, 'spawn' start method) and returns each rank's result, re-raising a
-rank's exception with its traceback. Ranks get RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; an
-`env` value "__per_rank__" becomes "host<rank>" (to give each rank a different identity)."""
+rank and returns each rank's result, re-raising a rank's exception with its traceback. Ranks get
+the caller's environment as it is at the call, RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, and
+`env`; an `env` value "__per_rank__" becomes "host<rank>" (to give each rank a different
+identity)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import queue
 import time
 import socket
+import sys
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
@@ -220,7 +222,54 @@ class Checks:
         return (acc / self.world if op == "avg" else acc).to(dtype)
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, env: Dict[str, str], q: Any, args: tuple) -> None:
+# Ranks are forked from a server process that has imported torch and nothing else (torch's import
+# is most of a fresh interpreter's start-up, paid for every rank of every test).
+# The server neither starts torch's thread pools nor touches a GPU, so forking it is safe; fairscale_c
+# and the test's module are imported in each rank, after its environment and stdio are set.
+_CONTEXT: Any = None
+
+
+class _CallerStdio:
+    """Handles to the caller's stdout and stderr, passed to a rank as it starts: a rank forked from
+    the server would otherwise write to the server's, which were the caller's when the server
+    started (another test's capture, for capfd). In the rank it unpickles to the two descriptors."""
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return (_detach_both, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _detach_both(out: Any, err: Any) -> tuple:
+    return out.detach(), err.detach()
+
+
+def _rank_context() -> Any:
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch"])
+    return _CONTEXT
+
+
+def _entry(
+    fn: Callable,
+    rank: int,
+    world: int,
+    port: int,
+    stdio: tuple,
+    environ: Dict[str, str],
+    env: Dict[str, str],
+    q: Any,
+    args: tuple,
+) -> None:
+    for fd, target in zip(stdio, (1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -248,11 +297,15 @@ def run_ranks(
 ) -> List[Any]:
     """Run `fn` (a module-level function) on `world` ranks; return results indexed by rank.
     Ranks in `may_die` may exit without reporting (their result is None)."""
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), q, args), daemon=True)
+        ctx.Process(
+            target=_entry,
+            args=(fn, r, world, port, _CallerStdio(), dict(os.environ), dict(env or {}), q, args),
+            daemon=True,
+        )
         for r in range(world)
     ]
     for p in procs:
