@@ -1,4 +1,4 @@
-"""Spawning ranks for multi-process tests: one job runs `fn(rank, world_size, *args)` on every
+"""Starting ranks for multi-process tests: one job runs `fn(rank, world_size, *args)` on every
 rank and returns each rank's result, re-raising a rank's exception with its traceback. Ranks get
 the caller's environment as it is at the call, RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, and
 `env`; an `env` value "__per_rank__" becomes "host<rank>" (to give each rank a different
@@ -225,8 +225,10 @@ class Checks:
 # Ranks are forked from a server process that has imported torch and nothing else (torch's import
 # is most of a fresh interpreter's start-up, paid for every rank of every test).
 # The server neither starts torch's thread pools nor touches a GPU, so forking it is safe; fairscale_c
-# and the test's module are imported in each rank, after its environment and stdio are set.
-_CONTEXT: Any = None
+# and the test's module are imported in each rank, after its environment and stdio are set. The
+# server starts at the first rank.
+_RANKS = mp.get_context("forkserver")
+_RANKS.set_forkserver_preload(["torch"])
 
 
 class _CallerStdio:
@@ -244,14 +246,6 @@ class _CallerStdio:
 
 def _detach_both(out: Any, err: Any) -> tuple:
     return out.detach(), err.detach()
-
-
-def _rank_context() -> Any:
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch"])
-    return _CONTEXT
 
 
 def _entry(
@@ -297,11 +291,10 @@ def run_ranks(
 ) -> List[Any]:
     """Run `fn` (a module-level function) on `world` ranks; return results indexed by rank.
     Ranks in `may_die` may exit without reporting (their result is None)."""
-    ctx = _rank_context()
-    q = ctx.Queue()
+    q = _RANKS.Queue()
     port = free_port()
     procs = [
-        ctx.Process(
+        _RANKS.Process(
             target=_entry,
             args=(fn, r, world, port, _CallerStdio(), dict(os.environ), dict(env or {}), q, args),
             daemon=True,
