@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import warnings
 
 import pytest
@@ -246,6 +247,35 @@ def test_bad_arguments_raise_on_every_rank():
         assert non_int and non_int.startswith("TypeError") and "size[0]" in non_int, non_int
         assert dtype_str and dtype_str.startswith("TypeError") and "dtype" in dtype_str, dtype_str
         assert complex_dtype and complex_dtype.startswith("TypeError") and "torch.complex64" in complex_dtype
+
+
+class _LateReads:
+    """A store whose reads come late: this rank reads an exchange's keys after its peers have."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def get(self, key):
+        time.sleep(0.5)
+        return self._store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def _last_reader_job(rank: int, world: int):
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group(name="shared-late")
+    if rank == 1:
+        group._exchange.store = _LateReads(group._exchange.store)
+    t = fdist.shared_empty(4, group=group)
+    # rank 0's process, which holds the store, ends here: its peer must have read everything by now
+    return fdist.is_shared(t)
+
+
+def test_no_rank_returns_before_every_rank_has_read_the_exchange():
+    assert run_ranks(_last_reader_job, 2, env={"FAIRSCALE_C_TIMEOUT": "30"}) == [True, True]
 
 
 def test_one_rank_gets_an_ordinary_tensor():

@@ -91,6 +91,9 @@ def shared_empty(*size: Any, dtype: torch.dtype = torch.float32, group: Any) -> 
     finally:
         if fd >= 0:
             os.close(fd)  # every peer that could map the allocation has (the mappings keep it)
+    # The store lives in one rank's process: no rank returns, and perhaps exits with the store,
+    # before every rank has read the reports.
+    group._shm.barrier()
     whys = [r["why"] for r in reports if r["why"] is not None]
     if whys:
         del mapping  # unmapped
