@@ -149,7 +149,7 @@ def test_alias_gives_the_same_module_objects():
     assert out.split() == ["0.4.13+fairscale_c.0.1.0", "(0,", "4,", "13)", "gone"]
 
 
-@pytest.mark.parametrize("name", ["fairscale.experimental.wgit", "fairscale.nn.pipe.async_schedule"])
+@pytest.mark.parametrize("name", ["fairscale.fair_dev", "fairscale.nn.pipe.async_schedule"])
 def test_alias_names_a_module_it_does_not_provide(name):
     proc = run_python(f"""
         import importlib, fairscale_c.compat
@@ -376,3 +376,17 @@ def test_stand_in_group_bad_input(pg, exc, match):
         FSDP(nn.Linear(2, 2), process_group=pg)
     with pytest.raises((TypeError, ValueError)):
         fdist.group_for(pg)
+
+
+def test_alias_serves_wgit():
+    out = check(
+        run_python("""
+        import fairscale_c.compat
+        fairscale_c.compat.install()
+        from fairscale.experimental.wgit import Repo, SignalSparsity
+        from fairscale.experimental.wgit.sha1_store import SHA1_Store
+        import fairscale_c.experimental.wgit as w
+        print(Repo is w.Repo, SignalSparsity is w.SignalSparsity, SHA1_Store.__module__)
+        """)
+    )
+    assert out.split() == ["True", "True", "fairscale_c.experimental.wgit.sha1_store"]

@@ -14,7 +14,7 @@ After :func:`install`, ``fairscale`` and ``fairscale.<sub>`` for every module fa
 (``fairscale.nn``, ``.nn.data_parallel``, ``.nn.checkpoint``, ``.nn.wrap``, ``.nn.pipe``, ...) are the very module
 objects of ``fairscale_c`` and ``fairscale_c.<sub>``: ``fairscale.nn.FullyShardedDataParallel is
 fairscale_c.nn.FullyShardedDataParallel``. A FairScale module that fairscale_c does not provide
-(for example ``fairscale.experimental.wgit``) raises an
+(for example ``fairscale.fair_dev``, FairScale's test helpers) raises an
 ImportError that names it; docs/migration.md lists what is provided.
 """
 

@@ -37,7 +37,9 @@ UPSTREAM = HERE / "upstream"
 REFERENCE = ROOT / "build" / "fairscale-0.4.13"
 DEPS = ROOT / "build" / "fairscale-tests-deps"  # TEST_DEPS, on both sides' path
 VERSION = "0.4.13"
-TEST_DEPS = ["parameterized==0.9.0"]  # what FairScale's vendored tests import besides torch and pytest
+# What FairScale's vendored tests import besides torch and pytest, and what its wgit needs (pygit2,
+# with cffi and pycparser, and pgzip); fairscale_c's wgit needs none of them.
+TEST_DEPS = ["parameterized==0.9.0", "pygit2==1.21.0", "cffi==2.1.1", "pycparser==3.12", "pgzip==0.4.0"]
 PASSED = {"passed", "xfailed"}  # xfail: the test's own expectation of a failure held
 
 
@@ -68,7 +70,7 @@ def ensure_reference(python: str) -> None:
         _pip_target(python, REFERENCE, [f"fairscale=={VERSION}"])
         if not version.is_file():
             sys.exit(f"fairscale-tests: fairscale=={VERSION} did not install into {REFERENCE}")
-    if not (DEPS / "parameterized").is_dir():
+    if not all((DEPS / name).is_dir() for name in ("parameterized", "pygit2", "cffi", "pgzip")):
         _pip_target(python, DEPS, TEST_DEPS)
 
 
