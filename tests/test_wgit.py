@@ -347,3 +347,17 @@ def test_reads_and_checks_out_a_repo_made_by_fairscale(tmp_path, monkeypatch, ca
     assert torch.equal(torch.load("aux.pt", weights_only=True)["w"], torch.arange(6, dtype=torch.float32))
     repo.checkout(lines[1].split()[-1])  # ckpt.pt's version in "second", by its SHA1
     assert _equal(torch.load("ckpt.pt", weights_only=True), second)
+
+
+def test_a_held_store_lock_times_out(store, monkeypatch):
+    import fcntl
+
+    monkeypatch.setenv("FAIRSCALE_C_TIMEOUT", "0.3")
+    fd = os.open(store._path / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process's add, stuck
+        with pytest.raises(TimeoutError, match="lock .* stayed held for 0.3 s"):
+            store.add(torch.ones(3))
+    finally:
+        os.close(fd)
+    assert torch.equal(store.get(store.add(torch.ones(3))), torch.ones(3))

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fairscale_c.distributed import timeout_s
 from fairscale_c.internal.containers import apply_to_type
 
 __all__ = ["SHA1_Store"]
@@ -318,6 +319,26 @@ def _entry(d: Dict[str, Any]) -> Dict[str, Any]:
     return d
 
 
+def _lock_store(path: Path) -> int:
+    """An exclusive lock on the store (a descriptor of its lock file; closing it unlocks), waited
+    for at most FAIRSCALE_C_TIMEOUT seconds (TimeoutError after)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout_s()
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise TimeoutError(
+                    f"SHA1_Store: the store's lock {path} stayed held for {timeout_s():g} s (FAIRSCALE_C_TIMEOUT)"
+                ) from None
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+
 class _JSON_DictContext:
     """Loads metadata.json into the store's ``_json_dict`` for the block, and writes it back
     atomically at the end unless read-only. Writable blocks hold the store's lock."""
@@ -331,8 +352,7 @@ class _JSON_DictContext:
         if self._s._json_dict is not None:
             raise RuntimeError("SHA1_Store: metadata contexts do not nest")
         if not self._readonly:
-            self._lock = os.open(self._s._path / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            self._lock = _lock_store(self._s._path / _LOCK_NAME)
         try:
             path = self._s._metadata_file_path
             self._s._json_dict = json.loads(path.read_text()) if path.exists() else {}
