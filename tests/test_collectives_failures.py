@@ -721,3 +721,44 @@ def test_invalid_timeout_is_a_value_error(monkeypatch, value):
             build()
     monkeypatch.setenv("FAIRSCALE_C_TIMEOUT", "2.5")
     assert fdist.timeout_s() == 2.5
+
+
+class _FailingStore:
+    """A torch Store stand-in whose `fail` operation raises as a TCPStore whose host is gone does."""
+
+    def __init__(self, fail: str) -> None:
+        self.fail, self.data = fail, {}
+
+    def _maybe_fail(self, op: str) -> None:
+        if op == self.fail:
+            raise RuntimeError("Connection reset by peer")
+
+    def set(self, key, value):
+        self._maybe_fail("set")
+        self.data[key] = value if isinstance(value, bytes) else value.encode()
+
+    def check(self, keys):
+        self._maybe_fail("check")
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        self._maybe_fail("get")
+        return self.data[key]
+
+
+@pytest.mark.parametrize(
+    "fail, when",
+    [("set", "while publishing this rank's part"), ("check", "while waiting for rank"), ("get", "while reading")],
+)
+def test_rendezvous_store_failure_is_a_distributed_error(fail, when):
+    """A store that fails at any step of an exchange (its host's process gone, the connection
+    reset) gives DistributedError naming the group and the step, not torch's own exception."""
+    from fairscale_c import DistributedError
+    from fairscale_c.distributed._rendezvous import StoreExchange
+
+    ex = StoreExchange(_FailingStore(fail), "p", 0, 1, "g")
+    with pytest.raises(DistributedError, match=rf"rendezvous \(all_gather\) of group 'g' .*{when}.*Connection reset"):
+        ex.all_gather(b"x")
+    assert StoreExchange(_FailingStore("none"), "p", 0, 1, "g").all_gather(b"x") == [b"x"]
+    with pytest.raises(DistributedError, match=r"rendezvous \(broadcast\) of group 'g'"):
+        StoreExchange(_FailingStore(fail), "q", 0, 1, "g").broadcast(b"y")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
 import torch.distributed as dist
 
 from .. import _C
+
+_T = TypeVar("_T")
 
 # How often a rendezvous wait checks whether the ranks it waits for still run.
 _LIVENESS_S = 0.05
@@ -83,14 +85,11 @@ class StoreExchange(Exchange):
             if pids and time.monotonic() - checked > _LIVENESS_S:
                 checked = time.monotonic()
                 dead = [r for r in pending if r in pids and pid_exited(pids[r])]
-            try:
-                pending = {r: k for r, k in pending.items() if not self.store.check([k])}
-            except Exception as exc:
-                raise _C.DistributedError(
-                    f"rendezvous ({what}) of group '{self.name}' (rank {self.rank} of {self.size}): the store "
-                    f"became unreachable while waiting for rank(s) {', '.join(map(str, pending))} "
-                    f"({exc.__class__.__name__})"
-                ) from None
+            pending = self._call(
+                what,
+                f"while waiting for rank(s) {', '.join(map(str, pending))}",
+                lambda p=pending: {r: k for r, k in p.items() if not self.store.check([k])},  # type: ignore[misc]
+            )
             if not pending:
                 return
             dead = [r for r in dead if r in pending]
@@ -108,21 +107,34 @@ class StoreExchange(Exchange):
             time.sleep(pause)
             pause = min(pause * 2, _LIVENESS_S)
 
+    def _call(self, what: str, when: str, fn: Callable[[], _T]) -> _T:
+        """fn(), a store operation; a store that fails (its host gone, the connection reset) is
+        a DistributedError naming the group, the exchange and `when`."""
+        try:
+            return fn()
+        except Exception as exc:
+            raise _C.DistributedError(
+                f"rendezvous ({what}) of group '{self.name}' (rank {self.rank} of {self.size}): the store "
+                f"became unreachable {when} ({exc.__class__.__name__}: {exc})"
+            ) from None
+
     def all_gather(self, data: bytes, pids: Optional[Dict[int, int]] = None) -> List[bytes]:
         base = f"{self.prefix}/ag{self._round}"
         self._round += 1
-        self.store.set(f"{base}/{self.rank}", data)
+        mine = f"{base}/{self.rank}"
+        self._call("all_gather", "while publishing this rank's part", lambda: self.store.set(mine, data))
         keys = [f"{base}/{r}" for r in range(self.size)]
         self._wait(keys, "all_gather", list(range(self.size)), pids)
-        return [bytes(self.store.get(k)) for k in keys]
+        return self._call("all_gather", "while reading the parts", lambda: [bytes(self.store.get(k)) for k in keys])
 
     def broadcast(self, data: Optional[bytes]) -> bytes:
         key = f"{self.prefix}/bc{self._round}"
         self._round += 1
         if self.rank == 0:
-            self.store.set(key, data if data is not None else b"")
+            payload = data if data is not None else b""
+            self._call("broadcast", "while publishing the value", lambda: self.store.set(key, payload))
         self._wait([key], "broadcast", [0])
-        return bytes(self.store.get(key))
+        return self._call("broadcast", "while reading the value", lambda: bytes(self.store.get(key)))
 
     def sub(self, ranks: Sequence[int]) -> "Exchange":
         self._subs += 1
