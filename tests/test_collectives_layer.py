@@ -78,6 +78,36 @@ def test_ring_exchange_completes_in_any_order(world):
     assert not any(results), results
 
 
+def _shared_p2p_job(rank, world, n):
+    import fairscale_c.distributed as fdist
+
+    peer = 1 - rank
+    with fdist.init_group(name="shared-p2p") as g:
+        src = fdist.shared_empty((2, n), group=g)  # every rank maps it: the receiver copies the peer's row itself
+        src[rank] = torch.arange(n, dtype=torch.float32) + 7 * rank
+        got = torch.empty(n)
+        g.batch([fdist.P2POp("send", src[rank], peer), fdist.P2POp("recv", got, peer)])
+        one_way = torch.empty(n)
+        if rank == 0:
+            g.send(src[0][1:], 1)
+        else:
+            g.recv(one_way[1:], 0)
+        g.barrier()
+        ok = torch.equal(got, torch.arange(n, dtype=torch.float32) + 7 * peer)
+        if rank == 1:
+            ok = ok and torch.equal(one_way[1:], torch.arange(1, n, dtype=torch.float32))
+        return ok
+
+
+@pytest.mark.parametrize("direct", ["on", "off"])
+def test_large_messages_from_shared_tensors(direct):
+    """A message of more than two chunks sent from a shared tensor is copied by the receiver from
+    its own mapping of it (one copy, shm_p2p.c), in a batch and alone; with direct reads off
+    (FAIRSCALE_C_SHM_DIRECT_MAX=0) it goes through the channel's buffers."""
+    env = {**FAST, **({"FAIRSCALE_C_SHM_DIRECT_MAX": "0"} if direct == "off" else {})}
+    assert run_ranks(_shared_p2p_job, 2, LARGE, env=env) == [True, True]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_ring_exchange_batches_complete_in_any_order_on_nccl():

@@ -44,11 +44,15 @@ typedef struct {
 
 /* One direction of a send/recv pair. Messages travel in chunks through two buffers; chunk j (counted
  * over the channel's life) uses buffer j & 1 and carries its message's header in hdr[j & 1]. src
- * writes `sent` (= chunks posted) and `hdr`, dst writes `acked` (= chunks taken). */
+ * writes `sent` (= chunks posted) and `hdr`, dst writes `acked` (= chunks taken). A direct message
+ * (shm_p2p.c) is one chunk whose buffer stays empty: src[j & 1] is the sender's buffer in the
+ * sender's address space (and src_shared_*[j & 1] the same as a shared allocation's id and offset,
+ * id 0 when it is not in one), which the receiver copies from itself. */
 typedef struct {
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t sent;
     _Atomic uint32_t sent_sleepers;
     fsc_comm_header_t hdr[2];
+    uint64_t src[2], src_shared_id[2], src_shared_off[2];
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t acked;
     _Atomic uint32_t acked_sleepers;
     _Atomic uint32_t err;   /* receiver saw a mismatching header */
@@ -77,6 +81,8 @@ typedef struct {
     uint32_t nchunks; /* chunks of the message (1 for an empty one) */
     uint32_t k;       /* chunks moved so far */
     int started, done;
+    int direct; /* the receiver copies the message from the sender's buffer (shm_p2p.c) */
+    int posted; /* direct send: its chunk is posted */
 } fsc_shm_p2p_t;
 
 /* One submitted item: a single op or a batch. */

@@ -2,13 +2,25 @@
  * by one loop that never blocks on a single channel, so sends and recvs issued in any order on
  * the ranks (a ring exchange where every rank sends first, say) complete. Each directed channel
  * carries its messages in order through two chunk buffers; a send completes once its last chunk
- * is in a buffer, a recv once it has copied its last chunk out. */
+ * is in a buffer, a recv once it has copied its last chunk out.
+ *
+ * A message of more than two chunks whose data lies in a shared tensor (shm_shared.h) goes
+ * direct when the group reads its peers' memory (shm.c, direct reads): the sender posts one chunk
+ * holding only its buffer's address, the receiver copies the whole message from its own mapping of
+ * that tensor (or, when it does not map it, reads it from the sender's memory) and acknowledges,
+ * and the send completes at that acknowledgement. Each byte is copied once instead of twice, with
+ * one handshake instead of one per chunk. Such a send would wait for its receiver anyway (only two
+ * chunks fit the buffers), so which sends complete without their receiver does not change. The
+ * sender decides; the receiver learns it from the message's first chunk. Sends from private
+ * memory keep the buffers: there a copy in and a copy out run at once on the two ends, which
+ * beat one process_vm_readv (docs/benchmarks.md, "Point-to-point"). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/log.h"
 #include "comm/shm_internal.h"
+#include "comm/shm_shared.h"
 
 #define FSC_P2P_ERR_JUMP 0x40000000u /* acked jump that releases a sender after a mismatch */
 
@@ -45,9 +57,46 @@ static void start(fsc_shm_group_t *g, fsc_shm_p2p_t *r) {
     r->h.count = (uint64_t)a->count;
     r->h.seq = send ? ++g->send_seq[peer] : ++g->recv_seq[peer];
     r->j0 = send ? g->send_next[peer] : g->recv_next[peer];
-    r->nchunks = (uint32_t)(bytes == 0 ? 1 : (bytes + g->p2p_chunk - 1) / g->p2p_chunk);
+    /* A recv starts as chunked and turns direct when its first chunk says so (recv_step). */
+    r->direct = 0;
+    if (send && g->direct_max > 0 && bytes > 2 * g->p2p_chunk) {
+        uint64_t id, off;
+        fsc_shm_shared_locate(a->in, bytes, &id, &off);
+        r->direct = id != 0;
+    }
+    r->nchunks = r->direct ? 1 : (uint32_t)(bytes == 0 ? 1 : (bytes + g->p2p_chunk - 1) / g->p2p_chunk);
     r->k = 0;
     r->started = 1;
+}
+
+/* Post a direct message's one chunk: its header and the sender's buffer. */
+static void send_direct(fsc_shm_group_t *g, fsc_shm_p2p_t *r, fsc_shm_chan_t *c, uint32_t j) {
+    const fsc_shm_args_t *a = r->a;
+    size_t bytes = a->count * fsc_dtype_size(a->dtype);
+    c->hdr[j & 1] = r->h;
+    c->src[j & 1] = (uint64_t)(uintptr_t)a->in;
+    fsc_shm_shared_locate(a->in, bytes, &c->src_shared_id[j & 1], &c->src_shared_off[j & 1]);
+    fsc_shm_post(&c->sent, &c->sent_sleepers, j + 1);
+    fsc_shm_ring(g, a->root);
+}
+
+/* Copy a direct message from the sender's buffer: mapped when this process maps its shared
+ * tensor, else read from the sender's memory. */
+static fsc_status_t recv_direct(fsc_shm_group_t *g, fsc_shm_p2p_t *r, const fsc_shm_chan_t *c, uint32_t j) {
+    const fsc_shm_args_t *a = r->a;
+    int peer = a->root;
+    size_t bytes = a->count * fsc_dtype_size(a->dtype);
+    uint8_t *mapped =
+        c->src_shared_id[j & 1] ? fsc_shm_shared_addr(c->src_shared_id[j & 1], c->src_shared_off[j & 1], bytes) : NULL;
+    if (mapped != NULL) {
+        fsc_shm_copy_out(a->out, mapped, bytes, bytes >= FSC_SHM_STREAM_MIN);
+        return FSC_OK;
+    }
+    int err = fsc_shm_peer_read(g, peer, a->out, c->src[j & 1], bytes);
+    if (err == 0) return FSC_OK;
+    return fsc_error(FSC_ERR_COMM,
+                     "recv from rank %d on group '%s' (rank %d of %d): reading the sender's buffer (pid %d) failed: %s",
+                     peer, g->name, g->rank, g->size, (int)atomic_load(&g->ranks[peer].pid), strerror(err));
 }
 
 /* Post every chunk whose buffer is free. */
@@ -56,12 +105,28 @@ static fsc_status_t send_step(fsc_shm_group_t *g, fsc_shm_p2p_t *r, int *progres
     int peer = a->root;
     fsc_shm_chan_t *c = fsc_shm_chan(g, g->rank, peer);
     size_t bytes = a->count * fsc_dtype_size(a->dtype), per = g->p2p_chunk;
+    if (r->direct) { /* posted once, complete (k = 1) when the receiver has copied it */
+        if (atomic_load_explicit(&c->err, memory_order_acquire)) return mismatch(g, g->rank, &r->h, peer, &c->rhdr);
+        if (!r->posted && fsc_shm_reached(&c->acked, r->j0 - 1)) { /* slot j0 & 1 is free */
+            send_direct(g, r, c, r->j0);
+            r->posted = 1;
+            *progressed = 1;
+        }
+        if (r->posted && fsc_shm_reached(&c->acked, r->j0 + 1)) {
+            /* a refusal also moves `acked` (by FSC_P2P_ERR_JUMP), after setting err */
+            if (atomic_load_explicit(&c->err, memory_order_acquire)) return mismatch(g, g->rank, &r->h, peer, &c->rhdr);
+            r->k = 1;
+            *progressed = 1;
+        }
+        return FSC_OK;
+    }
     while (r->k < r->nchunks) {
         if (atomic_load_explicit(&c->err, memory_order_acquire)) return mismatch(g, g->rank, &r->h, peer, &c->rhdr);
         uint32_t j = r->j0 + r->k;
         if (!fsc_shm_reached(&c->acked, j - 1)) break; /* buffer j & 1 still holds chunk j - 2 */
         size_t off = (size_t)r->k * per, n = bytes > off ? min_sz(per, bytes - off) : 0;
         c->hdr[j & 1] = r->h;
+        c->src[j & 1] = 0; /* not direct */
         if (n) memcpy(fsc_shm_p2p_buf(g, g->rank, peer, j), (const uint8_t *)a->in + off, n);
         fsc_shm_post(&c->sent, &c->sent_sleepers, j + 1);
         fsc_shm_ring(g, peer);
@@ -91,9 +156,17 @@ static fsc_status_t recv_step(fsc_shm_group_t *g, fsc_shm_p2p_t *r, int *progres
                 fsc_shm_ring(g, peer);
                 return mismatch(g, peer, &sh, g->rank, &r->h);
             }
+            if (c->src[j & 1] != 0) { /* the sender posted its buffer's address: one chunk */
+                r->direct = 1;
+                r->nchunks = 1;
+            }
         }
-        size_t off = (size_t)r->k * per, n = bytes > off ? min_sz(per, bytes - off) : 0;
-        if (n) memcpy((uint8_t *)a->out + off, fsc_shm_p2p_buf(g, peer, g->rank, j), n);
+        if (r->direct) {
+            FSC_CHECK(recv_direct(g, r, c, j));
+        } else {
+            size_t off = (size_t)r->k * per, n = bytes > off ? min_sz(per, bytes - off) : 0;
+            if (n) memcpy((uint8_t *)a->out + off, fsc_shm_p2p_buf(g, peer, g->rank, j), n);
+        }
         fsc_shm_post(&c->acked, &c->acked_sleepers, j + 1);
         fsc_shm_ring(g, peer);
         r->k++;
