@@ -361,3 +361,13 @@ def test_a_held_store_lock_times_out(store, monkeypatch):
     finally:
         os.close(fd)
     assert torch.equal(store.get(store.add(torch.ones(3))), torch.ones(3))
+
+
+def test_a_repo_opened_by_a_relative_path_survives_a_change_of_directory(work, monkeypatch):
+    Repo(".", init=True)
+    _ckpt("a.pt", 0)
+    repo = Repo(".")
+    repo.add("a.pt")
+    monkeypatch.chdir(work.parent)
+    repo.commit("from elsewhere")  # the store and git directory stay where the repo is
+    assert _commits(work) and (work / ".wgit" / "sha1_store" / "metadata.json").is_file()

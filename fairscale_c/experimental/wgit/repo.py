@@ -116,7 +116,7 @@ class Repo:
     """
 
     def __init__(self, parent_dir: Union[Path, str] = "", init: bool = False) -> None:
-        self._wgit_parent = Path(parent_dir if parent_dir != "" else Path.cwd())
+        self._wgit_parent = Path(parent_dir if parent_dir != "" else Path.cwd()).absolute()
         self._dot_wgit_dir_path: Optional[Path] = None
         exists = self._recursive_search_and_may_init_dot_wgit_dir_path(self._wgit_parent)
         if not exists and init:
