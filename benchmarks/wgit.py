@@ -49,7 +49,7 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
-def _repo_class(framework: str) -> Any:
+def _repo_module(framework: str) -> Any:
     if framework == "fairscale":
         from fairscale.experimental.wgit import repo
     else:
@@ -62,7 +62,7 @@ def worker(framework: str, workdir: str, versions: int, mode: str) -> Dict[str, 
     the last version's tensors back from the store (in a fresh process, after "add")."""
     import torch
 
-    repo_mod = _repo_class(framework)
+    repo_mod = _repo_module(framework)
     os.chdir(workdir)
     base_rss = _rss_kib("VmRSS")
     if mode == "add":

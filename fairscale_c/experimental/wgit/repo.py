@@ -25,10 +25,12 @@ import json
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from fairscale_c.internal.containers import apply_to_type
 
 from .pygit import PyGit, run_git
 from .sha1_store import SHA1_Store, atomic_file
@@ -92,18 +94,8 @@ def _recursive_apply_to_elements(data: Union[List[Any], Dict[str, Any]], fn: Any
         names.pop()
 
 
-def _map_leaves(data: Any, fn: Callable[[Any], Any]) -> Any:
-    """A copy of nested dicts, lists and tuples with fn applied to every other object."""
-    if isinstance(data, dict):
-        out = data.__class__()
-        for k, v in data.items():
-            out[k] = _map_leaves(v, fn)
-        return out
-    if isinstance(data, list):
-        return [_map_leaves(v, fn) for v in data]
-    if isinstance(data, tuple) and not hasattr(data, "_fields"):
-        return tuple(_map_leaves(v, fn) for v in data)
-    return fn(data)
+def _is_ref(x: Any) -> bool:
+    return isinstance(x, _SHA1_Tensor)
 
 
 class Repo:
@@ -326,7 +318,7 @@ class Repo:
     def _restore(self, rel: str, metadata: Dict[str, Any]) -> None:
         """Writes the version in `metadata` to its file (atomically) and records it."""
         obj = self._sha1_store.get(metadata[SHA1_KEY])
-        obj = _map_leaves(obj, lambda x: self._sha1_store.get(x.dense_sha1) if isinstance(x, _SHA1_Tensor) else x)
+        obj = apply_to_type(_is_ref, lambda x: self._sha1_store.get(x.dense_sha1), obj)
         target = Path(metadata[REL_PATH_KEY])
         target.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(target, target.parent) as f:
@@ -380,7 +372,7 @@ class Repo:
 
     def _tensor_refs(self, obj: Any) -> List[str]:
         refs: List[str] = []
-        _map_leaves(obj, lambda x: refs.append(x.dense_sha1) if isinstance(x, _SHA1_Tensor) else None)
+        apply_to_type(_is_ref, lambda x: refs.append(x.dense_sha1), obj)
         return refs
 
     # Metadata files.
