@@ -189,18 +189,35 @@ def test_module_without_parameters_is_a_passthrough():
     assert m.clip_grad_norm_(1.0) == 0
 
 
-def test_tied_weights_split_across_instances_raise():
+def test_tied_weights_split_across_instances_are_shared():
+    # The head in the root shares the weight of the embedding's own instance (more in
+    # test_fsdp_shared_params.py): one Parameter, trained as the plain model trains it.
     class Tied(nn.Module):
         def __init__(self):
             super().__init__()
+            torch.manual_seed(0)
             self.embed = nn.Embedding(5, 3)
             self.head = nn.Linear(3, 5, bias=False)
             self.head.weight = self.embed.weight
 
-    model = Tied()
+        def forward(self, ids):
+            return self.head(self.embed(ids))
+
+    ref, model = Tied(), Tied()
     model.embed = FSDP(model.embed)
-    with pytest.raises(ValueError, match=r"parameter 'head.weight' is the same tensor .* same instance"):
-        FSDP(model)
+    model = FSDP(model)
+    assert model.module.head.weight is model.module.embed.flat_param_0
+    ids = torch.tensor([[0, 3, 4]])
+    for m in (ref, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        for _ in range(2):
+            m(ids).logsumexp(-1).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    sd = model.state_dict()
+    assert list(sd) == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-6, atol=1e-7)
 
 
 def test_nested_instances_and_root_only_methods():

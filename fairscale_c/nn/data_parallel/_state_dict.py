@@ -71,14 +71,26 @@ def local_mode(instances: List[nn.Module]):
     return override(instances, "_return_full_state_dict", False)
 
 
+def _gather_fp32(fsdp, h) -> torch.Tensor:
+    shard = h.param.detach()
+    full = torch.empty(h.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+    fsdp.comm.all_gather(full, shard)
+    return full
+
+
+def _write_back(h, full: torch.Tensor) -> None:
+    n = h.layout.shard_numel
+    local_copy(h.param.detach(), full[h.layout.rank * n : (h.layout.rank + 1) * n])
+
+
 @torch.no_grad()
-def summon(fsdp) -> List[torch.Tensor]:
-    """All-gather each flat parameter in fp32 and register the original parameters as views of it."""
-    fulls = []
+def summon(fsdp) -> List[Any]:
+    """All-gather each flat parameter in fp32 and register the original parameters as views of it.
+    A parameter shared with another instance (``fsdp._ties``) gets the owner's summoned Parameter
+    when the owner is summoned, else a gather of its own."""
+    fulls: List[Any] = []
     for h in fsdp._handles:
-        shard = h.param.detach()
-        full = torch.empty(h.layout.padded_numel, dtype=shard.dtype, device=shard.device)
-        fsdp.comm.all_gather(full, shard)
+        full = _gather_fp32(fsdp, h)
         fulls.append(full)
         params = {}
         for slot in h.layout.slots:
@@ -89,25 +101,42 @@ def summon(fsdp) -> List[torch.Tensor]:
         for shared in h.layout.shared:
             shared.module.__dict__.pop(shared.attr, None)
             shared.module._parameters[shared.attr] = params[id(shared.src)]
+        h.summoned = params
         fsdp._parameters.pop(h.backing_name, None)  # flattened: the shard hides while summoned
+    for t in fsdp._ties:
+        own = None
+        p = t.handle.summoned.get(id(t.slot)) if t.handle.summoned is not None else None
+        if p is None:
+            own = _gather_fp32(fsdp, t.handle)
+            s = t.slot
+            p = nn.Parameter(own[s.offset : s.offset + s.numel].view(s.shape), t.handle.layout.requires_grad)
+        t.module.__dict__.pop(t.attr, None)
+        t.module._parameters[t.attr] = p
+        fulls.append(own)
     return fulls
 
 
 @torch.no_grad()
-def unsummon(fsdp, fulls: List[torch.Tensor], write_back: bool) -> None:
-    """Undo summon(); with write_back, this rank's slice of each full parameter goes to its shard."""
-    for h, full in zip(fsdp._handles, fulls):
+def unsummon(fsdp, fulls: List[Any], write_back: bool) -> None:
+    """Undo summon(); with write_back, this rank's slice of each full parameter goes to its shard
+    (a shared parameter's by its owner, unless this instance gathered it itself)."""
+    n_own = len(fsdp._handles)
+    for t, own in zip(fsdp._ties, fulls[n_own:]):
+        if own is not None and write_back:
+            _write_back(t.handle, own)
+        t.module._parameters[t.attr] = t.handle.param
+    for h, full in zip(fsdp._handles, fulls[:n_own]):
         if write_back:
-            n = h.layout.shard_numel
-            local_copy(h.param.detach(), full[h.layout.rank * n : (h.layout.rank + 1) * n])
+            _write_back(h, full)
+        h.summoned = None
+        if not fsdp.flatten_parameters:  # the shard goes back in the summoned parameter's place
+            h.layout.slots[0].module._parameters[h.layout.slots[0].attr] = h.param
+            continue
         for slot in h.layout.slots:
             slot.module._parameters.pop(slot.attr, None)
         for shared in h.layout.shared:
             shared.module._parameters.pop(shared.attr, None)
-        if fsdp.flatten_parameters:
-            fsdp._parameters[h.backing_name] = h.param
-        else:
-            h.layout.slots[0].module._parameters[h.layout.slots[0].attr] = h.param
+        fsdp._parameters[h.backing_name] = h.param
     fsdp._leave_shaped_views()
 
 
@@ -161,6 +190,14 @@ def local_metadata(root: nn.Module, named_instances: List[Tuple[str, Any]]) -> D
                 "shared_param_info": [(clean_path(s), clean_path(d)) for s, d in m._shared_pairs],
             }
         )
+    # Parameters shared across instances: pairs of full paths, in the root's entry (its path is "").
+    paths = {id(m): path for path, m in named_instances}
+    for path, m in named_instances:
+        for t in m._ties:
+            owner = t.owner()
+            if owner is not None and id(owner) in paths:
+                src, dst = _join(paths[id(owner)], t.slot.name), _join(path, t.name)
+                param_metadata[0]["shared_param_info"].append((clean_path(src), clean_path(dst)))
     buffer_names = [clean_path(n) for n, _ in root.named_buffers(recurse=True)]
     # rank and world_size: extra top-level keys (FairScale's readers ignore them) that let
     # consolidation order shards by rank and refuse incomplete or mixed sets
@@ -170,6 +207,10 @@ def local_metadata(root: nn.Module, named_instances: List[Tuple[str, Any]]) -> D
         "rank": root.rank,
         "world_size": root.world_size,
     }
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
 def _unpad(shard: torch.Tensor, pad: int) -> torch.Tensor:
@@ -250,6 +291,7 @@ def consolidate(shard_weights, shard_metadata, with_module_buffers: bool, strict
     shard_weights, shard_metadata = _order_by_rank(shard_weights, shard_metadata)
     _check_layouts(shard_metadata)
     out: Dict[str, torch.Tensor] = {}
+    aliases = []  # filled in after every instance's parameters: a pair may name another instance's
     for idx, meta in enumerate(shard_metadata[0]["param_metadata"]):
         path = meta["fsdp_path"]
         for backing, info in meta["params"].items():
@@ -272,10 +314,14 @@ def consolidate(shard_weights, shard_metadata, with_module_buffers: bool, strict
                 )
             for name, t, shape in zip(info["names"], full.split(info["numels"]), info["shapes"]):
                 out[f"{path}.{name}" if path else name] = t.view(shape)
-        for src, dst in meta["shared_param_info"]:
-            src_key, dst_key = (f"{path}.{src}", f"{path}.{dst}") if path else (src, dst)
-            if src_key in out or strict:  # not strict: a parameter skipped above takes its aliases along
-                out[dst_key] = out[src_key]
+        aliases.extend((_join(path, src), _join(path, dst)) for src, dst in meta["shared_param_info"])
+    for src_key, dst_key in aliases:
+        if src_key in out or strict:  # not strict: a parameter skipped above takes its aliases along
+            if src_key not in out:
+                raise KeyError(
+                    f"consolidate_shard_weights: shared parameter '{dst_key}' names '{src_key}', which no shard holds"
+                )
+            out[dst_key] = out[src_key]
     if with_module_buffers:
         for name in shard_metadata[0]["buffer_names"]:
             if name not in shard_weights[0] and not strict:

@@ -80,31 +80,43 @@ class FlatLayout:
         }
 
 
+@dataclass
+class ForeignParam:
+    """A parameter of the module that another FSDP instance has already sharded (a weight tied
+    across instances): where it sits here, and the original tensor (``_fsc_fsdp_sharded`` says
+    which instance, flat parameter and slot hold it now)."""
+
+    module: nn.Module
+    attr: str
+    name: str
+    param: nn.Parameter
+
+
 def collect_params(
     module: nn.Module, is_managed, flatten: bool = True
-) -> Tuple[List[FlatLayout], List[Tuple[str, str]]]:
+) -> Tuple[List[FlatLayout], List[Tuple[str, str]], List[ForeignParam]]:
     """Group `module`'s not-yet-managed parameters into flat layouts (one per requires_grad value,
     in order of first appearance; one per parameter when not `flatten`) and find shared (tied)
     parameters.
 
-    Returns the layouts (world size and rank still unset: 1 and 0) and the list of
-    (source name, destination name) pairs for shared parameters.
+    Returns the layouts (world size and rank still unset: 1 and 0), the list of
+    (source name, destination name) pairs for shared parameters, and the parameters another
+    instance has already sharded.
     """
     seen = {}
     groups = {}
     order = []
     shared_pairs = []
+    foreign = []
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for attr, p in list(mod._parameters.items()):
             if p is None or is_managed(p):
                 continue
             name = f"{mod_name}.{attr}" if mod_name else attr
-            if getattr(p, "_fsc_fsdp_sharded", False):
-                raise ValueError(
-                    f"FullyShardedDataParallel: parameter '{name}' is the same tensor as a parameter already "
-                    f"sharded by a nested FullyShardedDataParallel instance; modules that share parameters "
-                    f"(e.g. tied embeddings) must be wrapped by the same instance"
-                )
+            if getattr(p, "_fsc_fsdp_sharded", None) is not None:
+                if not any(f.module is mod and f.attr == attr for f in foreign):
+                    foreign.append(ForeignParam(mod, attr, name, p))
+                continue
             if id(p) in seen:
                 src, layout = seen[id(p)]
                 if (src.module is mod and src.attr == attr) or any(
@@ -127,4 +139,4 @@ def collect_params(
             slot = ParamSlot(mod, attr, name, p.shape, layout.numel, p.numel(), p)
             layout.slots.append(slot)
             seen[id(p)] = (slot, layout)
-    return [groups[k] for k in order], shared_pairs
+    return [groups[k] for k in order], shared_pairs, foreign

@@ -16,6 +16,7 @@ gradient released); at the end of backward the root retires the rest, casts to f
 import contextlib
 import functools
 import warnings
+import weakref
 from enum import Enum, auto
 from typing import Any, Dict, Generator, Iterator, List, NamedTuple, Optional, Tuple
 
@@ -30,7 +31,7 @@ from fairscale_c.internal.parallel import ProcessGroupName
 from . import _optim_state, _state_dict
 from ._args import check_fsdp_args
 from ._bucket import PendingReduce, ReduceScatterBucket
-from .flat_param import FlatLayout, collect_params
+from .flat_param import FlatLayout, ForeignParam, ParamSlot, collect_params
 
 
 class TrainingState(Enum):
@@ -78,6 +79,8 @@ class _Handle:
         self.gathering: Optional[_Gathering] = None  # while an all-gather started ahead runs
         self.pending: Optional[PendingReduce] = None  # while its gradient's reduce-scatter runs
         self.backing_name = ""  # "flat_param_<i>", or the parameter's name when not flattened
+        self.forward_users = 0  # instances using it (owner and sharers) whose forward is running
+        self.summoned: Optional[Dict[int, nn.Parameter]] = None  # id(slot) -> full fp32 parameter, while summoned
 
     def new_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The full (padded) buffer in the compute dtype. A leaf, so autograd accumulates the
@@ -85,6 +88,23 @@ class _Handle:
         return torch.zeros(self.layout.padded_numel, dtype=dtype, device=device).requires_grad_(
             self.layout.requires_grad
         )
+
+
+class _Tie(NamedTuple):
+    """A parameter of an instance's module that another instance shards (a weight tied across
+    instances, FairScale's "shared param"): the sharing instance gathers it for its own forward
+    and backward; the owner reduces its gradient once autograd has summed every use."""
+
+    module: nn.Module
+    attr: str
+    name: str  # dotted, relative to the sharing instance's module
+    owner: Any  # weakref.ref to the owning instance (not a submodule of the sharer)
+    handle: _Handle  # the owner's flat parameter that holds it
+    slot: ParamSlot  # where in that flat parameter
+
+    def full_view(self) -> torch.Tensor:
+        s = self.slot
+        return self.handle.full[s.offset : s.offset + s.numel].view(s.shape)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -165,14 +185,25 @@ class FullyShardedDataParallel(nn.Module):
         (freed) full buffers under the original names."""
         self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
         shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
-        layouts, self._shared_pairs = collect_params(module, _is_managed, self.flatten_parameters)
+        orders = {id(m): list(m._parameters) for m in module.modules()}
+        layouts, self._shared_pairs, foreign = collect_params(module, _is_managed, self.flatten_parameters)
         self._check_dtypes(layouts)
         self._fsdp_wrapped_module = module
         self._handles: List[_Handle] = [self._new_handle(i, layout, shard_device) for i, layout in enumerate(layouts)]
+        self._ties: List[_Tie] = [self._tie(f) for f in foreign]
+        # what this instance gathers and frees: its own flat parameters, then those it shares
+        self._all_handles: List[_Handle] = self._handles + [t.handle for t in self._ties]
+        # Modules whose parameters leave and rejoin _parameters at every forward (unflattened
+        # shards, shared parameters) and their original order, which parameters() keeps.
+        moved = [t.module for t in self._ties]
+        if not self.flatten_parameters:
+            moved += [h.layout.slots[0].module for h in self._handles]
+        self._param_orders = [(m, orders[id(m)]) for m in {id(m): m for m in moved}.values()]
+        self._restore_param_order()
         self.numel_padded_per_param = [h.layout.padding for h in self._handles]
         with torch.no_grad():
             if self.flatten_parameters:
-                self._use_full_params()  # shaped views while the buffers still have storage
+                self._point_at_full()  # shaped views while the buffers still have storage
         for h in self._handles:
             _free_storage(h.full.detach())
 
@@ -180,11 +211,15 @@ class FullyShardedDataParallel(nn.Module):
         """Shard the `i`-th layout and register its shard: as ``flat_param_<i>``, or, as in
         FairScale, under the original name when not flattening."""
         layout.world_size, layout.rank = self.world_size, self.rank
+        originals = [slot.param for slot in layout.slots]
         shard = self._make_shard(layout, shard_device)
         param = nn.Parameter(shard, requires_grad=layout.requires_grad)
         param._fsc_fsdp_managed = True
         param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
         handle = _Handle(layout, param, self.compute_dtype, self.compute_device)
+        for original, slot in zip(originals, layout.slots):
+            # an instance built later that still reaches the original (a tie) shares it from here
+            original._fsc_fsdp_sharded = (weakref.ref(self), handle, slot)
         if self.flatten_parameters:
             handle.backing_name = f"flat_param_{i}"
             self.register_parameter(handle.backing_name, param)
@@ -193,6 +228,22 @@ class FullyShardedDataParallel(nn.Module):
             layout.slots[0].module.register_parameter(layout.slots[0].attr, param)
         self._hook_full(handle)
         return handle
+
+    def _tie(self, f: ForeignParam) -> _Tie:
+        """Share a parameter another instance has sharded: its attribute here holds the owner's
+        shard from now on (one Parameter, as a tie in the unwrapped model is one tensor)."""
+        owner_ref, handle, slot = f.param._fsc_fsdp_sharded
+        owner = owner_ref()
+        same_group = owner is not None and (owner.comm is self.comm or owner.world_size == self.world_size == 1)
+        if not same_group:
+            why = "no longer exists" if owner is None else "shards over another process group"
+            raise ValueError(
+                f"FullyShardedDataParallel: parameter '{f.name}' is the same tensor as a parameter of another "
+                f"FullyShardedDataParallel instance, which {why}; instances can share (tie) a parameter only "
+                f"over the same process group"
+            )
+        f.module._parameters[f.attr] = handle.param
+        return _Tie(f.module, f.attr, f.name, owner_ref, handle, slot)
 
     def _init_state(self) -> None:
         """The state between steps, until the first forward finds the root, and the state-dict hooks."""
@@ -235,6 +286,8 @@ class FullyShardedDataParallel(nn.Module):
             owner = self if self.flatten_parameters else h.layout.slots[0].module
             name = h.backing_name if self.flatten_parameters else h.layout.slots[0].attr
             h.param = owner._parameters[name]
+        for t in self._ties:
+            t.module._parameters[t.attr] = t.handle.param
         if self._handles and not self.mixed_precision and self._handles[0].param.dtype is not before:
             self.compute_dtype = self._handles[0].param.dtype
             with torch.no_grad():
@@ -299,7 +352,6 @@ class FullyShardedDataParallel(nn.Module):
                 _copy(shard[a - lo : b - lo], src)
         for slot in layout.slots:
             delattr(slot.module, slot.attr)
-            slot.param._fsc_fsdp_sharded = True  # a tie reaching it from outside is an error
             slot.param = None
         for shared in layout.shared:
             delattr(shared.module, shared.attr)
@@ -327,7 +379,40 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def params(self) -> List[nn.Parameter]:
+        """This instance's shards, then the parameters it shares with other instances (FairScale's order)."""
+        return [h.param for h in self._all_handles]
+
+    def non_shared_params(self) -> List[nn.Parameter]:
+        """This instance's own shards (FairScale's name): without those another instance owns."""
         return [h.param for h in self._handles]
+
+    @property
+    def _has_shared_params(self) -> bool:
+        return bool(self._ties)
+
+    def append_shared_param(self, p: nn.Parameter) -> None:
+        """FairScale's call to share `p`, a parameter another instance has already sharded and
+        this instance's module also holds (a weight tied across instances). Here such ties are
+        found when the instance is built, flattened or not, siblings or nested; this checks that
+        `p` is one of them and, as in FairScale, that no forward has run yet."""
+        if self._is_root is not None:
+            raise RuntimeError("FullyShardedDataParallel.append_shared_param: call it before the first forward")
+        if not isinstance(p, nn.Parameter) or not _is_managed(p):
+            raise ValueError(
+                "FullyShardedDataParallel.append_shared_param: argument 'p' must be a parameter sharded by "
+                f"another FullyShardedDataParallel instance (e.g. other.module.weight), got {type(p).__name__}"
+                + ("" if not isinstance(p, nn.Parameter) else " not sharded by any instance")
+            )
+        if any(h.param is p for h in self._handles):
+            raise ValueError(
+                "FullyShardedDataParallel.append_shared_param: argument 'p' is this instance's own parameter; "
+                "expected one sharded by another instance"
+            )
+        if not any(t.handle.param is p for t in self._ties):
+            raise ValueError(
+                "FullyShardedDataParallel.append_shared_param: argument 'p' is not a parameter of this instance's "
+                "module; tie it first (e.g. module.weight = other.weight) and wrap the module afterwards"
+            )
 
     @property
     def params_with_grad(self) -> List[nn.Parameter]:
@@ -409,6 +494,8 @@ class FullyShardedDataParallel(nn.Module):
                 if m._is_root:
                     raise RuntimeError("FullyShardedDataParallel: a nested instance ran forward before its root")
                 m._is_root = False
+        for m in self._fsdp_instances:
+            m._check_ties(self._fsdp_instances)
         if self.disable_reshard_on_root:
             self.reshard_after_forward = False
         # Each instance casts the buffers it owns (not those of nested instances) to its own
@@ -420,6 +507,24 @@ class FullyShardedDataParallel(nn.Module):
                     if buf.is_floating_point() and buf.dtype is not m.buffer_dtype:
                         owner._buffers[name] = buf.to(m.buffer_dtype)
 
+    def _check_ties(self, instances: List["FullyShardedDataParallel"]) -> None:
+        """A shared parameter's owner must be under the same root (it reduces the gradient) and
+        compute in the same dtype on the same device (both use its one full buffer)."""
+        for t in self._ties:
+            owner = t.owner()
+            if owner is None or not any(m is owner for m in instances):
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: parameter '{t.name}' is shared with an instance that is not under "
+                    f"the same root instance; wrap both in one root"
+                )
+            full = t.handle.full
+            if full.dtype is not self.compute_dtype or full.device != self.compute_device:
+                raise ValueError(
+                    f"FullyShardedDataParallel: parameter '{t.name}' is shared with an instance that computes in "
+                    f"{full.dtype} on {full.device}, this one in {self.compute_dtype} on {self.compute_device}; "
+                    f"expected the same mixed_precision / compute_dtype and device on both"
+                )
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
         if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
@@ -429,15 +534,19 @@ class FullyShardedDataParallel(nn.Module):
             args, kwargs = _cast_floats(self.compute_dtype, args, kwargs)
         elif self.force_input_to_fp32 and not self.mixed_precision:
             args, kwargs = _cast_floats(torch.float32, args, kwargs, no_grad=False)
+        for h in self._all_handles:
+            h.forward_users += 1
         try:
             self._rebuild_full_params()
             self._root._on_forward(self)
             self._use_full_params()
             outputs = self.module(*args, **kwargs)
             if self.reshard_after_forward:
-                self._free_full_params()
+                self._free_full_params(in_forward=True)
             outputs = self._register_pre_backward_hooks(outputs)
         finally:
+            for h in self._all_handles:
+                h.forward_users -= 1
             self._use_shard_params()
             self.training_state = TrainingState.IDLE
         if self.clear_autocast_cache:
@@ -468,7 +577,7 @@ class FullyShardedDataParallel(nn.Module):
     @torch.no_grad()
     def _start_gather(self) -> None:
         """Start (asynchronously) the all-gather of every flat parameter that is not full yet."""
-        for h in self._handles:
+        for h in self._all_handles:
             if h.has_full or h.gathering is not None:
                 continue
             full = h.full.detach()
@@ -488,14 +597,21 @@ class FullyShardedDataParallel(nn.Module):
     def _rebuild_full_params(self) -> None:
         """All-gather every flat parameter that is not already full (C: cast + all-gather)."""
         self._start_gather()
-        for h in self._handles:
+        for h in self._all_handles:
             if h.gathering is not None:
                 h.gathering.work.wait()
                 h.gathering = None
                 h.has_full = True
 
     def _use_full_params(self) -> None:
-        """Point the module's parameter attributes at views of the full buffers."""
+        """Point the module's parameter attributes, shared ones included, at views of the full buffers."""
+        self._point_at_full()
+        for t in self._ties:
+            t.module._parameters.pop(t.attr, None)  # the owner's shard; restored after forward
+            t.module.__dict__[t.attr] = t.full_view()
+
+    def _point_at_full(self) -> None:
+        """Point the attributes of this instance's own parameters at views of the full buffers."""
         for h in self._handles:
             if not self.flatten_parameters:
                 slot = h.layout.slots[0]
@@ -525,25 +641,42 @@ class FullyShardedDataParallel(nn.Module):
         freed = [h for h in self._handles if not h.has_full and h.gathering is None]
         for h in freed:
             _alloc_storage(h.full.detach())
-        self._use_full_params()
+        self._point_at_full()
         for h in freed:
             _free_storage(h.full.detach())
 
     def _use_shard_params(self) -> None:
-        """Unflattened instances: register the shards under the original names again."""
-        if self.flatten_parameters:
-            return
-        for h in self._handles:
-            slot = h.layout.slots[0]
-            slot.module.__dict__.pop(slot.attr, None)
-            slot.module._parameters[slot.attr] = h.param
+        """Register the shards under the original names again: unflattened instances' own
+        parameters, and the parameters shared with other instances."""
+        for t in self._ties:
+            t.module.__dict__.pop(t.attr, None)
+            t.module._parameters[t.attr] = t.handle.param
+        if not self.flatten_parameters:
+            for h in self._handles:
+                slot = h.layout.slots[0]
+                slot.module.__dict__.pop(slot.attr, None)
+                slot.module._parameters[slot.attr] = h.param
+        self._restore_param_order()
 
-    def _free_full_params(self) -> None:
-        for h in self._handles:
+    def _restore_param_order(self) -> None:
+        for module, order in self._param_orders:
+            params = module._parameters
+            if list(params) != order:
+                ordered = {k: params[k] for k in order if k in params}
+                ordered.update(params)
+                params.clear()
+                params.update(ordered)
+
+    def _free_full_params(self, in_forward: bool = False) -> None:
+        """Release the full buffers. At the end of a forward (`in_forward`), a buffer another
+        instance's running forward also uses (a shared parameter, the instances nested) stays."""
+        for h in self._all_handles:
             if h.gathering is not None:  # a prefetch nobody used: finish it before freeing
                 h.gathering.work.wait()
                 h.gathering = None
                 h.has_full = True
+            if in_forward and h.forward_users > 1:
+                continue
             if h.has_full:
                 _free_storage(h.full.detach())
                 h.has_full = False
@@ -655,7 +788,8 @@ class FullyShardedDataParallel(nn.Module):
         local shard on exit unless `volatile`. Collective: every rank must enter it."""
         if recurse:
             with contextlib.ExitStack() as stack:
-                for m in get_fsdp_instances(self):
+                # owners first, so an instance that shares their parameters registers the same full ones
+                for m in sorted(get_fsdp_instances(self), key=lambda m: bool(m._ties)):
                     stack.enter_context(m.summon_full_params(recurse=False, volatile=volatile))
                 yield
             return
