@@ -281,11 +281,17 @@ def test_no_pre_load_state_dict_hook_takes_keys_as_given():
     assert all(torch.equal(m.state_dict()[k], sd[k]) for k in sd)
 
 
-def test_unflattened_shared_parameters_raise():
+def test_unflattened_shared_parameters_are_one_parameter():
+    # as in FairScale, whose unflattened instance keeps the tied Parameter object under both names
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     model[1].weight = model[0].weight
-    with pytest.raises(ValueError, match=r"'1.weight' is shared with '0.weight'.*flatten_parameters=True"):
-        FSDP(model, flatten_parameters=False)
+    m = FSDP(model, flatten_parameters=False)
+    assert m.module[1].weight is m.module[0].weight and len(list(m.parameters())) == 3
+    assert list(m.local_state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    m(torch.randn(2, 3)).sum().backward()
+    assert m.module[0].weight.grad is not None
+    with m.summon_full_params():
+        assert m.module[1].weight is m.module[0].weight and m.module[0].weight.shape == (3, 3)
 
 
 def test_local_state_dict_round_trip_and_consolidate():

@@ -96,6 +96,15 @@ def _four_job(rank, world):
                     flattened = int(outer_flat) + int(inner_flat)  # l0's and l2's two parameters become one each
                     if n_params != len(list(ref.parameters())) - flattened:
                         failures.append(f"{case}: {n_params} parameters")
+        if sharing:  # tied inside one unflattened instance: both names hold one shard
+            model = FSDP(Four(sharing), flatten_parameters=False)
+            _train(model, x[rows])
+            failures.append(_compare(model.state_dict(), ref.state_dict(), f"sharing={sharing} in one unflattened"))
+            if [n for n, _ in model.named_parameters()] != [n for n, _ in ref.named_parameters()]:
+                failures.append(f"sharing={sharing} in one unflattened: names {list(model.named_parameters())}")
+            meta = model.local_metadata_dict()["param_metadata"][0]
+            if meta["shared_param_info"] != [(f"l1.{sharing}", f"l3.{sharing}")]:
+                failures.append(f"sharing={sharing} in one unflattened: {meta['shared_param_info']}")
     # an instance over another process group cannot share
     other = torch.distributed.new_group([0, 1])
     m = Four("weight")
@@ -111,8 +120,9 @@ def _four_job(rank, world):
 
 def test_fairscale_shared_weight_cases_match_one_process():
     """FairScale's test_shared_weight matrix (tie none / weight / bias, outer and inner flat or
-    not), plus each tie without calling append_shared_param: every rank trains on its half of the
-    batch, and the full state after three SGD steps equals the one-process model's."""
+    not), plus each tie without calling append_shared_param and each tie inside one unflattened
+    instance: every rank trains on its half of the batch, and the full state after three SGD steps
+    equals the one-process model's."""
     for failures in run_ranks(_four_job, 2, timeout=180):
         assert not failures, "\n".join(failures)
 

@@ -130,7 +130,8 @@ def unsummon(fsdp, fulls: List[Any], write_back: bool) -> None:
             _write_back(h, full)
         h.summoned = None
         if not fsdp.flatten_parameters:  # the shard goes back in the summoned parameter's place
-            h.layout.slots[0].module._parameters[h.layout.slots[0].attr] = h.param
+            for module, attr in h.places():
+                module._parameters[attr] = h.param
             continue
         for slot in h.layout.slots:
             slot.module._parameters.pop(slot.attr, None)

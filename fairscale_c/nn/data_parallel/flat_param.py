@@ -123,11 +123,6 @@ def collect_params(
                     s.module is mod and s.attr == attr for s in layout.shared
                 ):
                     continue  # the same module reached again through another path
-                if not flatten:
-                    raise ValueError(
-                        f"FullyShardedDataParallel: parameter '{name}' is shared with '{src.name}'; shared "
-                        f"parameters need flatten_parameters=True"
-                    )
                 layout.shared.append(SharedSlot(mod, attr, name, src))
                 shared_pairs.append((src.name, name))
                 continue

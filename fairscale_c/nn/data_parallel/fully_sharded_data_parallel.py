@@ -82,6 +82,11 @@ class _Handle:
         self.forward_users = 0  # instances using it (owner and sharers) whose forward is running
         self.summoned: Optional[Dict[int, nn.Parameter]] = None  # id(slot) -> full fp32 parameter, while summoned
 
+    def places(self) -> List[Tuple[nn.Module, str]]:
+        """Unflattened: (module, attribute) where the parameter sits, tied names included."""
+        slot = self.layout.slots[0]
+        return [(slot.module, slot.attr)] + [(s.module, s.attr) for s in self.layout.shared]
+
     def new_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The full (padded) buffer in the compute dtype. A leaf, so autograd accumulates the
         gradient of every view into one flat gradient; its storage is released when resharded."""
@@ -197,7 +202,7 @@ class FullyShardedDataParallel(nn.Module):
         # shards, shared parameters) and their original order, which parameters() keeps.
         moved = [t.module for t in self._ties]
         if not self.flatten_parameters:
-            moved += [h.layout.slots[0].module for h in self._handles]
+            moved += [module for h in self._handles for module, _ in h.places()]
         self._param_orders = [(m, orders[id(m)]) for m in {id(m): m for m in moved}.values()]
         self._restore_param_order()
         self.numel_padded_per_param = [h.layout.padding for h in self._handles]
@@ -225,7 +230,8 @@ class FullyShardedDataParallel(nn.Module):
             self.register_parameter(handle.backing_name, param)
         else:
             handle.backing_name = layout.slots[0].name
-            layout.slots[0].module.register_parameter(layout.slots[0].attr, param)
+            for module, attr in handle.places():
+                module.register_parameter(attr, param)
         self._hook_full(handle)
         return handle
 
@@ -286,6 +292,9 @@ class FullyShardedDataParallel(nn.Module):
             owner = self if self.flatten_parameters else h.layout.slots[0].module
             name = h.backing_name if self.flatten_parameters else h.layout.slots[0].attr
             h.param = owner._parameters[name]
+            if not self.flatten_parameters:
+                for module, attr in h.places():
+                    module._parameters[attr] = h.param
         for t in self._ties:
             t.module._parameters[t.attr] = t.handle.param
         if self._handles and not self.mixed_precision and self._handles[0].param.dtype is not before:
@@ -615,8 +624,10 @@ class FullyShardedDataParallel(nn.Module):
         for h in self._handles:
             if not self.flatten_parameters:
                 slot = h.layout.slots[0]
-                slot.module._parameters.pop(slot.attr, None)  # the shard; restored after forward
-                slot.module.__dict__[slot.attr] = h.full[: slot.numel].view(slot.shape)
+                view = h.full[: slot.numel].view(slot.shape)
+                for module, attr in h.places():
+                    module._parameters.pop(attr, None)  # the shard; restored after forward
+                    module.__dict__[attr] = view
                 continue
             # One split, not a slice per parameter: its backward assembles the flat gradient with
             # a single concatenation, where per-parameter slices would each materialise (and then
@@ -653,9 +664,9 @@ class FullyShardedDataParallel(nn.Module):
             t.module._parameters[t.attr] = t.handle.param
         if not self.flatten_parameters:
             for h in self._handles:
-                slot = h.layout.slots[0]
-                slot.module.__dict__.pop(slot.attr, None)
-                slot.module._parameters[slot.attr] = h.param
+                for module, attr in h.places():
+                    module.__dict__.pop(attr, None)
+                    module._parameters[attr] = h.param
         self._restore_param_order()
 
     def _restore_param_order(self) -> None:
