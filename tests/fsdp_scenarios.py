@@ -318,6 +318,20 @@ def scenario_checkpoint_wrapper(rank, world):
 
     train_and_compare(rank, world, TinyLM, inside, batch_fn=lm_batch, loss_fn=xent)
 
+    def inside_unflattened(model):  # the recomputation reads unflattened parameters in place
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = FSDP(checkpoint_wrapper(blk), flatten_parameters=False)
+        return FSDP(model)
+
+    train_and_compare(rank, world, TinyLM, inside_unflattened, batch_fn=lm_batch, loss_fn=xent)
+
+    def tied_head_inside(model):  # a checkpointed head that shares the embedding's instance's weight
+        model.embed = FSDP(model.embed)
+        model.head = FSDP(checkpoint_wrapper(model.head), flatten_parameters=False)
+        return FSDP(model)
+
+    train_and_compare(rank, world, TinyLM, tied_head_inside, batch_fn=lm_batch, loss_fn=xent)
+
     def outside(model):
         for i, blk in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(FSDP(blk))

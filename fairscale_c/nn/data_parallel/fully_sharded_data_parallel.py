@@ -707,6 +707,10 @@ class FullyShardedDataParallel(nn.Module):
                 torch.autograd.Variable._execution_engine.queue_callback(self._wait_for_post_backward)
             self.training_state = TrainingState.BACKWARD_PRE
             self._rebuild_full_params()
+            if not self.flatten_parameters or self._ties:
+                # A block recomputed in backward (activation checkpointing) reads the attributes:
+                # they hold full views until the end of backward (flat ones always do).
+                self._use_full_params()
             self._root._prefetch_neighbour(self, -1)
 
         def register(t: torch.Tensor) -> torch.Tensor:
@@ -740,6 +744,7 @@ class FullyShardedDataParallel(nn.Module):
         """Root only, at the end of backward: finish every reduce-scatter and set the grad shards."""
         self._bucket.drain()
         for m in self._fsdp_instances:
+            m._use_shard_params()
             if m._require_backward_grad_sync:
                 m._free_full_params()
             m._pre_backward_hook_has_run = False
