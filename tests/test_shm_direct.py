@@ -51,13 +51,15 @@ def _peers_can_read() -> bool:
     return r.returncode == 0
 
 
-def _limit_job(rank: int, world: int, limits):
+def _limit_job(rank: int, world: int, limits, modes=None):
     if limits[rank] is not None:
         os.environ["FAIRSCALE_C_SHM_DIRECT_MAX"] = str(limits[rank])
+    if modes is not None and modes[rank] is not None:
+        os.environ["FAIRSCALE_C_SHM_DIRECT_READS"] = modes[rank]
     import fairscale_c.distributed as fdist
 
     group = fdist.init_group(name="limits")
-    got = group._shm.direct_max
+    got = group._shm.direct_max if modes is None else group._shm.read_max
     group.destroy()
     return got
 
@@ -75,6 +77,21 @@ def test_ranks_agree_on_the_window(world, limits, agreed):
     got = run_ranks(_limit_job, world, limits, env={"FAIRSCALE_C_TIMEOUT": "60"})
     assert len(set(got)) == 1, f"ranks disagree on direct_max: {got}"
     assert got[0] == (agreed if can else 0), (got, "peers readable" if can else "peers not readable")
+
+
+@pytest.mark.parametrize(
+    "modes,reads",
+    [
+        ([None, None], True),  # auto (the default): the window stays; rank 0 times the ways per op
+        (["on", "auto"], True),
+        (["off", "on"], False),  # "off" on any rank keeps private buffers on the slots
+    ],
+)
+def test_ranks_agree_on_reading_private_buffers(modes, reads):
+    can = _peers_can_read()
+    got = run_ranks(_limit_job, 2, [None, None], modes, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    assert len(set(got)) == 1, f"ranks disagree on read_max: {got}"
+    assert got[0] == (16 * MiB if reads and can else 0), got
 
 
 LIMIT = 4 * MiB  # FAIRSCALE_C_SHM_DIRECT_MAX in the jobs below
@@ -173,9 +190,12 @@ def _ops_job(rank: int, world: int):
     return limit, failures, digests
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_results_on_both_sides_of_the_window(world):
-    results = run_ranks(_ops_job, world, env={"FAIRSCALE_C_TIMEOUT": "60", "FAIRSCALE_C_SHM_DIRECT_MAX": str(LIMIT)})
+@pytest.mark.parametrize("world,reads", [(2, "on"), (3, "on"), (2, "auto")])
+def test_results_on_both_sides_of_the_window(world, reads):
+    """ "on": every op in the window reads the peers' buffers; "auto": from 512 KiB rank 0 picks
+    reads or slots for every rank, trying each way three times per op and size first."""
+    env = {"FAIRSCALE_C_TIMEOUT": "60", "FAIRSCALE_C_SHM_DIRECT_MAX": str(LIMIT), "FAIRSCALE_C_SHM_DIRECT_READS": reads}
+    results = run_ranks(_ops_job, world, env=env)
     limits = {limit for limit, _, _ in results}
     assert limits == {LIMIT if _peers_can_read() else 0}, limits
     failures = [f"rank {r}: {f}" for r, (_, fs, _) in enumerate(results) for f in fs]
@@ -217,3 +237,38 @@ def test_peer_dying_during_a_direct_op_is_reported():
     (elapsed, msg), _ = run_ranks(_dies_in_direct_op_job, 2, env={"FAIRSCALE_C_TIMEOUT": "30"}, may_die=[1])
     assert "all_gather" in msg and "rank 1" in msg, msg
     assert elapsed < 10, f"dead peer found after {elapsed:.1f} s; expected well before the 30 s timeout"
+
+
+def _switching_job(rank: int, world: int):
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group(name="switching")
+    check, digests = Checks(world), []
+    for i in range(40):  # the first six of each op and size alternate the ways, then every 32nd
+        n = (256 * KiB) if i % 2 else (512 * KiB)  # floats: 1 and 2 MiB per rank
+        xs = [rank_data(r, n, torch.float32, 20 + i) for r in range(world)]
+        out = torch.empty(n * world)
+        group.all_gather(out, xs[rank])
+        check(out, torch.cat(xs), f"all_gather {i}")
+        t = xs[rank].clone()
+        group.all_reduce(t)
+        check(t, check.summed(xs, torch.float32), f"all_reduce {i}", reduced=True)
+        digests.append(hashlib.sha256(t.numpy().tobytes()).hexdigest())
+        rs = torch.empty(n // world)
+        group.reduce_scatter(rs, xs[rank])
+        blocks = [x[rank * (n // world) : (rank + 1) * (n // world)] for x in xs]
+        check(rs, check.summed(blocks, torch.float32), f"reduce_scatter {i}", reduced=True)
+        b = xs[rank].clone()
+        group.broadcast(b, root=i % world)
+        check(b, xs[i % world], f"broadcast {i}")
+    group.destroy()
+    return check.failures, digests
+
+
+def test_ops_that_switch_ways_keep_their_results():
+    """Repeated ops of sizes rank 0 times both ways ("auto"): every result right, every rank the
+    same all_reduce bits, whichever way each call went."""
+    results = run_ranks(_switching_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:20])
+    assert results[0][1] == results[1][1], "all_reduce gave the ranks different bits"

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "comm/shm_direct.h"
 #include "comm/shm_internal.h"
 
 #define FSC_SHM_SPINS 2000       /* pause-loop iterations before yielding */
@@ -74,6 +75,16 @@ static size_t direct_max_from_env(void) {
         return FSC_SHM_DIRECT_MAX_DEFAULT;
     }
     return (size_t)v;
+}
+
+/* FAIRSCALE_C_SHM_DIRECT_READS: "auto" (default: the group times both ways at join), "on", "off". */
+static uint32_t reads_mode_from_env(void) {
+    const char *s = getenv("FAIRSCALE_C_SHM_DIRECT_READS");
+    if (s == NULL || *s == '\0' || strcmp(s, "auto") == 0) return 1;
+    if (strcmp(s, "on") == 0 || strcmp(s, "1") == 0) return 2;
+    if (strcmp(s, "off") == 0 || strcmp(s, "0") == 0) return 0;
+    FSC_WARN("shm", "FAIRSCALE_C_SHM_DIRECT_READS='%s' must be auto, on or off; using auto", s);
+    return 1;
 }
 
 /* CPUs this process may run on (its affinity mask; the online count when that cannot be read). */
@@ -564,6 +575,7 @@ fsc_status_t fsc_shm_group_open(const char *group_name, const char *seg_name, in
     me->direct_cookie = g->direct_cookie;
     me->direct_cookie_addr = (uint64_t)(uintptr_t)&g->direct_cookie;
     me->direct_max = direct_max_from_env();
+    me->reads_mode = reads_mode_from_env();
     atomic_store(&me->direct_ok, 0);
     atomic_store(&me->where, 0);
     atomic_store(&me->pid, (int32_t)getpid());
@@ -596,6 +608,9 @@ int fsc_shm_group_rank(const fsc_shm_group_t *g) {
 }
 size_t fsc_shm_group_direct_max(const fsc_shm_group_t *g) {
     return g->direct_max;
+}
+size_t fsc_shm_group_read_max(const fsc_shm_group_t *g) {
+    return g->read_max;
 }
 
 uint64_t fsc_shm_group_mapped_ops(const fsc_shm_group_t *g) {
@@ -718,8 +733,16 @@ static fsc_status_t agree_direct(fsc_shm_group_t *g, double deadline) {
         if (v != 1) ok = 0;
     }
     g->direct_max = ok ? (size_t)max : 0;
-    FSC_INFO("shm", "group '%s' rank %d: direct reads %s (up to %zu bytes)", g->name, g->rank, ok ? "on" : "off",
-             g->direct_max);
+    uint32_t mode = 2; /* FAIRSCALE_C_SHM_DIRECT_READS: "off" on any rank wins, then "auto" */
+    for (int p = 0; p < g->size; p++)
+        if (g->ranks[p].reads_mode < mode) mode = g->ranks[p].reads_mode;
+    g->reads_mode = mode;
+    g->read_max = mode == 0 ? 0 : g->direct_max;
+    FSC_INFO("shm", "group '%s' rank %d: direct reads %s (up to %zu bytes; private buffers: %s)", g->name, g->rank,
+             ok ? "on" : "off", g->direct_max,
+             mode == 0   ? "off"
+             : mode == 1 ? "auto"
+                         : "on");
     return FSC_OK;
 }
 

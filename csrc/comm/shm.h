@@ -147,6 +147,12 @@ const char *fsc_shm_group_name(const fsc_shm_group_t *g);
  * values), 0 when any rank cannot read its peers' memory or the group has one rank. */
 size_t fsc_shm_group_direct_max(const fsc_shm_group_t *g);
 
+/* Largest collective, in bytes, that reads the peers' private buffers (process_vm_readv) in the
+ * window: direct_max, or 0 when the group keeps such collectives on the slots. Agreed at
+ * fsc_shm_group_join from FAIRSCALE_C_SHM_DIRECT_READS: "on", "off", or "auto" (the default),
+ * where the ranks time a few collectives both ways and take the faster. */
+size_t fsc_shm_group_read_max(const fsc_shm_group_t *g);
+
 /* Collectives this group has run on its ranks' shared tensors, copying straight between their
  * mappings (shm_direct.c; diagnostics and tests). */
 uint64_t fsc_shm_group_mapped_ops(const fsc_shm_group_t *g);

@@ -293,15 +293,7 @@ static fsc_status_t run_broadcast(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     return FSC_OK;
 }
 
-static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    int ran = 0;
-    if (a->op == FSC_OP_COPY) { /* local: no other rank takes part */
-        size_t nb = a->count * fsc_dtype_size(a->dtype);
-        if (nb) fsc_shm_copy_out(a->out, a->in, nb, nb >= FSC_SHM_STREAM_MIN);
-        return FSC_OK;
-    }
-    FSC_CHECK(fsc_shm_direct_run(g, a, &ran));
-    if (ran) return FSC_OK;
+static fsc_status_t run_slots(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     switch (a->op) {
         case FSC_OP_BARRIER: return fsc_shm_open_collective(g, a);
         case FSC_OP_ALL_GATHER: return run_all_gather(g, a);
@@ -313,6 +305,20 @@ static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
         default: break;
     }
     return fsc_error(FSC_ERR_INTERNAL, "shm: unknown op %d", (int)a->op);
+}
+
+static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    int ran = 0;
+    if (a->op == FSC_OP_COPY) { /* local: no other rank takes part */
+        size_t nb = a->count * fsc_dtype_size(a->dtype);
+        if (nb) fsc_shm_copy_out(a->out, a->in, nb, nb >= FSC_SHM_STREAM_MIN);
+        return FSC_OK;
+    }
+    double t0 = fsc_comm_now();
+    FSC_CHECK(fsc_shm_direct_run(g, a, &ran));
+    if (!ran) FSC_CHECK(run_slots(g, a));
+    if (g->choice_pending != NULL) fsc_shm_direct_timed(g, fsc_comm_now() - t0);
+    return FSC_OK;
 }
 
 fsc_status_t fsc_shm_check_usable(fsc_shm_group_t *g) {

@@ -16,9 +16,12 @@
  *   - in the read window (fsc_shm_direct_fits): all_gather, reduce_scatter and broadcast from
  *     blocks of FSC_SHM_DIRECT_MIN bytes, below which the system call costs more than the slots;
  *     all_reduce from FSC_SHM_DIRECT_ALL_REDUCE_MIN, below which its two rounds of reads lost to the
- *     slots' pipeline; every op up to g->direct_max bytes (reduce_scatter's input up to 8 MiB),
+ *     slots' pipeline; every op up to g->read_max bytes (reduce_scatter's input up to 8 MiB),
  *     above which the slots' pipeline with streaming stores won or drew. Mapped when it can be,
- *     read otherwise.
+ *     read otherwise. From FSC_SHM_CHOICE_MIN bytes, with FAIRSCALE_C_SHM_DIRECT_READS "auto",
+ *     rank 0 picks reads or the slots for every rank from its timings of both (choose_reads):
+ *     the kernel's copy pins the peer's pages one by one, and whether one such copy beats two
+ *     plain ones through the slots depends on the machine (measured both ways on two VMs).
  *   - outside it, from FSC_SHM_SHARED_MIN bytes: the ranks first compare their publications; mapped
  *     when every rank's buffers are shared, else the slots (one barrier more than the slots alone).
  * reduce has no read form (the root alone would copy every peer's input); mapped, every rank
@@ -28,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/log.h"
 #include "comm/shm_direct.h"
 #include "comm/shm_reduce.h"
 #include "comm/shm_shared.h"
@@ -37,6 +41,11 @@
 #define FSC_SHM_DIRECT_ALL_REDUCE_MIN ((size_t)2 << 20)
 #define FSC_SHM_DIRECT_REDUCE_SCATTER_MAX ((size_t)8 << 20)
 #define FSC_SHM_SHARED_MIN ((size_t)1 << 20)
+/* From this op size on, in "auto" mode, rank 0 picks reads or slots by timing both (choose_reads):
+ * below it reads won in every VM state measured; above it the winner depends on the machine. */
+#define FSC_SHM_CHOICE_MIN ((size_t)512 << 10)
+#define FSC_SHM_CHOICE_SAMPLES 3  /* timings each way before choosing */
+#define FSC_SHM_CHOICE_RECHECK 32 /* then every this many calls, one the other way */
 
 static size_t min_sz(size_t a, size_t b) {
     return a < b ? a : b;
@@ -48,14 +57,15 @@ static size_t op_bytes(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
 }
 
 int fsc_shm_direct_fits(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    if (g->direct_max == 0) return 0;
+    size_t max = g->read_max;
+    if (max == 0) return 0;
     size_t nb = a->count * fsc_dtype_size(a->dtype), n = (size_t)g->size;
     switch (a->op) {
-        case FSC_OP_ALL_GATHER: return nb >= FSC_SHM_DIRECT_MIN && nb * n <= g->direct_max;
+        case FSC_OP_ALL_GATHER: return nb >= FSC_SHM_DIRECT_MIN && nb * n <= max;
         case FSC_OP_REDUCE_SCATTER:
-            return nb >= FSC_SHM_DIRECT_MIN && nb * n <= g->direct_max && nb * n <= FSC_SHM_DIRECT_REDUCE_SCATTER_MAX;
-        case FSC_OP_BROADCAST: return nb >= FSC_SHM_DIRECT_MIN && nb <= g->direct_max;
-        case FSC_OP_ALL_REDUCE: return nb >= FSC_SHM_DIRECT_ALL_REDUCE_MIN && nb <= g->direct_max;
+            return nb >= FSC_SHM_DIRECT_MIN && nb * n <= max && nb * n <= FSC_SHM_DIRECT_REDUCE_SCATTER_MAX;
+        case FSC_OP_BROADCAST: return nb >= FSC_SHM_DIRECT_MIN && nb <= max;
+        case FSC_OP_ALL_REDUCE: return nb >= FSC_SHM_DIRECT_ALL_REDUCE_MIN && nb <= max;
         default: return 0; /* reduce: the root alone would copy everything (slower, measured) */
     }
 }
@@ -300,24 +310,76 @@ static int mapped_path(const fsc_shm_group_t *g, const fsc_shm_args_t *a, int *p
     }
 }
 
+/* The op's slot in rank 0's timings, or NULL when it is not chosen by timing. */
+static fsc_shm_choice_t *choice_of(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    size_t bytes = op_bytes(g, a);
+    if (g->reads_mode != 1 || bytes < FSC_SHM_CHOICE_MIN) return NULL;
+    int op = a->op == FSC_OP_ALL_GATHER ? 0 : a->op == FSC_OP_REDUCE_SCATTER ? 1 : a->op == FSC_OP_BROADCAST ? 2 : 3;
+    int c = 0;
+    while (c + 1 < FSC_SHM_CHOICE_CLASSES && bytes >= (FSC_SHM_CHOICE_MIN << (c + 1))) c++;
+    return &g->choice[op][c];
+}
+
+static double median_of(const fsc_shm_choice_t *c, int way) {
+    uint32_t n = c->n[way] < FSC_SHM_CHOICE_KEEP ? c->n[way] : FSC_SHM_CHOICE_KEEP;
+    double v[FSC_SHM_CHOICE_KEEP];
+    memcpy(v, c->secs[way], n * sizeof(double));
+    for (uint32_t i = 1; i < n; i++) /* insertion sort of at most 8 */
+        for (uint32_t j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return v[n / 2];
+}
+
+/* Rank 0: whether this op reads the peers' buffers (1) or goes through the slots (0). Each way is
+ * timed FSC_SHM_CHOICE_SAMPLES times first, alternating; then the way with the lower median of its
+ * recent timings, except that every FSC_SHM_CHOICE_RECHECK calls the other way is timed once more,
+ * so a machine whose balance changes (as VMs' do) is followed. */
+static int choose_reads(fsc_shm_choice_t *c) {
+    uint32_t call = c->calls++;
+    if (c->n[0] < FSC_SHM_CHOICE_SAMPLES || c->n[1] < FSC_SHM_CHOICE_SAMPLES)
+        return c->n[1] < c->n[0] || (c->n[1] == c->n[0] && (call & 1));
+    int best = median_of(c, 1) < median_of(c, 0);
+    return call % FSC_SHM_CHOICE_RECHECK == 0 ? !best : best;
+}
+
+void fsc_shm_direct_timed(fsc_shm_group_t *g, double secs) {
+    fsc_shm_choice_t *c = g->choice_pending;
+    g->choice_pending = NULL;
+    if (c == NULL) return;
+    int way = g->choice_reads;
+    c->secs[way][c->n[way] % FSC_SHM_CHOICE_KEEP] = secs;
+    c->n[way]++;
+}
+
 fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int *ran) {
     *ran = 0;
+    g->choice_pending = NULL;
     int fits = fsc_shm_direct_fits(g, a);
     if (!fits && !may_map(g, a)) return FSC_OK;
     size_t nb = a->count * fsc_dtype_size(a->dtype);
     size_t in_bytes = a->op == FSC_OP_REDUCE_SCATTER ? nb * (size_t)g->size : nb;
     size_t out_bytes = a->op == FSC_OP_ALL_GATHER ? nb * (size_t)g->size : nb;
     publish(g, a->in, in_bytes, a->out, out_bytes);
-    /* An all_gather in the window runs direct whatever the ranks published: its own block is
-     * copied while the peers arrive (out of place). */
-    int own_done = fits && a->op == FSC_OP_ALL_GATHER && a->out != NULL &&
+    fsc_shm_choice_t *choice = fits ? choice_of(g, a) : NULL; /* the same on every rank */
+    if (choice != NULL && g->rank == 0) {
+        g->ranks[0].read_choice = (uint32_t)choose_reads(choice); /* released by the barrier below */
+        g->choice_pending = choice;
+        g->choice_reads = (int)g->ranks[0].read_choice;
+    }
+    /* An all_gather that surely reads copies its own block while the peers arrive (out of place). */
+    int own_done = fits && choice == NULL && a->op == FSC_OP_ALL_GATHER && a->out != NULL &&
                    (uint8_t *)a->out + (size_t)g->rank * nb != (const uint8_t *)a->in;
     if (own_done)
         fsc_shm_copy_out((uint8_t *)a->out + (size_t)g->rank * nb, a->in, nb,
                          nb * (size_t)g->size >= FSC_SHM_STREAM_MIN);
     FSC_CHECK(fsc_shm_open_collective(g, a));
+    if (choice != NULL) fits = (int)g->ranks[0].read_choice; /* every rank follows rank 0 */
     int push = 0, map = mapped_path(g, a, &push);
-    if (!map && !fits) return FSC_OK; /* every rank saw the same: the slots run it */
+    if (map && g->rank == 0) g->choice_pending = NULL; /* mapped: neither way the choice weighs */
+    if (!map && !fits) return FSC_OK;                  /* every rank saw the same: the slots run it */
     *ran = 1;
     if (map) atomic_fetch_add_explicit(&g->mapped_ops, 1, memory_order_relaxed);
     switch (a->op) {

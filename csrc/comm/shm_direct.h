@@ -10,6 +10,10 @@
  * every rank of the op decides alike. */
 int fsc_shm_direct_fits(const fsc_shm_group_t *g, const fsc_shm_args_t *a);
 
+/* Rank 0, after an op that fsc_shm_direct_run left a timing for (g->choice_pending): record how
+ * long it took, `secs`, for the way it went. */
+void fsc_shm_direct_timed(fsc_shm_group_t *g, double secs);
+
 /* Run collective `a` direct to completion on the calling thread when it can (*ran = 1): when it
  * fits (above), or when it is large enough to ask and every rank's buffers lie in one shared tensor
  * allocation. With *ran = 0 the caller runs it on the slots; every rank decides alike. */

@@ -11,7 +11,7 @@
 
 #define FSC_SHM_LINE 128                    /* two x86 lines: adjacent-line prefetch must not cause false sharing */
 #define FSC_SHM_MAGIC 0x31306d6873637366ull /* "fscshm01" */
-#define FSC_SHM_VERSION 8u
+#define FSC_SHM_VERSION 9u
 #define FSC_SHM_MAX_RANKS 256
 
 /* Per-rank control block, written only by its rank. */
@@ -37,7 +37,9 @@ typedef struct {
     /* The same buffers as (allocation id, offset) when they lie in a shared tensor (shm_shared.h;
      * id 0: they do not): a peer that maps that allocation reads and writes them itself. */
     uint64_t shared_in_id, shared_in_off, shared_out_id, shared_out_off;
-    uint64_t direct_max; /* this rank's FAIRSCALE_C_SHM_DIRECT_MAX */
+    uint64_t direct_max;  /* this rank's FAIRSCALE_C_SHM_DIRECT_MAX */
+    uint32_t reads_mode;  /* this rank's FAIRSCALE_C_SHM_DIRECT_READS: 0 off, 1 auto, 2 on */
+    uint32_t read_choice; /* rank 0, auto: 1 when the current direct op reads the peers' buffers, 0: slots */
     uint64_t direct_cookie, direct_cookie_addr;
     _Atomic uint32_t direct_ok; /* 0: not probed yet; 1: read every peer's cookie; 2: could not */
 } fsc_shm_rank_ctrl_t;
@@ -85,6 +87,18 @@ typedef struct {
     int posted; /* direct send: its chunk is posted */
 } fsc_shm_p2p_t;
 
+/* Rank 0's recent timings of one op and size class in the direct window, each way (shm_direct.c,
+ * choose_reads): the last FSC_SHM_CHOICE_KEEP op times through the slots (way 0) and through
+ * reads of the peers' buffers (way 1). */
+#define FSC_SHM_CHOICE_OPS 4     /* all_gather, reduce_scatter, broadcast, all_reduce */
+#define FSC_SHM_CHOICE_CLASSES 6 /* 512 KiB, 1, 2, 4, 8, 16 MiB and up (op bytes, rounded down) */
+#define FSC_SHM_CHOICE_KEEP 8
+typedef struct {
+    double secs[2][FSC_SHM_CHOICE_KEEP];
+    uint32_t n[2]; /* timings taken each way (the last FSC_SHM_CHOICE_KEEP are kept) */
+    uint32_t calls;
+} fsc_shm_choice_t;
+
 /* One submitted item: a single op or a batch. */
 struct fsc_shm_work {
     fsc_shm_args_t *args;
@@ -115,6 +129,15 @@ struct fsc_shm_group {
     /* largest op that may read the peers' memory directly (shm_direct.c; agreed by every rank at
      * join; 0: never). direct_cookie is what peers read to check that they can. */
     size_t direct_max;
+    /* largest collective that reads the peers' private buffers (process_vm_readv) instead of
+     * going through the slots: direct_max, or 0 when FAIRSCALE_C_SHM_DIRECT_READS is "off" on
+     * some rank; reads_mode the agreed mode (0 off, 1 auto, 2 on), the same on every rank */
+    size_t read_max;
+    uint32_t reads_mode;
+    /* auto: rank 0 times both ways per op and size class and picks for every rank (shm_direct.c) */
+    fsc_shm_choice_t choice[FSC_SHM_CHOICE_OPS][FSC_SHM_CHOICE_CLASSES];
+    fsc_shm_choice_t *choice_pending; /* rank 0: the op running now is timed into it ... */
+    int choice_reads;                 /* ... for this way (1: reads, 0: slots) */
     uint64_t direct_cookie;
     uint8_t *direct_scratch;     /* (size - 1) pieces the reductions read the peers' data into (shm_direct.c) */
     _Atomic uint64_t mapped_ops; /* collectives run on shared tensors (shm_direct.c) */

@@ -234,6 +234,11 @@ static PyObject *Group_get_direct_max(GroupObject *self, void *Py_UNUSED(c)) {
     return PyLong_FromSize_t(fsc_shm_group_direct_max(self->g));
 }
 
+static PyObject *Group_get_read_max(GroupObject *self, void *Py_UNUSED(c)) {
+    if (check_open(self) < 0) return NULL;
+    return PyLong_FromSize_t(fsc_shm_group_read_max(self->g));
+}
+
 static PyObject *Group_get_mapped_ops(GroupObject *self, void *Py_UNUSED(c)) {
     if (check_open(self) < 0) return NULL;
     return PyLong_FromUnsignedLongLong(fsc_shm_group_mapped_ops(self->g));
@@ -549,6 +554,10 @@ static PyGetSetDef Group_getset[] = {
     {"direct_max", (getter)Group_get_direct_max, NULL,
      "Largest op, in bytes, whose data ranks may read straight from each other's memory "
      "(agreed at join; 0: never).",
+     NULL},
+    {"read_max", (getter)Group_get_read_max, NULL,
+     "Largest collective, in bytes, that reads the peers' private buffers in the direct window: direct_max, "
+     "or 0 where the group keeps them on the slots (FAIRSCALE_C_SHM_DIRECT_READS; auto: timed at join).",
      NULL},
     {"mapped_ops", (getter)Group_get_mapped_ops, NULL,
      "Collectives run so far that copied straight between the ranks' shared tensors (shared_empty).", NULL},
