@@ -115,6 +115,8 @@ def _four_job(rank, world):
     except ValueError as e:
         if "parameter 'weight'" not in str(e) or "same process group" not in str(e):
             failures.append(f"unexpected message: {e}")
+        if any(getattr(p, "_fsc_fsdp_managed", False) for p in m.l3.parameters()):  # refused before sharding
+            failures.append("the refused instance sharded its module's own parameters")
     return [f for f in failures if f]
 
 

@@ -193,6 +193,8 @@ class FullyShardedDataParallel(nn.Module):
         orders = {id(m): list(m._parameters) for m in module.modules()}
         layouts, self._shared_pairs, foreign = collect_params(module, _is_managed, self.flatten_parameters)
         self._check_dtypes(layouts)
+        for f in foreign:
+            self._check_share(f)
         self._fsdp_wrapped_module = module
         self._handles: List[_Handle] = [self._new_handle(i, layout, shard_device) for i, layout in enumerate(layouts)]
         self._ties: List[_Tie] = [self._tie(f) for f in foreign]
@@ -235,11 +237,10 @@ class FullyShardedDataParallel(nn.Module):
         self._hook_full(handle)
         return handle
 
-    def _tie(self, f: ForeignParam) -> _Tie:
-        """Share a parameter another instance has sharded: its attribute here holds the owner's
-        shard from now on (one Parameter, as a tie in the unwrapped model is one tensor)."""
-        owner_ref, handle, slot = f.param._fsc_fsdp_sharded
-        owner = owner_ref()
+    def _check_share(self, f: ForeignParam) -> None:
+        """Before anything is sharded: a parameter another instance has sharded can be shared
+        only while that instance lives, over the same process group."""
+        owner = f.param._fsc_fsdp_sharded[0]()
         same_group = owner is not None and (owner.comm is self.comm or owner.world_size == self.world_size == 1)
         if not same_group:
             why = "no longer exists" if owner is None else "shards over another process group"
@@ -248,6 +249,12 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel instance, which {why}; instances can share (tie) a parameter only "
                 f"over the same process group"
             )
+
+    def _tie(self, f: ForeignParam) -> _Tie:
+        """Share a parameter another instance has sharded (checked by _check_share): its attribute
+        here holds the owner's shard from now on (one Parameter, as a tie in the unwrapped model is
+        one tensor)."""
+        owner_ref, handle, slot = f.param._fsc_fsdp_sharded
         f.module._parameters[f.attr] = handle.param
         return _Tie(f.module, f.attr, f.name, owner_ref, handle, slot)
 
