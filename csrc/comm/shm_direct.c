@@ -19,7 +19,8 @@
  *     slots' pipeline; every op up to g->read_max bytes (reduce_scatter's input up to 8 MiB),
  *     above which the slots' pipeline with streaming stores won or drew. Mapped when it can be,
  *     read otherwise. From FSC_SHM_CHOICE_MIN bytes, with FAIRSCALE_C_SHM_DIRECT_READS "auto",
- *     rank 0 picks reads or the slots for every rank from its timings of both (choose_reads):
+ *     a synchronous op on rank 0 picks reads or the slots for every rank from its timings of
+ *     both (choose_reads; a queued op reads, as it costs the least CPU beside the computation):
  *     the kernel's copy pins the peer's pages one by one, and whether one such copy beats two
  *     plain ones through the slots depends on the machine (measured both ways on two VMs).
  *   - outside it, from FSC_SHM_SHARED_MIN bytes: the ranks first compare their publications; mapped
@@ -365,9 +366,13 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
     publish(g, a->in, in_bytes, a->out, out_bytes);
     fsc_shm_choice_t *choice = fits ? choice_of(g, a) : NULL; /* the same on every rank */
     if (choice != NULL && g->rank == 0) {
-        g->ranks[0].read_choice = (uint32_t)choose_reads(choice); /* released by the barrier below */
-        g->choice_pending = choice;
-        g->choice_reads = (int)g->ranks[0].read_choice;
+        /* A queued (async) op overlaps the caller's computation, where the CPU it takes counts
+         * more than its time: reads, one copy and two barriers, cost the least of it. A
+         * synchronous call waits for the op: the faster way by rank 0's timings. */
+        int reads = fsc_shm_on_progress_thread ? 1 : choose_reads(choice);
+        g->ranks[0].read_choice = (uint32_t)reads; /* released by the barrier below */
+        g->choice_pending = fsc_shm_on_progress_thread ? NULL : choice;
+        g->choice_reads = reads;
     }
     /* An all_gather that surely reads copies its own block while the peers arrive (out of place). */
     int own_done = fits && choice == NULL && a->op == FSC_OP_ALL_GATHER && a->out != NULL &&

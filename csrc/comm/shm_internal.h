@@ -99,6 +99,9 @@ typedef struct {
     uint32_t calls;
 } fsc_shm_choice_t;
 
+/* 1 on a group's progress thread (shm_queue.c): the ops it runs were queued (async). */
+extern _Thread_local int fsc_shm_on_progress_thread;
+
 /* One submitted item: a single op or a batch. */
 struct fsc_shm_work {
     fsc_shm_args_t *args;

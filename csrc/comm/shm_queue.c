@@ -144,7 +144,10 @@ static void run_p2p_items(fsc_shm_group_t *g) {
     }
 }
 
+_Thread_local int fsc_shm_on_progress_thread = 0;
+
 static void *progress_main(void *arg) {
+    fsc_shm_on_progress_thread = 1;
     fsc_shm_group_t *g = arg;
     fsc_log_set_rank(g->rank);
     pthread_mutex_lock(&g->qmu);
