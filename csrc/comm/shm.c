@@ -77,7 +77,7 @@ static size_t direct_max_from_env(void) {
     return (size_t)v;
 }
 
-/* FAIRSCALE_C_SHM_DIRECT_READS: "auto" (default: the group times both ways at join), "on", "off". */
+/* FAIRSCALE_C_SHM_DIRECT_READS: "auto" (default: rank 0 times both ways, shm_direct.c), "on", "off". */
 static uint32_t reads_mode_from_env(void) {
     const char *s = getenv("FAIRSCALE_C_SHM_DIRECT_READS");
     if (s == NULL || *s == '\0' || strcmp(s, "auto") == 0) return 1;
@@ -610,7 +610,7 @@ size_t fsc_shm_group_direct_max(const fsc_shm_group_t *g) {
     return g->direct_max;
 }
 size_t fsc_shm_group_read_max(const fsc_shm_group_t *g) {
-    return g->read_max;
+    return g->reads_mode == 0 ? 0 : g->direct_max;
 }
 
 uint64_t fsc_shm_group_mapped_ops(const fsc_shm_group_t *g) {
@@ -737,7 +737,6 @@ static fsc_status_t agree_direct(fsc_shm_group_t *g, double deadline) {
     for (int p = 0; p < g->size; p++)
         if (g->ranks[p].reads_mode < mode) mode = g->ranks[p].reads_mode;
     g->reads_mode = mode;
-    g->read_max = mode == 0 ? 0 : g->direct_max;
     FSC_INFO("shm", "group '%s' rank %d: direct reads %s (up to %zu bytes; private buffers: %s)", g->name, g->rank,
              ok ? "on" : "off", g->direct_max,
              mode == 0   ? "off"

@@ -150,7 +150,7 @@ size_t fsc_shm_group_direct_max(const fsc_shm_group_t *g);
 /* Largest collective, in bytes, that reads the peers' private buffers (process_vm_readv) in the
  * window: direct_max, or 0 when the group keeps such collectives on the slots. Agreed at
  * fsc_shm_group_join from FAIRSCALE_C_SHM_DIRECT_READS: "on", "off", or "auto" (the default),
- * where the ranks time a few collectives both ways and take the faster. */
+ * where rank 0 times synchronous ops of 512 KiB and more both ways and picks for every rank. */
 size_t fsc_shm_group_read_max(const fsc_shm_group_t *g);
 
 /* Collectives this group has run on its ranks' shared tensors, copying straight between their

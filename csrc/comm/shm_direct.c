@@ -16,13 +16,13 @@
  *   - in the read window (fsc_shm_direct_fits): all_gather, reduce_scatter and broadcast from
  *     blocks of FSC_SHM_DIRECT_MIN bytes, below which the system call costs more than the slots;
  *     all_reduce from FSC_SHM_DIRECT_ALL_REDUCE_MIN, below which its two rounds of reads lost to the
- *     slots' pipeline; every op up to g->read_max bytes (reduce_scatter's input up to 8 MiB),
+ *     slots' pipeline; every op up to fsc_shm_group_read_max bytes (reduce_scatter's input up to 8 MiB),
  *     above which the slots' pipeline with streaming stores won or drew. Mapped when it can be,
  *     read otherwise. From FSC_SHM_CHOICE_MIN bytes, with FAIRSCALE_C_SHM_DIRECT_READS "auto",
  *     a synchronous op on rank 0 picks reads or the slots for every rank from its timings of
  *     both (choose_reads; a queued op reads, as it costs the least CPU beside the computation):
  *     the kernel's copy pins the peer's pages one by one, and whether one such copy beats two
- *     plain ones through the slots depends on the machine (measured both ways on two VMs).
+ *     plain ones through the slots depends on the machine (docs/benchmarks.md).
  *   - outside it, from FSC_SHM_SHARED_MIN bytes: the ranks first compare their publications; mapped
  *     when every rank's buffers are shared, else the slots (one barrier more than the slots alone).
  * reduce has no read form (the root alone would copy every peer's input); mapped, every rank
@@ -58,7 +58,7 @@ static size_t op_bytes(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
 }
 
 int fsc_shm_direct_fits(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
-    size_t max = g->read_max;
+    size_t max = fsc_shm_group_read_max(g);
     if (max == 0) return 0;
     size_t nb = a->count * fsc_dtype_size(a->dtype), n = (size_t)g->size;
     switch (a->op) {

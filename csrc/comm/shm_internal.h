@@ -132,10 +132,8 @@ struct fsc_shm_group {
     /* largest op that may read the peers' memory directly (shm_direct.c; agreed by every rank at
      * join; 0: never). direct_cookie is what peers read to check that they can. */
     size_t direct_max;
-    /* largest collective that reads the peers' private buffers (process_vm_readv) instead of
-     * going through the slots: direct_max, or 0 when FAIRSCALE_C_SHM_DIRECT_READS is "off" on
-     * some rank; reads_mode the agreed mode (0 off, 1 auto, 2 on), the same on every rank */
-    size_t read_max;
+    /* the agreed FAIRSCALE_C_SHM_DIRECT_READS (0 off, 1 auto, 2 on), the same on every rank: with
+     * 0, collectives never read the peers' private buffers (process_vm_readv), only the slots */
     uint32_t reads_mode;
     /* auto: rank 0 times both ways per op and size class and picks for every rank (shm_direct.c) */
     fsc_shm_choice_t choice[FSC_SHM_CHOICE_OPS][FSC_SHM_CHOICE_CLASSES];

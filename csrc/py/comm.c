@@ -557,7 +557,7 @@ static PyGetSetDef Group_getset[] = {
      NULL},
     {"read_max", (getter)Group_get_read_max, NULL,
      "Largest collective, in bytes, that reads the peers' private buffers in the direct window: direct_max, "
-     "or 0 where the group keeps them on the slots (FAIRSCALE_C_SHM_DIRECT_READS; auto: timed at join).",
+     "or 0 where the group keeps them on the slots (FAIRSCALE_C_SHM_DIRECT_READS; auto: rank 0 times both ways).",
      NULL},
     {"mapped_ops", (getter)Group_get_mapped_ops, NULL,
      "Collectives run so far that copied straight between the ranks' shared tensors (shared_empty).", NULL},

@@ -160,7 +160,7 @@ def check_local_shards(named_instances: List[Tuple[str, Any]], state_dict: Dict[
     path, instance) of every FSDP instance of the model."""
     for path, m in named_instances:
         for h in m._handles:
-            key = f"{path}.{h.backing_name}" if path else h.backing_name
+            key = _join(path, h.backing_name)
             if key not in state_dict:
                 continue
             value = state_dict[key]
@@ -296,7 +296,7 @@ def consolidate(shard_weights, shard_metadata, with_module_buffers: bool, strict
     for idx, meta in enumerate(shard_metadata[0]["param_metadata"]):
         path = meta["fsdp_path"]
         for backing, info in meta["params"].items():
-            key = f"{path}.{backing}" if path else backing
+            key = _join(path, backing)
             if key not in shard_weights[0] and not strict:
                 continue
             shards = []
@@ -314,7 +314,7 @@ def consolidate(shard_weights, shard_metadata, with_module_buffers: bool, strict
                     f"metadata says {sum(info['numels'])}"
                 )
             for name, t, shape in zip(info["names"], full.split(info["numels"]), info["shapes"]):
-                out[f"{path}.{name}" if path else name] = t.view(shape)
+                out[_join(path, name)] = t.view(shape)
         aliases.extend((_join(path, src), _join(path, dst)) for src, dst in meta["shared_param_info"])
     for src_key, dst_key in aliases:
         if src_key in out or strict:  # not strict: a parameter skipped above takes its aliases along
