@@ -50,7 +50,7 @@ asan: $(DEPS)
 		tests/test_all_to_all.py tests/test_adam.py \
 		tests/test_sync_batchnorm.py::test_c_helpers_agree_with_the_formulas_and_refuse_bad_sizes \
 		tests/test_fuzz_bindings.py
-	$(MAKE) -C tests/c ctest SANITIZE=1
+	$(MAKE) -j$(shell nproc) -C tests/c ctest SANITIZE=1
 
 # ruff for Python; clang-format 14 for C/CUDA (the PyPI wheel, so that every machine formats alike).
 lint: $(DEPS)

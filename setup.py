@@ -4,6 +4,7 @@ import glob
 import os
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
@@ -37,10 +38,29 @@ def cuda_wanted():
     return nvcc, build_cuda
 
 
+def compile_in_parallel(compile_one, jobs):
+    """The compiler's `compile`, one source file per call on `jobs` threads (each call runs the
+    compiler as a subprocess); the objects come back in the order of the sources, as the linker
+    expects. setuptools compiles the sources of one extension one after another."""
+
+    def compile(sources, *args, **kwargs):
+        if jobs < 2 or len(sources) < 2:
+            return compile_one(sources, *args, **kwargs)
+        with ThreadPoolExecutor(jobs) as pool:
+            parts = list(pool.map(lambda src: compile_one([src], *args, **kwargs), sources))
+        return [obj for objs in parts for obj in objs]
+
+    return compile
+
+
 class BuildExt(build_ext):
-    """Adds the embedded-fatbin source when nvcc is available, and sanitizer flags on request."""
+    """Adds the embedded-fatbin source when nvcc is available, sanitizer flags on request, and
+    compiles the C sources in parallel (`-j N` / `--parallel N`; by default one job per CPU)."""
 
     def build_extensions(self):
+        jobs = int(self.parallel) if self.parallel else len(os.sched_getaffinity(0))
+        self.parallel = None  # the jobs go to the sources of our one extension, not to extensions
+        self.compiler.compile = compile_in_parallel(self.compiler.compile, jobs)
         nvcc, build_cuda = cuda_wanted()
         # setuptools decides what to rebuild from source timestamps alone, so a switch of
         # FAIRSCALE_C_CUDA or FAIRSCALE_C_SANITIZE forces a rebuild, in its own object folder.

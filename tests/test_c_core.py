@@ -20,7 +20,9 @@ pytestmark = pytest.mark.skipif(
 def _make(target: str) -> None:
     env = dict(os.environ)
     env.pop("FAIRSCALE_C_TIMEOUT", None)  # the Makefile sets what each test needs
-    r = subprocess.run(["make", "-C", C_TESTS, target], capture_output=True, text=True, timeout=600, env=env)
+    jobs = str(len(os.sched_getaffinity(0)))  # compiles side by side; the test itself runs alone
+    cmd = ["make", "-j", jobs, "-C", C_TESTS, target]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, f"make {target} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
 
 
