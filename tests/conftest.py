@@ -1,8 +1,14 @@
 """Shared pytest set-up."""
 
 import os
+import sys
 
 import pytest
+
+# The benchmark scripts, which the test_bench_* files import as modules.
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.append(BENCHMARKS)
 
 
 def pytest_sessionstart(session):

@@ -5,12 +5,8 @@ size."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import async_pipe as async_pipe_script  # noqa: E402
+import async_pipe as async_pipe_script
 
 
 def test_async_pipe_benchmark_runs_and_reports_every_framework(tmp_path, capsys):

@@ -5,19 +5,15 @@ torch.cuda's answers stood in), and the CUDA-only flags. Nothing here spawns a p
 from __future__ import annotations
 
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import _harness  # noqa: E402
-import collectives  # noqa: E402
-import oss as oss_script  # noqa: E402
-import pipe_stages  # noqa: E402
+import _harness
+import collectives
+import oss as oss_script
+import pipe_stages
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 

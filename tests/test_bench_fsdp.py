@@ -5,16 +5,12 @@ framework, and --device cuda without CUDA."""
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import fsdp  # noqa: E402
+import fsdp
 
 
 def test_presets_have_the_advertised_sizes():

@@ -4,16 +4,12 @@ ends in an error naming it, never a hang, and the ranks are gone afterwards."""
 from __future__ import annotations
 
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import _harness  # noqa: E402
-from _harness import RankPool, shm_segments_of  # noqa: E402
+import _harness
+from _harness import RankPool, shm_segments_of
 
 
 def _whoami(state, x):

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import mevo as mevo_script  # noqa: E402
+import mevo as mevo_script
 
 
 def test_mevo_benchmark_runs_and_reports_every_framework(tmp_path, capsys):

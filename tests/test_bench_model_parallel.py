@@ -4,12 +4,8 @@ finish, every framework present is timed and measured, and the table has a row p
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import model_parallel as mp_script  # noqa: E402
+import model_parallel as mp_script
 
 
 def test_model_parallel_benchmark_runs_and_reports_every_framework(tmp_path, capsys):

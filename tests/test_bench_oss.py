@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import fsdp  # noqa: E402
-import oss as oss_script  # noqa: E402
+import fsdp
+import oss as oss_script
 
 
 def test_oss_paired_run_steps_every_framework_and_records_faults():

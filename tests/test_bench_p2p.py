@@ -3,14 +3,10 @@ tensors; the ranks check the bytes they received."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import p2p as p2p_script  # noqa: E402
+import p2p as p2p_script
 
 
 @pytest.mark.parametrize("shared", [False, True])

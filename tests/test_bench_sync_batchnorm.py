@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import sync_batchnorm as sbn_script  # noqa: E402
+import sync_batchnorm as sbn_script
 
 
 def test_sync_batchnorm_benchmark_runs_and_reports_every_framework(tmp_path, capsys):

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import wgit as wgit_script  # noqa: E402
+import wgit as wgit_script
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="Repo needs the git program")

@@ -3,16 +3,12 @@ length is known in closed form."""
 
 from __future__ import annotations
 
-import os
-import sys
 from types import SimpleNamespace
 
+import pipe_stages
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import pipe_stages  # noqa: E402
-
-from fairscale_c.nn.pipe import Schedule1F1B, ScheduleGPipe  # noqa: E402
+from fairscale_c.nn.pipe import Schedule1F1B, ScheduleGPipe
 
 
 def orders(cls, p: int, m: int):
