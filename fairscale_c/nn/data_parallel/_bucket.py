@@ -29,7 +29,7 @@ _MAX_IN_FLIGHT = 2
 
 
 class PendingReduce(NamedTuple):
-    """One flat parameter's part of a reduce-scatter in flight (``_Handle.pending``)."""
+    """One flat parameter's part of a reduce-scatter in flight (``Handle.pending``, _handle.py)."""
 
     out: torch.Tensor  # its shard of the reduced gradient: a view of the collective's output
     input: torch.Tensor  # the collective's input (the full gradient or the packed bucket), alive until retired

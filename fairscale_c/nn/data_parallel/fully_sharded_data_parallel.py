@@ -18,7 +18,7 @@ import functools
 import warnings
 import weakref
 from enum import Enum, auto
-from typing import Any, Dict, Generator, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -30,8 +30,10 @@ from fairscale_c.internal.parallel import ProcessGroupName
 
 from . import _optim_state, _state_dict
 from ._args import check_fsdp_args
-from ._bucket import PendingReduce, ReduceScatterBucket
-from .flat_param import FlatLayout, ForeignParam, ParamSlot, collect_params
+from ._bucket import ReduceScatterBucket
+from ._handle import Gathering, Handle, Tie, alloc_storage, free_storage
+from ._tensors import cast_floats, map_tensors
+from .flat_param import FlatLayout, ForeignParam, collect_params
 
 
 class TrainingState(Enum):
@@ -46,70 +48,6 @@ class TrainingState(Enum):
 
 def _is_managed(p: torch.Tensor) -> bool:
     return getattr(p, "_fsc_fsdp_managed", False)
-
-
-def _free_storage(t: torch.Tensor) -> None:
-    if t.untyped_storage().size() > 0:
-        t.untyped_storage().resize_(0)
-
-
-def _alloc_storage(t: torch.Tensor) -> None:
-    nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().size() != nbytes:
-        t.untyped_storage().resize_(nbytes)
-
-
-class _Gathering(NamedTuple):
-    """An all-gather of one flat parameter started ahead of use (``_Handle.gathering``)."""
-
-    work: Any  # the collective's Work: wait() before the full buffer is read
-    shard: torch.Tensor  # its input (the shard, or its cast in the full buffer), alive until then
-
-
-class _Handle:
-    """Run-time state of one flat parameter."""
-
-    def __init__(self, layout: FlatLayout, param: nn.Parameter, compute_dtype: torch.dtype, device: torch.device):
-        self.layout = layout
-        self.param = param  # fp32 shard: what the optimizer sees
-        self.full = self.new_full(compute_dtype, device)
-        pad = layout.padded_numel - layout.numel
-        self.split_sizes = [s.numel for s in layout.slots] + ([pad] if pad else [])
-        self.has_full = False
-        self.gathering: Optional[_Gathering] = None  # while an all-gather started ahead runs
-        self.pending: Optional[PendingReduce] = None  # while its gradient's reduce-scatter runs
-        self.backing_name = ""  # "flat_param_<i>", or the parameter's name when not flattened
-        self.forward_users = 0  # instances using it (owner and sharers) whose forward is running
-        self.summoned: Optional[Dict[int, nn.Parameter]] = None  # id(slot) -> full fp32 parameter, while summoned
-
-    def places(self) -> List[Tuple[nn.Module, str]]:
-        """Unflattened: (module, attribute) where the parameter sits, tied names included."""
-        slot = self.layout.slots[0]
-        return [(slot.module, slot.attr)] + [(s.module, s.attr) for s in self.layout.shared]
-
-    def new_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The full (padded) buffer in the compute dtype. A leaf, so autograd accumulates the
-        gradient of every view into one flat gradient; its storage is released when resharded."""
-        return torch.zeros(self.layout.padded_numel, dtype=dtype, device=device).requires_grad_(
-            self.layout.requires_grad
-        )
-
-
-class _Tie(NamedTuple):
-    """A parameter of an instance's module that another instance shards (a weight tied across
-    instances, FairScale's "shared param"): the sharing instance gathers it for its own forward
-    and backward; the owner reduces its gradient once autograd has summed every use."""
-
-    module: nn.Module
-    attr: str
-    name: str  # dotted, relative to the sharing instance's module
-    owner: Any  # weakref.ref to the owning instance (not a submodule of the sharer)
-    handle: _Handle  # the owner's flat parameter that holds it
-    slot: ParamSlot  # where in that flat parameter
-
-    def full_view(self) -> torch.Tensor:
-        s = self.slot
-        return self.handle.full[s.offset : s.offset + s.numel].view(s.shape)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -196,10 +134,10 @@ class FullyShardedDataParallel(nn.Module):
         for f in foreign:
             self._check_share(f)
         self._fsdp_wrapped_module = module
-        self._handles: List[_Handle] = [self._new_handle(i, layout, shard_device) for i, layout in enumerate(layouts)]
-        self._ties: List[_Tie] = [self._tie(f) for f in foreign]
+        self._handles: List[Handle] = [self._new_handle(i, layout, shard_device) for i, layout in enumerate(layouts)]
+        self._ties: List[Tie] = [self._tie(f) for f in foreign]
         # what this instance gathers and frees: its own flat parameters, then those it shares
-        self._all_handles: List[_Handle] = self._handles + [t.handle for t in self._ties]
+        self._all_handles: List[Handle] = self._handles + [t.handle for t in self._ties]
         # Modules whose parameters leave and rejoin _parameters at every forward (unflattened
         # shards, shared parameters) and their original order, which parameters() keeps.
         moved = [t.module for t in self._ties]
@@ -212,9 +150,9 @@ class FullyShardedDataParallel(nn.Module):
             if self.flatten_parameters:
                 self._point_at_full()  # shaped views while the buffers still have storage
         for h in self._handles:
-            _free_storage(h.full.detach())
+            free_storage(h.full.detach())
 
-    def _new_handle(self, i: int, layout: FlatLayout, shard_device: torch.device) -> _Handle:
+    def _new_handle(self, i: int, layout: FlatLayout, shard_device: torch.device) -> Handle:
         """Shard the `i`-th layout and register its shard: as ``flat_param_<i>``, or, as in
         FairScale, under the original name when not flattening."""
         layout.world_size, layout.rank = self.world_size, self.rank
@@ -223,7 +161,7 @@ class FullyShardedDataParallel(nn.Module):
         param = nn.Parameter(shard, requires_grad=layout.requires_grad)
         param._fsc_fsdp_managed = True
         param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
-        handle = _Handle(layout, param, self.compute_dtype, self.compute_device)
+        handle = Handle(layout, param, self.compute_dtype, self.compute_device)
         for original, slot in zip(originals, layout.slots):
             # an instance built later that still reaches the original (a tie) shares it from here
             original._fsc_fsdp_sharded = (weakref.ref(self), handle, slot)
@@ -250,13 +188,13 @@ class FullyShardedDataParallel(nn.Module):
                 f"over the same process group"
             )
 
-    def _tie(self, f: ForeignParam) -> _Tie:
+    def _tie(self, f: ForeignParam) -> Tie:
         """Share a parameter another instance has sharded (checked by _check_share): its attribute
         here holds the owner's shard from now on (one Parameter, as a tie in the unwrapped model is
         one tensor)."""
         owner_ref, handle, slot = f.param._fsc_fsdp_sharded
         f.module._parameters[f.attr] = handle.param
-        return _Tie(f.module, f.attr, f.name, owner_ref, handle, slot)
+        return Tie(f.module, f.attr, f.name, owner_ref, handle, slot)
 
     def _init_state(self) -> None:
         """The state between steps, until the first forward finds the root, and the state-dict hooks."""
@@ -269,7 +207,7 @@ class FullyShardedDataParallel(nn.Module):
         self._register_state_dict_hook(_state_dict.post_state_dict_hook)
         self._register_load_state_dict_pre_hook(functools.partial(_state_dict.pre_load_state_dict_hook, self))
 
-    def _hook_full(self, h: _Handle) -> None:
+    def _hook_full(self, h: Handle) -> None:
         """Reduce-scatter the full buffer's gradient once autograd has accumulated all of it."""
         if h.layout.requires_grad:
             h.full.register_post_accumulate_grad_hook(functools.partial(self._post_backward_hook, h))
@@ -310,7 +248,7 @@ class FullyShardedDataParallel(nn.Module):
                 for h in self._handles:
                     h.full = h.new_full(self.compute_dtype, self.compute_device)
                     self._hook_full(h)
-                    _free_storage(h.full.detach())
+                    free_storage(h.full.detach())
                 self._leave_shaped_views()
         return ret
 
@@ -547,9 +485,9 @@ class FullyShardedDataParallel(nn.Module):
             raise RuntimeError("FullyShardedDataParallel: forward inside summon_full_params is not supported")
         self.training_state = TrainingState.FORWARD
         if self._is_root and self.mixed_precision:
-            args, kwargs = _cast_floats(self.compute_dtype, args, kwargs)
+            args, kwargs = cast_floats(self.compute_dtype, args, kwargs)
         elif self.force_input_to_fp32 and not self.mixed_precision:
-            args, kwargs = _cast_floats(torch.float32, args, kwargs, no_grad=False)
+            args, kwargs = cast_floats(torch.float32, args, kwargs, no_grad=False)
         for h in self._all_handles:
             h.forward_users += 1
         try:
@@ -597,7 +535,7 @@ class FullyShardedDataParallel(nn.Module):
             if h.has_full or h.gathering is not None:
                 continue
             full = h.full.detach()
-            _alloc_storage(full)  # on the current stream, which the collective is ordered after
+            alloc_storage(full)  # on the current stream, which the collective is ordered after
             shard = h.param.detach()
             if shard.dtype is not full.dtype or shard.device != full.device:
                 # Cast straight into this rank's block of the full buffer and gather in place.
@@ -607,7 +545,7 @@ class FullyShardedDataParallel(nn.Module):
                 shard = mine
             if self.all_gather_tracker is not None:
                 self.all_gather_tracker.notify_all_gather(full, shard)
-            h.gathering = _Gathering(self.comm.all_gather(full, shard, async_op=True), shard)
+            h.gathering = Gathering(self.comm.all_gather(full, shard, async_op=True), shard)
 
     @torch.no_grad()
     def _rebuild_full_params(self) -> None:
@@ -658,10 +596,10 @@ class FullyShardedDataParallel(nn.Module):
             return
         freed = [h for h in self._handles if not h.has_full and h.gathering is None]
         for h in freed:
-            _alloc_storage(h.full.detach())
+            alloc_storage(h.full.detach())
         self._point_at_full()
         for h in freed:
-            _free_storage(h.full.detach())
+            free_storage(h.full.detach())
 
     def _use_shard_params(self) -> None:
         """Register the shards under the original names again: unflattened instances' own
@@ -696,7 +634,7 @@ class FullyShardedDataParallel(nn.Module):
             if in_forward and h.forward_users > 1:
                 continue
             if h.has_full:
-                _free_storage(h.full.detach())
+                free_storage(h.full.detach())
                 h.has_full = False
 
     # ---------------------------------------------------------------- backward
@@ -725,10 +663,10 @@ class FullyShardedDataParallel(nn.Module):
                 t.register_hook(hook)
             return t
 
-        return _apply_to_tensors(register, outputs)
+        return map_tensors(register, outputs)
 
     @torch.no_grad()
-    def _post_backward_hook(self, h: _Handle, full: torch.Tensor) -> None:
+    def _post_backward_hook(self, h: Handle, full: torch.Tensor) -> None:
         """Runs when the full flat gradient is complete: start its reduce-scatter, free the full params."""
         grad = full.grad
         if grad is None:
@@ -743,7 +681,7 @@ class FullyShardedDataParallel(nn.Module):
             average = abs(self.gradient_predivide_factor * self.gradient_postdivide_factor - self.world_size) < 1e-6
             self._root._bucket.add(self, h, grad, average)
         if self._require_backward_grad_sync or self.reshard_after_forward:
-            _free_storage(h.full.detach())
+            free_storage(h.full.detach())
             h.has_full = False
 
     @torch.no_grad()
@@ -757,7 +695,7 @@ class FullyShardedDataParallel(nn.Module):
             m._pre_backward_hook_has_run = False
             m.training_state = TrainingState.IDLE
 
-    def _accumulate_grad(self, h: _Handle, reduced: torch.Tensor) -> None:
+    def _accumulate_grad(self, h: Handle, reduced: torch.Tensor) -> None:
         p = h.param
         target_device = torch.device("cpu") if self.move_grads_to_cpu else p.device
         if p.grad is None:
@@ -945,43 +883,6 @@ def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullySh
 def _named_instances(root: nn.Module) -> List[Tuple[str, FullyShardedDataParallel]]:
     """(path without wrapper names, instance) for every FSDP instance in `root`, in module order."""
     return [(_state_dict.clean_path(p), m) for p, m in root.named_modules() if isinstance(m, FullyShardedDataParallel)]
-
-
-def _apply_to_tensors(fn, obj: Any) -> Any:
-    if torch.is_tensor(obj):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return (
-            type(obj)((k, _apply_to_tensors(fn, v)) for k, v in obj.items())
-            if type(obj) is dict
-            else _map_dict(fn, obj)
-        )
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_apply_to_tensors(fn, v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_apply_to_tensors(fn, v) for v in obj)
-    return obj
-
-
-def _map_dict(fn, obj: Any) -> Any:
-    # Mapping subclasses such as HuggingFace ModelOutput: update in place to keep the type.
-    for k in list(obj.keys()):
-        obj[k] = _apply_to_tensors(fn, obj[k])
-    return obj
-
-
-def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any, no_grad: bool = True):
-    def cast(x: torch.Tensor) -> torch.Tensor:
-        if x.is_floating_point() and x.dtype is not dtype:
-            y = x.to(dtype)
-            if x.is_leaf and no_grad:
-                y.requires_grad_(x.requires_grad)
-            return y
-        return x
-
-    ctx = torch.no_grad() if no_grad else contextlib.nullcontext()
-    with ctx:
-        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
 
 
 def _own_buffers(fsdp: FullyShardedDataParallel):

@@ -1,0 +1,40 @@
+"""The tensors inside a forward's inputs and outputs (nested containers, named tuples, mapping
+subclasses such as HuggingFace's ModelOutput), mapped or cast while the containers keep their types."""
+
+import contextlib
+from typing import Any
+
+import torch
+
+
+def map_tensors(fn, obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items()) if type(obj) is dict else _map_dict(fn, obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    return obj
+
+
+def _map_dict(fn, obj: Any) -> Any:
+    # Mapping subclasses such as HuggingFace ModelOutput: update in place to keep the type.
+    for k in list(obj.keys()):
+        obj[k] = map_tensors(fn, obj[k])
+    return obj
+
+
+def cast_floats(dtype: torch.dtype, args: Any, kwargs: Any, no_grad: bool = True):
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.dtype is not dtype:
+            y = x.to(dtype)
+            if x.is_leaf and no_grad:
+                y.requires_grad_(x.requires_grad)
+            return y
+        return x
+
+    ctx = torch.no_grad() if no_grad else contextlib.nullcontext()
+    with ctx:
+        return map_tensors(cast, args), map_tensors(cast, kwargs)
