@@ -97,6 +97,42 @@ def test_params():
     assert copied["a"][1][1] == "s" and isinstance(copied["a"][1], tuple)
 
 
+@pytest.mark.parametrize("p", [2.0, math.inf, 1.0, 3.0])
+def test_grad_norm_term_is_the_norm_of_every_gradient_to_the_power_p(p):
+    # C's path (contiguous float32, float16 and bfloat16 on the host, p = 2 and inf) and torch's
+    # (a non-contiguous view, float64, other p) together, as a rank of FSDP or OSS holds them
+    gen = torch.Generator().manual_seed(0)
+    grads = [
+        torch.randn(1000, generator=gen),
+        torch.randn(64, 48, generator=gen).t(),
+        torch.randn(300, generator=gen).bfloat16(),
+        torch.randn(200, generator=gen).half(),
+        torch.randn(50, generator=gen, dtype=torch.float64),
+    ]
+    flat = torch.cat([g.double().reshape(-1) for g in grads])
+    want = flat.abs().max() if p == math.inf else flat.abs().pow(p).sum()
+    got = params.grad_norm_term(grads, p)
+    assert got.shape == (1,) and got.dtype == torch.float32 and got.device.type == "cpu"
+    assert math.isclose(got.item(), want.item(), rel_tol=1e-5)
+    assert params.grad_norm_term([], p).tolist() == [0.0]
+    nan = torch.tensor([1.0, math.nan])
+    for with_nan in ([nan] + grads, grads + [nan]):  # wherever it is, a NaN makes the norm NaN
+        assert math.isnan(params.grad_norm_term(with_nan, p).item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_grad_norm_term_on_cuda_equals_the_host_term(p):
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(4096, generator=gen), torch.randn(77, generator=gen).half()]
+    grads.append(torch.randn(33, generator=gen, dtype=torch.float64))
+    host = params.grad_norm_term(grads, p)
+    got = params.grad_norm_term([g.cuda() for g in grads], p)
+    assert got.device.type == "cuda" and got.dtype == torch.float32
+    assert math.isclose(got.item(), host.item(), rel_tol=1e-5)
+
+
 def test_state_dict_helpers():
     net = nn.Sequential(
         nn.Linear(1, 1), nn.ModuleDict({"ln": nn.LayerNorm(1), "lin": nn.Linear(1, 1)}), nn.LayerNorm(1)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections import abc
 from dataclasses import dataclass
 from math import inf
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from fairscale_c import _C
 
 __all__ = ["Workhandle", "get_global_rank", "recursive_copy_to_device", "calc_grad_norm"]
 
@@ -39,6 +41,43 @@ def recursive_copy_to_device(value: Any, non_blocking: bool, device: torch.devic
     return value
 
 
+_C_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what _C.cpu_sq_norm reads
+
+
+def grad_norm_term(grads: Sequence[torch.Tensor], p: float, device: Optional[torch.device] = None) -> torch.Tensor:
+    """One rank's term of the p-norm of gradients spread over ranks: the sum of |g|^p over its
+    gradients, or their largest |g| for p = inf, in float32, shape (1,), on `device` (default: the
+    first gradient's; the CPU without gradients). Summed (p = inf: maxed) over the ranks by an
+    all_reduce, its p-th root is the norm of all of them. Contiguous CPU gradients are reduced in C
+    for p = 2 and inf (double accumulation); the others with torch's foreach norm on their own
+    devices, without a host synchronisation."""
+    p = float(p)
+    is_inf = p == inf
+    if device is None:
+        device = grads[0].device if len(grads) else torch.device("cpu")
+    in_c = is_inf or p == 2.0
+    host: List[float] = []
+    groups: Dict[Tuple[torch.device, bool], List[torch.Tensor]] = {}  # (device, float64) -> gradients
+    for g in grads:
+        if in_c and g.device.type == "cpu" and g.is_contiguous() and g.dtype in _C_NORM_DTYPES:
+            host.append(_C.cpu_sq_norm(g, absmax=is_inf))
+        else:
+            groups.setdefault((g.device, g.dtype == torch.float64), []).append(g)
+    terms = []
+    if host:  # through torch, whose max keeps a NaN wherever it is (Python's max depends on the order)
+        values = torch.tensor(host, dtype=torch.float64)
+        terms.append((values.max() if is_inf else values.sum()).reshape(1).to(device=device, dtype=torch.float32))
+    for (_, wide), gs in groups.items():
+        # float64 in its own precision (torch refuses to narrow it), the rest accumulated in float32
+        norms = torch.stack(torch._foreach_norm(gs, p) if wide else torch._foreach_norm(gs, p, dtype=torch.float32))
+        term = norms.max() if is_inf else norms.pow(p).sum()
+        terms.append(term.reshape(1).to(device=device, dtype=torch.float32))
+    if not terms:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    stacked = torch.cat(terms)
+    return (stacked.max() if is_inf else stacked.sum()).reshape(1)
+
+
 def calc_grad_norm(parameters: List[torch.nn.Parameter], p: float) -> torch.Tensor:
     """The p-norm of all the gradients together (parameters without one are left out; 0 if none),
     computed in float32 and returned in the first parameter's dtype."""
@@ -48,7 +87,5 @@ def calc_grad_norm(parameters: List[torch.nn.Parameter], p: float) -> torch.Tens
     if not with_grad:
         return torch.tensor(0.0)
     p = float(p)
-    if p == inf:
-        return max(q.grad.detach().abs().max() for q in with_grad)  # type: ignore[union-attr]
-    norms = torch.stack([torch.norm(q.grad.detach(), p, dtype=torch.float32) for q in with_grad])  # type: ignore[union-attr]
-    return torch.norm(norms, p).to(dtype=with_grad[0].dtype)
+    term = grad_norm_term([q.grad.detach() for q in with_grad], p)[0]  # type: ignore[union-attr]
+    return (term if p == inf else term ** (1.0 / p)).to(dtype=with_grad[0].dtype)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
 from fairscale_c import distributed as fdist
+from fairscale_c.internal.params import grad_norm_term
 
 from ._blocked import stepped_in_blocks
 from ._oss_state import PER_ELEMENT_STATE, copy_state, merge_shards, pack, to_cpu, unpack
@@ -395,21 +396,9 @@ class OSS(Optimizer):
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
         grads = [p.grad.detach() for p in params if p.grad is not None]
-        if not grads:
-            local = torch.zeros((), dtype=torch.float32, device=self._default_device)
-        elif norm_type == math.inf:
-            local = torch.stack([g.abs().max().float().to(self._default_device) for g in grads]).max()
-        else:
-            norms = [n.to(self._default_device) for n in torch._foreach_norm(grads, norm_type, dtype=torch.float32)]
-            local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        if norm_type == math.inf:
-            total = local.reshape(1).clone()
-            self.comm.all_reduce(total, op="max")
-            total = total[0]
-        else:
-            total = (local**norm_type).reshape(1).clone()
-            self.comm.all_reduce(total, op="sum")
-            total = total[0] ** (1.0 / norm_type)
+        total = grad_norm_term(grads, norm_type, device=self._default_device)
+        self.comm.all_reduce(total, op="max" if norm_type == math.inf else "sum")
+        total = total[0] if norm_type == math.inf else total[0] ** (1.0 / norm_type)
         clip_coef = max_norm / (total + 1e-6)
         if clip_coef < 1:
             for lists in self.per_device_params.values():

@@ -27,6 +27,7 @@ from fairscale_c import _C
 from fairscale_c import distributed as fdist
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 from fairscale_c.internal.parallel import ProcessGroupName
+from fairscale_c.internal.params import grad_norm_term
 
 from . import _optim_state, _state_dict
 from ._args import check_fsdp_args
@@ -727,9 +728,7 @@ class FullyShardedDataParallel(nn.Module):
         norm_type = float(norm_type)
         grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
         inf = norm_type == float("inf")
-        local = torch.tensor([_local_norm_term(grads, norm_type)], dtype=torch.float32)
-        if grads and grads[0].device.type != "cpu":
-            local = local.to(grads[0].device)
+        local = grad_norm_term(grads, norm_type)
         self.comm.all_reduce(local, op="max" if inf else "sum")
         total = local[0] if inf else local[0] ** (1.0 / norm_type)
         clip_coef = float(max_norm) / (float(total) + 1e-6)
@@ -857,22 +856,6 @@ def _warn_shared_gpu() -> None:
         "separate one anyway.",
         stacklevel=3,
     )
-
-
-def _local_norm_term(grads: List[torch.Tensor], norm_type: float) -> float:
-    """This rank's share of the global norm: sum of |g|^p over its shards (max |g| for inf).
-    Host gradients are reduced in C for p = 2 and inf; other cases use torch."""
-    inf = norm_type == float("inf")
-    term = 0.0
-    for g in grads:
-        if g.device.type == "cpu" and g.is_contiguous() and (inf or norm_type == 2.0):
-            v = _C.cpu_sq_norm(g, absmax=inf)
-        elif inf:
-            v = float(g.abs().max())
-        else:
-            v = float(torch.linalg.vector_norm(g.float(), norm_type)) ** norm_type
-        term = max(term, v) if inf else term + v
-    return term
 
 
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:
