@@ -366,6 +366,17 @@ def test_clip_grad_norm_matches_torch(norm_type):
     torch.testing.assert_close(flat, torch.cat([p.grad.reshape(-1) for p in ref.parameters()]))
 
 
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_reports_a_nan_gradient_as_torch_does(norm_type):
+    # A caller that skips the step when the returned norm is not finite must see the NaN.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    model[1] = FSDP(model[1])
+    fsdp = FSDP(model)
+    fsdp(torch.randn(3, 4)).pow(2).sum().backward()
+    fsdp.module[1].flat_param_0.grad[0] = float("nan")
+    assert torch.isnan(fsdp.clip_grad_norm_(1.0, norm_type))
+
+
 def test_module_keeps_its_attributes_after_state_dict_and_summon():
     m = FSDP(mlp())
     m.state_dict()
