@@ -40,8 +40,8 @@ def cuda_wanted():
 
 def compile_in_parallel(compile_one, jobs):
     """The compiler's `compile`, one source file per call on `jobs` threads (each call runs the
-    compiler as a subprocess); the objects come back in the order of the sources, as the linker
-    expects. setuptools compiles the sources of one extension one after another."""
+    compiler as a subprocess); the objects come back in the order of the sources, as from one
+    call. setuptools compiles the sources of one extension one after another."""
 
     def compile(sources, *args, **kwargs):
         if jobs < 2 or len(sources) < 2:

@@ -141,9 +141,9 @@ static int shm_leftovers(void) {
 static const fsc_dtype_t DTYPES[] = {FSC_FLOAT32, FSC_FLOAT16, FSC_BFLOAT16, FSC_FLOAT64,
                                      FSC_INT32,   FSC_INT64,   FSC_UINT8};
 /* Element counts per rank. The last spans several 1 MiB chunks and reaches the direct reads'
- * timed window (512 KiB and up) for every dtype at 2 ranks; at 3 and 4 ranks, where the ranks
- * share the cores and the gathered and scattered buffers are size times larger, a quarter of it
- * still spans several chunks for all but the 1-byte dtype. */
+ * timed window (512 KiB and up) for every dtype at 2 ranks. At 3 and 4 ranks, which share the
+ * cores, a quarter of it is used: several chunks for the 4- and 8-byte dtypes, and in the
+ * gathered and scattered buffers (3 or 4 blocks of it) for every dtype. */
 static const size_t SIZES[] = {0, 1, 1001, (3u << 20) / 2 + 17};
 static size_t size_for(size_t s, int ranks) {
     return s == sizeof(SIZES) / sizeof(SIZES[0]) - 1 && ranks > 2 ? SIZES[s] / 4 : SIZES[s];
