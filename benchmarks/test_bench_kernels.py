@@ -5,7 +5,8 @@
   torch._amp_foreach_non_finite_check_and_unscale_ (torch.amp.GradScaler's op) and, on CPU, the
   plain chain isfinite().all() + mul_;
 - squared 2-norm: _C.cpu_sq_norm / _C.cuda_sq_norm against torch.linalg.vector_norm(x) squared
-  (FSDP's clip_grad_norm_ fallback);
+  (the gradient clips of FSDP and OSS take _C.cpu_sq_norm for host gradients, through
+  fairscale_c.internal.params.grad_norm_term);
 - AdamW step: _C.cpu_adamw_step / _C.cuda_adamw_step against torch.optim.AdamW(foreach=False)
   .step() (the single-tensor chain the kernel follows op by op) and AdamW(fused=True).
 
