@@ -170,6 +170,29 @@ def scenario_param_groups(rank, world, tmp):
     assert {id(p) for p in owned} == {id(p) for p in opt.optim.state}
 
 
+def scenario_clip_float64(rank, world, tmp):
+    """clip_grad_norm of float64 gradients: the norm and the clipped step equal torch's
+    (FairScale's asks torch for a float32 norm of them, which torch refuses)."""
+    from fairscale_c.optim import OSS
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    ref = copy.deepcopy(model)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        m(x).pow(2).sum().backward()
+    norm = opt.clip_grad_norm(0.1)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    torch.testing.assert_close(norm.double(), ref_norm, atol=0, rtol=1e-6)
+    opt.step()
+    ref_opt.step()
+    _close_params(model, ref, "float64 clip")
+    return "compared"
+
+
 def scenario_ranks_without_parameters(rank, world, tmp):
     """Two parameters over up to four ranks, and an empty first group: some ranks own nothing."""
     from fairscale_c.nn import ShardedDataParallel
@@ -476,6 +499,7 @@ NUMERICS = [
     "param_groups",
     "frozen_then_unfrozen",
     "ranks_without_parameters",
+    "clip_float64",
     "partition_matches_fairscale",
     "bad_input",
 ]
