@@ -12,11 +12,13 @@ from .flat_param import FlatLayout, ParamSlot
 
 
 def free_storage(t: torch.Tensor) -> None:
+    """Release `t`'s storage; the tensor object (and autograd's references to it) stays."""
     if t.untyped_storage().size() > 0:
         t.untyped_storage().resize_(0)
 
 
 def alloc_storage(t: torch.Tensor) -> None:
+    """Give `t`'s released storage its size back (contents undefined until written)."""
     nbytes = t.numel() * t.element_size()
     if t.untyped_storage().size() != nbytes:
         t.untyped_storage().resize_(nbytes)

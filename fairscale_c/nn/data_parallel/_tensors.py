@@ -8,6 +8,8 @@ import torch
 
 
 def map_tensors(fn, obj: Any) -> Any:
+    """`obj` with `fn` applied to every tensor in it; dicts, lists, tuples and named tuples are
+    rebuilt as their own types, other mappings updated in place."""
     if torch.is_tensor(obj):
         return fn(obj)
     if isinstance(obj, dict):
@@ -27,6 +29,9 @@ def _map_dict(fn, obj: Any) -> Any:
 
 
 def cast_floats(dtype: torch.dtype, args: Any, kwargs: Any, no_grad: bool = True):
+    """(args, kwargs) with every floating-point tensor cast to `dtype`. With `no_grad` the casts
+    are not recorded by autograd, and a cast leaf keeps its requires_grad."""
+
     def cast(x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point() and x.dtype is not dtype:
             y = x.to(dtype)
