@@ -7,9 +7,11 @@ identity)."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 import socket
 import sys
@@ -262,6 +264,7 @@ def _entry(
     for fd, target in zip(stdio, (1, 2)):
         os.dup2(fd, target)
         os.close(fd)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks for it on a timeout
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(
@@ -321,6 +324,12 @@ def run_ranks(
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
     finally:
+        stuck = [p for r, p in enumerate(procs) if r not in reported and p.is_alive()]
+        if stuck and time.monotonic() >= deadline:
+            # every thread's stack of a rank still running at the timeout, on the caller's stderr
+            for p in stuck:
+                os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(2)
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
