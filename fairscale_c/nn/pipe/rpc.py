@@ -405,13 +405,17 @@ class PipeRPCWrapper(nn.Module):
         step.start(self._worker, self.model, tensor, grad)
         out_atomic, outs = step.wait_for(last, "the last stage's forward")
         device = self.model.input_device if self.model.input_device is not None else batch[0].device
-        outs = [o.to(device) for o in outs]
         if not (training and grad):
             step.finish()
+            outs = [o.to(device) for o in outs]
             return outs[0] if out_atomic else tuple(outs)
         self._pending = step
         phony = torch.empty(0, requires_grad=True)
-        result = _FromLastStage.apply(phony, self, step, outs)
+        # The node that waits for every stage's backward takes the outputs on the host, and the
+        # copy to the device comes after it: its backward then runs on the thread that called
+        # backward. On a CUDA output it would run on torch's autograd thread for that device, the
+        # thread that stage 0's backward, on this rank's stage thread, needs to finish.
+        result = tuple(o.to(device) for o in _FromLastStage.apply(phony, self, step, outs))
         return result[0] if out_atomic else result
 
 
