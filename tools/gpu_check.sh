@@ -6,7 +6,7 @@
 # Steps (default: env build tests demo sanitizer): those and bench coll coll_blocking nccl_calls oss
 # cpu_coll cpu_pipe pipe_tests pipe_cuda.
 # Each step runs under a time limit and goes on after a failure; the last lines print one status
-# line per step.
+# line per step (LOGDIR/summary.txt keeps them). The tests step runs TESTS_SHARDS pytest processes.
 # PYTHON picks the interpreter (default python3); BENCH_ARGS are extra benchmarks/fsdp.py flags
 # (with one GPU, --world 2 needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment).
 # MPS=1 runs every step under an MPS server started here and stopped at the end (needs root): ranks
@@ -22,7 +22,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$LOG"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-SUMMARY=""
+SUMMARY="$LOG/summary.txt"
+: >"$SUMMARY"
 
 run_step() {  # name limit_s command...
     local name=$1 limit=$2 start rc
@@ -31,7 +32,7 @@ run_step() {  # name limit_s command...
     echo "=== $name: $*"
     timeout -k 10 "$limit" "$@" >"$LOG/$name.log" 2>&1
     rc=$?
-    SUMMARY+="$name rc=$rc $(($(date +%s) - start))s"$'\n'
+    echo "$name rc=$rc $(($(date +%s) - start))s" >>"$SUMMARY"
     tail -n "${TAIL:-12}" "$LOG/$name.log"
 }
 
@@ -40,7 +41,7 @@ if [ "${MPS:-0}" = 1 ]; then
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d || { echo "MPS=1: nvidia-cuda-mps-control -d failed" >&2; exit 2; }
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
-    SUMMARY+="(under MPS)"$'\n'
+    echo "(under MPS)" >>"$SUMMARY"
 fi
 
 for step in $STEPS; do
@@ -56,7 +57,17 @@ nvcc --version | tail -2; command -v compute-sanitizer"
 print(json.dumps(fairscale_c.build_info(), indent=1, default=str))'"
         ;;
     tests)
-        run_step tests "${TESTS_LIMIT:-420}" "$PY" -m pytest -v -rs -m gpu tests/
+        # the files with GPU tests in TESTS_SHARDS pytest processes at once (default 3; the GPU tests
+        # took 90 s so on an H200, against about 300 s in one process), one log per shard
+        n=${TESTS_SHARDS:-3}
+        mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
+        for ((i = 0; i < n; i++)); do
+            shard=()
+            for ((j = i; j < ${#files[@]}; j += n)); do shard+=("${files[j]}"); done
+            [ ${#shard[@]} -gt 0 ] && run_step "tests_$i" "${TESTS_LIMIT:-420}" "$PY" -m pytest -v -rs -m gpu \
+                --durations=10 -p no:cacheprovider "${shard[@]}" &
+        done
+        wait
         ;;
     demo)
         run_step demo 240 "$PY" examples/demo.py --device cuda --world "${DEMO_WORLD:-1}" --steps 20
@@ -132,4 +143,5 @@ print(json.dumps(fairscale_c.build_info(), indent=1, default=str))'"
         ;;
     esac
 done
-printf '\n%s' "$SUMMARY"
+echo
+cat "$SUMMARY"
