@@ -116,8 +116,17 @@ def _iters(nbytes: int, quick: bool) -> int:
     return max(3, min(200 if not quick else 50, budget // max(nbytes, 1)))
 
 
-def _time_op(fn, barrier, iters: int) -> float:
-    fn()  # warm-up (page faults, first-touch)
+# Untimed calls before fairscale_c's timed series: page faults and first touch, and the
+# shared-memory engine's first timings of a synchronous op of 512 KiB or more, which it runs three
+# times each way (reads, slots), alternating, before it keeps the faster (docs/collectives.md).
+# Other series (gloo, memcpy) take one.
+WARMUP_OURS = 7
+
+
+def _time_op(fn, barrier, iters: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        barrier()
+        fn()
     samples = []
     for _ in range(iters):
         barrier()
@@ -178,7 +187,7 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
             if cuda:
                 ours, gloo = timed(ours), timed(gloo)
             iters = _iters(numel * 4, quick)
-            t_ours = _time_op(ours, group.barrier, iters)
+            t_ours = _time_op(ours, group.barrier, iters, WARMUP_OURS)
             try:
                 t_gloo = _time_op(gloo, torch_barrier, iters)
             except Exception:  # gloo lacks some ops in some torch versions
@@ -186,7 +195,7 @@ def _rank_main(rank: int, world: int, port: int, sizes: List[int], quick: bool, 
             rows.append({"op": op, "bytes": numel * 4, "world": world, "t_ours": t_ours, "t_gloo": t_gloo})
             if shared and not cuda:
                 ours = _shared_call(fdist, group, op, numel, rank, world)
-                t_shared = _time_op(ours, group.barrier, iters)
+                t_shared = _time_op(ours, group.barrier, iters, WARMUP_OURS)
                 rows.append(dict(rows[-1], t_ours=t_shared, shared=True))
                 del ours
         if not cuda:

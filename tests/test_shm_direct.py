@@ -21,6 +21,7 @@ import torch
 from dist_utils import Checks, clean_dev_shm, rank_data, run_ranks  # noqa: F401 (a fixture)
 
 KiB, MiB = 1024, 1024 * 1024
+NO_LIMIT = 2**64 - 1  # FAIRSCALE_C_SHM_DIRECT_MAX's default (SIZE_MAX)
 DIRECT_MIN = 32 * KiB  # csrc/comm/shm_coll.c, FSC_SHM_DIRECT_MIN
 
 
@@ -67,7 +68,7 @@ def _limit_job(rank: int, world: int, limits, modes=None):
 @pytest.mark.parametrize(
     "world,limits,agreed",
     [
-        (2, [None, None], 16 * MiB),  # the default
+        (2, [None, None], NO_LIMIT),  # the default
         (3, [4 * MiB, 1 * MiB, 8 * MiB], 1 * MiB),  # the smallest rank's limit
         (2, [0, None], 0),  # one rank turning it off turns it off for all
     ],
@@ -91,7 +92,7 @@ def test_ranks_agree_on_reading_private_buffers(modes, reads):
     can = _peers_can_read()
     got = run_ranks(_limit_job, 2, [None, None], modes, env={"FAIRSCALE_C_TIMEOUT": "60"})
     assert len(set(got)) == 1, f"ranks disagree on read_max: {got}"
-    assert got[0] == (16 * MiB if reads and can else 0), got
+    assert got[0] == (NO_LIMIT if reads and can else 0), got
 
 
 LIMIT = 4 * MiB  # FAIRSCALE_C_SHM_DIRECT_MAX in the jobs below
@@ -272,3 +273,64 @@ def test_ops_that_switch_ways_keep_their_results():
     failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:20])
     assert results[0][1] == results[1][1], "all_reduce gave the ranks different bits"
+
+
+def _large_ops_job(rank: int, world: int, reads: str):
+    os.environ["FAIRSCALE_C_SHM_DIRECT_READS"] = reads
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group(name="large")
+    check, counts = Checks(world), {}
+
+    def run(what, calls, op, n, async_op):
+        before = group._shm.read_ops
+        for i in range(calls):
+            xs = [rank_data(r, n, torch.float32, 30 + i) for r in range(world)]
+            if op == "all_gather":
+                out = torch.empty(n * world)
+                work = group.all_gather(out, xs[rank], async_op=async_op)
+                want = torch.cat(xs)
+            else:
+                full = [rank_data(r, n * world, torch.float32, 40 + i) for r in range(world)]
+                out = torch.empty(n)
+                work = group.reduce_scatter(out, full[rank], async_op=async_op)
+                want = check.summed([f[rank * n : (rank + 1) * n] for f in full], torch.float32)
+            if async_op:
+                work.wait()
+            check(out, want, f"{what} call {i}", reduced=op != "all_gather")
+        counts[what] = group._shm.read_ops - before
+
+    per_rank = 12 * MiB // 4  # ops of 24 MiB: above the 16 MiB up to which queued ops read untimed
+    run("sync all_gather 24 MiB", 6, "all_gather", per_rank, False)
+    run("async all_gather 24 MiB", 2, "all_gather", per_rank, True)
+    run("async all_gather 8 MiB", 2, "all_gather", per_rank // 3, True)
+    run("sync reduce_scatter 24 MiB", 6, "reduce_scatter", per_rank, False)
+    run("async reduce_scatter 24 MiB", 2, "reduce_scatter", per_rank, True)
+    group.destroy()
+    return check.failures, counts
+
+
+@pytest.mark.parametrize("reads", ["auto", "on"])
+def test_ops_above_16_mib_read_when_timed_or_forced(reads):
+    """With the default window (no limit): "auto" times synchronous ops of any size both ways,
+    three calls each, alternating, and keeps queued ops above 16 MiB (reduce_scatter's input above
+    8 MiB) on the slots, reading below; "on" reads every op. Every result equals torch's."""
+    results = run_ranks(_large_ops_job, 2, reads, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:20])
+    assert results[0][1] == results[1][1], f"the ranks went different ways: {results}"
+    if not _peers_can_read():
+        assert set(results[0][1].values()) == {0}, results[0][1]
+        return
+    if reads == "auto":
+        want = {
+            "sync all_gather 24 MiB": 3,
+            "async all_gather 24 MiB": 0,
+            "async all_gather 8 MiB": 2,
+            "sync reduce_scatter 24 MiB": 3,
+            "async reduce_scatter 24 MiB": 0,
+        }
+    else:
+        want = {"sync all_gather 24 MiB": 6, "async all_gather 24 MiB": 2, "async all_gather 8 MiB": 2,
+                "sync reduce_scatter 24 MiB": 6, "async reduce_scatter 24 MiB": 2}  # fmt: skip
+    assert results[0][1] == want

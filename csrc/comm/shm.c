@@ -60,9 +60,9 @@ static size_t chunk_from_env(void) {
     return round_up((size_t)v, FSC_SHM_MIN_CHUNK);
 }
 
-/* Default FAIRSCALE_C_SHM_DIRECT_MAX: above it the direct reads were no faster than the slots
- * (measurements: docs/benchmarks.md, "Direct reads"). */
-#define FSC_SHM_DIRECT_MAX_DEFAULT ((size_t)16 << 20)
+/* Default FAIRSCALE_C_SHM_DIRECT_MAX: no limit. Above 16 MiB an op reads only where rank 0's timings
+ * pick reads ("auto", shm_direct.c) or FAIRSCALE_C_SHM_DIRECT_READS is "on". */
+#define FSC_SHM_DIRECT_MAX_DEFAULT SIZE_MAX
 
 static size_t direct_max_from_env(void) {
     const char *s = getenv("FAIRSCALE_C_SHM_DIRECT_MAX");
@@ -615,6 +615,9 @@ size_t fsc_shm_group_read_max(const fsc_shm_group_t *g) {
 
 uint64_t fsc_shm_group_mapped_ops(const fsc_shm_group_t *g) {
     return atomic_load_explicit(&g->mapped_ops, memory_order_relaxed);
+}
+uint64_t fsc_shm_group_read_ops(const fsc_shm_group_t *g) {
+    return atomic_load_explicit(&g->read_ops, memory_order_relaxed);
 }
 int fsc_shm_group_size(const fsc_shm_group_t *g) {
     return g->size;

@@ -143,8 +143,8 @@ const char *fsc_shm_group_name(const fsc_shm_group_t *g);
 
 /* Largest op, in bytes, whose data this group's ranks may read straight from each other's memory
  * (process_vm_readv) instead of through the slots (shm_direct.c has the window): agreed by every rank at
- * fsc_shm_group_join from FAIRSCALE_C_SHM_DIRECT_MAX (default 16 MiB; the smallest of the ranks'
- * values), 0 when any rank cannot read its peers' memory or the group has one rank. */
+ * fsc_shm_group_join from FAIRSCALE_C_SHM_DIRECT_MAX (default SIZE_MAX, no limit; the smallest of the
+ * ranks' values), 0 when any rank cannot read its peers' memory or the group has one rank. */
 size_t fsc_shm_group_direct_max(const fsc_shm_group_t *g);
 
 /* Largest collective, in bytes, that reads the peers' private buffers (process_vm_readv) in the
@@ -156,5 +156,9 @@ size_t fsc_shm_group_read_max(const fsc_shm_group_t *g);
 /* Collectives this group has run on its ranks' shared tensors, copying straight between their
  * mappings (shm_direct.c; diagnostics and tests). */
 uint64_t fsc_shm_group_mapped_ops(const fsc_shm_group_t *g);
+
+/* Collectives this rank has run by reading its peers' private buffers (process_vm_readv;
+ * shm_direct.c; diagnostics and tests). */
+uint64_t fsc_shm_group_read_ops(const fsc_shm_group_t *g);
 
 #endif /* FSC_SHM_H */

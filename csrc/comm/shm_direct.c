@@ -16,13 +16,14 @@
  *   - in the read window (fsc_shm_direct_fits): all_gather, reduce_scatter and broadcast from
  *     blocks of FSC_SHM_DIRECT_MIN bytes, below which the system call costs more than the slots;
  *     all_reduce from FSC_SHM_DIRECT_ALL_REDUCE_MIN, below which its two rounds of reads lost to the
- *     slots' pipeline; every op up to fsc_shm_group_read_max bytes (reduce_scatter's input up to 8 MiB),
- *     above which the slots' pipeline with streaming stores won or drew. Mapped when it can be,
- *     read otherwise. From FSC_SHM_CHOICE_MIN bytes, with FAIRSCALE_C_SHM_DIRECT_READS "auto",
- *     a synchronous op on rank 0 picks reads or the slots for every rank from its timings of
- *     both (choose_reads; a queued op reads, as it costs the least CPU beside the computation):
- *     the kernel's copy pins the peer's pages one by one, and whether one such copy beats two
- *     plain ones through the slots depends on the machine (docs/benchmarks.md).
+ *     slots' pipeline; every op up to fsc_shm_group_read_max bytes. Mapped when it can be, read
+ *     otherwise. From FSC_SHM_CHOICE_MIN bytes, with FAIRSCALE_C_SHM_DIRECT_READS "auto", a
+ *     synchronous op on rank 0 picks reads or the slots for every rank from its timings of both
+ *     (choose_reads): the kernel's copy pins the peer's pages one by one, and whether one such
+ *     copy beats two plain ones through the slots depends on the machine and on how far apart
+ *     the ranks' cores are, which on a VM changes from hour to hour (docs/benchmarks.md). A queued
+ *     op is not timed (reads_untimed): it reads up to FSC_SHM_UNTIMED_READ_MAX bytes, as reads
+ *     cost the least CPU beside the caller's computation, and goes through the slots above.
  *   - outside it, from FSC_SHM_SHARED_MIN bytes: the ranks first compare their publications; mapped
  *     when every rank's buffers are shared, else the slots (one barrier more than the slots alone).
  * reduce has no read form (the root alone would copy every peer's input); mapped, every rank
@@ -40,7 +41,10 @@
 #define FSC_SHM_DIRECT_MIN ((size_t)32 << 10)
 #define FSC_SHM_DIRECT_PIECE ((size_t)256 << 10) /* bytes per peer per reduction step */
 #define FSC_SHM_DIRECT_ALL_REDUCE_MIN ((size_t)2 << 20)
-#define FSC_SHM_DIRECT_REDUCE_SCATTER_MAX ((size_t)8 << 20)
+/* A queued op reads up to these op sizes without timing (above them reads lost to the slots on
+ * some machine measured): 16 MiB, reduce_scatter's input 8 MiB. */
+#define FSC_SHM_UNTIMED_READ_MAX ((size_t)16 << 20)
+#define FSC_SHM_UNTIMED_REDUCE_SCATTER_MAX ((size_t)8 << 20)
 #define FSC_SHM_SHARED_MIN ((size_t)1 << 20)
 /* From this op size on, in "auto" mode, rank 0 picks reads or slots by timing both (choose_reads):
  * below it reads won in every VM state measured; above it the winner depends on the machine. */
@@ -63,12 +67,17 @@ int fsc_shm_direct_fits(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
     size_t nb = a->count * fsc_dtype_size(a->dtype), n = (size_t)g->size;
     switch (a->op) {
         case FSC_OP_ALL_GATHER: return nb >= FSC_SHM_DIRECT_MIN && nb * n <= max;
-        case FSC_OP_REDUCE_SCATTER:
-            return nb >= FSC_SHM_DIRECT_MIN && nb * n <= max && nb * n <= FSC_SHM_DIRECT_REDUCE_SCATTER_MAX;
+        case FSC_OP_REDUCE_SCATTER: return nb >= FSC_SHM_DIRECT_MIN && nb * n <= max;
         case FSC_OP_BROADCAST: return nb >= FSC_SHM_DIRECT_MIN && nb <= max;
         case FSC_OP_ALL_REDUCE: return nb >= FSC_SHM_DIRECT_ALL_REDUCE_MIN && nb <= max;
         default: return 0; /* reduce: the root alone would copy everything (slower, measured) */
     }
+}
+
+/* Whether an op that is not timed reads in "auto" (a queued one; fsc_shm_direct_run). */
+static int reads_untimed(const fsc_shm_group_t *g, const fsc_shm_args_t *a) {
+    return op_bytes(g, a) <=
+           (a->op == FSC_OP_REDUCE_SCATTER ? FSC_SHM_UNTIMED_REDUCE_SCATTER_MAX : FSC_SHM_UNTIMED_READ_MAX);
 }
 
 /* Outside the read window, an op this large asks whether every rank's buffers are shared. */
@@ -367,9 +376,10 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
     fsc_shm_choice_t *choice = fits ? choice_of(g, a) : NULL; /* the same on every rank */
     if (choice != NULL && g->rank == 0) {
         /* A queued (async) op overlaps the caller's computation, where the CPU it takes counts
-         * more than its time: reads, one copy and two barriers, cost the least of it. A
-         * synchronous call waits for the op: the faster way by rank 0's timings. */
-        int reads = fsc_shm_on_progress_thread ? 1 : choose_reads(choice);
+         * more than its time: reads, one copy and two barriers, cost the least of it, up to the
+         * sizes where they never lost by much. A synchronous call waits for the op: the faster
+         * way by rank 0's timings. */
+        int reads = fsc_shm_on_progress_thread ? reads_untimed(g, a) : choose_reads(choice);
         g->ranks[0].read_choice = (uint32_t)reads; /* released by the barrier below */
         g->choice_pending = fsc_shm_on_progress_thread ? NULL : choice;
         g->choice_reads = reads;
@@ -386,7 +396,7 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
     if (map && g->rank == 0) g->choice_pending = NULL; /* mapped: neither way the choice weighs */
     if (!map && !fits) return FSC_OK;                  /* every rank saw the same: the slots run it */
     *ran = 1;
-    if (map) atomic_fetch_add_explicit(&g->mapped_ops, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(map ? &g->mapped_ops : &g->read_ops, 1, memory_order_relaxed);
     switch (a->op) {
         case FSC_OP_ALL_GATHER: return all_gather(g, a, map, push, own_done);
         case FSC_OP_BROADCAST: return broadcast(g, a, map);

@@ -90,8 +90,8 @@ typedef struct {
 /* Rank 0's recent timings of one op and size class in the direct window, each way (shm_direct.c,
  * choose_reads): the last FSC_SHM_CHOICE_KEEP op times through the slots (way 0) and through
  * reads of the peers' buffers (way 1). */
-#define FSC_SHM_CHOICE_OPS 4     /* all_gather, reduce_scatter, broadcast, all_reduce */
-#define FSC_SHM_CHOICE_CLASSES 6 /* 512 KiB, 1, 2, 4, 8, 16 MiB and up (op bytes, rounded down) */
+#define FSC_SHM_CHOICE_OPS 4      /* all_gather, reduce_scatter, broadcast, all_reduce */
+#define FSC_SHM_CHOICE_CLASSES 12 /* 512 KiB, 1, 2, ... 512 MiB, 1 GiB and up (op bytes, rounded down) */
 #define FSC_SHM_CHOICE_KEEP 8
 typedef struct {
     double secs[2][FSC_SHM_CHOICE_KEEP];
@@ -142,6 +142,7 @@ struct fsc_shm_group {
     uint64_t direct_cookie;
     uint8_t *direct_scratch;     /* (size - 1) pieces the reductions read the peers' data into (shm_direct.c) */
     _Atomic uint64_t mapped_ops; /* collectives run on shared tensors (shm_direct.c) */
+    _Atomic uint64_t read_ops;   /* ... and by reading the peers' private buffers */
     int spins, yields;           /* a waiter's pause and sched_yield budget before it sleeps (shm.c, wait_budget) */
     /* private copies of the segment's offsets, validated once at attach: a peer that rewrites
      * the header afterwards cannot move this rank's reads and writes */

@@ -244,6 +244,11 @@ static PyObject *Group_get_mapped_ops(GroupObject *self, void *Py_UNUSED(c)) {
     return PyLong_FromUnsignedLongLong(fsc_shm_group_mapped_ops(self->g));
 }
 
+static PyObject *Group_get_read_ops(GroupObject *self, void *Py_UNUSED(c)) {
+    if (check_open(self) < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(fsc_shm_group_read_ops(self->g));
+}
+
 static PyObject *Group_get_closed(GroupObject *self, void *Py_UNUSED(c)) {
     return PyBool_FromLong(self->g == NULL);
 }
@@ -556,11 +561,13 @@ static PyGetSetDef Group_getset[] = {
      "(agreed at join; 0: never).",
      NULL},
     {"read_max", (getter)Group_get_read_max, NULL,
-     "Largest collective, in bytes, that reads the peers' private buffers in the direct window: direct_max, "
-     "or 0 where the group keeps them on the slots (FAIRSCALE_C_SHM_DIRECT_READS; auto: rank 0 times both ways).",
+     "Largest collective, in bytes, that may read the peers' private buffers: direct_max, or 0 where the group "
+     "keeps them on the slots (FAIRSCALE_C_SHM_DIRECT_READS; auto: rank 0 times both ways).",
      NULL},
     {"mapped_ops", (getter)Group_get_mapped_ops, NULL,
      "Collectives run so far that copied straight between the ranks' shared tensors (shared_empty).", NULL},
+    {"read_ops", (getter)Group_get_read_ops, NULL,
+     "Collectives this rank has run so far by reading its peers' private buffers (process_vm_readv).", NULL},
     {"closed", (getter)Group_get_closed, NULL, "True after close().", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
