@@ -41,8 +41,8 @@
 #define FSC_SHM_DIRECT_MIN ((size_t)32 << 10)
 #define FSC_SHM_DIRECT_PIECE ((size_t)256 << 10) /* bytes per peer per reduction step */
 #define FSC_SHM_DIRECT_ALL_REDUCE_MIN ((size_t)2 << 20)
-/* A queued op reads up to these op sizes without timing (above them reads lost to the slots on
- * some machine measured): 16 MiB, reduce_scatter's input 8 MiB. */
+/* A queued op is not timed: it reads up to these op sizes (16 MiB, reduce_scatter's input 8 MiB)
+ * and takes the slots above them, where which way wins depends on the machine's state. */
 #define FSC_SHM_UNTIMED_READ_MAX ((size_t)16 << 20)
 #define FSC_SHM_UNTIMED_REDUCE_SCATTER_MAX ((size_t)8 << 20)
 #define FSC_SHM_SHARED_MIN ((size_t)1 << 20)
