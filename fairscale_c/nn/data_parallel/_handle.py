@@ -1,7 +1,8 @@
 """Run-time state of FSDP's flat parameters: the full buffer a shard is gathered into (its storage
 released between uses), the all-gather in flight, the reduce-scatter pending, and the parameters an
-instance shares with the instance that shards them."""
+instance shares with the instance that shards them, and what an instance is doing."""
 
+from enum import Enum, auto
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -9,6 +10,16 @@ from torch import nn
 
 from ._bucket import PendingReduce
 from .flat_param import FlatLayout, ParamSlot
+
+
+class TrainingState(Enum):
+    """What an FSDP instance is doing (FairScale's states)."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD_PRE = auto()
+    BACKWARD_POST = auto()
+    SUMMON_FULL_PARAMS = auto()
 
 
 def free_storage(t: torch.Tensor) -> None:

@@ -17,7 +17,6 @@ import contextlib
 import functools
 import warnings
 import weakref
-from enum import Enum, auto
 from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
 
 import torch
@@ -32,26 +31,18 @@ from fairscale_c.internal.params import grad_norm_term
 from . import _optim_state, _state_dict
 from ._args import check_fsdp_args
 from ._bucket import ReduceScatterBucket
-from ._handle import Gathering, Handle, Tie, alloc_storage, free_storage
-from ._tensors import cast_floats, map_tensors
+from ._backward import BackwardHooks
+from ._full_params import FullParams
+from ._handle import Handle, Tie, TrainingState, free_storage
+from ._tensors import cast_floats
 from .flat_param import FlatLayout, ForeignParam, collect_params
-
-
-class TrainingState(Enum):
-    """What an FSDP instance is doing (FairScale's states)."""
-
-    IDLE = auto()
-    FORWARD = auto()
-    BACKWARD_PRE = auto()
-    BACKWARD_POST = auto()
-    SUMMON_FULL_PARAMS = auto()
 
 
 def _is_managed(p: torch.Tensor) -> bool:
     return getattr(p, "_fsc_fsdp_managed", False)
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(FullParams, BackwardHooks, nn.Module):
     """A drop-in for ``fairscale.nn.FullyShardedDataParallel`` (0.4.13): same arguments, same
     defaults, same state-dict formats. See docs/fsdp.md for what differs."""
 
@@ -528,186 +519,6 @@ class FullyShardedDataParallel(nn.Module):
         i = (order.index(m) + step) % len(order)
         if i != 0:  # the root needs no prefetch: it gathers first
             order[i]._start_gather()
-
-    @torch.no_grad()
-    def _start_gather(self) -> None:
-        """Start (asynchronously) the all-gather of every flat parameter that is not full yet."""
-        for h in self._all_handles:
-            if h.has_full or h.gathering is not None:
-                continue
-            full = h.full.detach()
-            alloc_storage(full)  # on the current stream, which the collective is ordered after
-            shard = h.param.detach()
-            if shard.dtype is not full.dtype or shard.device != full.device:
-                # Cast straight into this rank's block of the full buffer and gather in place.
-                n = h.layout.shard_numel
-                mine = full[self.rank * n : (self.rank + 1) * n]
-                _copy(mine, shard)
-                shard = mine
-            if self.all_gather_tracker is not None:
-                self.all_gather_tracker.notify_all_gather(full, shard)
-            h.gathering = Gathering(self.comm.all_gather(full, shard, async_op=True), shard)
-
-    @torch.no_grad()
-    def _rebuild_full_params(self) -> None:
-        """All-gather every flat parameter that is not already full (C: cast + all-gather)."""
-        self._start_gather()
-        for h in self._all_handles:
-            if h.gathering is not None:
-                h.gathering.work.wait()
-                h.gathering = None
-                h.has_full = True
-
-    def _use_full_params(self) -> None:
-        """Point the module's parameter attributes, shared ones included, at views of the full buffers."""
-        self._point_at_full()
-        for t in self._ties:
-            t.module._parameters.pop(t.attr, None)  # the owner's shard; restored after forward
-            t.module.__dict__[t.attr] = t.full_view()
-
-    def _point_at_full(self) -> None:
-        """Point the attributes of this instance's own parameters at views of the full buffers."""
-        for h in self._handles:
-            if not self.flatten_parameters:
-                slot = h.layout.slots[0]
-                view = h.full[: slot.numel].view(slot.shape)
-                for module, attr in h.places():
-                    module._parameters.pop(attr, None)  # the shard; restored after forward
-                    module.__dict__[attr] = view
-                continue
-            # One split, not a slice per parameter: its backward assembles the flat gradient with
-            # a single concatenation, where per-parameter slices would each materialise (and then
-            # sum) a zero-filled gradient of the whole flat buffer.
-            # The attributes are plain (their Parameters were removed), so the instance dict is
-            # set directly: nn.Module.__setattr__'s checks cost more than the view itself.
-            pieces = h.full.split(h.split_sizes)
-            for slot, piece in zip(h.layout.slots, pieces):
-                view = piece.view(slot.shape)
-                slot.module.__dict__[slot.attr] = view
-                for shared in h.layout.shared:
-                    if shared.src is slot:
-                        shared.module.__dict__[shared.attr] = view
-
-    @torch.no_grad()
-    def _leave_shaped_views(self) -> None:
-        """Outside forward, keep shaped views under the original names so the module still reprs
-        and introspects like the original (unflattened shards are registered there instead). A
-        view needs storage when it is made, so free buffers get it for that moment."""
-        if not self.flatten_parameters:
-            return
-        freed = [h for h in self._handles if not h.has_full and h.gathering is None]
-        for h in freed:
-            alloc_storage(h.full.detach())
-        self._point_at_full()
-        for h in freed:
-            free_storage(h.full.detach())
-
-    def _use_shard_params(self) -> None:
-        """Register the shards under the original names again: unflattened instances' own
-        parameters, and the parameters shared with other instances."""
-        for t in self._ties:
-            t.module.__dict__.pop(t.attr, None)
-            t.module._parameters[t.attr] = t.handle.param
-        if not self.flatten_parameters:
-            for h in self._handles:
-                for module, attr in h.places():
-                    module.__dict__.pop(attr, None)
-                    module._parameters[attr] = h.param
-        self._restore_param_order()
-
-    def _restore_param_order(self) -> None:
-        for module, order in self._param_orders:
-            params = module._parameters
-            if list(params) != order:
-                ordered = {k: params[k] for k in order if k in params}
-                ordered.update(params)
-                params.clear()
-                params.update(ordered)
-
-    def _free_full_params(self, in_forward: bool = False) -> None:
-        """Release the full buffers. At the end of a forward (`in_forward`), a buffer another
-        instance's running forward also uses (a shared parameter, the instances nested) stays."""
-        for h in self._all_handles:
-            if h.gathering is not None:  # a prefetch nobody used: finish it before freeing
-                h.gathering.work.wait()
-                h.gathering = None
-                h.has_full = True
-            if in_forward and h.forward_users > 1:
-                continue
-            if h.has_full:
-                free_storage(h.full.detach())
-                h.has_full = False
-
-    # ---------------------------------------------------------------- backward
-
-    def _register_pre_backward_hooks(self, outputs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return outputs
-        self._pre_backward_hook_has_run = False
-
-        def hook(*unused: Any) -> None:
-            if self._pre_backward_hook_has_run:
-                return
-            self._pre_backward_hook_has_run = True
-            if self._is_root:
-                torch.autograd.Variable._execution_engine.queue_callback(self._wait_for_post_backward)
-            self.training_state = TrainingState.BACKWARD_PRE
-            self._rebuild_full_params()
-            if not self.flatten_parameters or self._ties:
-                # A block recomputed in backward (activation checkpointing) reads the attributes:
-                # they hold full views until the end of backward (flat ones always do).
-                self._use_full_params()
-            self._root._prefetch_neighbour(self, -1)
-
-        def register(t: torch.Tensor) -> torch.Tensor:
-            if t.requires_grad:
-                t.register_hook(hook)
-            return t
-
-        return map_tensors(register, outputs)
-
-    @torch.no_grad()
-    def _post_backward_hook(self, h: Handle, full: torch.Tensor) -> None:
-        """Runs when the full flat gradient is complete: start its reduce-scatter, free the full params."""
-        grad = full.grad
-        if grad is None:
-            return
-        self.training_state = TrainingState.BACKWARD_POST
-        if self._require_backward_grad_sync:
-            full.grad = None
-            if self.fp32_reduce_scatter and grad.dtype is not torch.float32:
-                g32 = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
-                _copy(g32, grad)
-                grad = g32
-            average = abs(self.gradient_predivide_factor * self.gradient_postdivide_factor - self.world_size) < 1e-6
-            self._root._bucket.add(self, h, grad, average)
-        if self._require_backward_grad_sync or self.reshard_after_forward:
-            free_storage(h.full.detach())
-            h.has_full = False
-
-    @torch.no_grad()
-    def _wait_for_post_backward(self) -> None:
-        """Root only, at the end of backward: finish every reduce-scatter and set the grad shards."""
-        self._bucket.drain()
-        for m in self._fsdp_instances:
-            m._use_shard_params()
-            if m._require_backward_grad_sync:
-                m._free_full_params()
-            m._pre_backward_hook_has_run = False
-            m.training_state = TrainingState.IDLE
-
-    def _accumulate_grad(self, h: Handle, reduced: torch.Tensor) -> None:
-        p = h.param
-        target_device = torch.device("cpu") if self.move_grads_to_cpu else p.device
-        if p.grad is None:
-            if reduced.dtype is p.dtype and reduced.device == target_device:
-                p.grad = reduced
-            else:
-                g = torch.empty(p.shape, dtype=p.dtype, device=target_device)
-                _copy(g, reduced)
-                p.grad = g
-        else:
-            p.grad.add_(reduced.to(device=p.grad.device, dtype=p.grad.dtype))
 
     @contextlib.contextmanager
     def no_sync(self) -> Generator:

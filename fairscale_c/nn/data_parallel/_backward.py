@@ -1,0 +1,86 @@
+"""FSDP's backward: the hooks that re-gather the full parameters before an instance's backward,
+hand each complete flat gradient to the reduce-scatter buckets, and at the end of backward set
+the averaged gradient shards (a mixin of FullyShardedDataParallel, whose instance attributes it
+uses)."""
+
+from typing import Any
+
+import torch
+
+from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
+
+from ._handle import Handle, TrainingState, free_storage
+from ._tensors import map_tensors
+
+
+class BackwardHooks:
+    """The backward of one FSDP instance."""
+
+    def _register_pre_backward_hooks(self, outputs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return outputs
+        self._pre_backward_hook_has_run = False
+
+        def hook(*unused: Any) -> None:
+            if self._pre_backward_hook_has_run:
+                return
+            self._pre_backward_hook_has_run = True
+            if self._is_root:
+                torch.autograd.Variable._execution_engine.queue_callback(self._wait_for_post_backward)
+            self.training_state = TrainingState.BACKWARD_PRE
+            self._rebuild_full_params()
+            if not self.flatten_parameters or self._ties:
+                # A block recomputed in backward (activation checkpointing) reads the attributes:
+                # they hold full views until the end of backward (flat ones always do).
+                self._use_full_params()
+            self._root._prefetch_neighbour(self, -1)
+
+        def register(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                t.register_hook(hook)
+            return t
+
+        return map_tensors(register, outputs)
+
+    @torch.no_grad()
+    def _post_backward_hook(self, h: Handle, full: torch.Tensor) -> None:
+        """Runs when the full flat gradient is complete: start its reduce-scatter, free the full params."""
+        grad = full.grad
+        if grad is None:
+            return
+        self.training_state = TrainingState.BACKWARD_POST
+        if self._require_backward_grad_sync:
+            full.grad = None
+            if self.fp32_reduce_scatter and grad.dtype is not torch.float32:
+                g32 = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+                _copy(g32, grad)
+                grad = g32
+            average = abs(self.gradient_predivide_factor * self.gradient_postdivide_factor - self.world_size) < 1e-6
+            self._root._bucket.add(self, h, grad, average)
+        if self._require_backward_grad_sync or self.reshard_after_forward:
+            free_storage(h.full.detach())
+            h.has_full = False
+
+    @torch.no_grad()
+    def _wait_for_post_backward(self) -> None:
+        """Root only, at the end of backward: finish every reduce-scatter and set the grad shards."""
+        self._bucket.drain()
+        for m in self._fsdp_instances:
+            m._use_shard_params()
+            if m._require_backward_grad_sync:
+                m._free_full_params()
+            m._pre_backward_hook_has_run = False
+            m.training_state = TrainingState.IDLE
+
+    def _accumulate_grad(self, h: Handle, reduced: torch.Tensor) -> None:
+        p = h.param
+        target_device = torch.device("cpu") if self.move_grads_to_cpu else p.device
+        if p.grad is None:
+            if reduced.dtype is p.dtype and reduced.device == target_device:
+                p.grad = reduced
+            else:
+                g = torch.empty(p.shape, dtype=p.dtype, device=target_device)
+                _copy(g, reduced)
+                p.grad = g
+        else:
+            p.grad.add_(reduced.to(device=p.grad.device, dtype=p.grad.dtype))

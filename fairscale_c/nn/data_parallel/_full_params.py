@@ -1,0 +1,122 @@
+"""FSDP's full parameters: all-gathering the flat shards into the full buffers, pointing the
+module's attributes at views of them, and releasing them (a mixin of FullyShardedDataParallel,
+whose instance attributes it uses)."""
+
+import torch
+
+from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
+
+from ._handle import Gathering, alloc_storage, free_storage
+
+
+class FullParams:
+    """The full buffers' life cycle of one FSDP instance."""
+
+    @torch.no_grad()
+    def _start_gather(self) -> None:
+        """Start (asynchronously) the all-gather of every flat parameter that is not full yet."""
+        for h in self._all_handles:
+            if h.has_full or h.gathering is not None:
+                continue
+            full = h.full.detach()
+            alloc_storage(full)  # on the current stream, which the collective is ordered after
+            shard = h.param.detach()
+            if shard.dtype is not full.dtype or shard.device != full.device:
+                # Cast straight into this rank's block of the full buffer and gather in place.
+                n = h.layout.shard_numel
+                mine = full[self.rank * n : (self.rank + 1) * n]
+                _copy(mine, shard)
+                shard = mine
+            if self.all_gather_tracker is not None:
+                self.all_gather_tracker.notify_all_gather(full, shard)
+            h.gathering = Gathering(self.comm.all_gather(full, shard, async_op=True), shard)
+
+    @torch.no_grad()
+    def _rebuild_full_params(self) -> None:
+        """All-gather every flat parameter that is not already full (C: cast + all-gather)."""
+        self._start_gather()
+        for h in self._all_handles:
+            if h.gathering is not None:
+                h.gathering.work.wait()
+                h.gathering = None
+                h.has_full = True
+
+    def _use_full_params(self) -> None:
+        """Point the module's parameter attributes, shared ones included, at views of the full buffers."""
+        self._point_at_full()
+        for t in self._ties:
+            t.module._parameters.pop(t.attr, None)  # the owner's shard; restored after forward
+            t.module.__dict__[t.attr] = t.full_view()
+
+    def _point_at_full(self) -> None:
+        """Point the attributes of this instance's own parameters at views of the full buffers."""
+        for h in self._handles:
+            if not self.flatten_parameters:
+                slot = h.layout.slots[0]
+                view = h.full[: slot.numel].view(slot.shape)
+                for module, attr in h.places():
+                    module._parameters.pop(attr, None)  # the shard; restored after forward
+                    module.__dict__[attr] = view
+                continue
+            # One split, not a slice per parameter: its backward assembles the flat gradient with
+            # a single concatenation, where per-parameter slices would each materialise (and then
+            # sum) a zero-filled gradient of the whole flat buffer.
+            # The attributes are plain (their Parameters were removed), so the instance dict is
+            # set directly: nn.Module.__setattr__'s checks cost more than the view itself.
+            pieces = h.full.split(h.split_sizes)
+            for slot, piece in zip(h.layout.slots, pieces):
+                view = piece.view(slot.shape)
+                slot.module.__dict__[slot.attr] = view
+                for shared in h.layout.shared:
+                    if shared.src is slot:
+                        shared.module.__dict__[shared.attr] = view
+
+    @torch.no_grad()
+    def _leave_shaped_views(self) -> None:
+        """Outside forward, keep shaped views under the original names so the module still reprs
+        and introspects like the original (unflattened shards are registered there instead). A
+        view needs storage when it is made, so free buffers get it for that moment."""
+        if not self.flatten_parameters:
+            return
+        freed = [h for h in self._handles if not h.has_full and h.gathering is None]
+        for h in freed:
+            alloc_storage(h.full.detach())
+        self._point_at_full()
+        for h in freed:
+            free_storage(h.full.detach())
+
+    def _use_shard_params(self) -> None:
+        """Register the shards under the original names again: unflattened instances' own
+        parameters, and the parameters shared with other instances."""
+        for t in self._ties:
+            t.module.__dict__.pop(t.attr, None)
+            t.module._parameters[t.attr] = t.handle.param
+        if not self.flatten_parameters:
+            for h in self._handles:
+                for module, attr in h.places():
+                    module.__dict__.pop(attr, None)
+                    module._parameters[attr] = h.param
+        self._restore_param_order()
+
+    def _restore_param_order(self) -> None:
+        for module, order in self._param_orders:
+            params = module._parameters
+            if list(params) != order:
+                ordered = {k: params[k] for k in order if k in params}
+                ordered.update(params)
+                params.clear()
+                params.update(ordered)
+
+    def _free_full_params(self, in_forward: bool = False) -> None:
+        """Release the full buffers. At the end of a forward (`in_forward`), a buffer another
+        instance's running forward also uses (a shared parameter, the instances nested) stays."""
+        for h in self._all_handles:
+            if h.gathering is not None:  # a prefetch nobody used: finish it before freeing
+                h.gathering.work.wait()
+                h.gathering = None
+                h.has_full = True
+            if in_forward and h.forward_users > 1:
+                continue
+            if h.has_full:
+                free_storage(h.full.detach())
+                h.has_full = False
