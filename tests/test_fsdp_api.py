@@ -445,14 +445,14 @@ def test_reduce_scatters_share_the_group_where_ranks_share_a_gpu(monkeypatch):
     import types
 
     import fairscale_c.distributed as fdist
-    from fairscale_c.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+    from fairscale_c.nn.data_parallel import _setup as fsdp_setup
     from fairscale_c.nn.data_parallel.fully_sharded_data_parallel import ProcessGroupName
 
     roles = []
     monkeypatch.setattr(fdist, "group_for", lambda pg, role="default", **kw: roles.append(role) or "own group")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    fsdp_module._warn_shared_gpu.cache_clear()
+    fsdp_setup._warn_shared_gpu.cache_clear()
     fake = types.SimpleNamespace(
         comm=types.SimpleNamespace(size=2), process_group="pg", compute_device=torch.device("cuda")
     )

@@ -14,17 +14,12 @@ gradient released); at the end of backward the root retires the rest, casts to f
 """
 
 import contextlib
-import functools
-import warnings
-import weakref
 from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from fairscale_c import _C
-from fairscale_c import distributed as fdist
-from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 from fairscale_c.internal.parallel import ProcessGroupName
 from fairscale_c.internal.params import grad_norm_term
 
@@ -33,16 +28,12 @@ from ._args import check_fsdp_args
 from ._bucket import ReduceScatterBucket
 from ._backward import BackwardHooks
 from ._full_params import FullParams
-from ._handle import Handle, Tie, TrainingState, free_storage
+from ._setup import Setup, is_managed
+from ._handle import TrainingState, free_storage
 from ._tensors import cast_floats
-from .flat_param import FlatLayout, ForeignParam, collect_params
 
 
-def _is_managed(p: torch.Tensor) -> bool:
-    return getattr(p, "_fsc_fsdp_managed", False)
-
-
-class FullyShardedDataParallel(FullParams, BackwardHooks, nn.Module):
+class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
     """A drop-in for ``fairscale.nn.FullyShardedDataParallel`` (0.4.13): same arguments, same
     defaults, same state-dict formats. See docs/fsdp.md for what differs."""
 
@@ -101,109 +92,6 @@ class FullyShardedDataParallel(FullParams, BackwardHooks, nn.Module):
         self._init_shards(module, state_dict_device)
         self._init_state()
 
-    # ---------------------------------------------------------------- construction helpers
-
-    def _init_groups(self, process_group: Optional[Any], process_group_reduce_scatter: Any) -> None:
-        """The engine groups for all-gathers (`process_group`'s; None: the default group) and for
-        reduce-scatters (see _reduce_scatter_comm), and this rank's place in them."""
-        self.comm = fdist.group_for(process_group)
-        self.process_group = self.comm.process_group
-        # a ProcessGroupTracker (layer_memory_tracker) given as process_group hears of each all-gather
-        self.all_gather_tracker = process_group if hasattr(process_group, "notify_all_gather") else None
-        self.comm_rs = self._reduce_scatter_comm(process_group_reduce_scatter)
-        self.process_group_reduce_scatter = self.comm_rs.process_group
-        self.rank, self.world_size = self.comm.rank, self.comm.size
-
-    def _init_shards(self, module: nn.Module, state_dict_device: Optional[torch.device]) -> None:
-        """Lay out the parameters this instance owns (not those of nested instances) in flat buffers,
-        keep this rank's shard of each as a registered Parameter, and leave shaped views of the
-        (freed) full buffers under the original names."""
-        self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
-        shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
-        orders = {id(m): list(m._parameters) for m in module.modules()}
-        layouts, self._shared_pairs, foreign = collect_params(module, _is_managed, self.flatten_parameters)
-        self._check_dtypes(layouts)
-        for f in foreign:
-            self._check_share(f)
-        self._fsdp_wrapped_module = module
-        self._handles: List[Handle] = [self._new_handle(i, layout, shard_device) for i, layout in enumerate(layouts)]
-        self._ties: List[Tie] = [self._tie(f) for f in foreign]
-        # what this instance gathers and frees: its own flat parameters, then those it shares
-        self._all_handles: List[Handle] = self._handles + [t.handle for t in self._ties]
-        # Modules whose parameters leave and rejoin _parameters at every forward (unflattened
-        # shards, shared parameters) and their original order, which parameters() keeps.
-        moved = [t.module for t in self._ties]
-        if not self.flatten_parameters:
-            moved += [module for h in self._handles for module, _ in h.places()]
-        self._param_orders = [(m, orders[id(m)]) for m in {id(m): m for m in moved}.values()]
-        self._restore_param_order()
-        self.numel_padded_per_param = [h.layout.padding for h in self._handles]
-        with torch.no_grad():
-            if self.flatten_parameters:
-                self._point_at_full()  # shaped views while the buffers still have storage
-        for h in self._handles:
-            free_storage(h.full.detach())
-
-    def _new_handle(self, i: int, layout: FlatLayout, shard_device: torch.device) -> Handle:
-        """Shard the `i`-th layout and register its shard: as ``flat_param_<i>``, or, as in
-        FairScale, under the original name when not flattening."""
-        layout.world_size, layout.rank = self.world_size, self.rank
-        originals = [slot.param for slot in layout.slots]
-        shard = self._make_shard(layout, shard_device)
-        param = nn.Parameter(shard, requires_grad=layout.requires_grad)
-        param._fsc_fsdp_managed = True
-        param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
-        handle = Handle(layout, param, self.compute_dtype, self.compute_device)
-        for original, slot in zip(originals, layout.slots):
-            # an instance built later that still reaches the original (a tie) shares it from here
-            original._fsc_fsdp_sharded = (weakref.ref(self), handle, slot)
-        if self.flatten_parameters:
-            handle.backing_name = f"flat_param_{i}"
-            self.register_parameter(handle.backing_name, param)
-        else:
-            handle.backing_name = layout.slots[0].name
-            for module, attr in handle.places():
-                module.register_parameter(attr, param)
-        self._hook_full(handle)
-        return handle
-
-    def _check_share(self, f: ForeignParam) -> None:
-        """Before anything is sharded: a parameter another instance has sharded can be shared
-        only while that instance lives, over the same process group."""
-        owner = f.param._fsc_fsdp_sharded[0]()
-        same_group = owner is not None and (owner.comm is self.comm or owner.world_size == self.world_size == 1)
-        if not same_group:
-            why = "no longer exists" if owner is None else "shards over another process group"
-            raise ValueError(
-                f"FullyShardedDataParallel: parameter '{f.name}' is the same tensor as a parameter of another "
-                f"FullyShardedDataParallel instance, which {why}; instances can share (tie) a parameter only "
-                f"over the same process group"
-            )
-
-    def _tie(self, f: ForeignParam) -> Tie:
-        """Share a parameter another instance has sharded (checked by _check_share): its attribute
-        here holds the owner's shard from now on (one Parameter, as a tie in the unwrapped model is
-        one tensor)."""
-        owner_ref, handle, slot = f.param._fsc_fsdp_sharded
-        f.module._parameters[f.attr] = handle.param
-        return Tie(f.module, f.attr, f.name, owner_ref, handle, slot)
-
-    def _init_state(self) -> None:
-        """The state between steps, until the first forward finds the root, and the state-dict hooks."""
-        self._is_root: Optional[bool] = None
-        self._fsdp_instances: List["FullyShardedDataParallel"] = []
-        self._require_backward_grad_sync = True
-        self._return_full_state_dict = True
-        self._pre_backward_hook_has_run = False
-        self.training_state = TrainingState.IDLE
-        self._register_state_dict_hook(_state_dict.post_state_dict_hook)
-        self._register_load_state_dict_pre_hook(functools.partial(_state_dict.pre_load_state_dict_hook, self))
-
-    def _hook_full(self, h: Handle) -> None:
-        """Reduce-scatter the full buffer's gradient once autograd has accumulated all of it."""
-        if h.layout.requires_grad:
-            h.full.register_post_accumulate_grad_hook(functools.partial(self._post_backward_hook, h))
-
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "FullyShardedDataParallel":
         """FairScale's hook for ``.half()``, ``.float()``, ``.bfloat16()``, ``.to(dtype)`` after
         wrapping: the shards (and buffers) are converted by nn.Module, and without mixed precision
@@ -243,65 +131,6 @@ class FullyShardedDataParallel(FullParams, BackwardHooks, nn.Module):
                     free_storage(h.full.detach())
                 self._leave_shaped_views()
         return ret
-
-    def _check_dtypes(self, layouts: List[FlatLayout]) -> None:
-        pure_fp16 = self.compute_dtype is torch.float16 and not self.mixed_precision
-        want = torch.float16 if pure_fp16 else torch.float32
-        for layout in layouts:
-            for slot in layout.slots:
-                if slot.param.dtype is not want:
-                    mode = "pure fp16" if pure_fp16 else ("mixed precision" if self.mixed_precision else "fp32")
-                    raise ValueError(
-                        f"FullyShardedDataParallel: parameter '{slot.name}' is {slot.param.dtype}; "
-                        f"{mode} mode expects every parameter to be {want}"
-                    )
-
-    def _reduce_scatter_comm(self, pg: Any) -> Any:
-        """FairScale's rule: ProcessGroupName.reduce_scatter (the default) gives reduce-scatters a
-        group of their own over the same ranks, ProcessGroupName.default or None reuses
-        process_group, and a group whose ranks differ from process_group's falls back to it.
-        Beyond FairScale: where this instance computes on CUDA and ranks share a GPU
-        (fdist.ranks_share_gpus(self.comm)) the default reuses process_group too, with a warning:
-        two NCCL communicators per rank can deadlock there."""
-        import torch.distributed as dist
-
-        if isinstance(pg, str) and not isinstance(pg, ProcessGroupName):
-            pg = ProcessGroupName(pg)  # check_fsdp_args admitted only its values
-        if pg is None or pg == ProcessGroupName.default or self.comm.size == 1:
-            return self.comm
-        if pg == ProcessGroupName.reduce_scatter:
-            if self.compute_device.type == "cuda" and fdist.ranks_share_gpus(self.comm):
-                _warn_shared_gpu()
-                return self.comm
-            return fdist.group_for(self.process_group, role="reduce_scatter")
-        if pg is dist.GroupMember.NON_GROUP_MEMBER:
-            return self.comm
-        if not isinstance(pg, dist.ProcessGroup):  # a stand-in with rank() and size(): FairScale compares sizes
-            return fdist.group_for(pg) if pg.size() == self.comm.size else self.comm
-        if dist.get_process_group_ranks(pg) != dist.get_process_group_ranks(self.process_group):
-            return self.comm
-        return fdist.group_for(pg)
-
-    @torch.no_grad()
-    def _make_shard(self, layout: FlatLayout, device: torch.device) -> torch.Tensor:
-        """Copy this rank's slice of the flattened parameters into a fresh padded shard (in C) and
-        release the original parameters' storage."""
-        dtype = layout.slots[0].param.dtype
-        # On CPU with peers on this host a shared tensor (every rank maps the shards of this flat
-        # parameter), so all-gathers that read it copy the peers' shards straight from their memory.
-        shard = fdist.shared_zeros(layout.shard_numel, dtype=dtype, device=device, group=self.comm)
-        lo, hi = layout.shard_range(self.rank)
-        for slot in layout.slots:
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a < b:
-                src = slot.param.detach().reshape(-1)[a - slot.offset : b - slot.offset]
-                _copy(shard[a - lo : b - lo], src)
-        for slot in layout.slots:
-            delattr(slot.module, slot.attr)
-            slot.param = None
-        for shared in layout.shared:
-            delattr(shared.module, shared.attr)
-        return shard
 
     @staticmethod
     def _get_gradient_predivide_factor(world_size: int) -> float:
@@ -343,7 +172,7 @@ class FullyShardedDataParallel(FullParams, BackwardHooks, nn.Module):
         `p` is one of them and, as in FairScale, that no forward has run yet."""
         if self._is_root is not None:
             raise RuntimeError("FullyShardedDataParallel.append_shared_param: call it before the first forward")
-        if not isinstance(p, nn.Parameter) or not _is_managed(p):
+        if not isinstance(p, nn.Parameter) or not is_managed(p):
             raise ValueError(
                 "FullyShardedDataParallel.append_shared_param: argument 'p' must be a parameter sharded by "
                 f"another FullyShardedDataParallel instance (e.g. other.module.weight), got {type(p).__name__}"
@@ -652,21 +481,8 @@ def _compute_device_of(module: nn.Module, compute_device: Optional[Any]) -> torc
     """`compute_device`, else the device of the first parameter no nested instance manages, else CPU."""
     if compute_device is not None:
         return torch.device(compute_device)
-    first = next((p for p in module.parameters() if not _is_managed(p)), None)
+    first = next((p for p in module.parameters() if not is_managed(p)), None)
     return first.device if first is not None else torch.device("cpu")
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_shared_gpu() -> None:
-    """Once per process: why the reduce-scatters share the all-gathers' group."""
-    warnings.warn(
-        "FullyShardedDataParallel: ranks of process_group share a GPU (their current CUDA devices are "
-        "one GPU, or LOCAL_WORLD_SIZE > torch.cuda.device_count()), so reduce-scatters use process_group "
-        "instead of a group of their own: with ranks sharing a GPU, a second NCCL communicator per rank "
-        "deadlocked under MPS. Pass a torch process group as process_group_reduce_scatter to have a "
-        "separate one anyway.",
-        stacklevel=3,
-    )
 
 
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:
