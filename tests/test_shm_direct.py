@@ -300,37 +300,42 @@ def _large_ops_job(rank: int, world: int, reads: str):
             check(out, want, f"{what} call {i}", reduced=op != "all_gather")
         counts[what] = group._shm.read_ops - before
 
-    per_rank = 12 * MiB // 4  # ops of 24 MiB: above the 16 MiB up to which queued ops read untimed
-    run("sync all_gather 24 MiB", 6, "all_gather", per_rank, False)
-    run("async all_gather 24 MiB", 2, "all_gather", per_rank, True)
-    run("async all_gather 8 MiB", 2, "all_gather", per_rank // 3, True)
-    run("sync reduce_scatter 24 MiB", 6, "reduce_scatter", per_rank, False)
-    run("async reduce_scatter 24 MiB", 2, "reduce_scatter", per_rank, True)
+    per_rank = 12 * MiB // 4  # ops of 24 MiB and more: above the 16 MiB up to which queued ops read untimed
+    run("sync all_gather, 12 MiB blocks", 6, "all_gather", per_rank, False)
+    run("async all_gather, 12 MiB blocks", 2, "all_gather", per_rank, True)
+    run("async all_gather, 4 MiB blocks", 2, "all_gather", per_rank // 3, True)
+    run("sync reduce_scatter, 12 MiB blocks", 6, "reduce_scatter", per_rank, False)
+    run("async reduce_scatter, 12 MiB blocks", 2, "reduce_scatter", per_rank, True)
     group.destroy()
     return check.failures, counts
 
 
-@pytest.mark.parametrize("reads", ["auto", "on"])
-def test_ops_above_16_mib_read_when_timed_or_forced(reads):
+@pytest.mark.parametrize("world,reads", [(2, "auto"), (2, "on"), (3, "auto")])
+def test_ops_above_16_mib_read_when_timed_or_forced(world, reads):
     """With the default window (no limit): "auto" times synchronous ops of any size both ways,
     three calls each, alternating, and keeps queued ops above 16 MiB (reduce_scatter's input above
     8 MiB) on the slots, reading below; "on" reads every op. Every result equals torch's."""
-    results = run_ranks(_large_ops_job, 2, reads, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    results = run_ranks(_large_ops_job, world, reads, env={"FAIRSCALE_C_TIMEOUT": "60"})
     failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:20])
-    assert results[0][1] == results[1][1], f"the ranks went different ways: {results}"
+    assert all(counts == results[0][1] for _, counts in results), f"the ranks went different ways: {results}"
     if not _peers_can_read():
         assert set(results[0][1].values()) == {0}, results[0][1]
         return
     if reads == "auto":
         want = {
-            "sync all_gather 24 MiB": 3,
-            "async all_gather 24 MiB": 0,
-            "async all_gather 8 MiB": 2,
-            "sync reduce_scatter 24 MiB": 3,
-            "async reduce_scatter 24 MiB": 0,
+            "sync all_gather, 12 MiB blocks": 3,
+            "async all_gather, 12 MiB blocks": 0,
+            "async all_gather, 4 MiB blocks": 2,
+            "sync reduce_scatter, 12 MiB blocks": 3,
+            "async reduce_scatter, 12 MiB blocks": 0,
         }
     else:
-        want = {"sync all_gather 24 MiB": 6, "async all_gather 24 MiB": 2, "async all_gather 8 MiB": 2,
-                "sync reduce_scatter 24 MiB": 6, "async reduce_scatter 24 MiB": 2}  # fmt: skip
+        want = {
+            "sync all_gather, 12 MiB blocks": 6,
+            "async all_gather, 12 MiB blocks": 2,
+            "async all_gather, 4 MiB blocks": 2,
+            "sync reduce_scatter, 12 MiB blocks": 6,
+            "async reduce_scatter, 12 MiB blocks": 2,
+        }
     assert results[0][1] == want
