@@ -328,7 +328,8 @@ def run_ranks(
         if stuck and time.monotonic() >= deadline:
             # every thread's stack of a rank still running at the timeout, on the caller's stderr
             for p in stuck:
-                os.kill(p.pid, signal.SIGUSR1)
+                with contextlib.suppress(ProcessLookupError):  # it may have ended just now
+                    os.kill(p.pid, signal.SIGUSR1)
             time.sleep(2)
         for p in procs:
             p.join(timeout=10)

@@ -376,9 +376,9 @@ fsc_status_t fsc_shm_direct_run(fsc_shm_group_t *g, const fsc_shm_args_t *a, int
     fsc_shm_choice_t *choice = fits ? choice_of(g, a) : NULL; /* the same on every rank */
     if (choice != NULL && g->rank == 0) {
         /* A queued (async) op overlaps the caller's computation, where the CPU it takes counts
-         * more than its time: reads, one copy and two barriers, cost the least of it, up to the
-         * sizes where they never lost by much. A synchronous call waits for the op: the faster
-         * way by rank 0's timings. */
+         * more than its time: reads, one copy and two barriers, cost the least of it (up to
+         * reads_untimed's sizes). A synchronous call waits for the op: the faster way by rank 0's
+         * timings. */
         int reads = fsc_shm_on_progress_thread ? reads_untimed(g, a) : choose_reads(choice);
         g->ranks[0].read_choice = (uint32_t)reads; /* released by the barrier below */
         g->choice_pending = fsc_shm_on_progress_thread ? NULL : choice;
