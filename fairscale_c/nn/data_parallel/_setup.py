@@ -20,6 +20,7 @@ from .flat_param import FlatLayout, ForeignParam, collect_params
 
 
 def is_managed(p: torch.Tensor) -> bool:
+    """Whether `p` is a shard an FSDP instance registered (not a parameter of the wrapped module)."""
     return getattr(p, "_fsc_fsdp_managed", False)
 
 
