@@ -224,13 +224,14 @@ class Checks:
         return (acc / self.world if op == "avg" else acc).to(dtype)
 
 
-# Ranks are forked from a server process that has imported torch and nothing else (torch's import
-# is most of a fresh interpreter's start-up, paid for every rank of every test).
-# The server neither starts torch's thread pools nor touches a GPU, so forking it is safe; fairscale_c
-# and the test's module are imported in each rank, after its environment and stdio are set. The
-# server starts at the first rank.
+# Ranks are forked from a server process that has imported torch and pytest and nothing else:
+# torch's import is most of a fresh interpreter's start-up, and pytest's is most of the rest (a rank
+# imports the caller's main module, pytest's, and the test module, which imports pytest); both
+# would be paid for every rank of every test. The server neither starts torch's thread pools nor
+# touches a GPU, so forking it is safe; fairscale_c and the test's module are imported in each rank,
+# after its environment and stdio are set. The server starts at the first rank.
 _RANKS = mp.get_context("forkserver")
-_RANKS.set_forkserver_preload(["torch"])
+_RANKS.set_forkserver_preload(["torch", "pytest"])
 
 
 class _CallerStdio:
