@@ -2,14 +2,14 @@
 PYTHON ?= python3
 VENV   ?= .venv
 VPY    := $(VENV)/bin/python
-DEPS   := $(VENV)/.deps-installed
+DEPS   := $(VENV)/.deps-installed-2
 
 .PHONY: demo test install dist asan ctest bench bench-compare bench-tables lint clean tango fairscale-tests
 
 # torch is pinned: the CPU build of 2.13.0 (an unpinned torch pulls a multi-GB CUDA build).
 $(DEPS):
 	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q torch==2.13.0 numpy pytest setuptools wheel
+	$(VPY) -m pip install -q torch==2.13.0 numpy pytest pytest-xdist setuptools wheel
 	touch $@
 
 install: $(DEPS)
@@ -26,8 +26,13 @@ dist: $(DEPS)
 demo: install
 	$(VPY) examples/demo.py
 
+# The suite in two parts: most tests on TEST_WORKERS pytest processes at once (pytest-xdist), then
+# the ones marked `serial` alone (they kill ranks, time how soon a timeout fires, or watch which CPU
+# a waiter runs on: another test's ranks would move what they measure).
+TEST_WORKERS ?= 2
 test: install
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) -m "not serial"
+	$(VPY) -m pytest -q -m serial
 
 ctest:
 	$(MAKE) -C tests/c
@@ -37,6 +42,10 @@ ctest:
 # torch throws C++ exceptions internally (TCPStore, device parsing, meta tensors); without it ASan
 # stops on an internal CHECK inside libtorch. allocator_may_return_null: a request larger than ASan
 # allows (the fuzzer's 256 TiB buffer) fails as malloc would instead of aborting.
+# At most 3 ranks a test (--max-world 3): the 4-rank cases take about a third of the sanitized
+# pytest run on 2 cores. Their C paths are the 3-rank ones except reduce's (the root reduce stops
+# at 3 ranks), and tests/c's test_shm, built with the sanitizers below, runs every op, reduce
+# included, at 4 ranks. ASAN_PYTEST_ARGS adds pytest options (e.g. --durations=20).
 ASAN_LIB := $(shell $(CC) -print-file-name=libasan.so)
 STDCXX_LIB := $(shell $(CC) -print-file-name=libstdc++.so.6)
 asan: $(DEPS)
@@ -44,7 +53,7 @@ asan: $(DEPS)
 	cd build/asan && ln -sfn lib.* lib
 	LD_PRELOAD="$(ASAN_LIB) $(STDCXX_LIB)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:allocator_may_return_null=1 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 PYTHONPATH=build/asan/lib FAIRSCALE_C_EXPECT_BUILD=build/asan \
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests/test_dlpack.py tests/test_build.py tests/test_kernels_cpu.py \
+	$(VENV)/bin/pytest -q -p no:cacheprovider --max-world 3 $(ASAN_PYTEST_ARGS) tests/test_dlpack.py tests/test_build.py tests/test_kernels_cpu.py \
 		tests/test_collectives.py tests/test_collectives_failures.py tests/test_collectives_stress.py \
 		tests/test_collectives_layer.py tests/test_shm_direct.py tests/test_shm_shared.py tests/test_fsdp_api.py \
 		tests/test_all_to_all.py tests/test_adam.py \

@@ -22,3 +22,25 @@ def pytest_sessionstart(session):
 
         if not os.path.abspath(_C.__file__).startswith(os.path.abspath(expected)):
             raise pytest.UsageError(f"expected fairscale_c._C from {expected}, imported {_C.__file__}")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--max-world",
+        type=int,
+        default=None,
+        help="deselect the cases of tests parametrized by `world` that start more ranks than this",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    limit = config.getoption("--max-world")
+    if limit is None:
+        return
+    kept, dropped = [], []
+    for item in items:
+        world = getattr(item, "callspec", None) and item.callspec.params.get("world")
+        (dropped if isinstance(world, int) and world > limit else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

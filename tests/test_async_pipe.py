@@ -202,6 +202,7 @@ def _dead_stage_job(rank, world):
     raise AssertionError("no DistributedError raised")
 
 
+@pytest.mark.serial  # kills a rank; times how soon the peer knows
 def test_dead_stage_is_reported():
     # rank 0 is inside its second forward waiting for gradients when rank 1 dies
     elapsed, _ = run_ranks(_dead_stage_job, 2, env={"FAIRSCALE_C_TIMEOUT": "30"}, may_die=[1])

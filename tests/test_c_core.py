@@ -11,10 +11,13 @@ import pytest
 
 C_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c")
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("make") is None or shutil.which(os.environ.get("CC", "cc")) is None,
-    reason="needs make and a C compiler",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("make") is None or shutil.which(os.environ.get("CC", "cc")) is None,
+        reason="needs make and a C compiler",
+    ),
+    pytest.mark.serial,  # the C tests time their dead and stalled peers against 1 s timeouts
+]
 
 
 def _make(target: str) -> None:

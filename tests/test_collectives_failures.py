@@ -14,6 +14,9 @@ import torch
 
 from dist_utils import free_port, orphaned_segments, run_ranks, shm_segments
 
+# dead, stalled and missing ranks, timed against short engine timeouts: run alone
+pytestmark = pytest.mark.serial
+
 FAST = {"FAIRSCALE_C_TIMEOUT": "3"}
 
 

@@ -213,6 +213,7 @@ def test_diverging_ranks_raise_instead_of_hanging():
     spawn(2, ["divergent_ranks"])
 
 
+@pytest.mark.serial  # kills a rank; times how soon the peer knows
 def test_dead_peer_is_reported_not_hung():
     from dist_utils import run_ranks, shm_segments
 

@@ -206,6 +206,7 @@ def _job(rank: int, world: int, torch_port: int) -> dict:
     return {"done": done, "mismatches": mismatches}
 
 
+@pytest.mark.serial  # times errors against a 5 s engine timeout
 def test_tags_two_ranks():
     results = run_ranks(_job, 2, free_port(), env=ENV, timeout=120)
     for rank, r in enumerate(results):

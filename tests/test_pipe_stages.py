@@ -624,6 +624,7 @@ def test_three_ranks_on_the_cuda_layouts_groups():
     assert [len(r) for r in results] == [2, 2, 2]
 
 
+@pytest.mark.serial  # kills a rank; times how soon the others know
 @pytest.mark.parametrize("schedule_name", ["1f1b"])
 def test_four_stages_pipeline_by_data_parallel_and_a_killed_stage(schedule_name):
     """4 stages and 2 x 2 match the single process; then a stage killed mid-step makes every other

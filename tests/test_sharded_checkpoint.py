@@ -126,6 +126,7 @@ def _save_twice_job(rank, world, directory, victim, where):
 @pytest.mark.parametrize(
     "victim, where", [(1, "mid-write"), (1, "after-write"), (0, "while-committing")], ids=lambda v: str(v)
 )
+@pytest.mark.serial  # kills a rank
 def test_rank_killed_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path, victim, where):
     d = str(tmp_path)
     results = run_ranks(_save_twice_job, 2, d, victim, where, timeout=240, may_die=[victim])

@@ -457,6 +457,7 @@ def _failure_job(rank, world):
     return skipped, None, time.monotonic() - t0
 
 
+@pytest.mark.serial  # kills a rank; times how soon the peer knows
 def test_skipped_step_and_dead_peer_raise_instead_of_hanging():
     before = orphaned_segments()
     results = run_ranks(_failure_job, 2, env={"FAIRSCALE_C_TIMEOUT": "20"}, may_die=[1], timeout=120)

@@ -234,6 +234,7 @@ def _dies_in_direct_op_job(rank: int, world: int):
     return elapsed, msg
 
 
+@pytest.mark.serial  # kills a rank; times how soon the peer knows
 def test_peer_dying_during_a_direct_op_is_reported():
     (elapsed, msg), _ = run_ranks(_dies_in_direct_op_job, 2, env={"FAIRSCALE_C_TIMEOUT": "30"}, may_die=[1])
     assert "all_gather" in msg and "rank 1" in msg, msg

@@ -13,10 +13,13 @@ import torch
 
 from dist_utils import clean_dev_shm, run_ranks  # noqa: F401  (clean_dev_shm: autouse fixture)
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-    reason="needs at least two CPUs this process may run on",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+        reason="needs at least two CPUs this process may run on",
+    ),
+    pytest.mark.serial,  # which CPU a waiter runs on depends on what else runs
+]
 
 
 ATTEMPTS = 4

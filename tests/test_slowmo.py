@@ -440,6 +440,7 @@ def _dead_peer_job(rank, world):
     raise AssertionError("no DistributedError raised")
 
 
+@pytest.mark.serial  # kills a rank; times how soon the peer knows
 def test_dead_peer_is_reported():
     elapsed, _ = run_ranks(_dead_peer_job, 2, env={"FAIRSCALE_C_TIMEOUT": "30"}, may_die=[1])
     assert elapsed < 10, f"dead peer found after {elapsed:.1f} s; expected well before the 30 s timeout"

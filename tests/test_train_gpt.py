@@ -87,6 +87,7 @@ def _read_terminal(fd, q):
     q.put(None)
 
 
+@pytest.mark.serial  # interrupts and kills ranks
 def test_ctrl_c_on_a_terminal_stops_every_rank_and_leaves_no_shared_memory(tmp_path):
     before = orphaned_segments()
     args = ["--steps", "100000", "--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "2"]
