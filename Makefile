@@ -2,12 +2,13 @@
 PYTHON ?= python3
 VENV   ?= .venv
 VPY    := $(VENV)/bin/python
-DEPS   := $(VENV)/.deps-installed-2
+DEPS   := $(VENV)/.deps-installed
 
 .PHONY: demo test install dist asan ctest bench bench-compare bench-tables lint clean tango fairscale-tests
 
 # torch is pinned: the CPU build of 2.13.0 (an unpinned torch pulls a multi-GB CUDA build).
-$(DEPS):
+# Rerun when this file changes, so that a venv made before gets what the list adds.
+$(DEPS): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q torch==2.13.0 numpy pytest pytest-xdist setuptools wheel
 	touch $@
