@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fairscale_c.nn.pipe import _edges as E
 from fairscale_c.nn.pipe import schedule as S
 
 
@@ -87,14 +88,14 @@ def _record(cls, p, v, m, layout, monkeypatch):
             made[role] = _Group(role, p, rank, log)
             return made[role]
 
-        monkeypatch.setattr(S, "_second_group", second_group)
+        monkeypatch.setattr(E, "_second_group", second_group)
         pipe = _Group("pipeline", p, rank, log)
         stages = [_Stage(rank + j * p, p * v, pipe, log) for j in range(v)]
         sched = object.__new__(cls)
         sched._stages, sched._n_microbatches = stages, m
         sched._loss_fn = lambda out, *target: torch.zeros(())
         if layout == "edges":
-            sched._edge_groups = S._edge_groups(pipe, torch.device("cuda"))
+            sched._edge_groups = E._edge_groups(pipe, torch.device("cuda"))
         elif layout == "cpu":  # gradients on one group of their own
             sched._edge_groups = None
             grad = second_group(pipe)
@@ -205,6 +206,6 @@ def test_the_cpu_layout_would_deadlock_on_nccl(cls, monkeypatch):
 def test_edge_classes_keep_each_rank_one_sided(p, kind):
     step = 1 if kind == "F" else -1
     for cls in range(3):
-        edges = [(r, (r + step) % p) for r in range(p) if S._edge_class(kind, r, p) == cls]
+        edges = [(r, (r + step) % p) for r in range(p) if E._edge_class(kind, r, p) == cls]
         senders, receivers = {s for s, _ in edges}, {d for _, d in edges}
         assert not senders & receivers, (p, kind, cls, edges)

@@ -196,7 +196,7 @@ def _train_interleaved(
     against the whole model (layers `width` wide). `edge_groups`: on the CPU too, the layout the
     schedules take on CUDA (a group per kind of message and edge class)."""
     from fairscale_c.nn.pipe import PipelineStage, ScheduleInterleaved1F1B, ScheduleLoopedBFS
-    from fairscale_c.nn.pipe.schedule import _edge_groups
+    from fairscale_c.nn.pipe._edges import _edge_groups
 
     torch.manual_seed(2)
     n = world * chunks

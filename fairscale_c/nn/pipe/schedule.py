@@ -40,64 +40,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._chunks import TensorChunkSpec, _batch_key, _norm_dim, _spec_dim
+from ._edges import _edge_class, _edge_groups, _second_group
 from .stage import PipelineStage, as_tuple, describe, metas_of, resolve_group
-
-
-class TensorChunkSpec:
-    """How :meth:`PipelineSchedule.step` splits one input tensor into micro-batches (along
-    ``split_dim``, ``torch.tensor_split``-style: the first ``size % n_microbatches`` micro-batches
-    one larger), or merges the last stage's outputs back (concatenated along ``split_dim``). The
-    same as ``torch.distributed.pipelining.TensorChunkSpec``, which the schedules also accept."""
-
-    def __init__(self, split_dim: int) -> None:
-        if not isinstance(split_dim, int) or isinstance(split_dim, bool):
-            raise TypeError(f"TensorChunkSpec: split_dim must be an int, got {type(split_dim).__name__}")
-        self.split_dim = split_dim
-
-    def __repr__(self) -> str:
-        return f"TensorChunkSpec({self.split_dim})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TensorChunkSpec) and other.split_dim == self.split_dim
-
-    def __hash__(self) -> int:
-        return hash(("TensorChunkSpec", self.split_dim))
-
-    @staticmethod
-    def from_tuple(chunk_dims: Sequence[int]) -> Tuple["TensorChunkSpec", ...]:
-        """One spec per positional input: ``from_tuple((0, 1))``."""
-        return tuple(TensorChunkSpec(d) for d in chunk_dims)
-
-    @staticmethod
-    def from_dict(chunk_dims: Dict[str, int]) -> Dict[str, "TensorChunkSpec"]:
-        """One spec per keyword input: ``from_dict({"ids": 0, "mask": 1})``."""
-        return {k: TensorChunkSpec(d) for k, d in chunk_dims.items()}
-
-
-def _spec_dim(spec: Any, what: str, replicate_ok: bool = True) -> Optional[int]:
-    """The split dimension of one chunk spec; None: given whole to every micro-batch."""
-    if spec is None and replicate_ok:
-        return None
-    kind = type(spec).__name__
-    if kind == "_Replicate" and replicate_ok:  # torch.distributed.pipelining's private "replicate"
-        return None
-    if isinstance(spec, TensorChunkSpec) or (
-        kind == "TensorChunkSpec" and isinstance(getattr(spec, "split_dim", None), int)
-    ):
-        return int(spec.split_dim)
-    allowed = "a TensorChunkSpec" + (" or None (the whole value to every micro-batch)" if replicate_ok else "")
-    raise TypeError(f"{what} must be {allowed}, got {kind}")
-
-
-def _batch_key(args: tuple, kwargs: Optional[Dict[str, Any]]) -> Any:
-    """What decides the micro-batches' shapes (the split is a function of it and the specs)."""
-    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args) + tuple(
-        (k, tuple(v.shape), v.dtype) for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)
-    )
-
-
-def _norm_dim(dim: int, ndim: int) -> Optional[int]:
-    return dim + ndim if -ndim <= dim < 0 else dim if 0 <= dim < ndim else None
 
 
 @dataclass(frozen=True)
@@ -706,50 +651,6 @@ class ScheduleLoopedBFS(_MultiStageSchedule):
         if not has_backward:
             return fwd
         return fwd + [Action("B", i, s) for s in reversed(range(v)) for i in reversed(range(m))]
-
-
-def _second_group(group: Any, role: str = "pipeline_grad") -> Any:
-    """Another engine group over the same ranks (a collective over ``group``); for a torch process
-    group, one per ``role``, shared by the schedules of the process."""
-    from ... import distributed as fdist
-
-    pg = getattr(group, "process_group", None)
-    if pg is not None:
-        return fdist.group_for(pg, role)
-    return group.new_group(list(range(group.size)))
-
-
-def _edge_class(kind: str, src: int, p: int) -> int:
-    """The class of the pipeline edge from group rank ``src``: activations ("F") go from rank ``r``
-    to ``r + 1``, gradients ("B") to ``r - 1`` (mod ``p``). Edges of one class never share a rank
-    as sender of one and receiver of another: the class is the sender's parity, and with an odd
-    ``p`` the edge across the wrap (``p - 1`` to 0 for activations, 0 to ``p - 1`` for gradients),
-    whose two ends have the same parity, has a class of its own (2)."""
-    wrap = src == (p - 1 if kind == "F" else 0)
-    return 2 if p % 2 and wrap else src % 2
-
-
-def _edge_groups(group: Any, device: torch.device) -> Dict[Tuple[str, int], Any]:
-    """One engine group per (kind, edge class), for a CUDA ``device`` each with its NCCL
-    communicator created and this rank's pairs on it connected (a collective over ``group``: every
-    rank builds all of them, in the same order). The schedules take this layout on CUDA only; the
-    tests also run it on the CPU, where the engine needs no set-up."""
-    p, rank = group.size, group.rank
-    edges = [("F", rank, (rank + 1) % p), ("F", (rank - 1) % p, rank)]  # this rank's, both kinds
-    edges += [("B", rank, (rank - 1) % p), ("B", (rank + 1) % p, rank)]
-    out = {}
-    for kind in ("F", "B"):
-        for cls in range(3 if p % 2 else 2):
-            g = out[(kind, cls)] = _second_group(group, f"pipeline_{kind}{cls}")
-            if device.type != "cuda":
-                continue
-            g.init_nccl(device)  # now, while every rank is here, not at a first message
-            # connect each pair symmetrically: a one-sided first message aborted NCCL 2.32 (stage.py)
-            peers = {
-                dst if src == rank else src for k, src, dst in edges if k == kind and _edge_class(k, src, p) == cls
-            }
-            g.connect(sorted(peers), device)
-    return out
 
 
 __all__ = [
