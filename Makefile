@@ -43,10 +43,10 @@ ctest:
 # torch throws C++ exceptions internally (TCPStore, device parsing, meta tensors); without it ASan
 # stops on an internal CHECK inside libtorch. allocator_may_return_null: a request larger than ASan
 # allows (the fuzzer's 256 TiB buffer) fails as malloc would instead of aborting.
-# At most 3 ranks a test (--max-world 3): the 4-rank cases take about a third of the sanitized
-# pytest run on 2 cores. Their C paths are the 3-rank ones except reduce's (the root reduce stops
-# at 3 ranks), and tests/c's test_shm, built with the sanitizers below, runs every op, reduce
-# included, at 4 ranks. ASAN_PYTEST_ARGS adds pytest options (e.g. --durations=20).
+# At most 3 ranks a test (--max-world 3): the 4-rank cases are the sanitized run's slowest on 2
+# cores. Their C paths are the 3-rank ones except reduce's (the root reduce stops at 3 ranks), and
+# tests/c's test_shm, built with the sanitizers below, runs every op, reduce included, at 4 ranks.
+# ASAN_PYTEST_ARGS adds pytest options (e.g. --durations=20).
 ASAN_LIB := $(shell $(CC) -print-file-name=libasan.so)
 STDCXX_LIB := $(shell $(CC) -print-file-name=libstdc++.so.6)
 asan: $(DEPS)
