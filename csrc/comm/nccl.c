@@ -1,7 +1,7 @@
 /* nccl.c — NCCL backend: dlopen'ed libnccl; blocking communicators by default, their init on a
  * thread of its own and their calls on the submitter thread (nccl_submit.c), so that both stay
  * bounded; non-blocking ones on request (FAIRSCALE_C_NCCL_BLOCKING=0), their calls polled until
- * they leave ncclInProgress; collectives on caller streams, and waits that poll
+ * they leave ncclInProgress; collectives on caller streams (nccl_ops.c), and waits that poll
  * ncclCommGetAsyncError. With the watchdog thread per communicator (nccl_watchdog.c), a dead peer
  * becomes an error, not a hang, even when the host never waits. The NCCL ABI (nccl_internal.h) is
  * declared from the documented nccl.h; no header is needed. */
@@ -53,9 +53,9 @@ static const struct {
 /* ---- library loading ------------------------------------------------------------------------- */
 
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
-nccl_api_t fsc_nccl_api; /* the entry points, filled once by fsc_nccl_load */
-static int nccl_loaded;  /* written once under load_lock, read after fsc_nccl_load returned OK */
-static int nccl_version_code;
+nccl_api_t fsc_nccl_api;   /* the entry points, filled once by fsc_nccl_load */
+static int nccl_loaded;    /* written once under load_lock, read after fsc_nccl_load returned OK */
+int fsc_nccl_version_code; /* the loaded library's ncclGetVersion, set once by fsc_nccl_load */
 static char nccl_lib_path[512];
 
 /* Resolve every entry point from `h`; 0 on success, else the name of the first missing one. */
@@ -91,7 +91,7 @@ static int try_handle(void *h, const char *what, char *tried, size_t cap) {
     int version = 0;
     if (api.GetVersion(&version) != NCCL_OK) version = 0;
     fsc_nccl_api = api;
-    nccl_version_code = version;
+    fsc_nccl_version_code = version;
     Dl_info info;
     void *sym;
     memcpy(&sym, &api.GetVersion, sizeof(sym));
@@ -119,7 +119,7 @@ fsc_status_t fsc_nccl_load(const char *const *paths, size_t npaths) {
 
 int fsc_nccl_version(void) {
     pthread_mutex_lock(&load_lock);
-    int v = nccl_loaded ? nccl_version_code : 0;
+    int v = nccl_loaded ? fsc_nccl_version_code : 0;
     pthread_mutex_unlock(&load_lock);
     return v;
 }
@@ -160,7 +160,7 @@ int fsc_nccl_comm_device(const fsc_nccl_comm_t *c) {
     return c->device;
 }
 
-static double deadline_after(double timeout_s) {
+double fsc_nccl_deadline_after(double timeout_s) {
     return fsc_comm_now() + (timeout_s > 0 ? timeout_s : fsc_comm_timeout_s());
 }
 
@@ -209,7 +209,7 @@ fsc_status_t fsc_nccl_fail_locked(fsc_nccl_comm_t *c, nccl_result_t r, const cha
 /* Turn the result of an NCCL call on `c` into a status (under c->lock). A non-blocking
  * communicator answers ncclInProgress while it works in the background; poll its async error
  * state until the call has settled or `deadline` passes. */
-static fsc_status_t settle_locked(fsc_nccl_comm_t *c, nccl_result_t r, const char *what, double deadline, int fatal) {
+fsc_status_t fsc_nccl_settle_locked(fsc_nccl_comm_t *c, nccl_result_t r, const char *what, double deadline, int fatal) {
     double since = fsc_comm_now();
     while (r == NCCL_IN_PROGRESS) {
         if (fsc_comm_now() > deadline) {
@@ -228,7 +228,7 @@ static fsc_status_t settle_locked(fsc_nccl_comm_t *c, nccl_result_t r, const cha
     return r == NCCL_OK ? FSC_OK : fsc_nccl_fail_locked(c, r, what, fatal);
 }
 
-static fsc_status_t dead_error(const fsc_nccl_comm_t *c, const char *what) {
+fsc_status_t fsc_nccl_dead_error(const fsc_nccl_comm_t *c, const char *what) {
     if (c->state == COMM_DESTROYED) return fsc_error(FSC_ERR_COMM, "nccl %s: the communicator was destroyed", what);
     return fsc_error(FSC_ERR_COMM, "nccl %s: the communicator was aborted earlier: %s", what, c->why_dead);
 }
@@ -389,12 +389,12 @@ fsc_status_t fsc_nccl_comm_init(const unsigned char id[FSC_NCCL_UNIQUE_ID_BYTES]
     } else {
         if (fsc_nccl_api.CommInitRankConfig == NULL)
             FSC_INFO("nccl", "NCCL %d has no ncclCommInitRankConfig; using blocking ncclCommInitRank",
-                     nccl_version_code);
+                     fsc_nccl_version_code);
         FSC_CHECK_GOTO(init_blocking(&uid, rank, nranks, device, c->op_timeout, &c->comm, &r), st, fail);
     }
     if (r == NCCL_IN_PROGRESS && c->comm == NULL) r = NCCL_INTERNAL_ERROR; /* no handle to poll */
     pthread_mutex_lock(&c->lock);
-    st = settle_locked(c, r, "init", deadline, 1);
+    st = fsc_nccl_settle_locked(c, r, "init", deadline, 1);
     pthread_mutex_unlock(&c->lock);
     if (st != FSC_OK) goto fail;
     if (c->blocking) FSC_CHECK_GOTO(fsc_nccl_submitter_start(c->comm, device, rank, &c->submitter), st, fail);
@@ -410,209 +410,14 @@ exit:
     return st;
 }
 
-/* ---- collectives ------------------------------------------------------------------------------ */
-
-/* The NCCL dtype of a tensor the engine-wide rules (fsc_comm_check_call) have admitted, refusing
- * what the loaded NCCL is too old for. */
-static fsc_status_t nccl_dtype(const fsc_tensor_t *t, fsc_comm_op_t op, int redop, int *nccl_dtype) {
-    const char *opname = fsc_comm_op_name(op);
-    if ((t->dtype == FSC_BFLOAT16 || redop == FSC_RED_AVG) && nccl_version_code < NCCL_MIN_VERSION_BF16_AVG)
-        return fsc_error(FSC_ERR_UNAVAILABLE, "%s: %s needs NCCL >= 2.10.3, loaded %d", opname,
-                         redop == FSC_RED_AVG ? "op avg" : "bfloat16", nccl_version_code);
-    switch (t->dtype) {
-        case FSC_FLOAT16: *nccl_dtype = NCCL_FLOAT16; break;
-        case FSC_BFLOAT16: *nccl_dtype = NCCL_BFLOAT16; break;
-        case FSC_FLOAT32: *nccl_dtype = NCCL_FLOAT32; break;
-        case FSC_FLOAT64: *nccl_dtype = NCCL_FLOAT64; break;
-        case FSC_INT32: *nccl_dtype = NCCL_INT32; break;
-        case FSC_INT64: *nccl_dtype = NCCL_INT64; break;
-        case FSC_UINT8: *nccl_dtype = NCCL_UINT8; break;
-        default: /* fsc_comm_check_dtype admitted a dtype this table lacks */
-            return fsc_error(FSC_ERR_INTERNAL, "%s: no NCCL type for %s", opname, fsc_dtype_name(t->dtype));
-    }
-    return FSC_OK;
-}
-
-static int nccl_redop(fsc_reduce_op_t op) {
-    switch (op) {
-        case FSC_RED_AVG: return NCCL_AVG;
-        case FSC_RED_MAX: return NCCL_MAX;
-        case FSC_RED_MIN: return NCCL_MIN;
-        default: return NCCL_SUM;
-    }
-}
-
 /* FSC_ERR_COMM in a fork() child of the process that created `c`: NCCL and CUDA do not survive
  * fork, the watchdog thread did not come along, and the lock may have been held at the fork. */
-static fsc_status_t check_owner(const fsc_nccl_comm_t *c, const char *what) {
+fsc_status_t fsc_nccl_check_owner(const fsc_nccl_comm_t *c, const char *what) {
     if ((int)getpid() == c->owner_pid) return FSC_OK;
     return fsc_error(FSC_ERR_COMM,
                      "nccl %s: the communicator was created by pid %d; this process (pid %d) is a fork() child "
                      "of it and cannot use it",
                      what, c->owner_pid, (int)getpid());
-}
-
-/* Lock `c`, refuse a dead communicator, and make its device current. */
-static fsc_status_t op_begin(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_gpu_ctx_t *g) {
-    fsc_status_t st;
-    FSC_CHECK(check_owner(c, fsc_comm_op_name(op)));
-    pthread_mutex_lock(&c->lock);
-    if (c->state != COMM_ALIVE) {
-        st = dead_error(c, fsc_comm_op_name(op));
-        pthread_mutex_unlock(&c->lock);
-        return st;
-    }
-    st = fsc_gpu_ctx_enter(c->device, g);
-    if (st != FSC_OK) pthread_mutex_unlock(&c->lock);
-    return st;
-}
-
-/* Settle the enqueue result `r` of an operation on `stream`, count and track it, restore the
- * context and unlock. */
-static fsc_status_t op_end(fsc_nccl_comm_t *c, fsc_comm_op_t op, nccl_result_t r, fsc_stream_t stream,
-                           fsc_gpu_ctx_t *g) {
-    fsc_status_t st = settle_locked(c, r, fsc_comm_op_name(op), deadline_after(c->op_timeout), 0);
-    if (st == FSC_OK) {
-        c->last_op = op;
-        c->nops++;
-        fsc_nccl_track_locked(c, op, stream);
-    }
-    fsc_gpu_ctx_exit(g);
-    pthread_mutex_unlock(&c->lock);
-    return st;
-}
-
-/* The NCCL dtype of an operation that passed the engine's argument rules. */
-static fsc_status_t op_dtype(const fsc_nccl_op_t *o, int *dt) {
-    int reduces = o->op == FSC_OP_ALL_REDUCE || o->op == FSC_OP_REDUCE || o->op == FSC_OP_REDUCE_SCATTER;
-    if (o->op == FSC_OP_BARRIER || o->op == FSC_OP_NONE)
-        return fsc_error(FSC_ERR_VALUE, "%s cannot be enqueued on NCCL", fsc_comm_op_name(o->op));
-    return nccl_dtype(o->tensor, o->op, reduces ? (int)o->redop : -1, dt);
-}
-
-/* The NCCL call of an operation that passed the argument rules, with dtype `dt`. */
-static fsc_nccl_call_t call_of(const fsc_nccl_op_t *o, int dt) {
-    const fsc_tensor_t *t = o->tensor;
-    fsc_nccl_call_t k = {o->op, t->data, t->data, (size_t)t->numel, dt, nccl_redop(o->redop), o->peer};
-    if (o->op == FSC_OP_ALL_GATHER) k.send = o->input->data, k.count = (size_t)o->input->numel;
-    if (o->op == FSC_OP_REDUCE_SCATTER) k.send = o->input->data;
-    return k;
-}
-
-/* After a submit that timed out: the call is still inside NCCL, and the submitter thread now owns
- * the NCCL communicator (it aborts it when the call returns). Mark `c` dead, let go of the thread,
- * restore the context and unlock. */
-static fsc_status_t op_abandon(fsc_nccl_comm_t *c, fsc_comm_op_t op, fsc_gpu_ctx_t *g) {
-    char msg[512];
-    snprintf(msg, sizeof(msg),
-             "nccl %s #%llu on rank %d of %d (cuda:%d): NCCL's enqueue did not return within %g s (a peer has not "
-             "issued the matching operation, or has died); communicator abandoned",
-             fsc_comm_op_name(op), (unsigned long long)c->nops + 1, c->rank, c->nranks, c->device, c->op_timeout);
-    c->comm = NULL;
-    fsc_nccl_abort_locked(c, msg);
-    fsc_nccl_submitter_stop(c->submitter);
-    c->submitter = NULL;
-    fsc_gpu_ctx_exit(g);
-    pthread_mutex_unlock(&c->lock);
-    return fsc_error(FSC_ERR_TIMEOUT, "%s (the timeout is FAIRSCALE_C_TIMEOUT by default)", msg);
-}
-
-/* Check every op (nothing is enqueued unless all pass; `checked`: the caller has), then enqueue
- * them on `stream`; inside one ncclGroupStart/End when `grouped` (batches, and point-to-point, so
- * that NCCL can schedule a send/recv pair without deadlocking). `batch` prefixes argument errors
- * with the op's index. A copy (grouped only) is a send to this rank and a recv from it, which NCCL
- * runs as a local copy. A blocking communicator's calls run on its submitter thread, waited for up
- * to the timeout. */
-static fsc_status_t enqueue(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream, int grouped,
-                            int batch, int checked) {
-    fsc_nccl_call_t calls[FSC_NCCL_MAX_BATCH];
-    fsc_gpu_ctx_t g;
-    size_t ncalls = n;
-    for (size_t i = 0; i < n; i++) ncalls += ops[i].op == FSC_OP_COPY;
-    if (ncalls > FSC_NCCL_MAX_BATCH)
-        return fsc_error(FSC_ERR_VALUE, "batch: at most %d NCCL calls (a copy makes two), got %zu", FSC_NCCL_MAX_BATCH,
-                         ncalls);
-    if (batch && !checked)
-        FSC_CHECK(fsc_comm_check_batch(ops, n, c->rank, c->nranks, FSC_DEV_CUDA, c->device));
-    else if (n == 1 && !checked)
-        FSC_CHECK(fsc_comm_check_call(&ops[0], c->rank, c->nranks, FSC_DEV_CUDA, c->device));
-    for (size_t i = 0, k = 0; i < n; i++) {
-        int dt = 0;
-        FSC_CHECK(op_dtype(&ops[i], &dt));
-        calls[k++] = call_of(&ops[i], dt);
-        if (ops[i].op != FSC_OP_COPY) continue;
-        if (!grouped) return fsc_error(FSC_ERR_INTERNAL, "nccl: a copy outside a group");
-        fsc_nccl_call_t *send = &calls[k - 1], *recv = &calls[k++];
-        *recv = *send;
-        send->op = FSC_OP_SEND, send->send = send->recv = ops[i].input->data, send->peer = c->rank;
-        recv->op = FSC_OP_RECV, recv->send = recv->recv = ops[i].tensor->data, recv->peer = c->rank;
-    }
-    if (n == 0) return FSC_OK;
-    /* the op the watchdog names: the last one that involves a peer */
-    size_t named = n - 1;
-    while (named > 0 && ops[named].op == FSC_OP_COPY) named--;
-    fsc_comm_op_t last = ops[named].op;
-    n = ncalls;
-    FSC_CHECK(op_begin(c, last, &g));
-    nccl_result_t r = NCCL_OK;
-    if (c->submitter == NULL) {
-        r = fsc_nccl_issue_calls(c->comm, calls, n, grouped, (cuda_stream_h)stream, NULL);
-    } else if (fsc_nccl_submit(c->submitter, calls, n, grouped, (cuda_stream_h)stream, deadline_after(c->op_timeout),
-                               &r) != FSC_OK) {
-        return op_abandon(c, last, &g);
-    }
-    return op_end(c, last, r, stream, &g);
-}
-
-fsc_status_t fsc_nccl_all_gather(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
-                                 fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_ALL_GATHER, output, input, FSC_RED_SUM, 0, 0};
-    return enqueue(c, &o, 1, stream, 0, 0, 0);
-}
-
-fsc_status_t fsc_nccl_reduce_scatter(fsc_nccl_comm_t *c, fsc_tensor_t *output, const fsc_tensor_t *input,
-                                     fsc_reduce_op_t op, fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_REDUCE_SCATTER, output, input, op, 0, 0};
-    return enqueue(c, &o, 1, stream, 0, 0, 0);
-}
-
-fsc_status_t fsc_nccl_all_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_ALL_REDUCE, tensor, NULL, op, 0, 0};
-    return enqueue(c, &o, 1, stream, 0, 0, 0);
-}
-
-fsc_status_t fsc_nccl_broadcast(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int root, fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_BROADCAST, tensor, NULL, FSC_RED_SUM, root, 0};
-    return enqueue(c, &o, 1, stream, 0, 0, 0);
-}
-
-fsc_status_t fsc_nccl_reduce(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, fsc_reduce_op_t op, int root,
-                             fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_REDUCE, tensor, NULL, op, root, 0};
-    return enqueue(c, &o, 1, stream, 0, 0, 0);
-}
-
-fsc_status_t fsc_nccl_send(fsc_nccl_comm_t *c, const fsc_tensor_t *tensor, int peer, int32_t tag, fsc_stream_t stream) {
-    /* the send only reads `tensor`; the op struct is shared with the writing ops */
-    fsc_nccl_op_t o = {FSC_OP_SEND, (fsc_tensor_t *)tensor, NULL, FSC_RED_SUM, peer, tag};
-    return enqueue(c, &o, 1, stream, 1, 0, 0);
-}
-
-fsc_status_t fsc_nccl_recv(fsc_nccl_comm_t *c, fsc_tensor_t *tensor, int peer, int32_t tag, fsc_stream_t stream) {
-    fsc_nccl_op_t o = {FSC_OP_RECV, tensor, NULL, FSC_RED_SUM, peer, tag};
-    return enqueue(c, &o, 1, stream, 1, 0, 0);
-}
-
-fsc_status_t fsc_nccl_batch(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream) {
-    return enqueue(c, ops, n, stream, 1, 1, 0);
-}
-
-fsc_status_t fsc_nccl_all_to_all(fsc_nccl_comm_t *c, const fsc_nccl_op_t *ops, size_t n, fsc_stream_t stream) {
-    if (2 * (size_t)c->nranks > FSC_NCCL_MAX_BATCH) /* a send and a recv per rank, the own block's included */
-        return fsc_error(FSC_ERR_VALUE,
-                         "all_to_all_single on NCCL: at most %d ranks (one NCCL group of %d calls), the group has %d",
-                         FSC_NCCL_MAX_BATCH / 2, FSC_NCCL_MAX_BATCH, c->nranks);
-    return enqueue(c, ops, n, stream, 1, 1, 1);
 }
 
 /* ---- waiting and teardown -------------------------------------------------------------------- */
@@ -624,9 +429,9 @@ fsc_status_t fsc_nccl_wait(fsc_nccl_comm_t *c, fsc_stream_t stream, double timeo
     double deadline = fsc_comm_now() + timeout;
     double since = fsc_comm_now();
 
-    FSC_CHECK(check_owner(c, "wait"));
+    FSC_CHECK(fsc_nccl_check_owner(c, "wait"));
     pthread_mutex_lock(&c->lock);
-    st = c->state == COMM_ALIVE ? FSC_OK : dead_error(c, "wait");
+    st = c->state == COMM_ALIVE ? FSC_OK : fsc_nccl_dead_error(c, "wait");
     fsc_comm_op_t last = c->last_op;
     uint64_t nops = c->nops;
     pthread_mutex_unlock(&c->lock);
@@ -640,7 +445,7 @@ fsc_status_t fsc_nccl_wait(fsc_nccl_comm_t *c, fsc_stream_t stream, double timeo
          * gets through. */
         pthread_mutex_lock(&c->lock);
         if (c->state != COMM_ALIVE) {
-            st = dead_error(c, "wait");
+            st = fsc_nccl_dead_error(c, "wait");
         } else {
             nccl_result_t async = NCCL_OK;
             nccl_result_t q = fsc_nccl_api.CommGetAsyncError(c->comm, &async);
@@ -668,7 +473,7 @@ exit:
 }
 
 fsc_status_t fsc_nccl_comm_abort(fsc_nccl_comm_t *c) {
-    FSC_CHECK(check_owner(c, "abort"));
+    FSC_CHECK(fsc_nccl_check_owner(c, "abort"));
     pthread_mutex_lock(&c->lock);
     fsc_nccl_abort_locked(c, "aborted by the user");
     pthread_mutex_unlock(&c->lock);
@@ -678,7 +483,7 @@ fsc_status_t fsc_nccl_comm_abort(fsc_nccl_comm_t *c) {
 fsc_status_t fsc_nccl_comm_destroy(fsc_nccl_comm_t *c, double timeout_s) {
     fsc_status_t st = FSC_OK;
     fsc_gpu_ctx_t g;
-    FSC_CHECK(check_owner(c, "destroy"));
+    FSC_CHECK(fsc_nccl_check_owner(c, "destroy"));
     pthread_mutex_lock(&c->lock);
     if (c->state != COMM_ALIVE) goto unlock; /* already gone: idempotent */
     FSC_CHECK_GOTO(fsc_gpu_ctx_enter(c->device, &g), st, unlock);
@@ -686,14 +491,15 @@ fsc_status_t fsc_nccl_comm_destroy(fsc_nccl_comm_t *c, double timeout_s) {
         /* A blocking finalize (and a destroy, which finalizes) waits for every peer without a
          * bound. Wait for this rank's own operations up to the deadline instead, then release the
          * communicator locally: ncclCommAbort frees its resources without talking to peers. */
-        FSC_CHECK_GOTO(fsc_nccl_drain_locked(c, deadline_after(timeout_s)), st, exit);
+        FSC_CHECK_GOTO(fsc_nccl_drain_locked(c, fsc_nccl_deadline_after(timeout_s)), st, exit);
         fsc_nccl_api.CommAbort(c->comm);
         c->comm = NULL;
         c->state = COMM_DESTROYED;
         goto exit;
     }
     if (fsc_nccl_api.CommFinalize != NULL)
-        FSC_CHECK_GOTO(settle_locked(c, fsc_nccl_api.CommFinalize(c->comm), "finalize", deadline_after(timeout_s), 1),
+        FSC_CHECK_GOTO(fsc_nccl_settle_locked(c, fsc_nccl_api.CommFinalize(c->comm), "finalize",
+                                              fsc_nccl_deadline_after(timeout_s), 1),
                        st, exit);
     nccl_result_t r = fsc_nccl_api.CommDestroy(c->comm);
     c->comm = NULL;
@@ -710,7 +516,7 @@ unlock:
 
 void fsc_nccl_comm_free(fsc_nccl_comm_t *c) {
     if (c == NULL) return;
-    if (check_owner(c, "free") != FSC_OK) { /* a fork() child: release the host memory only */
+    if (fsc_nccl_check_owner(c, "free") != FSC_OK) { /* a fork() child: release the host memory only */
         free(c->pending);
         free(c);
         return;

@@ -83,6 +83,9 @@ typedef struct {
 /* The entry points of the loaded library (fsc_nccl_load fills them once). */
 extern nccl_api_t fsc_nccl_api;
 
+/* The loaded library's version code (ncclGetVersion), set with fsc_nccl_api. */
+extern int fsc_nccl_version_code;
+
 /* ---- communicators --------------------------------------------------------------------------- */
 
 typedef enum { COMM_ALIVE = 0, COMM_ABORTED, COMM_DESTROYED } comm_state_t;
@@ -141,6 +144,20 @@ fsc_status_t fsc_nccl_fail_locked(fsc_nccl_comm_t *c, nccl_result_t r, const cha
 
 /* Poll pacing for a wait that began at `since` (fsc_comm_now()). */
 void fsc_nccl_backoff(double since);
+
+/* fsc_comm_now() plus `timeout_s`, or plus FAIRSCALE_C_TIMEOUT when `timeout_s` <= 0. */
+double fsc_nccl_deadline_after(double timeout_s);
+
+/* The status of NCCL call result `r` of `what` on `c` (under c->lock); a non-blocking
+ * communicator's ncclInProgress is polled until it settles or `deadline` passes (then `c` is
+ * aborted). */
+fsc_status_t fsc_nccl_settle_locked(fsc_nccl_comm_t *c, nccl_result_t r, const char *what, double deadline, int fatal);
+
+/* The error for a call `what` on a destroyed or aborted `c`. */
+fsc_status_t fsc_nccl_dead_error(const fsc_nccl_comm_t *c, const char *what);
+
+/* FSC_OK in the process that created `c`; FSC_ERR_COMM in a fork() child of it. */
+fsc_status_t fsc_nccl_check_owner(const fsc_nccl_comm_t *c, const char *what);
 
 /* ---- watchdog (nccl_watchdog.c) ----------------------------------------------------------------
  * Every call below except start and stop runs under c->lock. */

@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "comm/shm.h"
 
@@ -143,7 +144,7 @@ struct fsc_shm_group {
     uint8_t *direct_scratch;     /* (size - 1) pieces the reductions read the peers' data into (shm_direct.c) */
     _Atomic uint64_t mapped_ops; /* collectives run on shared tensors (shm_direct.c) */
     _Atomic uint64_t read_ops;   /* ... and by reading the peers' private buffers */
-    int spins, yields;           /* a waiter's pause and sched_yield budget before it sleeps (shm.c, wait_budget) */
+    int spins, yields;           /* a waiter's pause and yield budget before it sleeps (fsc_shm_wait_budget) */
     /* private copies of the segment's offsets, validated once at attach: a peer that rewrites
      * the header afterwards cannot move this rank's reads and writes */
     size_t off_slots, off_result, off_p2p;
@@ -200,6 +201,15 @@ static inline uint8_t *fsc_shm_p2p_buf(fsc_shm_group_t *g, int src, int dst, uin
     return g->base + g->off_p2p + (pair * 2 + (k & 1)) * g->p2p_chunk;
 }
 
+/* CPUs this process may run on (its affinity mask; the online count when that cannot be read). */
+int fsc_shm_cpus_available(void);
+
+/* Set g->spins and g->yields, the waiters' budget before they sleep, for the group's size. */
+void fsc_shm_wait_budget(fsc_shm_group_t *g);
+
+/* 1 when `pid` no longer runs: gone, or a zombie nobody has reaped yet. */
+int fsc_shm_pid_dead(pid_t pid);
+
 /* Publish `value` in `word` and wake its sleepers. */
 void fsc_shm_post(_Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t value);
 
@@ -215,7 +225,7 @@ static inline int fsc_shm_reached(_Atomic uint32_t *word, uint32_t target) {
 typedef struct {
     int spins, yields;
     double last_check; /* last peer liveness check */
-    int read_proc;     /* looked in /proc whether the peer waits for this CPU (shm.c, fsc_shm_backoff) */
+    int read_proc;     /* looked in /proc whether the peer waits for this CPU (shm_wait.c, fsc_shm_backoff) */
 } fsc_shm_backoff_t;
 
 /* One step of waiting for `word` to change from `seen` (spin, yield or a futex slice), then the

@@ -6,7 +6,7 @@
 #include "../gpu/fs_adam_table.h"
 #include "common.cuh"
 
-/* Dtype codes of this kernel's arguments (the launcher in csrc/gpu/gpu.c maps to them). */
+/* Dtype codes of this kernel's arguments (the launcher in csrc/gpu/launchers.c maps to them). */
 #define FSC_FS_ADAM_F32 0
 #define FSC_FS_ADAM_F16 1
 #define FSC_FS_ADAM_BF16 2

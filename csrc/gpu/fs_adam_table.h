@@ -1,5 +1,5 @@
 /* fs_adam_table.h — what one launch of the multi-parameter Adam kernel (fsc_fs_adam_multi in
- * csrc/cuda/fs_adam.cu, launched by fsc_gpu_fs_adam_multi in csrc/gpu/gpu.c) takes by value: up
+ * csrc/cuda/fs_adam.cu, launched by fsc_gpu_fs_adam_multi in csrc/gpu/launchers.c) takes by value: up
  * to FSC_FS_ADAM_TABLE parameters of one dtype combination, each cut into chunks of
  * FSC_FS_ADAM_CHUNK elements, one thread block per chunk. Plain C, shared by gcc and nvcc. */
 #ifndef FSC_FS_ADAM_TABLE_H
