@@ -32,7 +32,9 @@ import torch.distributed as dist
 
 from .._C import DistributedError
 from .._C import Work as ShmWork
-from ._group import REGISTRY, Group, LocalGroup, P2POp
+from ._group import REGISTRY, Group
+from ._local import LocalGroup
+from ._p2p import P2POp
 from ._shared import is_shared
 from ._shared import _DTYPES as _SHARED_DTYPES
 from ._shared import shared_empty as _shared_empty

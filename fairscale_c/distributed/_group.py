@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import operator
 import os
 import socket
 import weakref
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from .. import _C
 from . import _alltoall
+from ._p2p import P2POp, batch_items, check_tag, item_tag
 from ._rendezvous import Exchange, ProcessGroupExchange, StoreExchange, timeout_s
 from ._work import CompletedWork, CudaWork, local_copy
 
@@ -60,22 +60,6 @@ def _gpus_shared(infos: Sequence[dict]) -> bool:
     """Whether two ranks' rendezvous infos name the same GPU on the same host."""
     seen = [(i["host"], i["gpu"]) for i in infos if i.get("gpu")]
     return len(seen) != len(set(seen))
-
-
-_TAG_MIN, _TAG_MAX = -(2**31), 2**31 - 1
-
-
-def check_tag(tag: Any, op: str) -> int:
-    """A send / recv's message tag as an int: TypeError unless it is an int (``operator.index``),
-    ValueError unless it fits a 32-bit signed int (torch's range). The C binding applies the same
-    rule to what reaches it directly (csrc/py/args.c, fsc_py_parse_tag)."""
-    try:
-        value = operator.index(tag)
-    except TypeError:
-        raise TypeError(f"{op}: argument 'tag' must be an int, got {type(tag).__name__}") from None
-    if not _TAG_MIN <= value <= _TAG_MAX:
-        raise ValueError(f"{op}: argument 'tag' must fit a 32-bit signed int ({_TAG_MIN} to {_TAG_MAX}), got {tag!r}")
-    return value
 
 
 def _device_type(t: Any, argname: str, op: str) -> int:
@@ -139,7 +123,7 @@ class _TorchCPU:
         """Sends and recvs through torch's batch_isend_irecv, then the collectives in order."""
         p2p = [
             dist.P2POp(
-                dist.isend if i[0] == "send" else dist.irecv, i[1], self._g(i[2]), group=self.pg, tag=_item_tag(i)
+                dist.isend if i[0] == "send" else dist.irecv, i[1], self._g(i[2]), group=self.pg, tag=item_tag(i)
             )
             for i in items
             if i[0] in ("send", "recv")
@@ -454,7 +438,7 @@ class Group:
         ``("send", t, dst, tag)``, ``("all_reduce", t, "sum")``, ...). Sends and receives move at
         once (NCCL: one group), so a ring exchange issued in any order on the ranks completes;
         collectives of the batch run in list order. Returns one Work when ``async_op``."""
-        items = _batch_items(ops)
+        items = batch_items(ops)
         if not items:
             raise ValueError("batch: argument 'ops' is empty; expected at least one op")
         named = [(f"ops[{i}]", a) for i, item in enumerate(items) for a in item[1:] if hasattr(a, "__dlpack__")]
@@ -498,139 +482,8 @@ class Group:
         return work
 
 
-def _batch_items(ops: Any) -> list:
-    """A batch's ops as tuples (name, *args); TypeError naming what was given otherwise."""
-    try:
-        return [op.as_tuple() if isinstance(op, P2POp) else tuple(op) for op in ops]
-    except TypeError:
-        raise TypeError(
-            f"batch: argument 'ops' must be a sequence of P2POp or tuples (name, *args), got {type(ops).__name__}"
-        ) from None
-
-
-def _item_tag(item: tuple) -> int:
-    """The tag of a batch's ("send" | "recv", tensor, peer[, tag]) tuple."""
-    return check_tag(item[3], item[0]) if len(item) > 3 else 0
-
-
-class P2POp:
-    """One send or recv of a :meth:`Group.batch`, as ``torch.distributed.P2POp``: ``op`` is
-    ``"send"`` / ``"recv"`` or one of this module's send / recv / isend / irecv functions (or
-    torch.distributed's), ``peer`` a rank of the group the batch runs on, ``tag`` the message's
-    tag (an int32; see :meth:`Group.recv` for how tags match; CUDA tensors take ``tag=0`` only)."""
-
-    __slots__ = ("op", "tensor", "peer", "tag")
-
-    def __init__(self, op: Any, tensor: Any, peer: int, group: Any = None, tag: int = 0) -> None:
-        name = op if isinstance(op, str) else getattr(op, "__name__", "")
-        name = {"isend": "send", "irecv": "recv"}.get(name, name)
-        if name not in ("send", "recv"):
-            raise ValueError(f"P2POp: argument 'op' must be 'send', 'recv' or a send/recv function, got {op!r}")
-        if group is not None:
-            raise ValueError("P2POp: argument 'group' is not supported; pass the group to batch()")
-        self.op, self.tensor, self.peer, self.tag = name, tensor, int(peer), check_tag(tag, "P2POp")
-
-    def as_tuple(self) -> tuple:
-        return (self.op, self.tensor, self.peer, self.tag)
-
-
-class LocalGroup:
-    """The group of a single process (no torch.distributed, or a process group of one rank): every
-    collective is a local copy or nothing, completed when it returns."""
-
-    def __init__(self, pg: Any = None, name: str = "local") -> None:
-        self.rank, self.size, self.name, self.process_group = 0, 1, name, pg
-
-    def __repr__(self) -> str:
-        return f"LocalGroup(name={self.name!r})"
-
-    @staticmethod
-    def _done(async_op: bool) -> Any:
-        return CompletedWork() if async_op else None
-
-    def _copy(self, op: str, output: Any, input: Any, async_op: bool) -> Any:
-        if output.numel() != input.numel():
-            big, small = ("output", "input") if op == "all_gather" else ("input", "output")
-            n = {"output": output.numel(), "input": input.numel()}
-            raise ValueError(
-                f"{op}: {big} has {n[big]} elements; expected group size (1) x {small} elements "
-                f"({n[small]}) = {n[small]}"
-            )
-        local_copy(output, input)
-        return self._done(async_op)
-
-    def all_gather(self, output: Any, input: Any, async_op: bool = False) -> Any:
-        return self._copy("all_gather", output, input, async_op)
-
-    def reduce_scatter(self, output: Any, input: Any, op: str = "sum", async_op: bool = False) -> Any:
-        return self._copy("reduce_scatter", output, input, async_op)
-
-    def all_reduce(self, tensor: Any, op: str = "sum", async_op: bool = False) -> Any:
-        return self._done(async_op)
-
-    def broadcast(self, tensor: Any, root: int = 0, async_op: bool = False) -> Any:
-        if root != 0:
-            raise ValueError(f"broadcast: root={root} is not a valid group rank (expected 0 <= root < 1)")
-        return self._done(async_op)
-
-    def reduce(self, tensor: Any, root: int = 0, op: str = "sum", async_op: bool = False) -> Any:
-        return self.broadcast(tensor, root, async_op)
-
-    def barrier(self, async_op: bool = False) -> Any:
-        return self._done(async_op)
-
-    def all_to_all_single(
-        self,
-        output: Any,
-        input: Any,
-        output_split_sizes: Optional[Sequence[int]] = None,
-        input_split_sizes: Optional[Sequence[int]] = None,
-        async_op: bool = False,
-    ) -> Any:
-        _alltoall.check_single(output, input, output_split_sizes, input_split_sizes, 0, 1)
-        local_copy(output, input)
-        return self._done(async_op)
-
-    all_to_all = Group.all_to_all
-
-    def _no_peer(self, op: str) -> None:
-        raise ValueError(f"{op}: group '{self.name}' has one rank, so there is no peer to {op} with")
-
-    def send(self, tensor: Any, dst: int, async_op: bool = False, tag: int = 0) -> Any:
-        check_tag(tag, "send")
-        self._no_peer("send")
-
-    def recv(self, tensor: Any, src: int, async_op: bool = False, tag: int = 0) -> Any:
-        check_tag(tag, "recv")
-        self._no_peer("recv")
-
-    def batch(self, ops: Sequence[Any], async_op: bool = False) -> Any:
-        """The collectives of the batch in list order (a send or recv has no peer here)."""
-        items = _batch_items(ops)
-        if not items:
-            raise ValueError("batch: argument 'ops' is empty; expected at least one op")
-        for name, *args in items:
-            if name in ("send", "recv"):
-                self._no_peer(name)
-            if name == "reduce":  # tuple order: (tensor, op, root)
-                self.reduce(args[0], root=args[2], op=args[1])
-            elif name in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
-                getattr(self, name)(*args)
-            elif name == "copy":
-                local_copy(*args)
-            else:
-                raise ValueError(
-                    f"batch: '{name}' is not an op; expected all_gather, reduce_scatter, all_reduce, "
-                    "broadcast, reduce, send, recv or copy"
-                )
-        return self._done(async_op)
-
-    def destroy(self) -> None:
-        pass
-
-
 # One engine group per (torch process group, role): (the torch group, the engine group).
 REGISTRY: dict = {}
 
 
-__all__ = ["Group", "LocalGroup", "P2POp", "REGISTRY", "StoreExchange", "gpu_identity", "hostname"]
+__all__ = ["Group", "REGISTRY", "StoreExchange", "gpu_identity", "hostname"]

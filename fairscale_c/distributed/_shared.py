@@ -12,7 +12,8 @@ from typing import Any, List, Sequence
 import torch
 
 from .. import _C
-from ._group import Group, LocalGroup
+from ._group import Group
+from ._local import LocalGroup
 
 _SLICE_ALIGN = 2 << 20  # each rank's slice starts on a 2 MiB boundary (huge-page and cache-line friendly)
 _DTYPES = (
