@@ -9,6 +9,7 @@
 #include "base/status.h"
 #include "base/tensor.h"
 #include "comm/comm.h"
+#include "comm/shm.h"
 
 /* Per-module state (PEP 489). Each subsystem's exec function fills its own fields. */
 typedef struct {
@@ -142,9 +143,27 @@ int fsc_py_errors_exec(PyObject *module);
 int fsc_py_dlpack_exec(PyObject *module);
 int fsc_py_buffer_exec(PyObject *module); /* called by fsc_py_dlpack_exec */
 int fsc_py_comm_exec(PyObject *module);
+int fsc_py_work_exec(PyObject *module);       /* called by fsc_py_comm_exec */
 int fsc_py_rendezvous_exec(PyObject *module); /* with comm: timeout parsing, segment names */
 int fsc_py_gpu_exec(PyObject *module);
 int fsc_py_nccl_exec(PyObject *module);
+
+/* _C.Work (work.c): the handle of an op queued on a shm group. */
+typedef struct {
+    PyObject_HEAD fsc_shm_work_t *work;
+    PyObject *owners; /* tuple keeping the tensors' memory alive until the op finishes */
+    PyObject *module;
+} fsc_py_work_t;
+
+/* Wait for `w`'s op with the GIL released in slices, checking for signals between slices.
+ * Returns 0 when the op finished OK, -1 with an exception set otherwise (its error, a signal's,
+ * or DistributedError when timeout_s passed first). timeout_s < 0: no limit. */
+int fsc_py_work_block(fsc_py_work_t *w, double timeout_s);
+
+/* Parse the optional seconds argument `name` of `method` ("|O"): None -> -1 (no limit); else a
+ * number >= 0 (infinity: no limit). Returns -1 with ValueError/TypeError set on a bad value, else
+ * 0. */
+int fsc_py_parse_seconds(PyObject *args, PyObject *kwds, const char *method, char *name, double *out);
 
 /* A PyMethodDef entry for a function taking (self, args, kwargs). */
 #define FSC_PY_KW_METHOD(name, fn, doc) \

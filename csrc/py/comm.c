@@ -1,6 +1,6 @@
-/* comm.c — binding for the shm collective engine: _C.ShmGroup (one rank's handle on a group)
- * and _C.Work (an async op). Arguments are validated here, before anything is sent; blocking
- * waits release the GIL and wake up periodically to honour Ctrl-C. */
+/* comm.c — binding for the shm collective engine: _C.ShmGroup (one rank's handle on a group; its
+ * async ops return a _C.Work, work.c). Arguments are validated here, before anything is sent;
+ * blocking waits release the GIL and wake up periodically to honour Ctrl-C. */
 #include "binding.h"
 
 #include <math.h>
@@ -9,125 +9,11 @@
 #include "comm/comm.h"
 #include "comm/shm.h"
 
-#define FSC_WAIT_SLICE_S 0.2
-
-typedef struct {
-    PyObject_HEAD fsc_shm_work_t *work;
-    PyObject *owners; /* tuple keeping the tensors' memory alive until the op finishes */
-    PyObject *module;
-} WorkObject;
-
 typedef struct {
     PyObject_HEAD fsc_shm_group_t *g;
     PyObject *pending; /* list of in-flight Work objects, oldest first */
     int joined;
 } GroupObject;
-
-/* ---------------------------------------------------------------- Work */
-
-/* Wait with the GIL released in slices, checking for signals between slices. Returns 0 when
- * the op finished OK, -1 with an exception set otherwise. timeout_s < 0: no limit. */
-static int work_block(WorkObject *self, double timeout_s) {
-    double deadline = timeout_s < 0 ? -1 : fsc_comm_now() + timeout_s;
-    for (;;) {
-        double slice = FSC_WAIT_SLICE_S;
-        if (deadline >= 0) {
-            double left = deadline - fsc_comm_now();
-            slice = left < 0 ? 0 : (left < slice ? left : slice);
-        }
-        fsc_status_t st;
-        Py_BEGIN_ALLOW_THREADS
-        st = fsc_shm_work_wait(self->work, slice);
-        Py_END_ALLOW_THREADS
-        if (fsc_shm_work_done(self->work)) {
-            /* the slice may have timed out just before the op finished: take the op's own status */
-            st = fsc_shm_work_wait(self->work, 0);
-            if (st != FSC_OK) {
-                fsc_py_raise(self->module, st);
-                return -1;
-            }
-            return 0;
-        }
-        if (PyErr_CheckSignals() < 0) return -1;
-        if (deadline >= 0 && fsc_comm_now() >= deadline) {
-            st = fsc_shm_work_wait(self->work, 0); /* OK if it has just finished */
-            if (st == FSC_OK) return 0;
-            fsc_py_raise(self->module, st);
-            return -1;
-        }
-    }
-}
-
-/* Parse the optional seconds argument `name` of `method` ("|O"): None -> -1 (no limit); else a
- * number >= 0. Returns -1 with ValueError/TypeError set on a bad value, else 0. */
-static int parse_seconds(PyObject *args, PyObject *kwds, const char *method, char *name, double *out) {
-    char *kwlist[] = {name, NULL};
-    char fmt[64];
-    PyObject *obj = Py_None;
-    snprintf(fmt, sizeof(fmt), "|O:%s", method);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, fmt, kwlist, &obj)) return -1;
-    *out = -1;
-    if (obj == Py_None) return 0;
-    *out = PyFloat_AsDouble(obj);
-    if (*out == -1 && PyErr_Occurred()) {
-        PyErr_Format(PyExc_TypeError, "%s: %s must be a number of seconds or None, got %s", method, name,
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    if (isinf(*out) && *out > 0) { /* an infinite limit is no limit */
-        *out = -1;
-        return 0;
-    }
-    if (!(*out >= 0)) { /* negative or NaN; PyErr_Format has no %g: show the object */
-        PyErr_Format(PyExc_ValueError, "%s: %s must be >= 0 or None, got %R", method, name, obj);
-        return -1;
-    }
-    return 0;
-}
-
-static PyObject *Work_wait(WorkObject *self, PyObject *args, PyObject *kwds) {
-    double t;
-    if (parse_seconds(args, kwds, "wait", "timeout", &t) < 0) return NULL;
-    if (work_block(self, t) < 0) return NULL;
-    Py_CLEAR(self->owners); /* done: the memory no longer needs pinning */
-    Py_RETURN_TRUE;
-}
-
-static PyObject *Work_is_completed(WorkObject *self, PyObject *Py_UNUSED(ignored)) {
-    return PyBool_FromLong(fsc_shm_work_done(self->work));
-}
-
-static void Work_dealloc(WorkObject *self) {
-    PyTypeObject *tp = Py_TYPE(self);
-    if (self->work != NULL && !fsc_shm_work_done(self->work)) {
-        /* the op still reads/writes the tensors: keep them alive until it has finished */
-        Py_BEGIN_ALLOW_THREADS(void)
-        fsc_shm_work_wait(self->work, -1);
-        Py_END_ALLOW_THREADS
-    }
-    fsc_shm_work_release(self->work);
-    Py_XDECREF(self->owners);
-    Py_XDECREF(self->module);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
-}
-
-static PyMethodDef Work_methods[] = {
-    {"wait", (PyCFunction)(void (*)(void))Work_wait, METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout=None) -> True. Block (GIL released) until the op finishes; raise its error, or "
-     "DistributedError if `timeout` seconds pass first (the op keeps running)."},
-    {"is_completed", (PyCFunction)Work_is_completed, METH_NOARGS, "True once the op has finished (ok or not)."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyType_Slot Work_slots[] = {
-    {Py_tp_dealloc, Work_dealloc},
-    {Py_tp_methods, Work_methods},
-    {Py_tp_doc, "Handle of an async collective; ops complete in issue order."},
-    {0, NULL},
-};
-
-static PyType_Spec Work_spec = {"fairscale_c._C.Work", sizeof(WorkObject), 0, Py_TPFLAGS_DEFAULT, Work_slots};
 
 /* ---------------------------------------------------------------- ShmGroup lifecycle */
 
@@ -200,7 +86,7 @@ static void group_close(GroupObject *self, double grace_s) {
 
 static PyObject *Group_close(GroupObject *self, PyObject *args, PyObject *kwds) {
     double grace_s;
-    if (parse_seconds(args, kwds, "close", "grace", &grace_s) < 0) return NULL;
+    if (fsc_py_parse_seconds(args, kwds, "close", "grace", &grace_s) < 0) return NULL;
     group_close(self, grace_s);
     if (self->pending != NULL && PyList_SetSlice(self->pending, 0, PY_SSIZE_T_MAX, NULL) < 0) return NULL;
     Py_RETURN_NONE;
@@ -287,7 +173,7 @@ static fsc_shm_args_t shm_args(const fsc_comm_call_t *c) {
 /* Drop finished Works from the front of the pending list (they complete in order). */
 static int prune_pending(GroupObject *self) {
     Py_ssize_t n = PyList_GET_SIZE(self->pending), k = 0;
-    while (k < n && fsc_shm_work_done(((WorkObject *)PyList_GET_ITEM(self->pending, k))->work)) k++;
+    while (k < n && fsc_shm_work_done(((fsc_py_work_t *)PyList_GET_ITEM(self->pending, k))->work)) k++;
     return k ? PyList_SetSlice(self->pending, 0, k, NULL) : 0;
 }
 
@@ -306,7 +192,7 @@ static int interrupted(void *arg) {
 static PyObject *queue(GroupObject *self, const fsc_shm_args_t *args, size_t n, fsc_py_calls_t *c, int async_op) {
     PyObject *module = module_of((PyObject *)self);
     fsc_module_state *state = fsc_py_state(module);
-    WorkObject *w = PyObject_New(WorkObject, state->WorkType);
+    fsc_py_work_t *w = PyObject_New(fsc_py_work_t, state->WorkType);
     if (w == NULL) return NULL;
     w->work = NULL;
     w->module = Py_NewRef(module);
@@ -327,7 +213,7 @@ static PyObject *queue(GroupObject *self, const fsc_shm_args_t *args, size_t n, 
         }
         return (PyObject *)w;
     }
-    if (work_block(w, -1) < 0) {
+    if (fsc_py_work_block(w, -1) < 0) {
         /* interrupted or failed: if still running, keep it (and the tensors) alive */
         if (!fsc_shm_work_done(w->work)) {
             PyObject *et, *ev, *tb;
@@ -613,8 +499,7 @@ static PyMethodDef comm_functions[] = {
 
 int fsc_py_comm_exec(PyObject *module) {
     fsc_module_state *state = fsc_py_state(module);
-    state->WorkType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Work_spec, NULL);
-    if (state->WorkType == NULL || PyModule_AddType(module, state->WorkType) < 0) return -1;
+    if (fsc_py_work_exec(module) < 0) return -1;
     state->GroupType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Group_spec, NULL);
     if (state->GroupType == NULL || PyModule_AddType(module, state->GroupType) < 0) return -1;
     return PyModule_AddFunctions(module, comm_functions);

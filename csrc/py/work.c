@@ -1,0 +1,116 @@
+/* work.c — _C.Work, the handle of an op queued on a shm group's progress thread: wait(timeout)
+ * with the GIL released in slices (Ctrl-C is honoured between them), is_completed(); a Work that
+ * is dropped while its op still runs waits for it, since the op uses the tensors it keeps. */
+#include "binding.h"
+
+#include <math.h>
+#include <stdio.h>
+
+#define FSC_WAIT_SLICE_S 0.2
+
+int fsc_py_work_block(fsc_py_work_t *self, double timeout_s) {
+    double deadline = timeout_s < 0 ? -1 : fsc_comm_now() + timeout_s;
+    for (;;) {
+        double slice = FSC_WAIT_SLICE_S;
+        if (deadline >= 0) {
+            double left = deadline - fsc_comm_now();
+            slice = left < 0 ? 0 : (left < slice ? left : slice);
+        }
+        fsc_status_t st;
+        Py_BEGIN_ALLOW_THREADS
+        st = fsc_shm_work_wait(self->work, slice);
+        Py_END_ALLOW_THREADS
+        if (fsc_shm_work_done(self->work)) {
+            /* the slice may have timed out just before the op finished: take the op's own status */
+            st = fsc_shm_work_wait(self->work, 0);
+            if (st != FSC_OK) {
+                fsc_py_raise(self->module, st);
+                return -1;
+            }
+            return 0;
+        }
+        if (PyErr_CheckSignals() < 0) return -1;
+        if (deadline >= 0 && fsc_comm_now() >= deadline) {
+            st = fsc_shm_work_wait(self->work, 0); /* OK if it has just finished */
+            if (st == FSC_OK) return 0;
+            fsc_py_raise(self->module, st);
+            return -1;
+        }
+    }
+}
+
+int fsc_py_parse_seconds(PyObject *args, PyObject *kwds, const char *method, char *name, double *out) {
+    char *kwlist[] = {name, NULL};
+    char fmt[64];
+    PyObject *obj = Py_None;
+    snprintf(fmt, sizeof(fmt), "|O:%s", method);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, fmt, kwlist, &obj)) return -1;
+    *out = -1;
+    if (obj == Py_None) return 0;
+    *out = PyFloat_AsDouble(obj);
+    if (*out == -1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a number of seconds or None, got %s", method, name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (isinf(*out) && *out > 0) { /* an infinite limit is no limit */
+        *out = -1;
+        return 0;
+    }
+    if (!(*out >= 0)) { /* negative or NaN; PyErr_Format has no %g: show the object */
+        PyErr_Format(PyExc_ValueError, "%s: %s must be >= 0 or None, got %R", method, name, obj);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Work_wait(fsc_py_work_t *self, PyObject *args, PyObject *kwds) {
+    double t;
+    if (fsc_py_parse_seconds(args, kwds, "wait", "timeout", &t) < 0) return NULL;
+    if (fsc_py_work_block(self, t) < 0) return NULL;
+    Py_CLEAR(self->owners); /* done: the memory no longer needs pinning */
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Work_is_completed(fsc_py_work_t *self, PyObject *Py_UNUSED(ignored)) {
+    return PyBool_FromLong(fsc_shm_work_done(self->work));
+}
+
+static void Work_dealloc(fsc_py_work_t *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->work != NULL && !fsc_shm_work_done(self->work)) {
+        /* the op still reads/writes the tensors: keep them alive until it has finished */
+        Py_BEGIN_ALLOW_THREADS(void)
+        fsc_shm_work_wait(self->work, -1);
+        Py_END_ALLOW_THREADS
+    }
+    fsc_shm_work_release(self->work);
+    Py_XDECREF(self->owners);
+    Py_XDECREF(self->module);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef Work_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))Work_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait(timeout=None) -> True. Block (GIL released) until the op finishes; raise its error, or "
+     "DistributedError if `timeout` seconds pass first (the op keeps running)."},
+    {"is_completed", (PyCFunction)Work_is_completed, METH_NOARGS, "True once the op has finished (ok or not)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Work_slots[] = {
+    {Py_tp_dealloc, Work_dealloc},
+    {Py_tp_methods, Work_methods},
+    {Py_tp_doc, "Handle of an async collective; ops complete in issue order."},
+    {0, NULL},
+};
+
+static PyType_Spec Work_spec = {"fairscale_c._C.Work", sizeof(fsc_py_work_t), 0, Py_TPFLAGS_DEFAULT, Work_slots};
+
+int fsc_py_work_exec(PyObject *module) {
+    fsc_module_state *state = fsc_py_state(module);
+    state->WorkType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Work_spec, NULL);
+    if (state->WorkType == NULL || PyModule_AddType(module, state->WorkType) < 0) return -1;
+    return 0;
+}
