@@ -187,6 +187,16 @@ def _subgroup_job(rank: int, world: int):
     t = torch.full((5,), float(rank))
     mine.all_reduce(t)
     assert t.tolist() == [float(rank % 2 * 2 + 2)] * 5, t
+    # ranks left out of a subgroup still count it: the next subgroup's members meet
+    solo = group.new_group([0])
+    assert (solo is None) == (rank != 0)
+    everyone = group.new_group([0, 1, 2, 3])
+    t = torch.ones(2)
+    everyone.all_reduce(t)
+    assert t.tolist() == [4.0, 4.0], t
+    everyone.destroy()
+    if solo is not None:
+        solo.destroy()
     trio = group.new_group([3, 1, 2])  # order defines subgroup ranks
     if rank == 0:
         assert trio is None

@@ -273,7 +273,7 @@ class Group:
         if self.rank not in ranks:
             return None
         # a store-built subgroup has no torch group to fall back to across hosts
-        return Group(self._exchange.sub(ranks), name, None)
+        return Group(self._exchange.sub(ranks, self._subgroups), name, None)
 
     # ------------------------------------------------------------------ dispatch
     def _cpu(self) -> Any:

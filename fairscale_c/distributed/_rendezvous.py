@@ -61,8 +61,10 @@ class Exchange:
         """Group rank 0's ``data`` on every rank (others pass None)."""
         raise NotImplementedError
 
-    def sub(self, ranks: Sequence[int]) -> "Exchange":
-        """An exchange for the members ``ranks`` (ranks of this group); called by members only."""
+    def sub(self, ranks: Sequence[int], index: int) -> "Exchange":
+        """An exchange for the members ``ranks`` (ranks of this group); called by members only.
+        ``index`` numbers the subgroup among this group's subgroups: every rank of the group counts
+        each new_group call, member or not, so the members of one subgroup agree on it."""
         raise NotImplementedError
 
 
@@ -70,7 +72,6 @@ class StoreExchange(Exchange):
     def __init__(self, store: "dist.Store", prefix: str, rank: int, size: int, name: str) -> None:
         self.store, self.prefix, self.rank, self.size, self.name = store, prefix, rank, size, name
         self._round = 0
-        self._subs = 0
 
     def _wait(self, keys: List[str], what: str, ranks: List[int], pids: Optional[Dict[int, int]] = None) -> None:
         # Poll rather than store.wait(): at the deadline we then know exactly which ranks are
@@ -136,15 +137,14 @@ class StoreExchange(Exchange):
         self._wait([key], "broadcast", [0])
         return self._call("broadcast", "while reading the value", lambda: bytes(self.store.get(key)))
 
-    def sub(self, ranks: Sequence[int]) -> "Exchange":
-        self._subs += 1
+    def sub(self, ranks: Sequence[int], index: int) -> "Exchange":
         tag = "-".join(map(str, ranks))
         return StoreExchange(
             self.store,
-            f"{self.prefix}/sub{self._subs}[{tag}]",
+            f"{self.prefix}/sub{index}[{tag}]",
             list(ranks).index(self.rank),
             len(ranks),
-            f"{self.name}/sub{self._subs}",
+            f"{self.name}/sub{index}",
         )
 
 
@@ -166,7 +166,7 @@ class ProcessGroupExchange(Exchange):
         dist.broadcast_object_list(obj, src=dist.get_global_rank(self.pg, 0), group=self.pg)
         return bytes(obj[0])  # type: ignore[arg-type]
 
-    def sub(self, ranks: Sequence[int]) -> "Exchange":
+    def sub(self, ranks: Sequence[int], index: int) -> "Exchange":
         raise RuntimeError("internal: subgroups of a process-group exchange are built with torch's new_group")
 
 
