@@ -265,3 +265,54 @@ def test_groups_release_everything_they_hold():
         assert after[2] == maps == 0, f"/dev/shm mappings {maps} -> {after[2]}"
         if "asan" not in os.environ.get("LD_PRELOAD", ""):  # ASan's quarantine keeps freed memory resident
             assert (after[3] - rss) * os.sysconf("SC_PAGE_SIZE") < 16 * 2**20, f"RSS pages {rss} -> {after[3]}"
+
+
+def _nan_job(rank: int, world: int):
+    """max and min propagate a NaN whichever rank holds it, as torch.amax/amin over the stacked
+    inputs do: on the slots (small and chunked), on the direct reads, and on shared tensors, whose
+    large float reductions run the streaming kernels."""
+    import fairscale_c.distributed as fdist
+
+    group = _init("env")
+    failures = []
+    cases = [(torch.float32, 7, False), (torch.float16, 1001, False), (torch.bfloat16, 300_007, False)]
+    cases += [
+        (torch.float64, 300_007, False),
+        (torch.float32, (17 << 20) // 4, True),
+        (torch.float64, (17 << 20) // 8, True),
+    ]
+    for dtype, n, shared in cases:
+        n = n // world * world
+        xs = []
+        for r in range(world):
+            x = _data(r, n, torch.float32, 5).to(dtype)
+            x[r :: world + 1] = float("nan")  # each rank's NaNs at its own places, some shared with others'
+            x[-1 - r] = float("inf") if r % 2 else float("-inf")
+            xs.append(x)
+        stack = torch.stack(xs)
+        for op, want in (("max", stack.amax(0)), ("min", stack.amin(0))):
+            t = fdist.shared_empty(n, dtype=dtype, group=group) if shared else torch.empty(n, dtype=dtype)
+            t.copy_(xs[rank])
+            group.all_reduce(t, op=op)
+            if not torch.equal(t.isnan(), want.isnan()) or not torch.equal(t.nan_to_num(0), want.nan_to_num(0)):
+                failures.append(
+                    f"all_reduce {op} {dtype} n={n} shared={shared}: {int((t.isnan() != want.isnan()).sum())} NaNs differ"
+                )
+            blk = n // world
+            out = torch.empty(blk, dtype=dtype)
+            group.reduce_scatter(out, xs[rank].clone(), op=op)
+            mine = want[rank * blk : (rank + 1) * blk]
+            if not torch.equal(out.isnan(), mine.isnan()):
+                failures.append(f"reduce_scatter {op} {dtype} n={n}: NaNs differ")
+            t = xs[rank].clone()
+            group.reduce(t, root=world - 1, op=op)
+            if rank == world - 1 and not torch.equal(t.isnan(), want.isnan()):
+                failures.append(f"reduce {op} {dtype} n={n}: NaNs differ")
+    group.destroy()
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_max_and_min_propagate_nan_from_any_rank(world):
+    results = run_ranks(_nan_job, world, env={"FAIRSCALE_C_TIMEOUT": "120"}, timeout=300)
+    assert results == [[]] * world, results

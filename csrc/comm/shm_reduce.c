@@ -20,8 +20,11 @@
 #endif
 
 #define FSC_SUM(a, b) ((a) + (b))
-#define FSC_MAX(a, b) ((a) > (b) ? (a) : (b))
-#define FSC_MIN(a, b) ((a) < (b) ? (a) : (b))
+/* max and min propagate NaN as torch.maximum/minimum do, whichever rank holds it: the first
+ * operand when it is greater (or NaN), else the second (NaN when the second is). For integers the
+ * self-comparison is always false and compiles away. */
+#define FSC_MAX(a, b) ((a) > (b) || (a) != (a) ? (a) : (b))
+#define FSC_MIN(a, b) ((a) < (b) || (a) != (a) ? (a) : (b))
 
 /* Native-dtype kernels: d = s0 (op) s1 (or d (op)= s1 when d is s0), then d (op)= sj. */
 #define FSC_DEFINE_NATIVE(NAME, T, OP)                                                               \
@@ -165,14 +168,26 @@ fsc_status_t fsc_shm_reduce(void *dst, const void *const *srcs, int nsrc, size_t
  * registers and stored to every destination, so the sources' reads and the destinations' writes
  * stay interleaved: with non-temporal stores, except into a destination that is one of the
  * sources (in place), whose line the reduction has just brought into the cache and which a
- * streaming store would have to evict (docs/benchmarks.md, "Shared tensors"). addps/maxps/minps
- * and their pd forms compute exactly FSC_SUM, FSC_MAX and FSC_MIN (maxps returns its second
- * operand unless the first is greater), so the results equal fsc_shm_reduce's bit for bit.
+ * streaming store would have to evict (docs/benchmarks.md, "Shared tensors"). addps and the
+ * max/min below compute exactly FSC_SUM, FSC_MAX and FSC_MIN (maxps returns its second operand
+ * unless the first is greater; a NaN first operand is then put back), so the results equal
+ * fsc_shm_reduce's bit for bit.
  * Prefetching never faults, so reading ahead past the end is safe. */
 
 /* How far ahead of the line being reduced each source is prefetched, in bytes: without it a rank's
  * reads are the bottleneck (the distance chosen: docs/benchmarks.md, "Shared tensors"). */
 #define FSC_STREAM_PREFETCH 2048
+
+/* maxps/minps, with a NaN in the first operand kept (the second's already comes through). */
+#define FSC_DEFINE_NAN_KEEPING(NAME, V, OP, UNORD, AND, ANDNOT, OR) \
+    static inline V NAME(V a, V b) {                                \
+        V nan = UNORD(a, a);                                        \
+        return OR(AND(nan, a), ANDNOT(nan, OP(a, b)));              \
+    }
+FSC_DEFINE_NAN_KEEPING(fsc_max_ps, __m128, _mm_max_ps, _mm_cmpunord_ps, _mm_and_ps, _mm_andnot_ps, _mm_or_ps)
+FSC_DEFINE_NAN_KEEPING(fsc_min_ps, __m128, _mm_min_ps, _mm_cmpunord_ps, _mm_and_ps, _mm_andnot_ps, _mm_or_ps)
+FSC_DEFINE_NAN_KEEPING(fsc_max_pd, __m128d, _mm_max_pd, _mm_cmpunord_pd, _mm_and_pd, _mm_andnot_pd, _mm_or_pd)
+FSC_DEFINE_NAN_KEEPING(fsc_min_pd, __m128d, _mm_min_pd, _mm_cmpunord_pd, _mm_and_pd, _mm_andnot_pd, _mm_or_pd)
 
 #define FSC_DEFINE_STREAM(NAME, T, V, LOADU, OP, DIV, SET1, CAST)                                                    \
     static void NAME(uint8_t *const *d, const uint8_t *nt, int nd, const T *const *s, int ns, size_t lines, int avg, \
@@ -198,11 +213,11 @@ fsc_status_t fsc_shm_reduce(void *dst, const void *const *srcs, int nsrc, size_t
     }
 
 FSC_DEFINE_STREAM(stream_sum_f32, float, __m128, _mm_loadu_ps, _mm_add_ps, _mm_div_ps, _mm_set1_ps, _mm_castps_si128)
-FSC_DEFINE_STREAM(stream_max_f32, float, __m128, _mm_loadu_ps, _mm_max_ps, _mm_div_ps, _mm_set1_ps, _mm_castps_si128)
-FSC_DEFINE_STREAM(stream_min_f32, float, __m128, _mm_loadu_ps, _mm_min_ps, _mm_div_ps, _mm_set1_ps, _mm_castps_si128)
+FSC_DEFINE_STREAM(stream_max_f32, float, __m128, _mm_loadu_ps, fsc_max_ps, _mm_div_ps, _mm_set1_ps, _mm_castps_si128)
+FSC_DEFINE_STREAM(stream_min_f32, float, __m128, _mm_loadu_ps, fsc_min_ps, _mm_div_ps, _mm_set1_ps, _mm_castps_si128)
 FSC_DEFINE_STREAM(stream_sum_f64, double, __m128d, _mm_loadu_pd, _mm_add_pd, _mm_div_pd, _mm_set1_pd, _mm_castpd_si128)
-FSC_DEFINE_STREAM(stream_max_f64, double, __m128d, _mm_loadu_pd, _mm_max_pd, _mm_div_pd, _mm_set1_pd, _mm_castpd_si128)
-FSC_DEFINE_STREAM(stream_min_f64, double, __m128d, _mm_loadu_pd, _mm_min_pd, _mm_div_pd, _mm_set1_pd, _mm_castpd_si128)
+FSC_DEFINE_STREAM(stream_max_f64, double, __m128d, _mm_loadu_pd, fsc_max_pd, _mm_div_pd, _mm_set1_pd, _mm_castpd_si128)
+FSC_DEFINE_STREAM(stream_min_f64, double, __m128d, _mm_loadu_pd, fsc_min_pd, _mm_div_pd, _mm_set1_pd, _mm_castpd_si128)
 
 #define FSC_PICK_STREAM(TN, CT, d, nt, nd, s, ns, lines, op, dv)                                    \
     do {                                                                                            \
