@@ -296,7 +296,7 @@ def _nan_job(rank: int, world: int):
             group.all_reduce(t, op=op)
             if not torch.equal(t.isnan(), want.isnan()) or not torch.equal(t.nan_to_num(0), want.nan_to_num(0)):
                 failures.append(
-                    f"all_reduce {op} {dtype} n={n} shared={shared}: {int((t.isnan() != want.isnan()).sum())} NaNs differ"
+                    f"all_reduce {op} {dtype} n={n} shared={shared}: {int((t.isnan() != want.isnan()).sum())} differ"
                 )
             blk = n // world
             out = torch.empty(blk, dtype=dtype)
