@@ -44,3 +44,17 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+@pytest.fixture
+def solo(monkeypatch):
+    """A group of one rank on the shared-memory engine, in the test's own process (torchrun's
+    variables for world size 1): for argument rules, which are checked before anything moves."""
+    import fairscale_c.distributed as fdist
+    from dist_utils import free_port
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    group = fdist.init_group(name="solo")
+    yield group
+    fdist.destroy(group)

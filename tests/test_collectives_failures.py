@@ -351,6 +351,22 @@ def _cross_host_job(rank, world, how):
         outs = [torch.empty(2), torch.empty(2)]
         group.all_to_all(outs, [torch.full((2,), 10.0 * rank + j) for j in range(2)])
         assert [o.tolist() for o in outs] == [[float(rank)] * 2, [10.0 + rank] * 2]
+        # the engine's argument rules hold on torch's path too, before anything is sent
+        with pytest.raises(ValueError, match=r"reduce_scatter: input has 2 elements; expected group size \(2\)"):
+            group.reduce_scatter(torch.empty(2), torch.ones(2))
+        with pytest.raises(ValueError, match=r"op: expected one of 'sum', 'avg', 'max', 'min', got 'prod'"):
+            group.all_reduce(torch.ones(2), op="prod")
+        ints = torch.ones(2, dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"op='avg' needs a floating dtype"):
+            group.all_reduce(ints, op="avg")
+        assert ints.tolist() == [1, 1]
+        with pytest.raises(ValueError, match=r"'tensor' must be contiguous"):
+            group.broadcast(torch.ones(3, 3).t(), root=0)
+        with pytest.raises(ValueError, match=rf"send: dst={rank} is not a valid group rank"):
+            group.batch([("send", torch.ones(1), rank)])
+        r = torch.full((2,), float(rank))
+        group.all_reduce(r, op=dist.ReduceOp.MAX)  # torch's ReduceOp names an op too
+        assert r.tolist() == [1.0, 1.0]
         group.barrier()
         assert "torch" in repr(group)
         group.destroy()
@@ -366,17 +382,6 @@ def test_group_spanning_hosts(how, monkeypatch):
 
 
 # ---------------------------------------------------------------- argument errors (one rank, in process)
-@pytest.fixture
-def solo(monkeypatch):
-    import fairscale_c.distributed as fdist
-
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(k, v)
-    group = fdist.init_group(name="solo")
-    yield group
-    fdist.destroy(group)
-
-
 class _FakeCuda:
     def __dlpack_device__(self):
         return (2, 0)
@@ -404,6 +409,15 @@ def test_argument_errors(solo):
         solo.broadcast(x, root=1)
     with pytest.raises(ValueError, match=r"dst=0 is not a valid group rank"):
         solo.send(x, 0)
+    # ranks beyond a C int are refused, not wrapped round to a valid rank
+    with pytest.raises(ValueError, match=r"broadcast: root=4294967296 is not a valid group rank"):
+        solo.broadcast(x, root=2**32)
+    with pytest.raises(ValueError, match=r"recv: src=4294967297 is not a valid group rank"):
+        solo.recv(x, 2**32 + 1)
+    with pytest.raises(ValueError, match=r"item 0 \(send\): dst=4294967297 is not a valid group rank"):
+        solo.batch([("send", x, 2**32 + 1)])
+    with pytest.raises(TypeError, match=r"reduce: argument 'root' must be an int \(a group rank\), got float"):
+        solo.reduce(x, root=0.0)
     with pytest.raises(TypeError, match=r"DLPack"):
         solo.all_reduce([1.0, 2.0])
     work = solo.all_reduce(torch.ones(4), async_op=True)

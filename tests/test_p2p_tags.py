@@ -228,17 +228,6 @@ def test_tags_two_ranks():
 
 
 # ---------------------------------------------------------------- argument rules (one rank, in process)
-@pytest.fixture
-def solo(monkeypatch):
-    import fairscale_c.distributed as fdist
-
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(k, v)
-    group = fdist.init_group(name="tags-solo")
-    yield group
-    fdist.destroy(group)
-
-
 BAD_TAGS = [
     (1.5, TypeError, "must be an int, got float"),
     ("3", TypeError, "must be an int, got str"),
@@ -288,8 +277,10 @@ def test_tag_rules(solo):
     op = fdist.P2POp("send", x, 1, tag=torch.tensor(9).numpy()[()])
     assert op.tag == 9 and type(op.tag) is int and op.as_tuple()[3] == 9
     assert fdist.P2POp("recv", x, 1).tag == 0
-    with pytest.raises(ValueError, match="argument 'group' is not supported"):
-        fdist.P2POp("send", x, 1, group=object())
+    # a P2POp may name its group, as torch's does; a batch on another group refuses it
+    assert fdist.P2POp("send", x, 1, group=solo).group is solo
+    with pytest.raises(ValueError, match="every P2POp of a batch must name its group or none"):
+        solo.batch([fdist.P2POp("send", x, 0, group=object())])
     # a group of one (LocalGroup) checks the tag before saying it has no peer
     local = fdist.LocalGroup()
     with pytest.raises(TypeError, match="send: argument 'tag' must be an int"):

@@ -1,6 +1,7 @@
 /* args.c — argument parsing the binding files share: streams, reduce ops, imported tensor
  * arguments, and lists of collective calls (batches) imported into the engine's call
  * descriptions. */
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -65,6 +66,26 @@ int fsc_py_parse_tag(PyObject *tag, const char *opname, int32_t *out) {
         return -1;
     }
     *out = (int32_t)t;
+    return 0;
+}
+
+int fsc_py_parse_rank(PyObject *v, const char *opname, const char *argname, int *out) {
+    if (!PyIndex_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int (a group rank), got %s", opname, argname,
+                     Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    PyObject *i = PyNumber_Index(v);
+    if (i == NULL) return -1;
+    int overflow = 0;
+    long long r = PyLong_AsLongLongAndOverflow(i, &overflow);
+    Py_DECREF(i);
+    if (r == -1 && PyErr_Occurred()) return -1;
+    if (overflow || r < INT_MIN || r > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: %s=%R is not a valid group rank", opname, argname, v);
+        return -1;
+    }
+    *out = (int)r;
     return 0;
 }
 
@@ -237,9 +258,10 @@ static int parse_item(fsc_py_calls_t *c, PyObject *module, PyObject *item, Py_ss
             snprintf(what, sizeof(what), "argument 'ops': item %zd (%s)", i, name);
             if (fsc_py_parse_tag(v, what, &o->tag) < 0) return -1;
         } else {
-            long r = PyLong_AsLong(v);
-            if (r == -1 && PyErr_Occurred()) return -1;
-            o->peer = (int)r;
+            char what[64];
+            snprintf(what, sizeof(what), "argument 'ops': item %zd (%s)", i, name);
+            const char *argname = o->op == FSC_OP_SEND ? "dst" : o->op == FSC_OP_RECV ? "src" : "root";
+            if (fsc_py_parse_rank(v, what, argname, &o->peer) < 0) return -1;
         }
     }
     c->ncalls++;

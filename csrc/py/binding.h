@@ -67,6 +67,9 @@ int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op);
 /* A send / recv's message tag: `tag` (NULL: 0) must be an int (operator.index) that fits int32.
  * TypeError or ValueError naming `opname` and the argument otherwise; returns 0 or -1. */
 int fsc_py_parse_tag(PyObject *tag, const char *opname, int32_t *out);
+/* A rank argument (root, dst, src, a batch item's peer): an int that fits a C int, else a
+ * TypeError or ValueError naming it; the engine checks it against the group's size. */
+int fsc_py_parse_rank(PyObject *v, const char *opname, const char *argname, int *out);
 
 #define FSC_PY_IMPORTS_INLINE 4
 
@@ -161,8 +164,8 @@ typedef struct {
 int fsc_py_work_block(fsc_py_work_t *w, double timeout_s);
 
 /* Parse the optional seconds argument `name` of `method` ("|O"): None -> -1 (no limit); else a
- * number >= 0 (infinity: no limit). Returns -1 with ValueError/TypeError set on a bad value, else
- * 0. */
+ * number >= 0 (infinity: no limit), or a datetime.timedelta (its total_seconds()). Returns -1 with ValueError/TypeError
+ * set on a bad value, else 0. */
 int fsc_py_parse_seconds(PyObject *args, PyObject *kwds, const char *method, char *name, double *out);
 
 /* A PyMethodDef entry for a function taking (self, args, kwargs). */

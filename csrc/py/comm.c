@@ -334,39 +334,43 @@ static PyObject *Group_all_reduce(GroupObject *self, PyObject *args, PyObject *k
 
 static PyObject *Group_broadcast(GroupObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tensor", "root", "async_op", NULL};
-    PyObject *t;
+    PyObject *t, *root_obj;
     int root = 0, async_op = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|p:broadcast", kwlist, &t, &root, &async_op)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|p:broadcast", kwlist, &t, &root_obj, &async_op) ||
+        fsc_py_parse_rank(root_obj, "broadcast", "root", &root) < 0)
+        return NULL;
     return one_call(self, FSC_OP_BROADCAST, t, NULL, root, NULL, 0, async_op);
 }
 
 static PyObject *Group_reduce(GroupObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tensor", "root", "op", "async_op", NULL};
-    PyObject *t;
+    PyObject *t, *root_obj;
     const char *op = "sum";
     int root = 0, async_op = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|sp:reduce", kwlist, &t, &root, &op, &async_op)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|sp:reduce", kwlist, &t, &root_obj, &op, &async_op) ||
+        fsc_py_parse_rank(root_obj, "reduce", "root", &root) < 0)
+        return NULL;
     return one_call(self, FSC_OP_REDUCE, t, NULL, root, op, 0, async_op);
 }
 
 static PyObject *Group_send(GroupObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tensor", "dst", "async_op", "tag", NULL};
-    PyObject *t, *tag_obj = NULL;
+    PyObject *t, *peer_obj, *tag_obj = NULL;
     int peer = 0, async_op = 0;
     int32_t tag;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|pO:send", kwlist, &t, &peer, &async_op, &tag_obj) ||
-        fsc_py_parse_tag(tag_obj, "send", &tag) < 0)
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|pO:send", kwlist, &t, &peer_obj, &async_op, &tag_obj) ||
+        fsc_py_parse_rank(peer_obj, "send", "dst", &peer) < 0 || fsc_py_parse_tag(tag_obj, "send", &tag) < 0)
         return NULL;
     return one_call(self, FSC_OP_SEND, t, NULL, peer, NULL, tag, async_op);
 }
 
 static PyObject *Group_recv(GroupObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tensor", "src", "async_op", "tag", NULL};
-    PyObject *t, *tag_obj = NULL;
+    PyObject *t, *peer_obj, *tag_obj = NULL;
     int peer = 0, async_op = 0;
     int32_t tag;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|pO:recv", kwlist, &t, &peer, &async_op, &tag_obj) ||
-        fsc_py_parse_tag(tag_obj, "recv", &tag) < 0)
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|pO:recv", kwlist, &t, &peer_obj, &async_op, &tag_obj) ||
+        fsc_py_parse_rank(peer_obj, "recv", "src", &peer) < 0 || fsc_py_parse_tag(tag_obj, "recv", &tag) < 0)
         return NULL;
     return one_call(self, FSC_OP_RECV, t, NULL, peer, NULL, tag, async_op);
 }
@@ -490,7 +494,32 @@ static PyObject *py_all_to_all_check(PyObject *module, PyObject *args, PyObject 
     Py_RETURN_NONE;
 }
 
+/* check_calls(ops, rank, size): the engine's argument rules for `ops` (a batch's tuples, CPU or
+ * CUDA tensors) on a group of `size` ranks, for a group that runs them without the engine (one
+ * rank, or torch's collectives across hosts), so that it refuses what the engine refuses, with
+ * the same messages. */
+static PyObject *py_check_calls(PyObject *module, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ops", "rank", "size", NULL};
+    PyObject *ops;
+    int rank, size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oii:check_calls", kwlist, &ops, &rank, &size)) return NULL;
+    if (size < 1 || rank < 0 || rank >= size)
+        return PyErr_Format(PyExc_ValueError, "check_calls: rank %d of size %d is not a group rank", rank, size);
+    fsc_py_calls_t c; /* CUDA tensors with stream -1: nothing runs, so nothing to order */
+    if (fsc_py_parse_calls(&c, module, ops, 256, 0, -1) < 0) return NULL;
+    const fsc_tensor_t *first = c.calls[0].tensor;
+    int device_type = first ? first->device_type : FSC_DEV_CPU, device_id = first ? first->device_id : -1;
+    fsc_status_t st = c.ncalls == 1 ? fsc_comm_check_call(&c.calls[0], rank, size, device_type, device_id)
+                                    : fsc_comm_check_batch(c.calls, c.ncalls, rank, size, device_type, device_id);
+    fsc_py_calls_clear(&c);
+    if (st != FSC_OK) return fsc_py_raise(module, st);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef comm_functions[] = {
+    FSC_PY_KW_METHOD("check_calls", py_check_calls,
+                     "check_calls(ops, rank, size): raise ValueError/TypeError when one of `ops` (tuples as "
+                     "ShmGroup.batch takes them) breaks an argument rule of the engine."),
     FSC_PY_KW_METHOD("all_to_all_check", py_all_to_all_check,
                      "all_to_all_check(output, input, output_split_sizes, input_split_sizes, rank, size): raise "
                      "ValueError/TypeError when an all_to_all_single with these arguments breaks a rule."),

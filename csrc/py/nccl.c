@@ -182,12 +182,14 @@ static PyObject *comm_all_reduce(PyObject *self, PyObject *args, PyObject *kwarg
 /* reduce(tensor, op, root, stream) */
 static PyObject *comm_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"tensor", "op", "root", "stream", NULL};
-    PyObject *module = comm_module(self), *t;
+    PyObject *module = comm_module(self), *t, *root_obj;
     const char *op;
     int root;
     fsc_stream_t stream;
-    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "OsiO&:reduce", kwlist, &t, &op, &root,
-                                                       fsc_py_stream_converter, &stream))
+    if (module == NULL ||
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "OsOO&:reduce", kwlist, &t, &op, &root_obj, fsc_py_stream_converter,
+                                     &stream) ||
+        fsc_py_parse_rank(root_obj, "reduce", "root", &root) < 0)
         return NULL;
     return enqueue(self, module, FSC_OP_REDUCE, t, NULL, op, root, 0, stream);
 }
@@ -197,16 +199,17 @@ static PyObject *comm_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
 static PyObject *ranked(PyObject *self, PyObject *args, PyObject *kwargs, fsc_comm_op_t kind) {
     static char *kwlist_root[] = {"tensor", "root", "stream", NULL};
     static char *kwlist_peer[] = {"tensor", "peer", "stream", "tag", NULL};
-    const char *format = kind == FSC_OP_BROADCAST ? "OiO&:broadcast"
-                         : kind == FSC_OP_SEND    ? "OiO&|O:send"
-                                                  : "OiO&|O:recv";
-    PyObject *module = comm_module(self), *t, *tag_obj = NULL;
+    const char *format = kind == FSC_OP_BROADCAST ? "OOO&:broadcast"
+                         : kind == FSC_OP_SEND    ? "OOO&|O:send"
+                                                  : "OOO&|O:recv";
+    PyObject *module = comm_module(self), *t, *who_obj, *tag_obj = NULL;
     int who;
     int32_t tag = 0;
     fsc_stream_t stream;
     if (module == NULL ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, format, kind == FSC_OP_BROADCAST ? kwlist_root : kwlist_peer, &t,
-                                     &who, fsc_py_stream_converter, &stream, &tag_obj) ||
+                                     &who_obj, fsc_py_stream_converter, &stream, &tag_obj) ||
+        fsc_py_parse_rank(who_obj, fsc_comm_op_name(kind), kind == FSC_OP_BROADCAST ? "root" : "peer", &who) < 0 ||
         fsc_py_parse_tag(tag_obj, fsc_comm_op_name(kind), &tag) < 0)
         return NULL;
     return enqueue(self, module, kind, t, NULL, NULL, who, tag, stream);

@@ -47,7 +47,15 @@ int fsc_py_parse_seconds(PyObject *args, PyObject *kwds, const char *method, cha
     if (!PyArg_ParseTupleAndKeywords(args, kwds, fmt, kwlist, &obj)) return -1;
     *out = -1;
     if (obj == Py_None) return 0;
-    *out = PyFloat_AsDouble(obj);
+    if (!PyNumber_Check(obj) && PyObject_HasAttrString(obj, "total_seconds")) { /* a datetime.timedelta */
+        PyObject *secs = PyObject_CallMethod(obj, "total_seconds", NULL);
+        if (secs == NULL) return -1;
+        *out = PyFloat_AsDouble(secs);
+        Py_DECREF(secs);
+        if (*out == -1 && PyErr_Occurred()) return -1;
+    } else {
+        *out = PyFloat_AsDouble(obj);
+    }
     if (*out == -1 && PyErr_Occurred()) {
         PyErr_Format(PyExc_TypeError, "%s: %s must be a number of seconds or None, got %s", method, name,
                      Py_TYPE(obj)->tp_name);

@@ -63,6 +63,8 @@ __all__ = [
     "reduce",
     "send",
     "recv",
+    "isend",
+    "irecv",
     "barrier",
     "all_to_all_single",
     "all_to_all",
@@ -238,10 +240,17 @@ def _release_destroyed_groups() -> None:
             group.destroy()
 
 
-def batch_isend_irecv(p2p_op_list: Sequence[P2POp], group: Optional[Group] = None) -> List[Any]:
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp], group: Any = None) -> List[Any]:
     """torch.distributed.batch_isend_irecv's shape: run the sends and recvs together (no order of
-    issue deadlocks) and return a list with one Work for them."""
-    return [(group or get_group()).batch(list(p2p_op_list), async_op=True)]
+    issue deadlocks) and return a list with one Work for them. The group is ``group``, else the
+    one the P2POps name (all the same one, as torch requires), else the default group."""
+    ops = list(p2p_op_list)
+    if group is None:
+        named = {id(op.group): op.group for op in ops if isinstance(op, P2POp) and op.group is not None}
+        if len(named) > 1:
+            raise ValueError("batch_isend_irecv: the P2POps name different groups; expected one group for all")
+        group = next(iter(named.values()), None)
+    return [_resolve(group).batch(ops, async_op=True)]
 
 
 def get_group() -> Group:
@@ -265,38 +274,70 @@ def destroy(group: Optional[Group] = None) -> None:
         _default = None
 
 
-def all_gather(output: Any, input: Any, group: Optional[Group] = None, async_op: bool = False) -> Any:
-    return (group or get_group()).all_gather(output, input, async_op=async_op)
+def _resolve(group: Any) -> Any:
+    """The engine group a module-level function runs on: ``group`` itself, the default group for
+    None, or the engine group of a torch.distributed process group (see :func:`group_for`)."""
+    if group is None:
+        return get_group()
+    if isinstance(group, (Group, LocalGroup)):
+        return group
+    if _is_torch_group(group) or hasattr(group, "traced_process_group"):
+        return group_for(group)
+    raise TypeError(
+        f"argument 'group' must be a fairscale_c.distributed group, a torch.distributed process group "
+        f"or None, got {type(group).__name__}"
+    )
 
 
-def reduce_scatter(
-    output: Any, input: Any, op: str = "sum", group: Optional[Group] = None, async_op: bool = False
-) -> Any:
-    return (group or get_group()).reduce_scatter(output, input, op=op, async_op=async_op)
+def all_gather(output: Any, input: Any, group: Any = None, async_op: bool = False) -> Any:
+    return _resolve(group).all_gather(output, input, async_op=async_op)
 
 
-def all_reduce(tensor: Any, op: str = "sum", group: Optional[Group] = None, async_op: bool = False) -> Any:
-    return (group or get_group()).all_reduce(tensor, op=op, async_op=async_op)
+def reduce_scatter(output: Any, input: Any, op: Any = "sum", group: Any = None, async_op: bool = False) -> Any:
+    return _resolve(group).reduce_scatter(output, input, op=op, async_op=async_op)
 
 
-def broadcast(tensor: Any, root: int = 0, group: Optional[Group] = None, async_op: bool = False) -> Any:
-    return (group or get_group()).broadcast(tensor, root=root, async_op=async_op)
+def all_reduce(tensor: Any, op: Any = "sum", group: Any = None, async_op: bool = False) -> Any:
+    """In place over the ranks of ``group``: ``op`` is "sum", "avg", "max", "min" or their
+    torch.distributed.ReduceOp."""
+    return _resolve(group).all_reduce(tensor, op=op, async_op=async_op)
 
 
-def reduce(tensor: Any, root: int = 0, op: str = "sum", group: Optional[Group] = None, async_op: bool = False) -> Any:
-    return (group or get_group()).reduce(tensor, root=root, op=op, async_op=async_op)
+def broadcast(tensor: Any, root: int = 0, group: Any = None, async_op: bool = False) -> Any:
+    return _resolve(group).broadcast(tensor, root=root, async_op=async_op)
 
 
-def send(tensor: Any, dst: int, group: Optional[Group] = None, async_op: bool = False, tag: int = 0) -> Any:
-    return (group or get_group()).send(tensor, dst, async_op=async_op, tag=tag)
+def reduce(tensor: Any, root: int = 0, op: Any = "sum", group: Any = None, async_op: bool = False) -> Any:
+    return _resolve(group).reduce(tensor, root=root, op=op, async_op=async_op)
 
 
-def recv(tensor: Any, src: int, group: Optional[Group] = None, async_op: bool = False, tag: int = 0) -> Any:
-    return (group or get_group()).recv(tensor, src, async_op=async_op, tag=tag)
+def send(tensor: Any, dst: int, group: Any = None, tag: int = 0, *, async_op: bool = False) -> Any:
+    """Send to rank ``dst`` of ``group``; the positional order of torch.distributed.send
+    (tensor, dst, group, tag). A Work with ``async_op=True`` (or use :func:`isend`)."""
+    return _resolve(group).send(tensor, dst, async_op=async_op, tag=tag)
 
 
-def barrier(group: Optional[Group] = None, async_op: bool = False) -> Any:
-    return (group or get_group()).barrier(async_op=async_op)
+def recv(tensor: Any, src: int, group: Any = None, tag: int = 0, *, async_op: bool = False) -> Any:
+    """Receive from rank ``src`` of ``group`` into ``tensor``; the positional order of
+    torch.distributed.recv (tensor, src, group, tag), and like it returns the sender's rank
+    (a Work with ``async_op=True``, or use :func:`irecv`). ``src`` is required: the engine matches
+    messages by sender."""
+    work = _resolve(group).recv(tensor, src, async_op=async_op, tag=tag)
+    return work if async_op else src
+
+
+def isend(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> Any:
+    """torch.distributed.isend: :func:`send` with ``async_op=True``; returns its Work."""
+    return _resolve(group).send(tensor, dst, async_op=True, tag=tag)
+
+
+def irecv(tensor: Any, src: int, group: Any = None, tag: int = 0) -> Any:
+    """torch.distributed.irecv: :func:`recv` with ``async_op=True``; returns its Work."""
+    return _resolve(group).recv(tensor, src, async_op=True, tag=tag)
+
+
+def barrier(group: Any = None, async_op: bool = False) -> Any:
+    return _resolve(group).barrier(async_op=async_op)
 
 
 def all_to_all_single(
@@ -304,26 +345,24 @@ def all_to_all_single(
     input: Any,
     output_split_sizes: Optional[Sequence[int]] = None,
     input_split_sizes: Optional[Sequence[int]] = None,
-    group: Optional[Group] = None,
+    group: Any = None,
     async_op: bool = False,
 ) -> Any:
     """torch.distributed.all_to_all_single's meaning: input's dim-0 block j (``input_split_sizes[j]``
     rows, or an equal split) goes to rank j, output's block i comes from rank i. One batch of sends
     and receives underneath: it cannot deadlock, on CPU and on CUDA."""
-    return (group or get_group()).all_to_all_single(
-        output, input, output_split_sizes, input_split_sizes, async_op=async_op
-    )
+    return _resolve(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op=async_op)
 
 
 def all_to_all(
     output_tensor_list: Sequence[Any],
     input_tensor_list: Sequence[Any],
-    group: Optional[Group] = None,
+    group: Any = None,
     async_op: bool = False,
 ) -> Any:
     """torch.distributed.all_to_all's meaning: ``input_tensor_list[j]`` goes to rank j,
     ``output_tensor_list[i]`` comes from rank i."""
-    return (group or get_group()).all_to_all(output_tensor_list, input_tensor_list, async_op=async_op)
+    return _resolve(group).all_to_all(output_tensor_list, input_tensor_list, async_op=async_op)
 
 
 def shared_empty(*size: Any, dtype: Any = None, group: Optional[Group] = None) -> Any:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from . import _alltoall
+from . import _alltoall, _rules
 from ._p2p import P2POp, batch_items, check_tag, item_tag
 from ._rendezvous import Exchange, ProcessGroupExchange, StoreExchange, timeout_s
 from ._work import CompletedWork, CudaWork, local_copy
@@ -325,7 +325,8 @@ class Group:
             side = self._side[device] = torch.cuda.Stream(device)
         return side
 
-    def _route(self, op: str, *named: Any) -> bool:
+    @staticmethod
+    def _route(op: str, *named: Any) -> bool:
         """True for CUDA; checks that every (argname, tensor) pair lives on the same device type."""
         first_name, first = "", None
         for name, t in named:
@@ -345,6 +346,7 @@ class Group:
         backend = self._cpu()
         if backend is self._shm:
             return getattr(backend, op)(*args, async_op=async_op, **kwargs)
+        _rules.check(op, args, kwargs, self.rank, self.size)  # torch's collectives: the engine's rules first
         getattr(backend, op)(*args, **kwargs)
         return CompletedWork() if async_op else None
 
@@ -385,6 +387,8 @@ class Group:
 
     def reduce_scatter(self, output: Any, input: Any, op: str = "sum", async_op: bool = False) -> Any:
         """output = block ``rank`` (output.numel() elements) of the reduction of every rank's input."""
+        if op.__class__ is not str:
+            op = _rules.redop(op)
         if self._route("reduce_scatter", ("output", output), ("input", input)):
             return self._cuda_op(
                 "reduce_scatter", lambda n, s: n.reduce_scatter(output, input, op, stream=s), (output, input), async_op
@@ -392,7 +396,10 @@ class Group:
         return self._cpu_op("reduce_scatter", async_op, (output, input), {"op": op})
 
     def all_reduce(self, tensor: Any, op: str = "sum", async_op: bool = False) -> Any:
-        """In place: tensor = reduction (sum | avg | max | min) over ranks."""
+        """In place: tensor = reduction (sum | avg | max | min, or their torch.distributed.ReduceOp)
+        over ranks."""
+        if op.__class__ is not str:
+            op = _rules.redop(op)
         if self._route("all_reduce", ("tensor", tensor)):
             return self._cuda_op("all_reduce", lambda n, s: n.all_reduce(tensor, op, stream=s), (tensor,), async_op)
         return self._cpu_op("all_reduce", async_op, (tensor,), {"op": op})
@@ -405,6 +412,8 @@ class Group:
 
     def reduce(self, tensor: Any, root: int = 0, op: str = "sum", async_op: bool = False) -> Any:
         """root's tensor = reduction over ranks; other ranks' tensors are left unchanged."""
+        if op.__class__ is not str:
+            op = _rules.redop(op)
         if self._route("reduce", ("tensor", tensor)):
             return self._cuda_op("reduce", lambda n, s: n.reduce(tensor, op, root, stream=s), (tensor,), async_op)
         return self._cpu_op("reduce", async_op, (tensor,), {"root": root, "op": op})
@@ -438,7 +447,7 @@ class Group:
         ``("send", t, dst, tag)``, ``("all_reduce", t, "sum")``, ...). Sends and receives move at
         once (NCCL: one group), so a ring exchange issued in any order on the ranks completes;
         collectives of the batch run in list order. Returns one Work when ``async_op``."""
-        items = batch_items(ops)
+        items = batch_items(ops, self)
         if not items:
             raise ValueError("batch: argument 'ops' is empty; expected at least one op")
         named = [(f"ops[{i}]", a) for i, item in enumerate(items) for a in item[1:] if hasattr(a, "__dlpack__")]

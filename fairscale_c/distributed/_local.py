@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from . import _alltoall
+from .. import _C
+from . import _alltoall, _rules
 from ._group import Group
 from ._p2p import batch_items, check_tag
 from ._work import CompletedWork, local_copy
@@ -12,7 +13,8 @@ from ._work import CompletedWork, local_copy
 
 class LocalGroup:
     """The group of a single process (no torch.distributed, or a process group of one rank): every
-    collective is a local copy or nothing, completed when it returns."""
+    collective is a local copy or nothing, completed when it returns. Arguments follow the
+    engine's rules (``_rules``), so code that breaks one fails here as it would on more ranks."""
 
     def __init__(self, pg: Any = None, name: str = "local") -> None:
         self.rank, self.size, self.name, self.process_group = 0, 1, name, pg
@@ -24,33 +26,32 @@ class LocalGroup:
     def _done(async_op: bool) -> Any:
         return CompletedWork() if async_op else None
 
-    def _copy(self, op: str, output: Any, input: Any, async_op: bool) -> Any:
-        if output.numel() != input.numel():
-            big, small = ("output", "input") if op == "all_gather" else ("input", "output")
-            n = {"output": output.numel(), "input": input.numel()}
-            raise ValueError(
-                f"{op}: {big} has {n[big]} elements; expected group size (1) x {small} elements "
-                f"({n[small]}) = {n[small]}"
-            )
+    def all_gather(self, output: Any, input: Any, async_op: bool = False) -> Any:
+        self._route("all_gather", ("output", output), ("input", input))
+        _rules.check("all_gather", (output, input), {}, 0, 1)
         local_copy(output, input)
         return self._done(async_op)
 
-    def all_gather(self, output: Any, input: Any, async_op: bool = False) -> Any:
-        return self._copy("all_gather", output, input, async_op)
-
     def reduce_scatter(self, output: Any, input: Any, op: str = "sum", async_op: bool = False) -> Any:
-        return self._copy("reduce_scatter", output, input, async_op)
+        self._route("reduce_scatter", ("output", output), ("input", input))
+        _rules.check("reduce_scatter", (output, input), {"op": _rules.redop(op)}, 0, 1)
+        local_copy(output, input)
+        return self._done(async_op)
 
     def all_reduce(self, tensor: Any, op: str = "sum", async_op: bool = False) -> Any:
+        self._route("all_reduce", ("tensor", tensor))
+        _rules.check("all_reduce", (tensor,), {"op": _rules.redop(op)}, 0, 1)
         return self._done(async_op)
 
     def broadcast(self, tensor: Any, root: int = 0, async_op: bool = False) -> Any:
-        if root != 0:
-            raise ValueError(f"broadcast: root={root} is not a valid group rank (expected 0 <= root < 1)")
+        self._route("broadcast", ("tensor", tensor))
+        _rules.check("broadcast", (tensor,), {"root": root}, 0, 1)
         return self._done(async_op)
 
     def reduce(self, tensor: Any, root: int = 0, op: str = "sum", async_op: bool = False) -> Any:
-        return self.broadcast(tensor, root, async_op)
+        self._route("reduce", ("tensor", tensor))
+        _rules.check("reduce", (tensor,), {"root": root, "op": _rules.redop(op)}, 0, 1)
+        return self._done(async_op)
 
     def barrier(self, async_op: bool = False) -> Any:
         return self._done(async_op)
@@ -68,6 +69,7 @@ class LocalGroup:
         return self._done(async_op)
 
     all_to_all = Group.all_to_all
+    _route = staticmethod(Group._route)  # the same device rules and messages
 
     def _no_peer(self, op: str) -> None:
         raise ValueError(f"{op}: group '{self.name}' has one rank, so there is no peer to {op} with")
@@ -82,23 +84,16 @@ class LocalGroup:
 
     def batch(self, ops: Sequence[Any], async_op: bool = False) -> Any:
         """The collectives of the batch in list order (a send or recv has no peer here)."""
-        items = batch_items(ops)
+        items = batch_items(ops, self)
         if not items:
             raise ValueError("batch: argument 'ops' is empty; expected at least one op")
-        for name, *args in items:
+        for name, *_ in items:
             if name in ("send", "recv"):
                 self._no_peer(name)
-            if name == "reduce":  # tuple order: (tensor, op, root)
-                self.reduce(args[0], root=args[2], op=args[1])
-            elif name in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
-                getattr(self, name)(*args)
-            elif name == "copy":
-                local_copy(*args)
-            else:
-                raise ValueError(
-                    f"batch: '{name}' is not an op; expected all_gather, reduce_scatter, all_reduce, "
-                    "broadcast, reduce, send, recv or copy"
-                )
+        _C.check_calls(items, 0, 1)
+        for name, *args in items:
+            if name in ("all_gather", "reduce_scatter", "copy"):
+                local_copy(args[0], args[1])
         return self._done(async_op)
 
     def destroy(self) -> None:

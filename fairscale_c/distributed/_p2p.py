@@ -22,14 +22,24 @@ def check_tag(tag: Any, op: str) -> int:
     return value
 
 
-def batch_items(ops: Any) -> list:
-    """A batch's ops as tuples (name, *args); TypeError naming what was given otherwise."""
+def batch_items(ops: Any, group: Any = None) -> list:
+    """A batch's ops as tuples (name, *args); TypeError naming what was given otherwise. A P2POp
+    that names a group must name ``group`` (the group the batch runs on) or its process group."""
     try:
-        return [op.as_tuple() if isinstance(op, P2POp) else tuple(op) for op in ops]
+        items = [op.as_tuple() if isinstance(op, P2POp) else tuple(op) for op in ops]
     except TypeError:
         raise TypeError(
             f"batch: argument 'ops' must be a sequence of P2POp or tuples (name, *args), got {type(ops).__name__}"
         ) from None
+    if group is not None:
+        for i, op in enumerate(ops):
+            if isinstance(op, P2POp) and op.group is not None and op.group is not group:
+                if op.group is not getattr(group, "process_group", None):
+                    raise ValueError(
+                        f"batch: ops[{i}] names group {op.group!r}, but the batch runs on {group!r}; "
+                        "every P2POp of a batch must name its group or none"
+                    )
+    return items
 
 
 def item_tag(item: tuple) -> int:
@@ -39,20 +49,26 @@ def item_tag(item: tuple) -> int:
 
 class P2POp:
     """One send or recv of a :meth:`Group.batch`, as ``torch.distributed.P2POp``: ``op`` is
-    ``"send"`` / ``"recv"`` or one of this module's send / recv / isend / irecv functions (or
-    torch.distributed's), ``peer`` a rank of the group the batch runs on, ``tag`` the message's
-    tag (an int32; see :meth:`Group.recv` for how tags match; CUDA tensors take ``tag=0`` only)."""
+    ``"send"`` / ``"recv"`` or one of fairscale_c.distributed's send / recv / isend / irecv
+    functions (or torch.distributed's), ``peer`` a rank of the group the batch runs on, ``group``
+    that group (a fairscale_c.distributed group or a torch.distributed process group; None: the
+    batch's), ``tag`` the message's tag (an int32; see :meth:`Group.recv` for how tags match; CUDA
+    tensors take ``tag=0`` only)."""
 
-    __slots__ = ("op", "tensor", "peer", "tag")
+    __slots__ = ("op", "tensor", "peer", "group", "tag")
 
     def __init__(self, op: Any, tensor: Any, peer: int, group: Any = None, tag: int = 0) -> None:
         name = op if isinstance(op, str) else getattr(op, "__name__", "")
         name = {"isend": "send", "irecv": "recv"}.get(name, name)
         if name not in ("send", "recv"):
             raise ValueError(f"P2POp: argument 'op' must be 'send', 'recv' or a send/recv function, got {op!r}")
-        if group is not None:
-            raise ValueError("P2POp: argument 'group' is not supported; pass the group to batch()")
-        self.op, self.tensor, self.peer, self.tag = name, tensor, int(peer), check_tag(tag, "P2POp")
+        try:
+            peer = operator.index(peer)
+        except TypeError:
+            raise TypeError(
+                f"P2POp: argument 'peer' must be an int (a group rank), got {type(peer).__name__}"
+            ) from None
+        self.op, self.tensor, self.peer, self.group, self.tag = name, tensor, peer, group, check_tag(tag, "P2POp")
 
     def as_tuple(self) -> tuple:
         return (self.op, self.tensor, self.peer, self.tag)

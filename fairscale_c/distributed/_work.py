@@ -9,7 +9,7 @@ synchronisation) and ``is_completed()`` queries that event.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 
@@ -24,7 +24,7 @@ class CompletedWork:
 
     __slots__ = ()
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout: Any = None) -> bool:
         return True
 
     def is_completed(self) -> bool:
@@ -49,8 +49,10 @@ class CudaWork:
     def is_completed(self) -> bool:
         return bool(self.event.query())
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout: Any = None) -> bool:
         if timeout is not None:
+            if hasattr(timeout, "total_seconds"):  # a datetime.timedelta, as torch's Work.wait takes
+                timeout = timeout.total_seconds()
             if timeout < 0:
                 raise ValueError(f"wait: timeout must be >= 0 or None, got {timeout!r}")
             deadline = time.monotonic() + timeout

@@ -1,0 +1,116 @@
+"""fairscale_c.distributed's torch.distributed-shaped surface: module functions that take a torch
+process group, torch's ReduceOp, send/recv in torch's positional order (recv returning the
+sender), isend/irecv, P2POps that name their group, Work.wait with a timedelta; and the one-rank
+LocalGroup refusing every argument the engine refuses, with the engine's messages."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+
+from dist_utils import join_gloo, run_ranks
+
+
+BAD_CALLS = {
+    "unknown op": lambda g: g.all_reduce(torch.ones(4), op="prod"),
+    "avg on ints": lambda g: g.all_reduce(torch.ones(4, dtype=torch.int32), op="avg"),
+    "not a tensor": lambda g: g.all_reduce([1.0, 2.0]),
+    "None": lambda g: g.broadcast(None),
+    "non-contiguous": lambda g: g.all_reduce(torch.ones(4, 4).t()),
+    "complex": lambda g: g.all_reduce(torch.ones(4, dtype=torch.complex64)),
+    "int16": lambda g: g.all_reduce(torch.ones(4, dtype=torch.int16)),
+    "requires grad": lambda g: g.all_reduce(torch.ones(4, requires_grad=True)),
+    "reduce unknown op": lambda g: g.reduce(torch.ones(4), root=0, op="bogus"),
+    "reduce_scatter unknown op": lambda g: g.reduce_scatter(torch.empty(4), torch.ones(4), op="bogus"),
+    "all_gather dtypes": lambda g: g.all_gather(torch.empty(4, dtype=torch.float64), torch.ones(4)),
+    "all_gather sizes": lambda g: g.all_gather(torch.empty(3), torch.ones(4)),
+    "reduce_scatter sizes": lambda g: g.reduce_scatter(torch.empty(2), torch.ones(4)),
+    "overlap": lambda g: (lambda t: g.all_gather(t[:4], t[2:6]))(torch.ones(8)),
+    "root": lambda g: g.broadcast(torch.ones(2), root=1),
+    "huge root": lambda g: g.reduce(torch.ones(2), root=2**40),
+    "ReduceOp.PRODUCT": lambda g: g.all_reduce(torch.ones(2), op=torch.distributed.ReduceOp.PRODUCT),
+    "batch item": lambda g: g.batch([("all_reduce", torch.ones(2), "prod")]),
+    "read-only": lambda g: (lambda a: (a.setflags(write=False), g.all_reduce(a)))(torch.ones(2).numpy()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_one_rank_group_refuses_what_the_engine_refuses(solo, case):
+    import fairscale_c.distributed as fdist
+
+    local = fdist.LocalGroup()
+    errors = []
+    for g in (solo, local):
+        with pytest.raises((TypeError, ValueError)) as info:
+            BAD_CALLS[case](g)
+        errors.append((info.type, str(info.value)))
+    assert errors[0] == errors[1], errors
+
+
+def test_one_rank_group_still_copies():
+    import fairscale_c.distributed as fdist
+
+    g = fdist.LocalGroup()
+    out, x = torch.empty(3), torch.arange(3.0)
+    g.all_gather(out, x)
+    assert out.tolist() == [0.0, 1.0, 2.0]
+    g.reduce_scatter(out, x * 2, op=torch.distributed.ReduceOp.SUM)
+    assert out.tolist() == [0.0, 2.0, 4.0]
+    copied = torch.empty(3)
+    assert g.batch([("copy", copied, x), ("all_reduce", x, "max")], async_op=True).wait()
+    assert copied.tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="has one rank, so there is no peer"):
+        g.batch([fdist.P2POp("send", x, 0)])
+
+
+def _torch_shaped_job(rank: int, world: int):
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    join_gloo(rank, world)
+    pg, peer = dist.group.WORLD, 1 - rank
+    fdist.init_group()
+    # a torch process group as `group`, torch's ReduceOp as `op`
+    t = torch.tensor([float(rank), 5.0 - rank])
+    fdist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    assert t.tolist() == [1.0, 5.0], t
+    t = torch.full((2,), float(rank))
+    fdist.reduce(t, 0, dist.ReduceOp.AVG, pg)
+    assert rank != 0 or t.tolist() == [0.5, 0.5], t
+    with pytest.raises(ValueError, match=r"expected one of 'sum', 'avg', 'max', 'min' or their ReduceOp"):
+        fdist.all_reduce(t, op=dist.ReduceOp.BAND, group=pg)
+    with pytest.raises(TypeError, match=r"argument 'group' must be a fairscale_c.distributed group"):
+        fdist.barrier(group=object())
+    # send / recv in torch's positional order (tensor, peer, group, tag); recv returns the sender
+    x, y = torch.full((3,), 10.0 + rank), torch.empty(3)
+    if rank == 0:
+        fdist.send(x, 1, pg, 7)
+        assert fdist.recv(y, 1, None, 8) == 1
+    else:
+        assert fdist.recv(y, 0, pg, 7) == 0
+        fdist.send(x, 0, None, 8)
+    assert y.tolist() == [10.0 + peer] * 3, y
+    # isend / irecv both first, on both ranks, and waits with a timedelta as torch's take
+    y = torch.empty(3)
+    works = [fdist.irecv(y, peer, pg, 3), fdist.isend(x, peer, pg, 3)]
+    assert all(w.wait(datetime.timedelta(seconds=30)) for w in works)
+    assert y.tolist() == [10.0 + peer] * 3, y
+    # P2POps that name their group, as torch's batch_isend_irecv takes them (recv listed first)
+    y = torch.empty(3)
+    ops = [fdist.P2POp(fdist.irecv, y, peer, group=pg), fdist.P2POp(fdist.isend, x, peer, group=pg)]
+    for w in fdist.batch_isend_irecv(ops):
+        w.wait()
+    assert y.tolist() == [10.0 + peer] * 3, y
+    other = fdist.init_group(name="other")
+    with pytest.raises(ValueError, match=r"every P2POp of a batch must name its group or none"):
+        other.batch([fdist.P2POp("send", x, peer, group=fdist.get_group())])
+    other.destroy()
+    dist.barrier()
+    return True
+
+
+def test_torch_shaped_module_functions():
+    assert run_ranks(_torch_shaped_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [True, True]
