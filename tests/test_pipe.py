@@ -548,6 +548,12 @@ def test_module_protocol_and_attributes():
     with pytest.raises(TypeError):
         pipe.to(torch.zeros(1))
     assert pipe.to(torch.float64) is pipe and pipe[0].weight.dtype == torch.float64
+    # any whole number is a balance entry, as in FairScale (numpy's, e.g. from an array, and 2.0)
+    np = pytest.importorskip("numpy")
+    assert Pipe(mlp(), np.array([3, 6]), devices=["cpu", "cpu"]).balance == [3, 6]
+    assert Pipe(mlp(), [4.0, 5], devices=["cpu", "cpu"]).balance == [4, 5]
+    with pytest.raises(ValueError, match=r"balance must be a list of positive integers \(balance: \[4.5, 4.5\]\)"):
+        Pipe(mlp(), [4.5, 4.5], devices=["cpu", "cpu"])
     empty = Pipe(nn.Sequential(), [], devices=[])
     x = torch.randn(2)
     assert empty(x) is x and len(empty) == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 import sys
 import weakref
 from collections import OrderedDict
@@ -46,12 +48,25 @@ def _verify_module(module: nn.Sequential) -> None:
         raise ValueError("module with duplicate children is not supported")
 
 
+def _whole_numbers(balance: Iterable[Any]) -> List[int]:
+    """``balance`` as ints. Like FairScale, any whole number counts: numpy integers (e.g. from
+    np.array([1, 2])), bools, and floats such as 2.0; anything else is a BalanceError."""
+    balance, out = list(balance), []
+    for b in balance:
+        try:
+            n = operator.index(b)
+        except TypeError:
+            n = int(b) if isinstance(b, numbers.Real) and float(b).is_integer() else None
+        if n is None:
+            raise BalanceError(f"balance must be a list of positive integers (balance: {balance})")
+        out.append(n)
+    return out
+
+
 def _split_module(
     module: nn.Sequential, balance: Iterable[int], devices: List[torch.device]
 ) -> Tuple[nn.ModuleList, List[int], List[torch.device]]:
-    balance = list(balance)
-    if any(not isinstance(b, int) or isinstance(b, bool) for b in balance):
-        raise BalanceError(f"balance must be a list of positive integers (balance: {balance})")
+    balance = _whole_numbers(balance)
     if len(module) != sum(balance):
         raise BalanceError(
             f"module and sum of balance have different length (module: {len(module)}, sum of balance: {sum(balance)})"
