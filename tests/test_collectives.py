@@ -316,3 +316,49 @@ def _nan_job(rank: int, world: int):
 def test_max_and_min_propagate_nan_from_any_rank(world):
     results = run_ranks(_nan_job, world, env={"FAIRSCALE_C_TIMEOUT": "120"}, timeout=300)
     assert results == [[]] * world, results
+
+
+def _byte_moving_dtypes_job(rank: int, world: int):
+    """int8, int16 and bool tensors move through every op that only copies (gloo's and NCCL's
+    collectives take them too); reductions refuse them with a message naming the dtype."""
+    import fairscale_c.distributed as fdist
+
+    group = _init("env")
+    failures = []
+    for dtype in (torch.int8, torch.int16, torch.bool):
+        xs = [
+            (torch.arange(1001) * (r + 3) % 7 > 2)
+            if dtype == torch.bool
+            else (torch.arange(1001) * (r + 3) % 100 - 50).to(dtype)
+            for r in range(world)
+        ]
+        out = torch.empty(1001 * world, dtype=dtype)
+        group.all_gather(out, xs[rank])
+        if not torch.equal(out, torch.cat(xs)):
+            failures.append(f"all_gather {dtype}")
+        b = xs[rank].clone()
+        group.broadcast(b, root=world - 1)
+        if not torch.equal(b, xs[world - 1]):
+            failures.append(f"broadcast {dtype}")
+        got = torch.empty(1001, dtype=dtype)
+        right, left = (rank + 1) % world, (rank - 1) % world
+        group.batch([fdist.P2POp("recv", got, left), fdist.P2POp("send", xs[rank], right)])
+        if not torch.equal(got, xs[left]):
+            failures.append(f"send/recv {dtype}")
+        a2a = torch.empty(world * 3, dtype=dtype)
+        group.all_to_all_single(a2a, torch.cat([xs[rank][:3]] * world))
+        if not torch.equal(a2a, torch.cat([x[:3] for x in xs])):
+            failures.append(f"all_to_all_single {dtype}")
+        try:
+            group.all_reduce(xs[rank].clone())
+            failures.append(f"all_reduce {dtype} accepted")
+        except ValueError as e:
+            if f"dtype {str(dtype).replace('torch.', '')}; a reduction takes one of" not in str(e):
+                failures.append(f"all_reduce {dtype}: {e}")
+    group.destroy()
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_int8_int16_and_bool_move_through_copying_ops(world):
+    assert run_ranks(_byte_moving_dtypes_job, world, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [[]] * world

@@ -40,14 +40,15 @@ CUTS = {1: [0, 7], 2: [0, 4, 7], 4: [0, 2, 4, 6, 7]}  # layer boundaries of each
 
 
 class Head(nn.Module):
-    """Stage 0 of the two-tensor model: passes an int64 tensor along with the activations."""
+    """Stage 0 of the three-tensor model: passes an int64 tensor and a bool mask along with the
+    activations."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 16)
 
     def forward(self, x):
-        return torch.tanh(self.fc(x)), (x[:, 0] > 0).long()
+        return torch.tanh(self.fc(x)), (x[:, 0] > 0).long(), x[:, 1] > 0
 
 
 class Tail(nn.Module):
@@ -56,13 +57,13 @@ class Tail(nn.Module):
         self.emb = nn.Embedding(2, 16)
         self.fc = nn.Linear(16, 4)
 
-    def forward(self, h, idx):
-        return self.fc(h + self.emb(idx))
+    def forward(self, h, idx, keep):
+        return self.fc(h + self.emb(idx)) * keep[:, None]
 
 
-class _ToBool(nn.Module):
+class _ToComplex(nn.Module):
     def forward(self, x):
-        return x > 0
+        return torch.complex(x, x)
 
 
 def batch(step: int, n: int, device: str = "cpu"):
@@ -113,7 +114,8 @@ def _train_and_compare(rank, stage_group, world, schedule_cls, n_micro, batch_si
 
 
 def _two_tensor_model(rank, group):
-    """Stages that pass a float and an int64 tensor; 1F1B; gradients flow through the float one."""
+    """Stages that pass a float, an int64 and a bool tensor; 1F1B; gradients flow through the float
+    one."""
     from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B
 
     torch.manual_seed(1)
@@ -135,6 +137,7 @@ def _two_tensor_model(rank, group):
     assert [str(m.dtype) for m in (stage.input_meta if rank == 1 else stage.output_meta)] == [
         "torch.float32",
         "torch.int64",
+        "torch.bool",
     ]
     for p, q in zip(mod.parameters(), (ref_head if rank == 0 else ref_tail).parameters()):
         torch.testing.assert_close(p, q, **TOL)
@@ -311,13 +314,13 @@ def _bad_input(rank, group):
     )
 
     # a dtype the collectives layer does not move
-    boolish = _ToBool() if rank == 0 else mod
+    complexish = _ToComplex() if rank == 0 else mod
     msgs.append(
         _raises(
             ValueError,
-            "stage 0's output[0] has dtype torch.bool; tensors passed between stages must be one of",
+            "stage 0's output[0] has dtype torch.complex64; tensors passed between stages must be one of",
             _first_step,
-            ScheduleGPipe(PipelineStage(boolish, group=group), 4, F.mse_loss),
+            ScheduleGPipe(PipelineStage(complexish, group=group), 4, F.mse_loss),
         )
     )
 

@@ -122,6 +122,7 @@ fsc_status_t fsc_comm_header_check(const char *group, int rank_a, const fsc_comm
 }
 
 fsc_status_t fsc_comm_check_dtype(fsc_dtype_t dt, int redop, const char *opname, const char *argname) {
+    if (redop < 0 && (unsigned)dt < FSC_NUM_DTYPES) return FSC_OK; /* the op only moves bytes */
     switch (dt) {
         case FSC_FLOAT16:
         case FSC_BFLOAT16:
@@ -139,7 +140,7 @@ fsc_status_t fsc_comm_check_dtype(fsc_dtype_t dt, int redop, const char *opname,
         default: break;
     }
     return fsc_error(FSC_ERR_VALUE,
-                     "%s: %s has dtype %s; expected one of float16, bfloat16, float32, float64, "
+                     "%s: %s has dtype %s; a reduction takes one of float16, bfloat16, float32, float64, "
                      "int32, int64, uint8",
                      opname, argname, (unsigned)dt < FSC_NUM_DTYPES ? fsc_dtype_name(dt) : "?");
 }

@@ -88,9 +88,10 @@ void fsc_comm_header_format(const fsc_comm_header_t *h, char *buf, size_t cap);
 fsc_status_t fsc_comm_header_check(const char *group, int rank_a, const fsc_comm_header_t *a, int rank_b,
                                    const fsc_comm_header_t *b);
 
-/* FSC_OK when `dt` is a dtype the collectives support (float16, bfloat16, float32, float64,
- * int32, int64, uint8) and `redop` is valid for it (avg needs a floating dtype); FSC_ERR_VALUE
- * naming `argname` otherwise. Pass redop < 0 for ops that do not reduce. */
+/* FSC_OK when `dt` is a dtype the op supports and `redop` is valid for it; FSC_ERR_VALUE naming
+ * `argname` otherwise. Ops that only move bytes (redop < 0: all_gather, broadcast, send, recv,
+ * copy, all-to-all) take every dtype of fsc_dtype_t; reductions take float16, bfloat16, float32,
+ * float64, int32, int64 and uint8, and avg only the floating ones. */
 fsc_status_t fsc_comm_check_dtype(fsc_dtype_t dt, int redop, const char *opname, const char *argname);
 
 /* One call into the engine, as every backend takes it. `tensor` is the tensor the op writes

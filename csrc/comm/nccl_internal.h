@@ -45,6 +45,7 @@ typedef struct {
 
 /* ncclDataType_t and ncclRedOp_t values. */
 enum {
+    NCCL_INT8 = 0,
     NCCL_UINT8 = 1,
     NCCL_INT32 = 2,
     NCCL_INT64 = 4,

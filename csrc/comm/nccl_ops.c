@@ -26,6 +26,11 @@ static fsc_status_t nccl_dtype(const fsc_tensor_t *t, fsc_comm_op_t op, int redo
         case FSC_INT32: *nccl_dtype = NCCL_INT32; break;
         case FSC_INT64: *nccl_dtype = NCCL_INT64; break;
         case FSC_UINT8: *nccl_dtype = NCCL_UINT8; break;
+        /* admitted for ops that only move bytes (fsc_comm_check_dtype): NCCL copies them as a type of
+         * the same size (it has no int16) */
+        case FSC_INT8: *nccl_dtype = NCCL_INT8; break;
+        case FSC_BOOL: *nccl_dtype = NCCL_UINT8; break;
+        case FSC_INT16: *nccl_dtype = NCCL_FLOAT16; break;
         default: /* fsc_comm_check_dtype admitted a dtype this table lacks */
             return fsc_error(FSC_ERR_INTERNAL, "%s: no NCCL type for %s", opname, fsc_dtype_name(t->dtype));
     }

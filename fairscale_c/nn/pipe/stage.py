@@ -33,7 +33,8 @@ from torch import nn
 from ... import distributed as fdist
 
 # dtypes a stage may pass to the next one (what the collectives layer moves)
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
+           torch.int16, torch.int8, torch.bool)  # fmt: skip
 _MAX_TENSORS = 8  # tensors a stage may pass on
 _MAX_DIMS = 8  # dimensions per tensor
 # set-up record, int64: [status, count, then per tensor (dtype index, ndim, dims... padded)]
