@@ -246,6 +246,24 @@ def test_skip_connections_across_partitions(mode, balance):
     assert_same_training(ref, pipe, torch.randn(9, 8))
 
 
+def nested_skip_model(seed=0):
+    """Stash and pop inside sub-Sequentials, not layers of the Pipe's Sequential."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(8, 8), StashLayer(), nn.Tanh()),
+        nn.Linear(8, 8),
+        nn.Sequential(nn.Linear(8, 8), PopLayer()),
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_skip_connections_across_partitions(mode):
+    # FairScale runs these only where nothing is recomputed; here every checkpoint mode trains
+    ref = nested_skip_model()
+    pipe = Pipe(nested_skip_model(), [1, 2], devices=["cpu"] * 2, chunks=3, checkpoint=mode)
+    assert_same_training(ref, pipe, torch.randn(9, 8))
+
+
 def test_verify_skippables_and_missing_pop():
     with pytest.raises(TypeError, match="no module declared 'skip' as poppable but stashed"):
         verify_skippables(nn.Sequential(StashLayer(), nn.Linear(8, 8)))

@@ -28,18 +28,23 @@ class SkipLayout:
 
 
 def inspect_skip_layout(partitions: Sequence[nn.Sequential]) -> SkipLayout:
+    """The route of every skip tensor whose stash and pop are both somewhere in the partitions:
+    in their layers, or nested in a layer's sub-modules (FairScale looks at the layers alone, so
+    its pairs nested in sub-modules meet across partitions only when nothing is recomputed; here
+    they travel between partitions, gradients included, like any other)."""
     from .skippable import Skippable
 
     stashed_at: Dict[Key, int] = {}
-    routes: Dict[Key, Tuple[int, int]] = {}
+    popped_at: Dict[Key, int] = {}
     for j, partition in enumerate(partitions):
-        for layer in partition:
-            if not isinstance(layer, Skippable):
+        for module in partition.modules():
+            if not isinstance(module, Skippable):
                 continue
-            for key in layer.stashable():
-                stashed_at[key] = j
-            for key in layer.poppable():
-                routes[key] = (stashed_at.pop(key), j)
+            for key in module.stashable():
+                stashed_at.setdefault(key, j)
+            for key in module.poppable():
+                popped_at.setdefault(key, j)
+    routes = {key: (stashed_at[key], j) for key, j in popped_at.items() if key in stashed_at}
     return SkipLayout(len(partitions), routes)
 
 
