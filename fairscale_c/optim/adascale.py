@@ -57,6 +57,7 @@ import torch
 from torch.optim import SGD, Optimizer
 
 from .. import distributed as fdist
+from ..internal.args import as_int
 
 try:  # only AdaScale needs numpy (its statistics are numpy arrays, as FairScale's): optim imports without it
     import numpy as np
@@ -71,8 +72,9 @@ _MIN_VAR = 1e-6
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if as_int(value) is None:
         raise TypeError(f"AdaScale: argument '{name}' must be an int >= {minimum}, got {type(value).__name__}")
+    value = as_int(value)
     if value < minimum:
         raise ValueError(f"AdaScale: argument '{name}' must be an int >= {minimum}, got {value}")
     return value

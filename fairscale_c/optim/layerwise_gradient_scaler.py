@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
+from ..internal.args import as_int
 
 __all__ = ["LayerInfo", "GradientHelper", "LayerwiseGradientScaler"]
 
@@ -107,10 +108,11 @@ class LayerwiseGradientScaler:
                 "LayerwiseGradientScaler: argument 'layer_scale_dict' must be a dict of module names to scales, "
                 f"got {type(layer_scale_dict).__name__}"
             )
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        if as_int(growth_interval) is None or growth_interval < 1:
             raise ValueError(
                 f"LayerwiseGradientScaler: argument 'growth_interval' must be an int >= 1, got {growth_interval!r}"
             )
+        growth_interval = as_int(growth_interval)
         if not min_scale <= max_scale:
             raise ValueError(
                 f"LayerwiseGradientScaler: argument 'min_scale' ({min_scale}) must not exceed 'max_scale' ({max_scale})"

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Set
 import torch
 import torch.fx
 from torch import nn
+from ...internal.args import as_int
 
 
 class _LeafTracer(torch.fx.Tracer):
@@ -126,8 +127,9 @@ def shard_model(model: nn.Module, shard_count: int = 3) -> List[torch.fx.GraphMo
     layers), there is no cut, so there may be fewer pieces."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard_model: argument 'model' must be an nn.Module, got {type(model).__name__}")
-    if not (isinstance(shard_count, int) and not isinstance(shard_count, bool) and shard_count >= 1):
+    if as_int(shard_count) is None or shard_count < 1:
         raise ValueError(f"shard_model: argument 'shard_count' must be an int >= 1, got {shard_count!r}")
+    shard_count = as_int(shard_count)
     gm = _trace(model)
     nodes = list(gm.graph.nodes)
     cuts = _cut_points(nodes, _param_counts(gm, nodes), shard_count)

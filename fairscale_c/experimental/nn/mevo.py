@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...utils.replay import autocast, autocast_state
+from ...internal.args import as_int
 
 __all__ = [
     "MemoryEfficientVocabOutput",
@@ -234,8 +235,9 @@ class MemoryEfficientVocabOutput(nn.Module):
         super().__init__()
         if not isinstance(proj_weight, nn.Parameter) or proj_weight.dim() != 2:
             raise TypeError("MEVO: argument 'proj_weight' must be a 2-D nn.Parameter (vocabulary x d_model)")
-        if isinstance(tile_factor, bool) or not isinstance(tile_factor, int) or tile_factor < 1:
+        if as_int(tile_factor) is None or tile_factor < 1:
             raise ValueError(f"MEVO: argument 'tile_factor' must be an int >= 1, got {tile_factor!r}")
+        tile_factor = as_int(tile_factor)
         if reduction not in ("sum", "mean"):
             raise ValueError(f"MEVO: argument 'reduction' must be 'sum' or 'mean', got {reduction!r}")
         self.proj_weight = proj_weight

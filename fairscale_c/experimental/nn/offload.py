@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ...utils.replay import autocast, autocast_state, capture_rng, restore_rng
+from ...internal.args import as_int
 
 __all__ = ["OffloadModel", "ModelShard"]
 
@@ -221,8 +222,9 @@ class OffloadModel(nn.Module):
         if device is None:
             raise TypeError("OffloadModel: argument 'device' must be a torch.device, got None")
         for name, v in (("num_slices", num_slices), ("num_microbatches", num_microbatches)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if as_int(v) is None or v < 1:
                 raise ValueError(f"OffloadModel: argument '{name}' must be an int >= 1, got {v!r}")
+        num_slices, num_microbatches = as_int(num_slices), as_int(num_microbatches)
         if not checkpoint_activation and num_microbatches > 1:
             raise RuntimeError("We currently only support microbatches with activation checkpointing.")
         self.device, self.offload_device = torch.device(device), torch.device(offload_device)

@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any, Dict, List, Optional
 
 import torch
+from ...internal.args import as_int
 
 
 class OptState(Enum):
@@ -49,8 +50,9 @@ class DynamicLossScaler:
     ) -> None:
         if not scale_factor > 1.0:
             raise ValueError(f"DynamicLossScaler: argument 'scale_factor' must be > 1.0, got {scale_factor}")
-        if not (isinstance(scale_window, int) and scale_window >= 1):
+        if as_int(scale_window) is None or scale_window < 1:
             raise ValueError(f"DynamicLossScaler: argument 'scale_window' must be an int >= 1, got {scale_window!r}")
+        scale_window = as_int(scale_window)
         self.loss_scale = init_scale
         self.scale_factor = scale_factor
         self.scale_window = scale_window

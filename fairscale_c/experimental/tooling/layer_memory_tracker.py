@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ...nn import FullyShardedDataParallel
+from ...internal.args import as_int
 
 
 class TraceForwardEvent(NamedTuple):
@@ -428,10 +429,11 @@ def find_best_reset_points(activation_sizes: List[int], num_checkpoints: int) ->
     after the first), as FairScale's: with the model, its gradients and optimizer state taken as
     constant, where checkpoints reset the activation memory best."""
     n = len(activation_sizes)
-    if isinstance(num_checkpoints, bool) or not isinstance(num_checkpoints, int) or num_checkpoints < 0:
+    if as_int(num_checkpoints) is None or num_checkpoints < 0:
         raise ValueError(
             f"find_best_reset_points: argument 'num_checkpoints' must be an int >= 0, got {num_checkpoints!r}"
         )
+    num_checkpoints = as_int(num_checkpoints)
     suffix = [0] * (n + 1)
     for i in range(n - 1, -1, -1):
         suffix[i] = suffix[i + 1] + activation_sizes[i]

@@ -27,6 +27,7 @@ from torch import nn
 
 from fairscale_c import distributed as fdist
 from fairscale_c.optim.oss import OSS
+from ...internal.args import as_int
 
 __all__ = ["ShardedDataParallel"]
 
@@ -112,11 +113,12 @@ class ShardedDataParallel(nn.Module):
                 "ShardedDataParallel: argument 'sharded_optimizer' must be a fairscale_c.optim.OSS (or a list of "
                 f"them), got {', '.join(bad) or 'an empty list'}; wrap it: OSS(params, optim=<its class>, ...)"
             )
-        if not isinstance(reduce_buffer_size, int) or reduce_buffer_size < 0:
+        if as_int(reduce_buffer_size) is None or reduce_buffer_size < 0:
             raise ValueError(
                 "ShardedDataParallel: argument 'reduce_buffer_size' must be an int >= 0 (elements), "
                 f"got {reduce_buffer_size!r}"
             )
+        reduce_buffer_size = as_int(reduce_buffer_size)
         self.module = module
         self._sharded_optimizers = optims
         self._enable_broadcast_buffers = bool(broadcast_buffers)

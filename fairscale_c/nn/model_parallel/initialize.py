@@ -16,6 +16,7 @@ from typing import List, Optional
 
 import torch
 import torch.distributed
+from ...internal.args import as_int
 
 
 __all__ = [
@@ -48,9 +49,9 @@ _groups: Optional[_Groups] = None
 
 
 def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if as_int(value) is None or value < 1:
         raise ValueError(f"initialize_model_parallel: argument '{name}' must be an int >= 1, got {value!r}")
-    return value
+    return as_int(value)
 
 
 def initialize_model_parallel(

@@ -24,6 +24,7 @@ from typing import NamedTuple, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from ...internal.args import as_int
 
 __all__ = ["Top2Gate", "top2gating", "top2_routing", "Routing", "gumbel_rsample", "one_hot"]
 
@@ -129,8 +130,9 @@ class Top2Gate(torch.nn.Module):
     def __init__(self, model_dim: int, num_experts: int) -> None:
         super().__init__()
         for name, value in (("model_dim", model_dim), ("num_experts", num_experts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if as_int(value) is None or value < 1:
                 raise ValueError(f"Top2Gate: argument '{name}' must be a positive int, got {value!r}")
+        model_dim, num_experts = as_int(model_dim), as_int(num_experts)
         self.wg = torch.nn.Linear(model_dim, num_experts, bias=False)
 
     def forward(self, input: Tensor) -> Tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]

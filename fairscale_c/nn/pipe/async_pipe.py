@@ -42,6 +42,7 @@ from . import microbatch
 from .batchnorm import DeferredBatchNorm
 from .skip.skippable import Skippable
 from .types import LazyModule
+from ...internal.args import as_int
 
 Tensors = Tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
@@ -98,8 +99,9 @@ class AsyncPipe(nn.Module):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        if as_int(chunks) is None or chunks <= 0:
             raise ValueError("number of chunks must be positive integer")
+        chunks = as_int(chunks)
         if checkpoint not in ["always", "except_last", "never"]:
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
         self.balance = [int(b) for b in balance]

@@ -43,6 +43,7 @@ import torch
 from ._chunks import TensorChunkSpec, _batch_key, _Chunking, _norm_dim
 from ._edges import _edge_class, _edge_groups, _second_group
 from .stage import PipelineStage, as_tuple, describe, metas_of, resolve_group
+from ...internal.args import as_int
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,9 @@ class PipelineSchedule(_Chunking):
             )
         if any(st.group is not stages[0].group for st in stages):
             raise ValueError(f"{name}: the stages of one rank must share their pipeline group")
-        if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool):
+        if as_int(n_microbatches) is None:
             raise TypeError(f"{name}: n_microbatches must be an int, got {type(n_microbatches).__name__}")
+        n_microbatches = as_int(n_microbatches)
         if n_microbatches < 1:
             raise ValueError(f"{name}: n_microbatches must be >= 1, got {n_microbatches}")
         if loss_fn is not None and not callable(loss_fn):

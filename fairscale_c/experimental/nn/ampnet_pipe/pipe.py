@@ -9,6 +9,7 @@ from torch.optim.optimizer import Optimizer
 
 from ....nn.pipe import AsyncPipe
 from .ampnet import AMPnetEventLoop
+from ....internal.args import as_int
 
 __all__ = ["AMPnetPipe"]
 
@@ -38,10 +39,11 @@ class AMPnetPipe(AsyncPipe):
         ``update_weight_using_future_predictions`` is called before each forward and backward
         and it steps every ``chunks`` gradients."""
         interval = min_update_interval
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        if as_int(interval) is None or interval < 1:
             raise ValueError(
                 f"AMPnetPipe.interleave: argument 'min_update_interval' must be an int >= 1, got {interval!r}"
             )
+        interval = as_int(interval)
         if self.partition is None:
             return
         loop = AMPnetEventLoop(

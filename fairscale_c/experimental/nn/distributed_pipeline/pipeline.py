@@ -23,6 +23,7 @@ from torch.distributed import rpc
 
 from ....nn.pipe import microbatch
 from .graph import Node, PipelineModulesGraph
+from ....internal.args import as_int
 
 Device = Union[torch.device, int, str]
 
@@ -91,8 +92,9 @@ class DistributedPipeline(nn.Module):
             raise TypeError(
                 f"DistributedPipeline: argument 'graph' must be a PipelineModulesGraph, got {type(graph).__name__}"
             )
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        if as_int(chunks) is None or chunks <= 0:
             raise ValueError("number of chunks must be positive integer")
+        chunks = as_int(chunks)
         if checkpoint not in ["always", "except_last", "never"]:
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
         self.chunks = chunks

@@ -23,6 +23,7 @@ from torch import nn
 from . import blockpartition
 from .profile import profile_sizes, profile_times
 from ..microbatch import TensorOrTensors
+from ....internal.args import as_int
 
 __all__ = ["balance_by_time", "balance_by_size"]
 
@@ -33,7 +34,7 @@ _CUDA = torch.device("cuda")  # FairScale's default profiling device
 def _check(partitions: int, module: nn.Sequential) -> None:
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be nn.Sequential to be partitioned, got {type(module).__name__}")
-    if not isinstance(partitions, int) or partitions < 1:
+    if as_int(partitions) is None or partitions < 1:
         raise ValueError(f"partitions must be a positive integer, got {partitions!r}")
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .....distributed import group_for
 from .utils import MultiProcessAdapter
+from .....internal.args import as_int
 
 _NAME = "SlowMoDistributedDataParallel"
 
@@ -153,9 +154,9 @@ class _SetupMixin:
 
 
 def _int_arg(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if as_int(value) is None or value < low:
         raise ValueError(f"{_NAME}: argument '{name}' must be an int >= {low}, got {value!r}")
-    return value
+    return as_int(value)
 
 
 def _ranks(rank: Optional[int], world: Optional[int]) -> Tuple[int, int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from typing import List, Optional, Tuple
+from .....internal.args import as_int
 
 
 class Edge:
@@ -29,9 +30,9 @@ class Edge:
 
 
 def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if as_int(value) is None or value < low:
         raise ValueError(f"GraphManager: argument '{name}' must be an int >= {low}, got {value!r}")
-    return value
+    return as_int(value)
 
 
 class GraphManager(ABC):
