@@ -395,3 +395,47 @@ def test_local_group_batch_and_point_to_point():
         g.batch([fdist.P2POp("recv", out, 0)])
     with pytest.raises(TypeError, match="argument 'ops' must be a sequence of P2POp or tuples"):
         g.batch(5)
+
+
+def _nccl_dtypes_and_nan_job(rank, world):
+    """int8 / int16 / bool through NCCL's copying ops, and what NCCL's max/min make of a NaN (the
+    CPU engine propagates it from any rank: docs/collectives.md). Returns the failures."""
+    import fairscale_c.distributed as fdist
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    failures = []
+    with fdist.init_group(name="nccl-dtypes") as g:
+        for dtype in (torch.int8, torch.int16, torch.bool):
+            x = (torch.arange(999, device="cuda") * (rank + 3) % 7 > 2).to(dtype)
+            out = torch.empty(999 * world, dtype=dtype, device="cuda")
+            g.all_gather(out, x)
+            want = torch.cat([(torch.arange(999, device="cuda") * (r + 3) % 7 > 2).to(dtype) for r in range(world)])
+            if not torch.equal(out, want):
+                failures.append(f"all_gather {dtype}")
+            b = x.clone()
+            g.broadcast(b, root=1)
+            if not torch.equal(b, want[999:]):
+                failures.append(f"broadcast {dtype}")
+            got = torch.empty_like(x)
+            g.batch([("send", x, 1 - rank), ("recv", got, 1 - rank)])
+            if not torch.equal(got, want[999 * (1 - rank) : 999 * (2 - rank)]):
+                failures.append(f"send/recv {dtype}")
+        for nan_rank in range(world):
+            t = torch.tensor([1.0, 2.0, 3.0], device="cuda") * (rank + 1)
+            if rank == nan_rank:
+                t[0] = float("nan")
+            g.all_reduce(t, op="max")
+            torch.cuda.synchronize()
+            if not bool(t[0].isnan()):
+                failures.append(f"max with a NaN on rank {nan_rank}: {t.tolist()} (the CPU engine gives NaN)")
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_moves_int8_int16_bool_and_keeps_nan():
+    from test_cuda import _nccl_devices
+
+    _, nccl_env = _nccl_devices()
+    results = run_ranks(_nccl_dtypes_and_nan_job, 2, env={**FAST, **nccl_env}, timeout=240)
+    assert results == [[], []], results
