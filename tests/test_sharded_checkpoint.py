@@ -118,7 +118,7 @@ def _save_twice_job(rank, world, directory, victim, where):
         _kill_during_save(where)
     try:
         save_sharded(_state(2, rank), directory, step=2)
-    except Exception as exc:  # the survivor: torch reports the dead peer
+    except Exception as exc:  # the survivor: the engine reports the dead peer
         return f"{type(exc).__name__}: {exc}"
     return "saved"
 
@@ -139,6 +139,33 @@ def test_rank_killed_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path
         assert state["step"] == 1 and torch.equal(state["w"], _state(1, rank)["w"]), (rank, state["step"])
     with pytest.raises(CheckpointError, match="saved by 2 ranks and is loaded by 1"):
         load_sharded(d)
+
+
+def _stalled_peer_job(rank, world, directory):
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # torch's own timeout stays at its default (30 minutes)
+    save_sharded(_state(1, rank), directory, step=1)
+    if rank == 1:
+        time.sleep(25)  # alive but not saving (torch would notice its exit, not the stall)
+        return "stalled"
+    start = time.monotonic()
+    try:
+        save_sharded(_state(2, rank), directory, step=2)
+    except Exception as exc:
+        return (type(exc).__name__, time.monotonic() - start)
+    return "saved"
+
+
+@pytest.mark.serial  # times how soon the timeout fires
+def test_a_stalled_peer_makes_a_save_raise_within_the_engine_timeout(tmp_path):
+    d = str(tmp_path)
+    results = run_ranks(_stalled_peer_job, 2, d, env={"FAIRSCALE_C_TIMEOUT": "3"}, timeout=120)
+    name, waited = results[0]
+    assert name == "DistributedError" and waited < 15, results
+    assert read_manifest(d)["step"] == 1
 
 
 # ---------------------------------------------------------------- failures that are not deaths

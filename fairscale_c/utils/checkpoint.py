@@ -57,12 +57,25 @@ def _rank_and_world(group: Any) -> Tuple[int, int]:
 
 
 def _all_gather(obj: Any, group: Any, world: int) -> List[Any]:
-    """Every rank's `obj`, in rank order (a collective; torch reports a peer that died)."""
+    """Every rank's `obj` (JSON: the tag, shard entries and errors), in rank order. A collective
+    on the group's engine group, so a peer that dies or stalls is a DistributedError within
+    FAIRSCALE_C_TIMEOUT, as for every other collective (torch's object collectives would wait
+    for the process group's own timeout, 30 minutes by default on gloo)."""
     if world == 1:
         return [obj]
-    out: List[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    from .. import distributed as fdist
+
+    engine = fdist.group_for(group)
+    data = json.dumps(obj).encode()
+    sizes = torch.empty(world, dtype=torch.int64)
+    engine.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
+    longest = int(sizes.max())
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    every = torch.empty(world * longest, dtype=torch.uint8)
+    engine.all_gather(every, mine)
+    raw = every.numpy().tobytes()
+    return [json.loads(raw[r * longest : r * longest + int(sizes[r])]) for r in range(world)]
 
 
 def _fsync_dir(directory: str) -> None:
@@ -121,7 +134,8 @@ def save_sharded(state: Any, directory: str, group: Any = None, *, step: Optiona
 
     Returns the path of this rank's committed shard. When any rank fails to write its shard,
     every rank raises :class:`CheckpointError` and the previous checkpoint stays the current one;
-    when a rank dies, the others get torch's error from the collective, with the same guarantee."""
+    when a rank dies or stalls, the others raise DistributedError within FAIRSCALE_C_TIMEOUT, with
+    the same guarantee."""
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise TypeError(f"save_sharded: argument 'step' must be an int or None, got {type(step).__name__}")
     rank, world = _rank_and_world(group)
