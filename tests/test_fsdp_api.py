@@ -482,3 +482,39 @@ def test_reduce_scatters_share_the_group_where_ranks_share_a_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no CUDA: nothing to share
     assert not fdist.ranks_share_gpus()
+
+
+def _freed_job(rank, world):
+    """FSDP and ShardedDataParallel are freed once dropped: their gradient hooks hold them weakly
+    (a tensor's hooks are out of the garbage collector's sight, so a strong one kept the module,
+    its buffers and its torch process group alive for good)."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from dist_utils import join_gloo
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    join_gloo(rank, world)
+    m = FSDP(nn.Sequential(FSDP(nn.Linear(8, 8)), nn.Linear(8, 4)))
+    m(torch.randn(2, 8)).sum().backward()
+    fsdp = weakref.ref(m)
+    lin = nn.Linear(8, 4)
+    opt = OSS(lin.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(lin, opt)
+    sdp(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    sdp_ref = weakref.ref(sdp)
+    del m, sdp, opt, lin
+    gc.collect()
+    dist.barrier()
+    return fsdp() is None, sdp_ref() is None
+
+
+def test_dropped_wrappers_are_freed():
+    from dist_utils import run_ranks
+
+    assert run_ranks(_freed_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [(True, True)] * 2

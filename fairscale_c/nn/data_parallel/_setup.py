@@ -12,6 +12,7 @@ from torch import nn
 
 from fairscale_c import distributed as fdist
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
+from fairscale_c.internal.hooks import weak_hook
 from fairscale_c.internal.parallel import ProcessGroupName
 
 from . import _state_dict
@@ -139,7 +140,7 @@ class Setup:
     def _hook_full(self, h: Handle) -> None:
         """Reduce-scatter the full buffer's gradient once autograd has accumulated all of it."""
         if h.layout.requires_grad:
-            h.full.register_post_accumulate_grad_hook(functools.partial(self._post_backward_hook, h))
+            h.full.register_post_accumulate_grad_hook(weak_hook(self._post_backward_hook, h))
 
     def _check_dtypes(self, layouts: List[FlatLayout]) -> None:
         pure_fp16 = self.compute_dtype is torch.float16 and not self.mixed_precision

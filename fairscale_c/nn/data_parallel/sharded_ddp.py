@@ -17,7 +17,6 @@ optimizer then steps (OSS broadcasts the updated parameters).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generator, List, Optional, Union
@@ -28,6 +27,7 @@ from torch import nn
 from fairscale_c import distributed as fdist
 from fairscale_c.optim.oss import OSS
 from ...internal.args import as_int
+from ...internal.hooks import weak_hook
 
 __all__ = ["ShardedDataParallel"]
 
@@ -306,8 +306,8 @@ class ShardedDataParallel(nn.Module):
         if self._world_size == 1:
             return  # nothing to reduce: gradients stay where autograd puts them
         for p in self._trainable_params:
-            self._grad_hooks.append(p.register_hook(functools.partial(self._before_accumulate, p)))
-            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            self._grad_hooks.append(p.register_hook(weak_hook(self._before_accumulate, p)))
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready)))
 
     # ------------------------------------------------------------------ gradient path
 
