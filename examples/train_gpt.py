@@ -137,7 +137,8 @@ def shard_file(ckpt_dir: str, step: int, rank: int, world: int) -> str:
 def save_checkpoint(model: FSDP, optim: torch.optim.Optimizer, step: int, ckpt_dir: str, keep: int) -> None:
     """Write this rank's shard (model, FSDP metadata, optimizer state, step) atomically: a temporary
     file renamed into place, so a file that exists is complete. A step folder counts once every
-    rank's file is in it (see latest_checkpoint). Rank 0 then removes all but the `keep` newest.
+    rank's file is in it (see latest_checkpoint). Rank 0 then removes every folder but the `keep`
+    newest complete ones (a folder a killed run left half-written is never counted as kept).
 
     Collective (all ranks call it at the same step). Each rank commits on its own; a sharded-save
     helper that commits every rank together under one manifest can replace this function."""
@@ -159,9 +160,12 @@ def save_checkpoint(model: FSDP, optim: torch.optim.Optimizer, step: int, ckpt_d
         if os.path.exists(tmp):
             os.unlink(tmp)
     dist.barrier()
-    if rank == 0:
-        for old in sorted(step_folders(ckpt_dir))[:-keep]:
-            shutil.rmtree(os.path.join(ckpt_dir, f"step-{old:06d}"), ignore_errors=True)
+    if rank == 0:  # keep the `keep` newest complete checkpoints; torn folders of killed runs go too
+        complete = [s for s in step_folders(ckpt_dir) if is_complete(ckpt_dir, s, world)]
+        kept = set(sorted(complete)[-keep:])
+        for old in step_folders(ckpt_dir):
+            if old not in kept:
+                shutil.rmtree(os.path.join(ckpt_dir, f"step-{old:06d}"), ignore_errors=True)
 
 
 def step_folders(ckpt_dir: str) -> list:
@@ -169,10 +173,15 @@ def step_folders(ckpt_dir: str) -> list:
     return [int(m.group(1)) for m in map(STEP_DIR.match, names) if m]
 
 
+def is_complete(ckpt_dir: str, step: int, world: int) -> bool:
+    """Whether every rank of a `world`-rank run saved its shard of `step`."""
+    return all(os.path.isfile(shard_file(ckpt_dir, step, r, world)) for r in range(world))
+
+
 def latest_checkpoint(ckpt_dir: str, world: int) -> Optional[int]:
     """The newest step for which every rank of a `world`-rank run saved its shard, or None."""
     for step in sorted(step_folders(ckpt_dir), reverse=True):
-        if all(os.path.isfile(shard_file(ckpt_dir, step, r, world)) for r in range(world)):
+        if is_complete(ckpt_dir, step, world):
             return step
     return None
 

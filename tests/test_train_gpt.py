@@ -57,15 +57,22 @@ def test_resume_continues_the_loss_curve(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["step-000003", "step-000006"]
     assert sorted(os.listdir(os.path.join(ckpt, "step-000003"))) == ["rank-0-of-2.pt", "rank-1-of-2.pt"]
 
-    # Pretend the run stopped after the checkpoint at step 3, then resume it.
+    # Pretend the run stopped after the checkpoint at step 3, then resume it. A later run killed
+    # while saving left a torn folder: one rank's file and the other's temporary one.
     shutil.rmtree(os.path.join(ckpt, "step-000006"))
-    second = run(tmp_path, *common, "--resume")
+    torn = os.path.join(ckpt, "step-000009")
+    os.makedirs(torn)
+    shutil.copy(os.path.join(ckpt, "step-000003", "rank-0-of-2.pt"), torn)
+    open(os.path.join(torn, "rank-1-of-2.pt.tmp.12345"), "wb").close()
+    second = run(tmp_path, *common, "--resume", "--keep", "1")
     assert "resumed from step 3" in second, second
     resumed = losses(second)
     assert sorted(resumed) == [4, 5, 6], second
     # Same batches, weights and AdamW state: the same curve (printed to 4 decimals).
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(full[step], abs=2e-4), (step, full, resumed)
+    # --keep 1 kept the newest complete checkpoint, not the torn folder, which went too
+    assert sorted(os.listdir(ckpt)) == ["step-000006"], os.listdir(ckpt)
 
 
 def _read_terminal(fd, q):
