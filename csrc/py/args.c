@@ -46,47 +46,44 @@ int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op) 
     return -1;
 }
 
+/* `obj` as a C int: 0 with *out set; 1 when it is not an int (operator.index), 2 when it does not
+ * fit, neither with an exception set; -1 with one set (its __index__ raised). */
+static int as_c_int(PyObject *obj, int *out) {
+    if (!PyIndex_Check(obj)) return 1;
+    PyObject *v = PyNumber_Index(obj);
+    if (v == NULL) return -1;
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    Py_DECREF(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (overflow || x < INT_MIN || x > INT_MAX) return 2;
+    *out = (int)x;
+    return 0;
+}
+
 int fsc_py_parse_tag(PyObject *tag, const char *opname, int32_t *out) {
     *out = 0;
     if (tag == NULL) return 0;
-    if (!PyIndex_Check(tag)) {
+    int t = 0, rc = as_c_int(tag, &t);
+    if (rc == 1)
         PyErr_Format(PyExc_TypeError, "%s: argument 'tag' must be an int, got %s", opname, Py_TYPE(tag)->tp_name);
-        return -1;
-    }
-    PyObject *v = PyNumber_Index(tag);
-    if (v == NULL) return -1;
-    int overflow = 0;
-    long long t = PyLong_AsLongLongAndOverflow(v, &overflow);
-    Py_DECREF(v);
-    if (t == -1 && PyErr_Occurred()) return -1;
-    if (overflow || t < INT32_MIN || t > INT32_MAX) {
+    else if (rc == 2)
         PyErr_Format(PyExc_ValueError,
                      "%s: argument 'tag' must fit a 32-bit signed int (-2147483648 to 2147483647), got %R", opname,
                      tag);
-        return -1;
-    }
+    if (rc != 0) return -1;
     *out = (int32_t)t;
     return 0;
 }
 
 int fsc_py_parse_rank(PyObject *v, const char *opname, const char *argname, int *out) {
-    if (!PyIndex_Check(v)) {
+    int rc = as_c_int(v, out);
+    if (rc == 1)
         PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int (a group rank), got %s", opname, argname,
                      Py_TYPE(v)->tp_name);
-        return -1;
-    }
-    PyObject *i = PyNumber_Index(v);
-    if (i == NULL) return -1;
-    int overflow = 0;
-    long long r = PyLong_AsLongLongAndOverflow(i, &overflow);
-    Py_DECREF(i);
-    if (r == -1 && PyErr_Occurred()) return -1;
-    if (overflow || r < INT_MIN || r > INT_MAX) {
+    else if (rc == 2)
         PyErr_Format(PyExc_ValueError, "%s: %s=%R is not a valid group rank", opname, argname, v);
-        return -1;
-    }
-    *out = (int)r;
-    return 0;
+    return rc == 0 ? 0 : -1;
 }
 
 /* ---- imported tensor arguments ---------------------------------------------------------------- */

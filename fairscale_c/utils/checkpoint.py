@@ -71,7 +71,7 @@ def _all_gather(obj: Any, group: Any, world: int) -> List[Any]:
     engine.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
     longest = int(sizes.max())
     mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # JSON is never empty
     every = torch.empty(world * longest, dtype=torch.uint8)
     engine.all_gather(every, mine)
     raw = every.numpy().tobytes()
