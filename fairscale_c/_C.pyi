@@ -1,6 +1,6 @@
 """Type stubs for the C extension fairscale_c._C."""
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 class DistributedError(RuntimeError): ...
 
@@ -55,7 +55,8 @@ class Work:
 class ShmGroup:
     """One rank's handle on a shared-memory group. create (default: segment is None) makes the
     segment, under `segment` when given; otherwise `segment` is attached, waiting until its
-    creator (pid `creator_pid`, 0 if unknown) has set it up or exited."""
+    creator (pid `creator_pid`, 0 if unknown) has set it up or exited; every 50 ms of that wait,
+    Python's signal handlers run, then `poll()`: an exception from either ends the wait."""
 
     def __init__(
         self,
@@ -66,6 +67,7 @@ class ShmGroup:
         *,
         create: bool = ...,
         creator_pid: int = 0,
+        poll: Optional[Callable[[], None]] = None,
     ) -> None: ...
     @property
     def rank(self) -> int: ...
@@ -81,6 +83,8 @@ class ShmGroup:
     def read_max(self) -> int: ...
     @property
     def mapped_ops(self) -> int: ...
+    @property
+    def read_ops(self) -> int: ...
     def join(self) -> None: ...
     def unlink(self) -> None: ...
     def close(self, grace: Optional[float] = None) -> None: ...
@@ -102,6 +106,7 @@ class ShmGroup:
     ) -> Optional[Work]: ...
     def batch(self, ops: Sequence[tuple], async_op: bool = False) -> Optional[Work]: ...
 
+def check_calls(ops: Sequence[tuple], rank: int, size: int) -> None: ...
 def all_to_all_check(
     output: Any,
     input: Any,

@@ -195,6 +195,12 @@ def _subgroup_job(rank: int, world: int):
     everyone.all_reduce(t)
     assert t.tolist() == [4.0, 4.0], t
     everyone.destroy()
+    everyone = group.new_group()  # None: every rank, as in torch
+    assert everyone.size == 4 and everyone.rank == rank
+    everyone.destroy()
+    for bad in ([0.0, 1.9], ["0", "1"], [True, False], [0, 0], [], [4]):
+        with pytest.raises(ValueError, match="distinct int ranks"):
+            group.new_group(bad)
     if solo is not None:
         solo.destroy()
     trio = group.new_group([3, 1, 2])  # order defines subgroup ranks

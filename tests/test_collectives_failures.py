@@ -369,6 +369,12 @@ def _cross_host_job(rank, world, how):
         assert r.tolist() == [1.0, 1.0]
         group.barrier()
         assert "torch" in repr(group)
+        # a subgroup of a group that spans hosts runs through a torch subgroup too
+        sub = group.new_group([1, 0])
+        s = torch.full((2,), float(rank + 1))
+        sub.all_reduce(s)
+        assert s.tolist() == [3.0, 3.0] and "torch" in repr(sub)
+        sub.destroy()
         group.destroy()
         return "fallback"
     msg, _ = _expect_error(fdist.init_group, "spans hosts", "one host")

@@ -195,7 +195,7 @@ static fsc_status_t check_owner(const fsc_shm_group_t *g, const struct stat *sb)
  * way the half-made name is removed, so a creator that died between creating the segment and
  * attaching to it leaves nothing in /dev/shm as long as one peer is alive. */
 static fsc_status_t attach_when_ready(fsc_shm_group_t *g, pid_t creator_pid, int *fd_out) {
-    double deadline = fsc_comm_now() + g->timeout;
+    double deadline = fsc_comm_now() + g->timeout, polled = fsc_comm_now();
     const char *why = "did not create";
     for (;;) {
         int fd = shm_open(g->seg_name, O_RDWR, 0600);
@@ -249,6 +249,14 @@ static fsc_status_t attach_when_ready(fsc_shm_group_t *g, pid_t creator_pid, int
                              "(FAIRSCALE_C_TIMEOUT)",
                              g->name, g->rank, g->size, why, g->seg_name, g->timeout);
         }
+        if (fsc_comm_now() - polled > 0.05) { /* Ctrl-C, or rank 0 said it failed (the caller's check) */
+            polled = fsc_comm_now();
+            if (fsc_shm_interrupted())
+                return fsc_error(FSC_ERR_COMM,
+                                 "rendezvous of group '%s' (rank %d of %d): interrupted while waiting "
+                                 "for rank 0 to create shared memory %s",
+                                 g->name, g->rank, g->size, g->seg_name);
+        }
         struct timespec nap = {0, 1000000};
         nanosleep(&nap, NULL);
     }
@@ -267,9 +275,20 @@ static fsc_status_t map_segment(fsc_shm_group_t *g, int create, pid_t creator_pi
         g->bytes = layout(&tmp, g->size, g->chunk, g->p2p_chunk, g->piece);
         fd = shm_open(g->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd < 0) return fsc_error(FSC_ERR_SYSTEM, "shm_open(%s): %s", g->seg_name, strerror(errno));
-        if (ftruncate(fd, (off_t)g->bytes) != 0) {
-            st = fsc_error(FSC_ERR_SYSTEM, "ftruncate(%s, %zu): %s (is /dev/shm large enough?)", g->seg_name, g->bytes,
-                           strerror(errno));
+        /* the umask may have taken bits of 0600 away: the peers (same uid) need read and write */
+        if (fchmod(fd, 0600) != 0) {
+            st = fsc_error(FSC_ERR_SYSTEM, "fchmod(%s, 0600): %s", g->seg_name, strerror(errno));
+            shm_unlink(g->seg_name);
+            goto exit;
+        }
+        /* Reserve the pages now: a tmpfs that is too small then fails here, with an error,
+         * instead of killing the process with SIGBUS at the first write to a page it cannot back. */
+        int rc = posix_fallocate(fd, 0, (off_t)g->bytes);
+        if (rc != 0) {
+            st = fsc_error(FSC_ERR_SYSTEM,
+                           "group '%s': cannot reserve %zu bytes of shared memory %s: %s (is /dev/shm large "
+                           "enough? FAIRSCALE_C_SHM_CHUNK makes the segment smaller)",
+                           g->name, g->bytes, g->seg_name, strerror(rc));
             shm_unlink(g->seg_name);
             goto exit;
         }
@@ -363,6 +382,11 @@ fail:
     if (create && g->base != NULL) shm_unlink(g->seg_name);
     fsc_shm_group_close(g, -1);
     return st;
+}
+
+fsc_status_t fsc_shm_group_status(const fsc_shm_group_t *g) {
+    if (g->broken == FSC_OK) return FSC_OK;
+    return fsc_error(g->broken, "%s", g->broken_msg);
 }
 
 fsc_status_t fsc_shm_check_owner(const fsc_shm_group_t *g) {
@@ -522,8 +546,16 @@ static fsc_status_t agree_direct(fsc_shm_group_t *g, double deadline) {
 }
 
 fsc_status_t fsc_shm_group_join(fsc_shm_group_t *g) {
-    double deadline = fsc_comm_now() + g->timeout;
+    double deadline = fsc_comm_now() + g->timeout, polled = fsc_comm_now();
     while (atomic_load(&g->seg->nattached) < (uint32_t)g->size) {
+        if (fsc_comm_now() - polled > 0.05) {
+            polled = fsc_comm_now();
+            if (fsc_shm_interrupted())
+                return fsc_shm_fail(g, fsc_error(FSC_ERR_COMM,
+                                                 "rendezvous of group '%s' (rank %d of %d): interrupted while "
+                                                 "waiting for the other ranks to attach",
+                                                 g->name, g->rank, g->size));
+        }
         if (fsc_comm_now() > deadline) {
             fsc_shm_group_unlink(g);
             char missing[512] = "";
@@ -548,6 +580,7 @@ void fsc_shm_group_close(fsc_shm_group_t *g, double grace_s) {
     /* NaN, infinite or astronomically long: no grace (the conversion to time_t would be undefined) */
     if (!(grace_s <= FSC_SHM_MAX_GRACE_S)) grace_s = -1;
     fsc_shm_engine_stop(g, grace_s);
+    fsc_shm_engine_free(g);
     if (g->base != NULL) munmap(g->base, g->bytes);
     free(g->send_seq);
     free(g->recv_seq);

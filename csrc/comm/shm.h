@@ -106,6 +106,16 @@ fsc_status_t fsc_shm_run_batch(fsc_shm_group_t *g, const fsc_shm_args_t *a, size
  * fsc_shm_try_inline only. */
 fsc_status_t fsc_shm_engine_start(fsc_shm_group_t *g);
 
+/* FSC_OK, or the error that broke the group (a failed op or join), with its message. */
+fsc_status_t fsc_shm_group_status(const fsc_shm_group_t *g);
+
+/* Stop and join the progress thread once its queue has drained. With grace_s >= 0, an op still
+ * waiting for a peer after grace_s seconds is abandoned (it fails, and so do the ops queued behind
+ * it). Afterwards fsc_shm_submit and fsc_shm_try_inline fail (the group is closed) but `g` stays
+ * valid until fsc_shm_group_close. Idempotent; no-op when the thread was never started, and in a
+ * fork() child (whose copy has no thread to join). Blocks. */
+void fsc_shm_engine_stop(fsc_shm_group_t *g, double grace_s);
+
 /* Queue `n` ops issued together (one op, or a batch as in fsc_shm_run_batch) for the progress
  * thread; items run in submission order, except that consecutive items made only of sends and
  * recvs run together, as one batch would. Does not block; `a` is copied. On success *out holds
@@ -124,6 +134,10 @@ fsc_status_t fsc_shm_try_inline(fsc_shm_group_t *g, const fsc_shm_args_t *a, siz
  * group becomes unusable. Thread-local; NULL removes it. The binding layer uses it to honour
  * Ctrl-C during fsc_shm_try_inline. */
 void fsc_shm_set_interrupt_check(int (*fn)(void *), void *arg);
+
+/* The calling thread's interrupt check (nonzero: stop waiting), or 0 when none is installed. The
+ * rendezvous waits of fsc_shm_group_open and fsc_shm_group_join call it every 50 ms or so. */
+int fsc_shm_interrupted(void);
 
 /* 1 when the op has finished (successfully or not), else 0. Never blocks. */
 int fsc_shm_work_done(fsc_shm_work_t *w);

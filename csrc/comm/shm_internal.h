@@ -167,6 +167,7 @@ struct fsc_shm_group {
     char broken_msg[1024];
     /* progress thread (shm_queue.c) */
     int engine_started;
+    int thread_joined; /* fsc_shm_engine_stop has joined it; the queue's lock and condition live on */
     int stop;
     int inline_running; /* the calling thread is running an op itself (qmu) */
     pthread_t thread;
@@ -294,10 +295,8 @@ fsc_status_t fsc_shm_arrive(fsc_shm_group_t *g, int wait);
  * progress thread and any lock it held did not come along), else FSC_OK. */
 fsc_status_t fsc_shm_check_owner(const fsc_shm_group_t *g);
 
-/* Stop and join the progress thread once its queue has drained (shm_queue.c). With
- * grace_s >= 0, an op still waiting for a peer after grace_s seconds is abandoned (it fails, and
- * so do the ops queued behind it). No-op when it was never started, and in a fork() child (whose
- * copy has no thread to join). */
-void fsc_shm_engine_stop(fsc_shm_group_t *g, double grace_s);
+/* Stop the progress thread if it runs, then destroy the queue's lock and condition (shm_queue.c;
+ * fsc_shm_group_close calls it). */
+void fsc_shm_engine_free(fsc_shm_group_t *g);
 
 #endif /* FSC_SHM_INTERNAL_H */

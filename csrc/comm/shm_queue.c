@@ -180,7 +180,7 @@ fsc_status_t fsc_shm_engine_start(fsc_shm_group_t *g) {
 }
 
 void fsc_shm_engine_stop(fsc_shm_group_t *g, double grace_s) {
-    if (!g->engine_started) return;
+    if (!g->engine_started || g->thread_joined) return;
     if (fsc_shm_check_owner(g) != FSC_OK) { /* a fork() child: no thread to join, the lock may be held */
         g->engine_started = 0;
         return;
@@ -200,9 +200,29 @@ void fsc_shm_engine_stop(fsc_shm_group_t *g, double grace_s) {
     }
     pthread_join(g->thread, NULL);
 joined:
+    g->thread_joined = 1;
+}
+
+void fsc_shm_engine_free(fsc_shm_group_t *g) {
+    if (!g->engine_started) return;
+    fsc_shm_engine_stop(g, -1);
     pthread_mutex_destroy(&g->qmu);
     pthread_cond_destroy(&g->qcv);
     g->engine_started = 0;
+}
+
+/* FSC_OK when ops may be issued on `g`: opened by this process, progress thread started. */
+static fsc_status_t check_usable(const fsc_shm_group_t *g) {
+    FSC_CHECK(fsc_shm_check_owner(g));
+    if (!g->engine_started)
+        return fsc_error(FSC_ERR_INTERNAL, "shm group '%s': its progress thread was never started (join() first)",
+                         g->name);
+    return FSC_OK;
+}
+
+/* An op issued while the group is being closed (by another thread) fails with this. */
+static fsc_status_t closed_error(const fsc_shm_group_t *g) {
+    return fsc_error(FSC_ERR_COMM, "shm group '%s' was closed while this op was being issued", g->name);
 }
 
 static int all_p2p(const fsc_shm_args_t *a, size_t n) {
@@ -213,8 +233,7 @@ static int all_p2p(const fsc_shm_args_t *a, size_t n) {
 
 fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t n, fsc_shm_work_t **out) {
     *out = NULL;
-    FSC_CHECK(fsc_shm_check_owner(g));
-    if (!g->engine_started) return fsc_error(FSC_ERR_INTERNAL, "shm group '%s': progress thread not started", g->name);
+    FSC_CHECK(check_usable(g));
     if (n == 0 || n > 256) return fsc_error(FSC_ERR_VALUE, "shm: a batch holds 1 to 256 ops, got %zu", n);
     fsc_shm_work_t *w = calloc(1, sizeof(*w));
     if (w != NULL) {
@@ -232,6 +251,11 @@ fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t 
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     pthread_mutex_lock(&g->qmu);
+    if (g->stop) {
+        pthread_mutex_unlock(&g->qmu);
+        free(w->args), free(w->p2p), free(w);
+        return closed_error(g);
+    }
     int behind = g->qtail != NULL; /* the progress thread may be waiting on point-to-point ops */
     if (g->qtail)
         g->qtail->next = w;
@@ -250,27 +274,27 @@ fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t 
 
 fsc_status_t fsc_shm_try_inline(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t n, int *ran) {
     *ran = 0;
-    FSC_CHECK(fsc_shm_check_owner(g));
-    if (g->engine_started) {
-        pthread_mutex_lock(&g->qmu);
-        int idle = g->qhead == NULL && !g->inline_running && !g->stop;
-        if (idle) g->inline_running = 1;
+    FSC_CHECK(check_usable(g));
+    pthread_mutex_lock(&g->qmu);
+    if (g->stop) {
         pthread_mutex_unlock(&g->qmu);
-        if (!idle) return FSC_OK;
+        return closed_error(g);
     }
+    int idle = g->qhead == NULL && !g->inline_running;
+    if (idle) g->inline_running = 1;
+    pthread_mutex_unlock(&g->qmu);
+    if (!idle) return FSC_OK;
     *ran = 1;
     fsc_status_t st = fsc_shm_run_batch(g, a, n);
-    if (g->engine_started) {
-        char msg[1024]; /* the unlock below must not lose the message of a failed op */
-        if (st != FSC_OK) snprintf(msg, sizeof(msg), "%s", fsc_last_error());
-        pthread_mutex_lock(&g->qmu);
-        g->inline_running = 0;
-        /* Wake the progress thread only for work queued meanwhile: a wake-up with nothing to do
-         * would put it on a CPU beside the ranks, which the next op's peer is waiting for. */
-        if (g->qhead != NULL || g->stop) pthread_cond_broadcast(&g->qcv);
-        pthread_mutex_unlock(&g->qmu);
-        if (st != FSC_OK) fsc_error(st, "%s", msg);
-    }
+    char msg[1024]; /* the unlock below must not lose the message of a failed op */
+    if (st != FSC_OK) snprintf(msg, sizeof(msg), "%s", fsc_last_error());
+    pthread_mutex_lock(&g->qmu);
+    g->inline_running = 0;
+    /* Wake the progress thread only for work queued meanwhile: a wake-up with nothing to do
+     * would put it on a CPU beside the ranks, which the next op's peer is waiting for. */
+    if (g->qhead != NULL || g->stop) pthread_cond_broadcast(&g->qcv);
+    pthread_mutex_unlock(&g->qmu);
+    if (st != FSC_OK) fsc_error(st, "%s", msg);
     return st;
 }
 

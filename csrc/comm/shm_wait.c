@@ -94,6 +94,10 @@ void fsc_shm_set_interrupt_check(int (*fn)(void *), void *arg) {
     interrupt_arg = arg;
 }
 
+int fsc_shm_interrupted(void) {
+    return interrupt_fn != NULL && interrupt_fn(interrupt_arg);
+}
+
 const char *fsc_shm_op_desc(fsc_shm_group_t *g, char *buf, size_t cap) {
     fsc_comm_header_format(&g->cur_hdr, buf, cap);
     return buf;

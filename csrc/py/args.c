@@ -46,9 +46,10 @@ int fsc_py_parse_redop(PyObject *module, const char *name, fsc_reduce_op_t *op) 
     return -1;
 }
 
-/* `obj` as a C int: 0 with *out set; 1 when it is not an int (operator.index), 2 when it does not
- * fit, neither with an exception set; -1 with one set (its __index__ raised). */
-static int as_c_int(PyObject *obj, int *out) {
+/* `obj` as an integer in [lo, hi]: 0 with *out set; 1 when it is not an int (operator.index: a
+ * Python int, a numpy integer, a one-element integer tensor), 2 when it is out of
+ * range, neither with an exception set; -1 with one set (its __index__ raised). */
+static int as_integer(PyObject *obj, long long lo, long long hi, long long *out) {
     if (!PyIndex_Check(obj)) return 1;
     PyObject *v = PyNumber_Index(obj);
     if (v == NULL) return -1;
@@ -56,9 +57,16 @@ static int as_c_int(PyObject *obj, int *out) {
     long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
     Py_DECREF(v);
     if (x == -1 && PyErr_Occurred()) return -1;
-    if (overflow || x < INT_MIN || x > INT_MAX) return 2;
-    *out = (int)x;
+    if (overflow || x < lo || x > hi) return 2;
+    *out = x;
     return 0;
+}
+
+static int as_c_int(PyObject *obj, int *out) {
+    long long x = 0;
+    int rc = as_integer(obj, INT_MIN, INT_MAX, &x);
+    if (rc == 0) *out = (int)x;
+    return rc;
 }
 
 int fsc_py_parse_tag(PyObject *tag, const char *opname, int32_t *out) {
@@ -299,13 +307,14 @@ static int parse_splits(PyObject *obj, const char *argname, int size, int64_t *b
     int ok = n == 0 || n == size;
     for (Py_ssize_t j = 0; ok && j < n; j++) {
         PyObject *v = PySequence_Fast_GET_ITEM(seq, j);
-        ok = PyLong_Check(v) && !PyBool_Check(v);
-        if (ok) {
-            int overflow = 0;
-            buf[j] = PyLong_AsLongLongAndOverflow(v, &overflow);
-            ok = !overflow && !(buf[j] == -1 && PyErr_Occurred());
-            PyErr_Clear();
+        long long x = 0;
+        int rc = PyBool_Check(v) ? 1 : as_integer(v, INT64_MIN, INT64_MAX, &x);
+        if (rc < 0) {
+            Py_XDECREF(seq);
+            return -1; /* an __index__ raised: that error says more than ours */
         }
+        ok = rc == 0;
+        buf[j] = (int64_t)x;
     }
     Py_XDECREF(seq);
     if (!ok) {

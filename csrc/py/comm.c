@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <string.h>
+#include <time.h>
 
 #include "comm/comm.h"
 #include "comm/shm.h"
@@ -13,7 +14,12 @@ typedef struct {
     PyObject_HEAD fsc_shm_group_t *g;
     PyObject *pending; /* list of in-flight Work objects, oldest first */
     int joined;
+    int inflight; /* threads inside an op with the GIL released (close() waits for them) */
 } GroupObject;
+
+/* Seconds an op nobody can wait for any more may still wait for a peer when its group is
+ * deallocated; then it is abandoned (as the Python layer does at exit and when unwinding). */
+#define FSC_DROP_GRACE_S 2.0
 
 /* ---------------------------------------------------------------- ShmGroup lifecycle */
 
@@ -21,26 +27,50 @@ static PyObject *module_of(PyObject *self) {
     return PyType_GetModule(Py_TYPE(self));
 }
 
+/* The check a rendezvous or an op running on the calling thread makes while it waits (GIL
+ * released): take the GIL for a moment, run Python's signal handlers, then `arg` (a callable or
+ * NULL). Nonzero when one of them raised (Ctrl-C, or the callable's error); the exception then
+ * waits in this thread's state until the C call returns. */
+static int interrupted(void *arg) {
+    PyGILState_STATE gs = PyGILState_Ensure();
+    int raised = PyErr_CheckSignals() < 0;
+    if (!raised && arg != NULL) {
+        PyObject *r = PyObject_CallNoArgs((PyObject *)arg);
+        raised = r == NULL;
+        Py_XDECREF(r);
+    }
+    PyGILState_Release(gs);
+    return raised;
+}
+
 static int Group_init(GroupObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"name", "rank", "size", "segment", "create", "creator_pid", NULL};
+    static char *kwlist[] = {"name", "rank", "size", "segment", "create", "creator_pid", "poll", NULL};
     const char *name = NULL, *segment = NULL;
     int rank = 0, size = 0, create = -1, creator_pid = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sii|z$pi:ShmGroup", kwlist, &name, &rank, &size, &segment, &create,
-                                     &creator_pid))
+    PyObject *poll = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sii|z$piO:ShmGroup", kwlist, &name, &rank, &size, &segment, &create,
+                                     &creator_pid, &poll))
         return -1;
-    if (self->g != NULL) {
+    if (poll != Py_None && !PyCallable_Check(poll)) {
+        PyErr_Format(PyExc_TypeError, "ShmGroup: argument 'poll' must be a callable or None, got %s",
+                     Py_TYPE(poll)->tp_name);
+        return -1;
+    }
+    if (self->pending != NULL) { /* open, or closed: either way it had its one life */
         PyErr_SetString(PyExc_RuntimeError, "ShmGroup is already initialised");
         return -1;
     }
     if (create < 0) create = segment == NULL; /* default: make one without a name, attach with one */
     fsc_status_t st;
     fsc_shm_group_t *g = NULL;
-    Py_BEGIN_ALLOW_THREADS /* attaching waits for the creator */
+    Py_BEGIN_ALLOW_THREADS /* attaching waits for the creator: Ctrl-C and `poll` may end the wait */
+    fsc_shm_set_interrupt_check(interrupted, poll == Py_None ? NULL : poll);
     st = fsc_shm_group_open(name, segment, create, creator_pid, rank, size, &g);
+    fsc_shm_set_interrupt_check(NULL, NULL);
     Py_END_ALLOW_THREADS
     self->g = g;
     if (st != FSC_OK) {
-        fsc_py_raise(module_of((PyObject *)self), st);
+        if (!PyErr_Occurred()) fsc_py_raise(module_of((PyObject *)self), st); /* else: the check's error */
         return -1;
     }
     self->pending = PyList_New(0);
@@ -55,14 +85,31 @@ static int check_open(GroupObject *self) {
     return 0;
 }
 
+/* check_open, and the group has been joined (ops need its progress thread). */
+static int check_ready(GroupObject *self) {
+    if (check_open(self) < 0) return -1;
+    if (!self->joined) {
+        fsc_status_t st = fsc_shm_group_status(self->g); /* a failed join says why */
+        if (st != FSC_OK) {
+            fsc_py_raise(module_of((PyObject *)self), st);
+            return -1;
+        }
+        PyErr_SetString(PyExc_RuntimeError, "ShmGroup has not been joined: call join() before issuing ops");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *Group_join(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     fsc_status_t st;
     Py_BEGIN_ALLOW_THREADS
+    fsc_shm_set_interrupt_check(interrupted, NULL);
     st = fsc_shm_group_join(self->g);
+    fsc_shm_set_interrupt_check(NULL, NULL);
     if (st == FSC_OK) st = fsc_shm_engine_start(self->g);
     Py_END_ALLOW_THREADS
-    if (st != FSC_OK) return fsc_py_raise(module_of((PyObject *)self), st);
+    if (st != FSC_OK) return PyErr_Occurred() ? NULL : fsc_py_raise(module_of((PyObject *)self), st);
     self->joined = 1;
     Py_RETURN_NONE;
 }
@@ -77,10 +124,21 @@ static PyObject *Group_unlink(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
 static void group_close(GroupObject *self, double grace_s) {
     if (self->g == NULL) return;
     fsc_shm_group_t *g = self->g;
-    self->g = NULL;
+    self->g = NULL; /* new ops are refused from here on */
     fsc_shm_group_unlink(g);
     Py_BEGIN_ALLOW_THREADS
-    fsc_shm_group_close(g, grace_s);
+    fsc_shm_engine_stop(g, grace_s);
+    Py_END_ALLOW_THREADS
+    /* Another thread may be inside an op on `g` with the GIL released: once the engine has
+     * stopped it either finished or is about to fail with "closed"; free `g` only after it left. */
+    while (self->inflight > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fsc_shm_group_close(g, -1);
     Py_END_ALLOW_THREADS
 }
 
@@ -94,7 +152,13 @@ static PyObject *Group_close(GroupObject *self, PyObject *args, PyObject *kwds) 
 
 static void Group_dealloc(GroupObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
-    group_close(self, -1);
+    /* Ops whose Work someone still holds are waited for; ops nobody can wait for any more (their
+     * Work was dropped) get a grace period, then are abandoned, instead of FAIRSCALE_C_TIMEOUT. */
+    double grace_s = FSC_DROP_GRACE_S;
+    Py_ssize_t n = self->pending != NULL ? PyList_GET_SIZE(self->pending) : 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (Py_REFCNT(PyList_GET_ITEM(self->pending, i)) > 1) grace_s = -1;
+    group_close(self, grace_s);
     Py_XDECREF(self->pending);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -177,17 +241,6 @@ static int prune_pending(GroupObject *self) {
     return k ? PyList_SetSlice(self->pending, 0, k, NULL) : 0;
 }
 
-/* The interrupt check of an op running on the calling thread (GIL released): take the GIL for a
- * moment and run Python's signal handlers. Nonzero when one raised (Ctrl-C); the exception then
- * waits in this thread's state until the op returns. */
-static int interrupted(void *arg) {
-    (void)arg;
-    PyGILState_STATE gs = PyGILState_Ensure();
-    int raised = PyErr_CheckSignals() < 0;
-    PyGILState_Release(gs);
-    return raised;
-}
-
 /* Queue `args` for the progress thread; the Work keeps the tensors' owners. */
 static PyObject *queue(GroupObject *self, const fsc_shm_args_t *args, size_t n, fsc_py_calls_t *c, int async_op) {
     PyObject *module = module_of((PyObject *)self);
@@ -240,14 +293,18 @@ static PyObject *run_checked(GroupObject *self, fsc_py_calls_t *c, int async_op)
         goto exit;
     }
     for (size_t i = 0; i < n; i++) args[i] = shm_args(&c->calls[i]);
-    if (prune_pending(self) < 0) goto exit;
+    /* importing the tensors or dropping finished Works ran Python code, which may have closed us */
+    if (prune_pending(self) < 0 || check_open(self) < 0) goto exit;
     if (!async_op) {
         int ran = 0;
+        fsc_shm_group_t *g = self->g;
+        self->inflight++;
         Py_BEGIN_ALLOW_THREADS
         fsc_shm_set_interrupt_check(interrupted, NULL);
-        st = fsc_shm_try_inline(self->g, args, n, &ran);
+        st = fsc_shm_try_inline(g, args, n, &ran);
         fsc_shm_set_interrupt_check(NULL, NULL);
         Py_END_ALLOW_THREADS
+        self->inflight--;
         if (st != FSC_OK) {
             if (!PyErr_Occurred()) fsc_py_raise(module, st); /* else: KeyboardInterrupt from a handler */
             goto exit;
@@ -256,6 +313,7 @@ static PyObject *run_checked(GroupObject *self, fsc_py_calls_t *c, int async_op)
             result = Py_NewRef(Py_None);
             goto exit;
         }
+        if (check_open(self) < 0) goto exit; /* closed by another thread meanwhile */
     }
     result = queue(self, args, n, c, async_op);
 exit:
@@ -267,6 +325,10 @@ exit:
 /* Check the calls (the engine's rules, one C function for every backend), then run them.
  * Consumes `c`. */
 static PyObject *run_calls(GroupObject *self, fsc_py_calls_t *c, int async_op) {
+    if (check_ready(self) < 0) { /* an argument's __dlpack__ may have closed the group */
+        fsc_py_calls_clear(c);
+        return NULL;
+    }
     int rank = fsc_shm_group_rank(self->g), size = fsc_shm_group_size(self->g);
     fsc_status_t st = c->ncalls == 1 ? fsc_comm_check_call(&c->calls[0], rank, size, FSC_DEV_CPU, -1)
                                      : fsc_comm_check_batch(c->calls, c->ncalls, rank, size, FSC_DEV_CPU, -1);
@@ -280,7 +342,7 @@ static PyObject *run_calls(GroupObject *self, fsc_py_calls_t *c, int async_op) {
 /* One call with up to two tensors (CPU memory; `tensor` is written unless it is a send). */
 static PyObject *one_call(GroupObject *self, fsc_comm_op_t op, PyObject *tensor, PyObject *input, int peer,
                           const char *redop, int32_t tag, int async_op) {
-    if (check_open(self) < 0) return NULL;
+    if (check_ready(self) < 0) return NULL;
     PyObject *module = module_of((PyObject *)self);
     fsc_py_calls_t c;
     fsc_py_calls_init(&c, 1); /* inline storage: cannot fail */
@@ -387,7 +449,7 @@ static PyObject *Group_batch(GroupObject *self, PyObject *args, PyObject *kwds) 
     PyObject *ops;
     int async_op = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:batch", kwlist, &ops, &async_op)) return NULL;
-    if (check_open(self) < 0) return NULL;
+    if (check_ready(self) < 0) return NULL;
     fsc_py_calls_t c;
     if (fsc_py_parse_calls(&c, module_of((PyObject *)self), ops, 256, FSC_IMPORT_CPU_ONLY, 0) < 0) return NULL;
     return run_calls(self, &c, async_op);
@@ -400,7 +462,7 @@ static PyObject *Group_all_to_all_single(GroupObject *self, PyObject *args, PyOb
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOp:all_to_all_single", kwlist, &out, &in, &out_splits, &in_splits,
                                      &async_op))
         return NULL;
-    if (check_open(self) < 0) return NULL;
+    if (check_ready(self) < 0) return NULL;
     fsc_py_calls_t c;
     if (fsc_py_parse_all_to_all(&c, module_of((PyObject *)self), out, in, out_splits, in_splits,
                                 fsc_shm_group_rank(self->g), fsc_shm_group_size(self->g), FSC_IMPORT_CPU_ONLY, 0,

@@ -114,7 +114,9 @@ static PyType_Slot Work_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec Work_spec = {"fairscale_c._C.Work", sizeof(fsc_py_work_t), 0, Py_TPFLAGS_DEFAULT, Work_slots};
+/* made only by ops (comm.c): Python cannot create one */
+static PyType_Spec Work_spec = {"fairscale_c._C.Work", sizeof(fsc_py_work_t), 0,
+                                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, Work_slots};
 
 int fsc_py_work_exec(PyObject *module) {
     fsc_module_state *state = fsc_py_state(module);

@@ -103,6 +103,13 @@ def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] 
     return group
 
 
+def _key_prefix(gname: str) -> str:
+    """The store keys of a group's rendezvous. torchrun's store outlives a restart of the workers
+    (--max_restarts): the attempt number keeps a new attempt from reading the keys of the last."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"fairscale_c/{gname}" if attempt == "0" else f"fairscale_c/attempt{attempt}/{gname}"
+
+
 def _build(pg: Optional["dist.ProcessGroup"], name: Optional[str], role: str = "default") -> Group:
     global _default
     timeout_s()  # an invalid FAIRSCALE_C_TIMEOUT is a ValueError here, before any exchange
@@ -116,15 +123,13 @@ def _build(pg: Optional["dist.ProcessGroup"], name: Optional[str], role: str = "
         store = default_store()
         if store is not None:
             rank = dist.get_rank(pg)
-            exchange: Any = StoreExchange(store, f"fairscale_c/{gname}", rank, len(ranks), gname)
+            exchange: Any = StoreExchange(store, _key_prefix(gname), rank, len(ranks), gname)
         else:
             exchange = ProcessGroupExchange(pg, gname)
         group = Group(exchange, gname, pg)
     else:
         if pg is not None:
             raise ValueError("init_group: pg was given but torch.distributed is not initialised")
-        import os
-
         _built[()] += 1
         gname = name or f"world{_built[()]}"
         global _env_store
@@ -132,7 +137,7 @@ def _build(pg: Optional["dist.ProcessGroup"], name: Optional[str], role: str = "
             _env_store = env_store()  # one per process: every env-built group shares it
         store = _env_store
         exchange = StoreExchange(
-            store, f"fairscale_c/{gname}", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), gname
+            store, _key_prefix(gname), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), gname
         )
         group = Group(exchange, gname, None)
     if _default is None:
@@ -258,8 +263,9 @@ def get_group() -> Group:
     return _default if _default is not None else init_group()
 
 
-def new_group(ranks: Sequence[int], group: Optional[Group] = None) -> Optional[Group]:
-    """Subgroup of ``ranks`` (ranks of ``group``, default: the default group); see Group.new_group."""
+def new_group(ranks: Optional[Sequence[int]] = None, group: Optional[Group] = None) -> Optional[Group]:
+    """Subgroup of ``ranks`` (ranks of ``group``, default: the default group; None: all of its
+    ranks); see Group.new_group."""
     return (group or get_group()).new_group(ranks)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ..internal.args import as_int
 from . import _alltoall, _rules
 from ._p2p import P2POp, batch_items, check_tag, item_tag
 from ._rendezvous import Exchange, ProcessGroupExchange, StoreExchange, timeout_s
@@ -188,7 +189,14 @@ class Group:
                 if self.rank == 0:
                     shm = _C.ShmGroup(self.name, 0, self.size, segment, create=True)
                 else:
-                    shm = _C.ShmGroup(self.name, self.rank, self.size, infos[0]["segment"], creator_pid=infos[0]["pid"])
+                    shm = _C.ShmGroup(
+                        self.name,
+                        self.rank,
+                        self.size,
+                        infos[0]["segment"],
+                        creator_pid=infos[0]["pid"],
+                        poll=self._creator_failed,
+                    )
             except Exception as exc:  # reported to the peers below, then raised
                 error = exc
             # Every rank says whether it attached. The pids are known now, so a rank that died
@@ -211,6 +219,17 @@ class Group:
             if shm is not None:
                 shm.close()  # removes the segment's name too
             raise
+
+    def _creator_failed(self) -> None:
+        """Called while this rank waits for rank 0's segment: rank 0 reports before its peers
+        do (the all_gather below), so a report that it failed ends the wait at once."""
+        part = self._exchange.peek(0)
+        error = None if part is None else json.loads(part)["error"]
+        if error is not None:
+            raise _C.DistributedError(
+                f"rendezvous of group '{self.name}' (rank {self.rank} of {self.size}): rank 0 could not create "
+                f"the shared memory ({error})"
+            )
 
     def destroy(self) -> None:
         """Finish queued ops and release the shared memory and NCCL communicator. Idempotent."""
@@ -255,24 +274,41 @@ class Group:
         backend = "shm" if self._shm is not None else ("torch" if self._torch_cpu is not None else "destroyed")
         return f"Group(name={self.name!r}, rank={self.rank}, size={self.size}, cpu_backend={backend})"
 
-    def new_group(self, ranks: Sequence[int]) -> Optional["Group"]:
-        """A subgroup of the given ranks of this group. Every rank of this group must call it with
-        the same ``ranks``, in the same order as its other new_group calls; non-members get None."""
-        ranks = [int(r) for r in ranks]
-        if sorted(set(ranks)) != sorted(ranks) or not ranks or any(r < 0 or r >= self.size for r in ranks):
+    def new_group(self, ranks: Optional[Sequence[int]] = None) -> Optional["Group"]:
+        """A subgroup of the given ranks of this group (None: all of them, as in torch). Every rank
+        of this group must call it with the same ``ranks``, in the same order as its other
+        new_group calls; non-members get None."""
+        given = ranks
+        ranks = list(range(self.size)) if ranks is None else [as_int(r) for r in ranks]
+        if (
+            None in ranks or not ranks or len(set(ranks)) != len(ranks) or any(r < 0 or r >= self.size for r in ranks)  # type: ignore[operator]
+        ):
             raise ValueError(
-                f"new_group: ranks must be distinct ranks of group '{self.name}' (0..{self.size - 1}), got {ranks}"
+                f"new_group: ranks must be distinct int ranks of group '{self.name}' (0..{self.size - 1}), "
+                f"got {given!r}"
             )
         self._check_open("new_group")
         self._subgroups += 1
         name = f"{self.name}/sub{self._subgroups}"
-        if isinstance(self._exchange, ProcessGroupExchange):
+        member = self.rank in ranks
+        torch_sub = isinstance(self._exchange, ProcessGroupExchange)
+        if self._torch_cpu is not None and not torch_sub:
+            # spans hosts: the subgroup's CPU ops need a torch group too. torch's new_group is a
+            # collective of the whole default group, which every rank calling this one is only
+            # when this group is the default group.
+            if self.size != dist.get_world_size():
+                raise _C.DistributedError(
+                    f"new_group: group '{self.name}' spans hosts and is not the default group, so a subgroup "
+                    "of it has no torch process group to run CPU collectives through; build it from one: "
+                    "init_group(torch.distributed.new_group(ranks)), called on every rank"
+                )
+            torch_sub = True
+        if torch_sub:
             global_ranks = [dist.get_global_rank(self._pg, r) for r in ranks]  # type: ignore[arg-type]
             pg = dist.new_group(global_ranks)  # collective over the default group
-            return Group(ProcessGroupExchange(pg, name), name, pg) if self.rank in ranks else None
-        if self.rank not in ranks:
+            return Group(ProcessGroupExchange(pg, name), name, pg) if member else None
+        if not member:
             return None
-        # a store-built subgroup has no torch group to fall back to across hosts
         return Group(self._exchange.sub(ranks, self._subgroups), name, None)
 
     # ------------------------------------------------------------------ dispatch

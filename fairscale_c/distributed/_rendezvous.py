@@ -61,6 +61,11 @@ class Exchange:
         """Group rank 0's ``data`` on every rank (others pass None)."""
         raise NotImplementedError
 
+    def peek(self, rank: int) -> Optional[bytes]:
+        """What ``rank`` has already published for the next all_gather, or None (not yet, or this
+        exchange cannot tell without taking part). Never blocks."""
+        return None
+
     def sub(self, ranks: Sequence[int], index: int) -> "Exchange":
         """An exchange for the members ``ranks`` (ranks of this group); called by members only.
         ``index`` numbers the subgroup among this group's subgroups: every rank of the group counts
@@ -127,6 +132,12 @@ class StoreExchange(Exchange):
         keys = [f"{base}/{r}" for r in range(self.size)]
         self._wait(keys, "all_gather", list(range(self.size)), pids)
         return self._call("all_gather", "while reading the parts", lambda: [bytes(self.store.get(k)) for k in keys])
+
+    def peek(self, rank: int) -> Optional[bytes]:
+        key = f"{self.prefix}/ag{self._round}/{rank}"
+        if not self._call("all_gather", "while looking for an early part", lambda: self.store.check([key])):
+            return None
+        return self._call("all_gather", "while reading an early part", lambda: bytes(self.store.get(key)))
 
     def broadcast(self, data: Optional[bytes]) -> bytes:
         key = f"{self.prefix}/bc{self._round}"
