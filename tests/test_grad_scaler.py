@@ -57,8 +57,9 @@ def test_disabled_scaler_is_a_pass_through():
     assert scaler.scale(loss) is loss and not scaler.is_enabled()
 
 
-def _only_one_rank_overflows(rank, world, scaler_kind):
-    """FSDP on 2 ranks; after backward, rank 1 alone finds an inf in its gradient shard."""
+def _only_one_rank_overflows(rank, world, scaler_kind, optim="sgd"):
+    """FSDP on 2 ranks; after backward, rank 1 alone finds an inf in its gradient shard. A fused
+    optimizer unscales inside its own step: torch's scaler then checks for infs without unscale_."""
     import torch.distributed as dist
 
     from fairscale_c.nn import FullyShardedDataParallel as FSDP
@@ -66,7 +67,11 @@ def _only_one_rank_overflows(rank, world, scaler_kind):
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = FSDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if optim == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        assert getattr(opt, "_step_supports_amp_scaling", False)
     scaler = ShardedGradScaler(init_scale=2.0**8) if scaler_kind == "sharded" else torch.amp.GradScaler("cpu", 2.0**8)
     before = model.flat_param_0.detach().clone()
     loss = model(torch.randn(3, 4)).pow(2).mean()
@@ -85,3 +90,8 @@ def test_ranks_skip_the_step_together():
     assert run_ranks(_only_one_rank_overflows, 2, "torch") == [(True, 2.0**8), (False, 2.0**7)]
     # ShardedGradScaler: both skip and both back off.
     assert run_ranks(_only_one_rank_overflows, 2, "sharded") == [(False, 2.0**7), (False, 2.0**7)]
+
+
+def test_ranks_skip_the_step_together_with_a_fused_optimizer():
+    assert run_ranks(_only_one_rank_overflows, 2, "torch", "fused") == [(True, 2.0**8), (False, 2.0**7)]
+    assert run_ranks(_only_one_rank_overflows, 2, "sharded", "fused") == [(False, 2.0**7), (False, 2.0**7)]

@@ -81,11 +81,21 @@ class ShardedGradScaler(GradScaler):
         if not self._enabled:
             return
         super().unscale_(optimizer)
-        state = self._per_optimizer_states[id(optimizer)]
+        self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+
+    def _check_inf_per_device(self, optimizer: Any) -> Dict[torch.device, torch.Tensor]:
+        """What torch's ``step`` calls instead of ``unscale_`` for an optimizer that unscales
+        inside its own step (``_step_supports_amp_scaling``: the fused Adam, AdamW and SGD): the
+        flags it hands that step and ``update`` are agreed on by every rank too."""
+        per_device = super()._check_inf_per_device(optimizer)
+        self._agree(per_device)
+        return per_device
+
+    def _agree(self, per_device: Dict[torch.device, torch.Tensor]) -> None:
+        """Make this rank's found-inf flags the maximum over the group (collective)."""
         comm = self._group_comm()
         if comm.size == 1:
             return
-        per_device: Dict[torch.device, torch.Tensor] = state["found_inf_per_device"]
         # One all-reduce per call whatever this rank holds (a rank without gradients still takes
         # part), on the scale's device.
         flag = torch.zeros((), dtype=torch.float32, device=self._scale.device)
