@@ -518,3 +518,41 @@ def test_dropped_wrappers_are_freed():
     from dist_utils import run_ranks
 
     assert run_ranks(_freed_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [(True, True)] * 2
+
+
+@pytest.mark.parametrize("case", ["freeze", "unfreeze"])
+def test_requires_grad_changed_after_wrapping_is_followed(case):
+    # FairScale reads the flat parameter's requires_grad at every step: a layer frozen after
+    # wrapping gets no gradient any more, and one unfrozen after wrapping starts training.
+    plain = mlp()
+    m = copy.deepcopy(plain)
+    if case == "unfreeze":
+        m[0].requires_grad_(False)
+    m[0] = FSDP(m[0])
+    model = FSDP(m)
+    inner = model.module[0]
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    inner.requires_grad_(case == "unfreeze")
+    plain[0].requires_grad_(case == "unfreeze")
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    (flat,) = inner.parameters()
+    if case == "freeze":
+        assert flat.grad is None
+    else:
+        want = torch.cat([plain[0].weight.grad.flatten(), plain[0].bias.grad])
+        torch.testing.assert_close(flat.grad[: want.numel()], want)
+    rest = [p for p in model.parameters() if p is not flat]
+    assert rest and all(p.grad is not None for p in rest)  # the rest of the model still trains
+
+
+def test_local_state_dict_keeps_buffers_in_fp32_under_mixed_precision():
+    torch.manual_seed(0)
+    m = FSDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), mixed_precision=True, compute_dtype=torch.bfloat16)
+    m(torch.randn(3, 4))
+    local, full = m.local_state_dict(), m.state_dict()
+    for name in ("1.running_mean", "1.running_var"):
+        assert local[name].dtype is torch.float32 and full[name].dtype is torch.float32, name
+    assert local["flat_param_0"].dtype is torch.float32

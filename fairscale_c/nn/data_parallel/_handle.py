@@ -57,6 +57,7 @@ class Handle:
         self.backing_name = ""  # "flat_param_<i>", or the parameter's name when not flattened
         self.forward_users = 0  # instances using it (owner and sharers) whose forward is running
         self.summoned: Optional[Dict[int, nn.Parameter]] = None  # id(slot) -> full fp32 parameter, while summoned
+        self.grad_hooked = False  # the full buffer's gradient hook is registered (FSDP._hook_full)
 
     def places(self) -> List[Tuple[nn.Module, str]]:
         """Unflattened: (module, attribute) where the parameter sits, tied names included."""
@@ -65,9 +66,11 @@ class Handle:
 
     def new_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The full (padded) buffer in the compute dtype. A leaf, so autograd accumulates the
-        gradient of every view into one flat gradient; its storage is released when resharded."""
+        gradient of every view into one flat gradient; its storage is released when resharded.
+        It requires grad as the shard does (``FSDP._sync_requires_grad`` follows later changes)."""
+        self.grad_hooked = False
         return torch.zeros(self.layout.padded_numel, dtype=dtype, device=device).requires_grad_(
-            self.layout.requires_grad
+            self.param.requires_grad
         )
 
 

@@ -138,9 +138,28 @@ class Setup:
         self._register_load_state_dict_pre_hook(functools.partial(_state_dict.pre_load_state_dict_hook, self))
 
     def _hook_full(self, h: Handle) -> None:
-        """Reduce-scatter the full buffer's gradient once autograd has accumulated all of it."""
-        if h.layout.requires_grad:
+        """Reduce-scatter the full buffer's gradient once autograd has accumulated all of it
+        (registered once the buffer requires grad: torch refuses a hook on one that does not)."""
+        if h.full.requires_grad and not h.grad_hooked:
             h.full.register_post_accumulate_grad_hook(weak_hook(self._post_backward_hook, h))
+            h.grad_hooked = True
+
+    def _sync_requires_grad(self) -> None:
+        """Give the full buffers the shards' current ``requires_grad``: a flat parameter frozen or
+        unfrozen after wrapping (``p.requires_grad_()``) gets no gradient, or gets one, from the
+        next forward on, as in FairScale, which reads it at every step."""
+        for h in self._handles:
+            self._sync_handle(h)
+        for t in self._ties:  # a shared parameter's gradient hook is its owner's
+            owner = t.owner()
+            if owner is not None:
+                owner._sync_handle(t.handle)
+
+    def _sync_handle(self, h: Handle) -> None:
+        want = h.param.requires_grad
+        if h.full.requires_grad != want:
+            h.full.requires_grad_(want)
+            self._hook_full(h)
 
     def _check_dtypes(self, layouts: List[FlatLayout]) -> None:
         pure_fp16 = self.compute_dtype is torch.float16 and not self.mixed_precision

@@ -94,7 +94,7 @@ def summon(fsdp) -> List[Any]:
         fulls.append(full)
         params = {}
         for slot in h.layout.slots:
-            p = nn.Parameter(full[slot.offset : slot.offset + slot.numel].view(slot.shape), h.layout.requires_grad)
+            p = nn.Parameter(full[slot.offset : slot.offset + slot.numel].view(slot.shape), h.param.requires_grad)
             params[id(slot)] = p
             slot.module.__dict__.pop(slot.attr, None)  # a view left by the last forward
             slot.module._parameters[slot.attr] = p
@@ -109,7 +109,7 @@ def summon(fsdp) -> List[Any]:
         if p is None:
             own = _gather_fp32(fsdp, t.handle)
             s = t.slot
-            p = nn.Parameter(own[s.offset : s.offset + s.numel].view(s.shape), t.handle.layout.requires_grad)
+            p = nn.Parameter(own[s.offset : s.offset + s.numel].view(s.shape), t.handle.param.requires_grad)
         t.module.__dict__.pop(t.attr, None)
         t.module._parameters[t.attr] = p
         fulls.append(own)

@@ -312,6 +312,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         for h in self._all_handles:
             h.forward_users += 1
         try:
+            self._sync_requires_grad()
             self._rebuild_full_params()
             self._root._on_forward(self)
             self._use_full_params()
@@ -428,7 +429,12 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         """The sharded state: keys ``<fsdp path>.flat_param_<i>`` plus buffers, FairScale's format."""
         self.assert_state([TrainingState.IDLE, TrainingState.FORWARD])
         with _state_dict.local_mode(get_fsdp_instances(self)):
-            return super().state_dict(*args, **kwargs)
+            sd = super().state_dict(*args, **kwargs)
+        if self.mixed_precision:  # buffers kept in the compute dtype are saved in fp32, as in FairScale
+            for k, v in sd.items():
+                if torch.is_tensor(v) and v.is_floating_point() and v.dtype is not torch.float32:
+                    sd[k] = v.float()
+        return sd
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> Any:
         """Load a full state dict (as state_dict() returns). Collective."""
