@@ -138,6 +138,14 @@ def test_import_paths_mirror_fairscale():
 
     assert fairscale_c.nn.checkpoint_wrapper is fairscale_c.nn.checkpoint.checkpoint_wrapper
     assert fairscale_c.nn.misc.checkpoint_wrapper is checkpoint_wrapper  # FairScale's old path
+    from fairscale_c.nn.checkpoint import checkpoint_activations as ca
+
+    assert ca.patch_batchnorm is fairscale_c.nn.checkpoint.checkpoint_utils.patch_batchnorm
+    assert isinstance(ca.thread_local, ca.ThreadLocalCheckpointingState) and not ca.thread_local.is_recomputing
+    state = ca.get_rng_state()
+    first = torch.rand(3)
+    ca.set_rng_state(state)
+    assert torch.equal(torch.rand(3), first)
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
@@ -183,3 +191,28 @@ def test_patch_batchnorm_skips_running_stats_without_grad():
     assert int(bn.num_batches_tracked) == 2
     with pytest.raises(TypeError, match="argument 'module' must be an nn.Module"):
         patch_batchnorm(None)
+
+
+def test_copies_of_a_wrapped_module_run_their_own_parameters():
+    # The forward's reference to its module follows deepcopy and pickling: a copy computes with
+    # the copy's parameters (FairScale's weakref keeps running the original's).
+    original = nn.Sequential(checkpoint_wrapper(nn.Linear(3, 2)), nn.ReLU())
+    for copy_of in (copy.deepcopy, _through_torch_save):
+        c = copy_of(original)
+        with torch.no_grad():
+            c[0].weight.zero_()
+            c[0].bias.fill_(1.0)
+        x = torch.ones(2, 3, requires_grad=True)
+        out = c(x)
+        out.sum().backward()
+        assert out.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+        assert c[0].bias.grad.tolist() == [2.0, 2.0] and original[0].bias.grad is None
+
+
+def _through_torch_save(module):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)

@@ -14,12 +14,16 @@ import contextlib
 import functools
 import threading
 import weakref
-from typing import Any, Generator
+from typing import Any, Dict, Generator
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+# names FairScale's module also offers (its helpers and a re-export)
+from ...internal.containers import pack_kwargs, split_non_tensors, unpack_kwargs, unpack_non_tensors  # noqa: F401
+from .checkpoint_utils import patch_batchnorm  # noqa: F401
 
 
 class _State(threading.local):
@@ -31,6 +35,32 @@ class _State(threading.local):
 
 
 _state = _State()
+
+# FairScale's names for the per-thread flags (the same attributes: is_checkpointing,
+# is_recomputing, is_checkpointing_disabled)
+ThreadLocalCheckpointingState = _State
+thread_local = _state
+
+
+def get_rng_state() -> Dict[str, Any]:
+    """The CPU generator's state, and the current CUDA device's when CUDA is available, as a dict
+    for set_rng_state (FairScale's helper)."""
+    state = {"torch_rng_state": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what get_rng_state returned."""
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+
+
+def is_autocast_enabled() -> bool:
+    """``torch.is_autocast_enabled()``: the CUDA autocast state, as FairScale's helper returns."""
+    return torch.is_autocast_enabled()
 
 
 @contextlib.contextmanager
@@ -89,8 +119,30 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint_wrapper: argument 'module' must be an nn.Module, got {type(module).__name__}")
     _patch_batchnorm(module)
-    module.forward = functools.partial(_checkpointed_forward, type(module).forward, weakref.ref(module), offload_to_cpu)
+    module.forward = functools.partial(_checkpointed_forward, type(module).forward, _ModuleRef(module), offload_to_cpu)
     return module
+
+
+class _ModuleRef:
+    """A weak reference from a wrapped module's forward to the module (a strong one would be a
+    cycle) that follows the module when it is copied: ``copy.deepcopy`` points the copy's forward
+    at the copy (a plain weakref would keep running the original's parameters), and pickling
+    (``torch.save`` of a model) stores the module itself, which pickle restores as one object."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self._ref = weakref.ref(module)
+
+    def __call__(self) -> nn.Module:
+        return self._ref()
+
+    def __deepcopy__(self, memo: dict) -> "_ModuleRef":
+        module = self._ref()
+        return _ModuleRef(memo.get(id(module), module))
+
+    def __reduce__(self) -> Any:
+        return (_ModuleRef, (self._ref(),))
 
 
 def _checkpointed_forward(original_forward: Any, weak_self: Any, offload_to_cpu: bool, *args: Any, **kwargs: Any):
