@@ -573,3 +573,12 @@ def test_pack_blocks_refuses_counts_that_overflow():
     dst = Raw(shape=(0,), dtype=(1, 8, 1)).capsule()
     with pytest.raises(ValueError, match="overflows int64"):
         _C.pack_blocks(dst.cap, [s.cap for s in srcs], 1)
+
+
+def test_an_output_with_repeated_elements_is_refused():
+    # torch refuses to write into an expanded tensor ("more than one element of the written-to
+    # tensor refers to a single memory location"); so does every C entry point that writes
+    dst = torch.zeros(1).expand(4)
+    with pytest.raises(ValueError, match="argument 'dst': more than one element refers to the same memory"):
+        _C.copy_(dst, torch.arange(4.0))
+    _C.copy_(torch.zeros(4), torch.zeros(1).expand(4))  # reading one is fine

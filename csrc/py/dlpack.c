@@ -188,6 +188,14 @@ static int view_from_dl(const DLTensor *t, int readonly, const char *argname, in
         PyErr_Format(PyExc_ValueError, "argument '%s': the tensor is read-only; expected writable memory", argname);
         return -1;
     }
+    for (int i = 0; (flags & FSC_IMPORT_WRITABLE) && i < out->ndim; i++)
+        if (out->strides[i] == 0 && out->shape[i] > 1) { /* torch refuses such an output too */
+            PyErr_Format(PyExc_ValueError,
+                         "argument '%s': more than one element refers to the same memory (a stride of 0, as in "
+                         "an expanded tensor); expected an output whose elements are distinct (clone it first)",
+                         argname);
+            return -1;
+        }
     if ((flags & FSC_IMPORT_CONTIGUOUS) && !fsc_tensor_is_contiguous(out)) {
         PyErr_Format(PyExc_ValueError, "argument '%s': expected a contiguous tensor (call .contiguous() first)",
                      argname);
