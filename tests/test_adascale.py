@@ -483,3 +483,20 @@ def test_world2_ddp() -> None:
     assert results[0]["fairscale"] == HAVE_FAIRSCALE
     assert results[0]["oss_max_param_diff"] <= 1e-6
     assert orphaned_segments() - before == set()
+
+
+def test_method_arguments_carry_fairscales_names():
+    # code written for FairScale passes them by keyword
+    import inspect
+
+    from fairscale_c.optim import AdaScale
+
+    assert list(inspect.signature(AdaScale.add_param_group).parameters) == ["self", "pg"]
+    assert list(inspect.signature(AdaScale.load_state_dict).parameters) == ["self", "data"]
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = AdaScale(torch.optim.SGD([p], lr=0.1), num_gradients_to_accumulate=2)
+    opt.load_state_dict(data=opt.state_dict())
+    opt.add_param_group(pg={"params": [torch.nn.Parameter(torch.ones(1))]})
+    # param_groups stays the live list after load_state_dict (an LR scheduler holds it); FairScale
+    # keeps the list from construction, which load_state_dict replaced
+    assert len(opt.param_groups) == 2 and opt.param_groups is opt._optimizer.param_groups

@@ -4,6 +4,7 @@ without activation checkpointing, close with micro-batches; integer inputs; pre-
 FairScale's slicing rule; eval; bad arguments; on a CUDA device with the host as offload device,
 every parameter and gradient is home after each step (GPU-marked)."""
 
+import inspect
 import pytest
 import torch
 from torch import nn
@@ -151,3 +152,11 @@ def test_checkpointed_slices_replay_the_forwards_autocast():
     (y1, g1, p1), (y2, g2, p2) = results
     assert torch.equal(y1, y2) and torch.equal(g1, g2)
     assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+
+
+def test_model_shard_moves_take_non_blocking_as_in_fairscale():
+    from fairscale_c.experimental.nn.offload import ModelShard
+
+    for name in ("forward_load", "backward_load", "forward_drop", "backward_drop"):
+        params = inspect.signature(getattr(ModelShard, name)).parameters
+        assert list(params) == ["self", "non_blocking"] and params["non_blocking"].default is True, name

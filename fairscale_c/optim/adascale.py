@@ -157,7 +157,6 @@ class AdaScale(Optimizer):
         self._num_backward_calls = 0
         self._last_final_backward_call = 0
         self._callback_task: Optional[int] = None  # the autograd graph task our callback is queued on
-        self.param_groups = optimizer.param_groups
 
         self._num_grads_to_accum = num_gradients_to_accumulate
         self._smoothing = self._default_smoothing()
@@ -386,10 +385,20 @@ class AdaScale(Optimizer):
             for lr, g in zip(original, groups):
                 g["lr"] = lr
 
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The wrapped optimizer's groups, for LR schedulers; read through, so they stay the live
+        list after ``load_state_dict`` (which gives the wrapped optimizer a new one)."""
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: List[Dict[str, Any]]) -> None:
+        self._optimizer.param_groups = groups
+
+    def add_param_group(self, pg: Dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its statistics start fresh (gain 1)."""
         self._require_outside_backward("add_param_group")
-        self._optimizer.add_param_group(param_group)
+        self._optimizer.add_param_group(pg)
         self.unhook()
         self._hook()
         state = self._state
@@ -412,20 +421,20 @@ class AdaScale(Optimizer):
             sd["state"][_STATE_KEY] = copy.deepcopy(sd["state"][_STATE_KEY])
         return sd
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, data: Dict[str, Any]) -> None:
         """Load into the wrapped optimizer; statistics in the state dict are copied in, and a
         state dict without them (a plain optimizer's) starts them afresh."""
         self._require_outside_backward("load_state_dict")
-        saved = state_dict.get("state", {}).get(_STATE_KEY) if isinstance(state_dict, dict) else None
+        saved = data.get("state", {}).get(_STATE_KEY) if isinstance(data, dict) else None
         if saved is not None:
             saved = {k: np.array(v, dtype=np.float64) for k, v in dict(saved).items()}
-            n = len(state_dict.get("param_groups", ()))
+            n = len(data.get("param_groups", ()))
             if n != len(self._optimizer.param_groups):
                 raise ValueError(
                     f"AdaScale.load_state_dict: the state dict has {n} parameter group(s), this optimizer "
                     f"{len(self._optimizer.param_groups)}"
                 )
-        self._optimizer.load_state_dict(state_dict)
+        self._optimizer.load_state_dict(data)
         self._optimizer.state[_STATE_KEY] = saved if saved is not None else self._fresh_state()
         self._check_state(self._state)
 

@@ -80,19 +80,22 @@ class ModelShard(nn.Module):
         return self.model_shard(*inputs)
 
     @torch.no_grad()
-    def load(self) -> None:
-        """Copies the slice's parameters, buffers and gradients onto ``device``."""
+    def load(self, non_blocking: bool = True) -> None:
+        """Copies the slice's parameters, buffers and gradients onto ``device`` (from pinned
+        memory without blocking the host, unless ``non_blocking`` is False)."""
         if not self._moves:
             return
         for t, home in self._homes:
             if t.data.device != self.device:
-                t.data = home.to(self.device, non_blocking=True)
+                t.data = home.to(self.device, non_blocking=non_blocking)
             if isinstance(t, nn.Parameter) and t.grad is not None and t.grad.device != self.device:
-                t.grad = t.grad.to(self.device, non_blocking=True)
+                t.grad = t.grad.to(self.device, non_blocking=non_blocking)
 
     @torch.no_grad()
-    def drop(self) -> None:
-        """Copies them home (after the work that produced them) and frees the device's copies."""
+    def drop(self, non_blocking: bool = True) -> None:
+        """Copies them home (after the work that produced them) and frees the device's copies.
+        ``non_blocking`` is accepted for FairScale's signature: the copies home always complete
+        before this returns, so the host copies can be read at once."""
         if not self._moves:
             return
         for t, home in self._homes:
