@@ -21,9 +21,20 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-# names FairScale's module also offers (its helpers and a re-export)
-from ...internal.containers import pack_kwargs, split_non_tensors, unpack_kwargs, unpack_non_tensors  # noqa: F401
-from .checkpoint_utils import patch_batchnorm  # noqa: F401
+from .checkpoint_utils import patch_batchnorm  # noqa: F401 (FairScale's module re-exports it)
+
+_CONTAINER_HELPERS = ("pack_kwargs", "split_non_tensors", "unpack_kwargs", "unpack_non_tensors")
+
+
+def __getattr__(name: str) -> Any:
+    """FairScale's module also offers its container helpers; they live in
+    fairscale_c.internal.containers, imported on first use (it needs numpy, which this module
+    does not)."""
+    if name in _CONTAINER_HELPERS:
+        from ...internal import containers
+
+        return getattr(containers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _State(threading.local):

@@ -12,6 +12,11 @@ def _rloss(loss_func: Callable[..., Any], input_rref: rpc.RRef, target_rref: rpc
     return loss_func(input_rref.to_here(), target_rref.to_here())
 
 
+def _computed(rref: rpc.RRef) -> None:
+    """On the loss's owner: return once its value exists (a local wait: no tensor travels)."""
+    rref.to_here()
+
+
 def DistributedLoss(loss: type, *args: Any, **kwargs: Any) -> Callable[[rpc.RRef, rpc.RRef], rpc.RRef]:
     """``loss(*args, **kwargs)`` (an nn.Module class, e.g. nn.MSELoss) as a function of two RRefs
     (the pipeline's output and the target) returning an RRef of the loss, computed on the worker
@@ -23,9 +28,11 @@ def DistributedLoss(loss: type, *args: Any, **kwargs: Any) -> Callable[[rpc.RRef
 
     def dloss(input_rref: rpc.RRef, target_rref: rpc.RRef) -> rpc.RRef:
         rref = rpc.remote(input_rref.owner(), _rloss, args=(loss_func, input_rref, target_rref))
-        # RRef.backward on a value not yet computed raises instead of waiting: wait here (the
-        # value is one loss)
-        rref.to_here()
+        # RRef.backward on a value not yet computed raises instead of waiting: wait here. Not by
+        # fetching the loss, which inside a distributed autograd context records a send on its
+        # owner that no gradient would ever come back to, so the owner's backward would wait for
+        # one until the RPC timeout.
+        rpc.rpc_sync(rref.owner(), _computed, args=(rref,))
         return rref
 
     return dloss
