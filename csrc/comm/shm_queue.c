@@ -206,6 +206,7 @@ joined:
 void fsc_shm_engine_free(fsc_shm_group_t *g) {
     if (!g->engine_started) return;
     fsc_shm_engine_stop(g, -1);
+    if (!g->engine_started) return; /* a fork() child: the lock may be held, leave it be */
     pthread_mutex_destroy(&g->qmu);
     pthread_cond_destroy(&g->qcv);
     g->engine_started = 0;
