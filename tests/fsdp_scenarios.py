@@ -474,11 +474,13 @@ def scenario_half_after_wrapping(rank, world):
     assert m.compute_dtype is torch.float16 and m.flat_param_0.dtype is torch.float16
 
 
-def scenario_sharded_grad_scaler(rank, world):
+def _sharded_grad_scaler(rank, world, fused):
     # FSDP with ShardedGradScaler against the unwrapped model with torch's GradScaler on the whole
-    # batch: same losses, parameters and scale, including a step whose gradients overflow (the
-    # global batch carries an inf, so both sides must skip it and back off) and scale growth
-    # (growth_interval=2).
+    # batch: same losses, parameters and scale, including a step whose gradients overflow (on one
+    # rank's shard alone, so both sides must skip it and back off) and scale growth
+    # (growth_interval=2). `fused`: AdamW(fused=True), which unscales inside its own step, so the
+    # scaler checks for infs without unscale_ and the flag must still be agreed over the group;
+    # else SGD with unscale_ and clipping.
     from fairscale_c.optim.grad_scaler import ShardedGradScaler
 
     device = DEVICE["device"]
@@ -486,30 +488,72 @@ def scenario_sharded_grad_scaler(rank, world):
     model = MLP().to(device)
     ref = copy.deepcopy(model)
     fsdp_model = fsdp()(model)
-    opt = torch.optim.SGD(fsdp_model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    if fused:
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.01, fused=True) for m in (fsdp_model, ref))
+    else:
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (fsdp_model, ref))
     scaler = ShardedGradScaler(init_scale=2.0**10, growth_interval=2)
     ref_scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
     gen = torch.Generator().manual_seed(1234)
     for step in range(5):
         x, y = (t.to(device) for t in mlp_batch(step, world, gen))
+        local_x = _local(x, rank).clone()
         if step == 2:
-            x[-1, 0] = float("inf")  # the last rank's slice overflows
-        loss = mse(fsdp_model, _local(x, rank), _local(y, rank))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        fsdp_model.clip_grad_norm_(1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        ref_scaler.scale(mse(ref, x, y)).backward()
-        ref_scaler.unscale_(ref_opt)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
-        ref_opt.zero_grad()
+            x[-1, 0] = float("inf")  # the reference overflows; FSDP below, on the last rank alone
+        ref_clip = functools.partial(torch.nn.utils.clip_grad_norm_, list(ref.parameters()))
+        for sc, o, loss, clip in (
+            (scaler, opt, mse(fsdp_model, local_x, _local(y, rank)), fsdp_model.clip_grad_norm_),
+            (ref_scaler, ref_opt, mse(ref, x, y), ref_clip),
+        ):
+            sc.scale(loss).backward()
+            if step == 2 and sc is scaler and rank == world - 1:
+                fsdp_model.flat_param_0.grad[0] = float("inf")  # after the reduce-scatter: one shard only
+            if not fused:
+                sc.unscale_(o)
+                clip(1.0)
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
         assert scaler.get_scale() == ref_scaler.get_scale(), (step, scaler.get_scale(), ref_scaler.get_scale())
     assert scaler.get_scale() == 2.0**11  # grew at step 1, backed off at step 2, grew again at step 4
+    sd, ref_sd = fsdp_model.state_dict(), ref.state_dict()
+    for k, v in ref_sd.items():
+        torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"parameter {k}")
+
+
+def scenario_sharded_grad_scaler(rank, world):
+    _sharded_grad_scaler(rank, world, fused=False)
+
+
+def scenario_sharded_grad_scaler_fused(rank, world):
+    _sharded_grad_scaler(rank, world, fused=True)
+
+
+def scenario_requires_grad_changed(rank, world):
+    # A block frozen after wrapping (step 1) and unfrozen again (step 3): FSDP follows the flag at
+    # every forward as FairScale does, so it trains exactly what the unwrapped model trains.
+    device = DEVICE["device"]
+    torch.manual_seed(0)
+    model = TinyLM().to(device)
+    ref = copy.deepcopy(model)
+    fsdp_model = nested_manual_wrap(model)
+    opt = torch.optim.SGD(fsdp_model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1234)
+    for step in range(5):
+        if step in (1, 3):
+            fsdp_model.module.blocks[0].requires_grad_(step == 3)
+            ref.blocks[0].requires_grad_(step == 3)
+        idx, tgt = (t.to(device) for t in lm_batch(step, world, gen))
+        loss = xent(fsdp_model, _local(idx, rank), _local(tgt, rank))
+        loss.backward()
+        xent(ref, idx, tgt).backward()
+        frozen = [p.grad is None for p in fsdp_model.module.blocks[0].parameters()]
+        assert frozen == [step in (1, 2)] * len(frozen), (step, frozen)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
     sd, ref_sd = fsdp_model.state_dict(), ref.state_dict()
     for k, v in ref_sd.items():
         torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"parameter {k}")

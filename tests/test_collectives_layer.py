@@ -398,12 +398,20 @@ def test_local_group_batch_and_point_to_point():
 
 
 def _nccl_dtypes_and_nan_job(rank, world):
-    """int8 / int16 / bool through NCCL's copying ops, and what NCCL's max/min make of a NaN (the
-    CPU engine propagates it from any rank: docs/collectives.md). Returns the failures."""
+    """int8 / int16 / bool through NCCL's copying ops, max/min with a NaN against
+    torch.distributed's NCCL backend on the same tensors: NCCL's max and min drop a NaN where the
+    CPU engine propagates it (docs/collectives.md), and on CUDA we give what torch gives; and the
+    gradients' infinity norm, which must stay NaN on every rank. Returns
+    the failures and, per op and NaN rank, whether the result kept the NaN."""
+    import math
+
+    import torch.distributed as dist
+
     import fairscale_c.distributed as fdist
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    failures = []
+    dist.init_process_group("nccl")
+    failures, kept = [], {}
     with fdist.init_group(name="nccl-dtypes") as g:
         for dtype in (torch.int8, torch.int16, torch.bool):
             x = (torch.arange(999, device="cuda") * (rank + 3) % 7 > 2).to(dtype)
@@ -420,22 +428,37 @@ def _nccl_dtypes_and_nan_job(rank, world):
             g.batch([("send", x, 1 - rank), ("recv", got, 1 - rank)])
             if not torch.equal(got, want[999 * (1 - rank) : 999 * (2 - rank)]):
                 failures.append(f"send/recv {dtype}")
+        for op, torch_op in (("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                for nan_rank in range(world):
+                    t = (torch.tensor([1.0, 2.0, 3.0], device="cuda") * (rank + 1)).to(dtype)
+                    if rank == nan_rank:
+                        t[0] = float("nan")
+                    ref = t.clone()
+                    g.all_reduce(t, op=op)
+                    dist.all_reduce(ref, op=torch_op)
+                    torch.cuda.synchronize()
+                    if not torch.equal(t.nan_to_num(-7.0), ref.nan_to_num(-7.0)):
+                        failures.append(f"{op} {dtype} NaN on rank {nan_rank}: {t.tolist()}, torch {ref.tolist()}")
+                    kept[f"{op} {dtype} {nan_rank}"] = bool(t[0].isnan())
+        # the infinity norm of gradients (FSDP's and OSS's clip_grad_norm) keeps a NaN from any rank
+        from fairscale_c.internal.params import reduce_norm_term
+
         for nan_rank in range(world):
-            t = torch.tensor([1.0, 2.0, 3.0], device="cuda") * (rank + 1)
-            if rank == nan_rank:
-                t[0] = float("nan")
-            g.all_reduce(t, op="max")
-            torch.cuda.synchronize()
-            if not bool(t[0].isnan()):
-                failures.append(f"max with a NaN on rank {nan_rank}: {t.tolist()} (the CPU engine gives NaN)")
-    return failures
+            term = torch.tensor([math.nan if rank == nan_rank else 2.0 + rank], device="cuda")
+            if not bool(reduce_norm_term(g, term, math.inf).isnan()):
+                failures.append(f"inf norm with a NaN on rank {nan_rank} is not NaN")
+    dist.destroy_process_group()
+    return failures, kept
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_nccl_moves_int8_int16_bool_and_keeps_nan():
+def test_nccl_moves_int8_int16_bool_and_max_min_match_torch_with_a_nan():
     from test_cuda import _nccl_devices
 
     _, nccl_env = _nccl_devices()
     results = run_ranks(_nccl_dtypes_and_nan_job, 2, env={**FAST, **nccl_env}, timeout=240)
-    assert results == [[], []], results
+    print("NaN kept:", results[0][1])
+    assert [failures for failures, _ in results] == [[], []], results
+    assert results[0][1] == results[1][1]  # every rank holds the same result

@@ -120,6 +120,27 @@ def test_grad_norm_term_is_the_norm_of_every_gradient_to_the_power_p(p):
         assert math.isnan(params.grad_norm_term(with_nan, p).item())
 
 
+class _NcclLikeComm:
+    """Two ranks' all_reduce with NCCL's arithmetic: its max drops a NaN (as torch.fmax does)."""
+
+    def __init__(self, other):
+        self.other = other
+
+    def all_reduce(self, t, op):
+        t.copy_(torch.fmax(t, self.other) if op == "max" else t + self.other)
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_reduce_norm_term_keeps_a_nan_from_any_rank(p):
+    # the other rank's term for p = inf carries its NaN flag (0: none)
+    mine, theirs = torch.tensor([2.0]), torch.tensor([3.0, 0.0] if p == math.inf else [7.0])
+    assert params.reduce_norm_term(_NcclLikeComm(theirs), mine.clone(), p).item() == 3.0
+    nan = torch.tensor([math.nan])
+    assert math.isnan(params.reduce_norm_term(_NcclLikeComm(theirs), nan, p).item())
+    if p == math.inf:  # the NaN on the other rank: its flag is 1
+        assert math.isnan(params.reduce_norm_term(_NcclLikeComm(torch.tensor([math.nan, 1.0])), mine, p).item())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("p", [2.0, math.inf])

@@ -78,6 +78,19 @@ def grad_norm_term(grads: Sequence[torch.Tensor], p: float, device: Optional[tor
     return (stacked.max() if is_inf else stacked.sum()).reshape(1)
 
 
+def reduce_norm_term(comm: Any, term: torch.Tensor, p: float) -> torch.Tensor:
+    """The norm of all ranks' gradients from each rank's `grad_norm_term`, by one all_reduce over
+    `comm` (a 0-d tensor on the term's device). For p = inf the term travels with a NaN flag: NCCL's
+    max drops a NaN, and a NaN gradient on any rank must give a NaN norm on every rank, as the
+    norm of one process does."""
+    if float(p) != inf:
+        comm.all_reduce(term, op="sum")
+        return term[0] ** (1.0 / float(p))
+    both = torch.cat([term, term.isnan().to(term.dtype)])
+    comm.all_reduce(both, op="max")
+    return torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])
+
+
 def calc_grad_norm(parameters: List[torch.nn.Parameter], p: float) -> torch.Tensor:
     """The p-norm of all the gradients together (parameters without one are left out; 0 if none),
     computed in float32 and returned in the first parameter's dtype."""

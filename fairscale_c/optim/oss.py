@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
 from fairscale_c import distributed as fdist
-from fairscale_c.internal.params import grad_norm_term
+from fairscale_c.internal.params import grad_norm_term, reduce_norm_term
 
 from ._blocked import stepped_in_blocks
 from ._oss_state import PER_ELEMENT_STATE, copy_state, merge_shards, pack, to_cpu, unpack
@@ -396,9 +395,7 @@ class OSS(Optimizer):
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
         grads = [p.grad.detach() for p in params if p.grad is not None]
-        total = grad_norm_term(grads, norm_type, device=self._default_device)
-        self.comm.all_reduce(total, op="max" if norm_type == math.inf else "sum")
-        total = total[0] if norm_type == math.inf else total[0] ** (1.0 / norm_type)
+        total = reduce_norm_term(self.comm, grad_norm_term(grads, norm_type, device=self._default_device), norm_type)
         clip_coef = max_norm / (total + 1e-6)
         if clip_coef < 1:
             for lists in self.per_device_params.values():

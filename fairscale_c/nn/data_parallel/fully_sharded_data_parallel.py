@@ -21,7 +21,7 @@ from torch import nn
 
 from fairscale_c import _C
 from fairscale_c.internal.parallel import ProcessGroupName
-from fairscale_c.internal.params import grad_norm_term
+from fairscale_c.internal.params import grad_norm_term, reduce_norm_term
 
 from . import _optim_state, _state_dict
 from ._args import check_fsdp_args
@@ -368,10 +368,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         self.assert_state(TrainingState.IDLE)
         norm_type = float(norm_type)
         grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
-        inf = norm_type == float("inf")
-        local = grad_norm_term(grads, norm_type)
-        self.comm.all_reduce(local, op="max" if inf else "sum")
-        total = local[0] if inf else local[0] ** (1.0 / norm_type)
+        total = reduce_norm_term(self.comm, grad_norm_term(grads, norm_type), norm_type)
         clip_coef = float(max_norm) / (float(total) + 1e-6)
         if clip_coef < 1:
             for g in grads:
