@@ -385,17 +385,23 @@ def scenario_multiple_forwards_before_backward(rank, world):
     train_and_compare(rank, world, TinyLM, nested_manual_wrap, batch_fn=lm_batch, loss_fn=two_lm_forwards)
 
 
+def _wrapped_and_plain_lm(wrap):
+    """TinyLM (seed 0) wrapped by `wrap` and an unwrapped copy, each with SGD + momentum."""
+    torch.manual_seed(0)
+    model = TinyLM().to(DEVICE["device"])
+    ref = copy.deepcopy(model)
+    model = wrap(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    return model, ref, opt, ref_opt
+
+
 def scenario_separate_backwards(rank, world):
     """Two forwards, then a backward for each loss (FairScale issues 918 and 920): the second
     backward re-gathers what the first resharded, and its reduced gradients add to the first's."""
     device = DEVICE["device"]
     for wrap in (fsdp(), nested_manual_wrap):
-        torch.manual_seed(0)
-        model = TinyLM().to(device)
-        ref = copy.deepcopy(model)
-        model = wrap(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        model, ref, opt, ref_opt = _wrapped_and_plain_lm(wrap)
         gen = torch.Generator().manual_seed(3)
         for step in range(STEPS):
             x, y = (t.to(device) for t in lm_batch(step, world, gen))
@@ -533,12 +539,7 @@ def scenario_requires_grad_changed(rank, world):
     # A block frozen after wrapping (step 1) and unfrozen again (step 3): FSDP follows the flag at
     # every forward as FairScale does, so it trains exactly what the unwrapped model trains.
     device = DEVICE["device"]
-    torch.manual_seed(0)
-    model = TinyLM().to(device)
-    ref = copy.deepcopy(model)
-    fsdp_model = nested_manual_wrap(model)
-    opt = torch.optim.SGD(fsdp_model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    fsdp_model, ref, opt, ref_opt = _wrapped_and_plain_lm(nested_manual_wrap)
     gen = torch.Generator().manual_seed(1234)
     for step in range(5):
         if step in (1, 3):
