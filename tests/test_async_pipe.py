@@ -251,6 +251,22 @@ def test_one_stage_and_bad_arguments():
         AsyncPipe(nn.Sequential(Words()), [1], group=g)(torch.ones(2))
 
 
+def test_deferred_batch_norm_commits_once_per_mini_batch():
+    # 3 and 2 rows in chunks=4 make 3 and 2 micro-batches; each mini-batch still commits once
+    from fairscale_c.nn.pipe import AsyncPipe
+
+    ref = nn.BatchNorm1d(2)
+    pipe = AsyncPipe(nn.Sequential(nn.BatchNorm1d(2)), [1], group=OneRankGroup(), chunks=4, deferred_batch_norm=True)
+    torch.manual_seed(0)
+    for step, rows in enumerate([3, 8, 2]):
+        x = torch.randn(rows, 2, 5) + 10 * step
+        ref(x)
+        pipe(x).sum().backward()
+        assert pipe[0].num_batches_tracked.item() == step + 1
+        torch.testing.assert_close(pipe[0].running_mean, ref.running_mean, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pipe[0].running_var, ref.running_var, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_training_on_cuda_ranks_equals_plain_torch():

@@ -296,6 +296,50 @@ def test_deferred_batch_norm_has_full_batch_statistics(mode):
     torch.testing.assert_close(pipe(x), ref(x), atol=1e-5, rtol=1e-5)
 
 
+class FailOnSecondCall(nn.Module):
+    """Once armed, raises on its second call: a mini-batch whose forward stops part way, after
+    the layers before it in the partition have seen one micro-batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = None
+
+    def forward(self, x):
+        if self.calls is not None:
+            self.calls += 1
+            if self.calls == 2:
+                self.calls = None
+                raise ValueError("stopped part way")
+        return x
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_deferred_batch_norm_commits_once_per_mini_batch_of_fewer_rows_than_chunks(mode):
+    # Batches of 3 and 2 rows in chunks=4 give 3 and 2 micro-batches; a forward that raised
+    # after the BatchNorm saw one of its micro-batches leaves no partial sums behind.
+    ref = nn.BatchNorm1d(2)
+    pipe = Pipe(
+        nn.Sequential(nn.BatchNorm1d(2), FailOnSecondCall(), nn.Identity()),
+        [2, 1],
+        devices=["cpu", "cpu"],
+        chunks=4,
+        checkpoint=mode,
+        deferred_batch_norm=True,
+    )
+    torch.manual_seed(0)
+    for step, rows in enumerate([3, 2, 8, 5]):
+        x = torch.randn(rows, 2, 5) + 10 * step
+        if step == 2:
+            pipe[1].calls = 0
+            with pytest.raises(ValueError, match="stopped part way"):
+                pipe(torch.randn(8, 2, 5) * 100)
+        ref(x)
+        pipe(x).sum().backward()
+        assert pipe[0].num_batches_tracked.item() == step + 1
+        torch.testing.assert_close(pipe[0].running_mean, ref.running_mean, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pipe[0].running_var, ref.running_var, atol=1e-4, rtol=1e-5)
+
+
 def test_blockpartition_solve():
     assert solve([1, 2, 3, 4, 5, 6], partitions=2) == [[1, 2, 3, 4], [5, 6]]
     assert solve([1, 1, 1, 1], partitions=4) == [[1], [1], [1], [1]]
@@ -604,11 +648,23 @@ def test_bad_arguments_raise_fairscales_exception_types():
         Pipe(model, [9], devices=["cpu"], chunks=None)
     with pytest.raises(ValueError, match="argument 'chunks': expected a positive int, got 'many'"):
         Pipe(model, [9], devices=["cpu"], chunks="many")
+    with pytest.raises(TypeError, match="argument 'balance': expected a sequence of positive ints, got '4'"):
+        Pipe(model, ["4", "5"], devices=["cpu", "cpu"])
+    # what int() would truncate or read is refused (FairScale takes 2.5 as 2, "2" as 2, True as 1)
+    for value, exc in ((2.5, ValueError), ("2", ValueError), (True, TypeError), (torch.tensor(2.5), TypeError)):
+        with pytest.raises(exc, match=f"argument 'chunks': expected a positive int, got {value!r}"[:40]):
+            Pipe(model, [9], devices=["cpu"], chunks=value)
+    with pytest.raises(ValueError, match=r"checkpoint is not one of .* \(got None\)"):
+        Pipe(model, [9], devices=["cpu"], checkpoint=None)
+    for value in (3.0, torch.tensor(3)):
+        assert Pipe(mlp(), [9], devices=["cpu"], chunks=value).chunks == 3
     pipe = Pipe(model, [4, 5], devices=["cpu", "cpu"])
     with pytest.raises(TypeError, match="expected Tensor, but got list"):
         pipe([torch.randn(2, 8)])
     with pytest.raises(TypeError, match="expected Tensor, but got str"):
         pipe((torch.randn(2, 8), "x"))
+    with pytest.raises(ValueError, match=r"same size in dimension 0 .*\(sizes \[8, 6\]\)"):
+        Pipe(nn.Sequential(nn.Identity()), [1], devices=["cpu"], chunks=2)((torch.randn(8, 8), torch.randn(6, 8)))
 
     class ReturnsList(nn.Module):
         def forward(self, x):

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from ... import distributed as fdist
 from ..checkpoint.checkpoint_activations import enable_checkpointing, enable_recomputing
 from . import microbatch
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm, begin_mini_batch
 from .skip.skippable import Skippable
 from .types import LazyModule
 from ...internal.args import as_int
@@ -162,6 +162,7 @@ class AsyncPipe(nn.Module):
         if self.partition is None:
             return input
         batches = microbatch.scatter(input, self.chunks)
+        begin_mini_batch(self.partition, len(batches))
         with self.lock:
             return StageStep(self, batches, isinstance(input, Tensor)).run()
 

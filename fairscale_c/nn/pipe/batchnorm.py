@@ -19,14 +19,16 @@ from ..checkpoint import is_recomputing
 
 TModule = TypeVar("TModule", bound=nn.Module)
 
-__all__ = ["DeferredBatchNorm"]
+__all__ = ["DeferredBatchNorm", "begin_mini_batch"]
 
 
 class DeferredBatchNorm(_BatchNorm):
     """BatchNorm that commits running statistics every `chunks` micro-batches.
 
-    The running variance is the unbiased variance over the mini-batch, as ``nn.BatchNorm*``
-    computes it (FairScale's keeps the biased one)."""
+    A Pipe calls `begin` before each training mini-batch with the number of micro-batches it
+    actually made, which is smaller than `chunks` for a batch of fewer than `chunks` rows, so the
+    commit still happens once per mini-batch. The running variance is the unbiased variance over
+    the mini-batch, as ``nn.BatchNorm*`` computes it (FairScale's keeps the biased one)."""
 
     sum: Tensor
     sum_squares: Tensor
@@ -45,10 +47,21 @@ class DeferredBatchNorm(_BatchNorm):
         self.counter = 0
         self.tracked = 0
         self.chunks = chunks
+        self._expected = chunks
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() <= 2:
             raise ValueError(f"expected at least 3D input (got {input.dim()}D input)")
+
+    def begin(self, micro_batches: int) -> None:
+        """Start a mini-batch of `micro_batches` micro-batches, dropping the sums of one that
+        did not finish (its forward raised)."""
+        with torch.no_grad():
+            self.sum.zero_()
+            self.sum_squares.zero_()
+        self.counter = 0
+        self.tracked = 0
+        self._expected = micro_batches
 
     def _track(self, input: Tensor) -> bool:
         dims = [0, *range(2, input.dim())]
@@ -58,7 +71,7 @@ class DeferredBatchNorm(_BatchNorm):
             self.sum_squares += (x * x).sum(dims)
         self.counter += input.numel() // input.size(1)
         self.tracked += 1
-        return self.tracked == self.chunks
+        return self.tracked == self._expected
 
     def _commit(self) -> None:
         self.num_batches_tracked += 1
@@ -73,6 +86,7 @@ class DeferredBatchNorm(_BatchNorm):
             self.sum_squares.zero_()
         self.counter = 0
         self.tracked = 0
+        self._expected = self.chunks
 
     def forward(self, input: Tensor) -> Tensor:
         if not self.training:
@@ -103,3 +117,11 @@ class DeferredBatchNorm(_BatchNorm):
         for name, child in module.named_children():
             out.add_module(name, cls.convert_deferred_batch_norm(child, chunks))
         return out  # type: ignore[return-value]
+
+
+def begin_mini_batch(module: nn.Module, micro_batches: int) -> None:
+    """Tell every DeferredBatchNorm in `module` that a training mini-batch of `micro_batches`
+    micro-batches starts."""
+    for m in module.modules():
+        if isinstance(m, DeferredBatchNorm) and m.training:
+            m.begin(micro_batches)

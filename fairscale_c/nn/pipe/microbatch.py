@@ -3,7 +3,8 @@
 A batch is a Tensor or a tuple of Tensors (the Pipe's input, every partition's output, and the
 Pipe's output). Micro-batches are views along dimension 0, made by ``Tensor.chunk``, so a batch of
 B rows in ``chunks`` pieces gives ceil(B / ceil(B / chunks)) micro-batches: an uneven last one, and
-fewer than ``chunks`` when B is small (as FairScale does).
+fewer than ``chunks`` when B is small (as FairScale does). The tensors of a tuple must agree on B
+(FairScale pairs up their pieces whatever their sizes).
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ def scatter(value: TensorOrTensors, chunks: int) -> List[Tensors]:
     tensors = as_tuple(value)
     if not tensors:
         raise TypeError("expected Tensor, but got an empty tuple (input: a Tensor or a tuple of Tensors)")
+    sizes = [t.size(0) if t.dim() else None for t in tensors]
+    if None not in sizes and len(set(sizes)) > 1:
+        raise ValueError(
+            f"the input's tensors must have the same size in dimension 0 to be split into micro-batches (sizes {sizes})"
+        )
     pieces = [t.chunk(chunks) for t in tensors]
     count = len(pieces[0])
-    if any(len(p) != count for p in pieces):
-        sizes = [t.size(0) if t.dim() else None for t in tensors]
-        raise ValueError(f"the input's tensors split into different numbers of micro-batches (sizes {sizes})")
     return [tuple(p[i] for p in pieces) for i in range(count)]
 
 

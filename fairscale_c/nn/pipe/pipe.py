@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import microbatch
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm, begin_mini_batch
 from .microbatch import TensorOrTensors
 from .pipeline import Pipeline, PipeFunction
 from .skip.layout import inspect_skip_layout
@@ -48,19 +48,41 @@ def _verify_module(module: nn.Sequential) -> None:
         raise ValueError("module with duplicate children is not supported")
 
 
+def _whole_number(value: Any) -> Optional[int]:
+    """``value`` as an int when it is a whole number: an int or integer scalar (numpy's, a bool)
+    or a float such as 2.0; else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return int(value) if isinstance(value, numbers.Real) and float(value).is_integer() else None
+
+
 def _whole_numbers(balance: Iterable[Any]) -> List[int]:
     """``balance`` as ints. Like FairScale, any whole number counts: numpy integers (e.g. from
-    np.array([1, 2])), bools, and floats such as 2.0; anything else is a BalanceError."""
+    np.array([1, 2])), bools, and floats such as 2.0. Another number is a BalanceError; a
+    non-number a TypeError, the type FairScale's ``sum(balance)`` raises."""
     balance, out = list(balance), []
     for b in balance:
-        try:
-            n = operator.index(b)
-        except TypeError:
-            n = int(b) if isinstance(b, numbers.Real) and float(b).is_integer() else None
+        n = _whole_number(b)
+        if n is None and not isinstance(b, numbers.Number):
+            raise TypeError(f"argument 'balance': expected a sequence of positive ints, got {b!r} in {balance}")
         if n is None:
             raise BalanceError(f"balance must be a list of positive integers (balance: {balance})")
         out.append(n)
     return out
+
+
+def _chunks(value: Any) -> int:
+    """``chunks`` as an int: a whole number, not a bool. Where FairScale's ``int(chunks)`` would
+    truncate 2.5 or read "2" this raises, with FairScale's exception types (ValueError for a
+    number or a string, TypeError for anything else)."""
+    n = None if isinstance(value, bool) else _whole_number(value)
+    if n is None:
+        exc = ValueError if isinstance(value, (numbers.Real, str, bytes)) and not isinstance(value, bool) else TypeError
+        raise exc(f"argument 'chunks': expected a positive int, got {value!r}")
+    if n <= 0:
+        raise ValueError(f"number of chunks must be positive integer, got {n}")
+    return n
 
 
 def _split_module(
@@ -133,10 +155,11 @@ class Pipe(nn.Module):
     deferred_batch_norm: BatchNorm layers are replaced by DeferredBatchNorm, whose running
     statistics are those of the whole mini-batch.
 
-    Raises TypeError (not an nn.Sequential; balance or devices not a sequence; chunks not a
-    number), ValueError (no balance, a balance that does not cover the module or has a zero,
-    chunks < 1, an unknown checkpoint mode), IndexError (fewer devices than partitions),
-    RuntimeError (a device torch does not know).
+    Raises TypeError (not an nn.Sequential; balance or devices not a sequence, or balance holding
+    a non-number; chunks neither a number nor a string), ValueError (no balance, a balance that
+    does not cover the module or has a zero or a fraction, chunks not a whole number >= 1, an
+    unknown checkpoint mode), IndexError (fewer devices than partitions), RuntimeError (a device
+    torch does not know).
     """
 
     balance: List[int] = []
@@ -155,16 +178,10 @@ class Pipe(nn.Module):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        try:
-            chunks = int(chunks)
-        except (TypeError, ValueError) as exc:  # FairScale's exception types, with the argument named
-            raise type(exc)(f"argument 'chunks': expected a positive int, got {chunks!r}") from None
-        checkpoint = str(checkpoint)
+        chunks = _chunks(chunks)
         if balance is None:
             raise ValueError(_recommend_auto_balance("balance is required"))
-        if chunks <= 0:
-            raise ValueError(f"number of chunks must be positive integer, got {chunks}")
-        if checkpoint not in ("always", "except_last", "never"):
+        if not isinstance(checkpoint, str) or checkpoint not in ("always", "except_last", "never"):
             raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never' (got {checkpoint!r})")
         _verify_module(module)
         verify_skippables(module)
@@ -227,6 +244,7 @@ class Pipe(nn.Module):
         atomic = isinstance(input, torch.Tensor)
         inputs = microbatch.as_tuple(input)
         batches = microbatch.scatter(inputs, self.chunks)
+        begin_mini_batch(self.partitions, len(batches))
         if self._pipeline.can_run_whole(len(batches), self.chunks):
             outputs, out_atomic = self._pipeline.forward_whole(batches[0], atomic)
             return microbatch.from_tuple(outputs, out_atomic)
