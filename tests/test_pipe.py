@@ -658,6 +658,12 @@ def test_bad_arguments_raise_fairscales_exception_types():
         Pipe(model, [9], devices=["cpu"], checkpoint=None)
     for value in (3.0, torch.tensor(3)):
         assert Pipe(mlp(), [9], devices=["cpu"], chunks=value).chunks == 3
+
+    class Named:  # FairScale takes str(checkpoint)
+        def __str__(self):
+            return "always"
+
+    assert Pipe(mlp(), [9], devices=["cpu"], checkpoint=Named()).checkpoint == "always"
     pipe = Pipe(model, [4, 5], devices=["cpu", "cpu"])
     with pytest.raises(TypeError, match="expected Tensor, but got list"):
         pipe([torch.randn(2, 8)])

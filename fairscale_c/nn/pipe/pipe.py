@@ -181,8 +181,10 @@ class Pipe(nn.Module):
         chunks = _chunks(chunks)
         if balance is None:
             raise ValueError(_recommend_auto_balance("balance is required"))
-        if not isinstance(checkpoint, str) or checkpoint not in ("always", "except_last", "never"):
+        mode = str(checkpoint)  # as FairScale: an object whose str() names a mode is taken
+        if mode not in ("always", "except_last", "never"):
             raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never' (got {checkpoint!r})")
+        checkpoint = mode
         _verify_module(module)
         verify_skippables(module)
         self.chunks = chunks
