@@ -228,6 +228,37 @@ def test_rank0_dies_after_creating_the_segment():
         g.close()
 
 
+def _gives_up_job(rank, world):
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group(name="giving-up")
+    group.barrier()
+    if rank == 2:  # after an error of its own, it will not send what rank 0 waits for
+        time.sleep(0.5)
+        group.abort()
+        group.abort()  # idempotent
+        msg, _ = _expect_error(lambda: group.all_reduce(torch.ones(4)), "'giving-up'", "this rank gave up")
+        group.destroy()
+        return msg
+    if rank == 0:  # waiting on the calling thread
+        msg, elapsed = _expect_error(
+            lambda: group.recv(torch.ones(4), 2), "recv(count=4", "'giving-up'", "rank 2", "gave up"
+        )
+    else:  # waiting for the progress thread
+        work = group.all_reduce(torch.ones(4), async_op=True)
+        msg, elapsed = _expect_error(lambda: work.wait(), "all_reduce(count=4", "'giving-up'", "rank 2", "gave up")
+    _expect_error(lambda: group.barrier(), "rank 2", "gave up")  # unusable from now on
+    group.destroy()
+    return elapsed
+
+
+def test_a_rank_that_gives_up_is_reported_at_once():
+    # FAIRSCALE_C_TIMEOUT is long: the waits end because rank 2 said it gave up, not at the timeout
+    results = run_ranks(_gives_up_job, 3, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    assert all(0.3 < t < 10 for t in results[:2]), results
+    assert "this rank gave up" in results[2]
+
+
 def _stalled_job(rank, world):
     import fairscale_c.distributed as fdist
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -570,17 +572,20 @@ def job_world3_edges(rank, world):
     ]
 
 
-class _DieAt(nn.Module):
-    """Exits the process (no clean-up) at the forward of micro-batch `at` of step 1."""
+class _FailAt(nn.Module):
+    """At its `at`-th forward (counting set-up's): exits the process without clean-up
+    (``raises=None``), or raises ValueError(raises) and works again afterwards."""
 
-    def __init__(self, inner: nn.Module, at: int) -> None:
+    def __init__(self, inner: nn.Module, at: int, raises: Optional[str] = None) -> None:
         super().__init__()
-        self.inner, self.at, self.calls = inner, at, 0
+        self.inner, self.at, self.raises, self.calls = inner, at, raises, 0
 
     def forward(self, x):
         self.calls += 1
         if self.calls == self.at:
-            os._exit(7)
+            if self.raises is None:
+                os._exit(7)
+            raise ValueError(self.raises)
         return self.inner(x)
 
 
@@ -594,7 +599,7 @@ def _dead_stage(rank, schedule_name):
     n_micro = 4
     mod = make_model()[CUTS[4][rank] : CUTS[4][rank + 1]]
     if rank == 1:
-        mod = _DieAt(mod, n_micro + 3)  # step 1, micro-batch 2
+        mod = _FailAt(mod, n_micro + 3)  # step 1, micro-batch 2
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
     schedule = cls(PipelineStage(mod, group=dist.new_group([0, 1, 2, 3])), n_micro, F.mse_loss)
     _first_step(schedule)
@@ -607,6 +612,40 @@ def _dead_stage(rank, schedule_name):
     except Exception as e:  # noqa: BLE001 - reported to the test
         return type(e).__name__, str(e), time.monotonic() - t0
     return "nothing", "", time.monotonic() - t0
+
+
+def job_stage_raises(rank, world):
+    """2 stages x 2 replicas; stage 1 of replica 0 (rank 1) raises in the middle of step 1 and
+    carries on. Every rank's step must raise at once, not at FAIRSCALE_C_TIMEOUT: rank 0 through
+    the pipeline group, rank 3 through the data-parallel group it waits on, rank 2 through its
+    data-parallel group with rank 0; and rank 1's next step must not take its peers' messages."""
+    from fairscale_c import DistributedError
+    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    pp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, stage_index = divmod(rank, 2)
+    mod = make_model()[CUTS[2][stage_index] : CUTS[2][stage_index + 1]]
+    if rank == 1:
+        mod = _FailAt(mod, 4 + 3, "stage 1 of replica 0 raised")  # set-up and step 0: 5 calls; step 1, micro-batch 1
+    schedule = Schedule1F1B(
+        PipelineStage(mod, stage_index, 2, group=pp[replica]), 4, F.mse_loss, dp_group=dp[stage_index]
+    )
+    _first_step(schedule)
+    got = []
+    for step in (1, 2):
+        x, y = batch(step, 8)
+        t0 = time.monotonic()
+        try:
+            schedule.step(x, target=y)
+            got.append(("nothing", "", 0.0))
+        except DistributedError as e:
+            got.append(("DistributedError", str(e), time.monotonic() - t0))
+        except ValueError as e:
+            got.append(("ValueError", str(e), time.monotonic() - t0))
+    return got
 
 
 # ------------------------------------------------------------------------------ tests
@@ -625,6 +664,24 @@ def test_two_stages_match_single_process_and_reject_bad_input():
 def test_three_ranks_on_the_cuda_layouts_groups():
     results = run_ranks(job_world3_edges, 3, timeout=180, env={"FAIRSCALE_C_TIMEOUT": "60"})
     assert [len(r) for r in results] == [2, 2, 2]
+
+
+def test_a_stage_that_raises_makes_every_rank_raise_at_once():
+    before = orphaned_segments()
+    results = run_ranks(job_stage_raises, 4, timeout=240, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    (kind, msg, _), (kind2, msg2, _) = results[1]
+    assert (kind, msg) == ("ValueError", "stage 1 of replica 0 raised"), results[1]
+    assert kind2 == "DistributedError" and "this rank gave up" in msg2, results[1]
+    for rank in (0, 2, 3):
+        (kind, msg, seconds), (kind2, _, _) = results[rank]
+        assert kind == kind2 == "DistributedError" and "gave up on the group" in msg, (rank, results[rank])
+        assert seconds < 20, (rank, seconds, msg)  # the timeout is 60 s
+    # both name rank 1's process: rank 1 of the pipeline group, rank 0 of the data-parallel one
+    assert "[0,1]/pipeline' (rank 0 of 2): rank 1 (pid" in results[0][0][1], results[0]
+    assert "[1,3]' (rank 1 of 2): rank 0 (pid" in results[3][0][1], results[3]
+    pids = {re.search(r"\(pid (\d+)\)", results[r][0][1]).group(1) for r in (0, 3)}
+    assert len(pids) == 1, results
+    assert orphaned_segments() <= before
 
 
 @pytest.mark.serial  # kills a rank; times how soon the others know

@@ -106,6 +106,12 @@ fsc_status_t fsc_shm_run_batch(fsc_shm_group_t *g, const fsc_shm_args_t *a, size
  * fsc_shm_try_inline only. */
 fsc_status_t fsc_shm_engine_start(fsc_shm_group_t *g);
 
+/* Tell every rank that this one gives up on the group (an error left its part of the collectives
+ * unfinished): from now on each rank's ops on it, this rank's included, fail with FSC_ERR_COMM naming
+ * this rank, those waiting already within about 50 ms. Only atomic stores: safe from any thread,
+ * while ops run. Idempotent. */
+void fsc_shm_group_give_up(fsc_shm_group_t *g);
+
 /* FSC_OK, or the error that broke the group (a failed op or join), with its message. */
 fsc_status_t fsc_shm_group_status(const fsc_shm_group_t *g);
 

@@ -324,7 +324,41 @@ static fsc_status_t dispatch(fsc_shm_group_t *g, const fsc_shm_args_t *a) {
 fsc_status_t fsc_shm_check_usable(fsc_shm_group_t *g) {
     if (g->broken != FSC_OK) return fsc_error(g->broken, "%s", g->broken_msg);
     FSC_CHECK(fsc_shm_check_owner(g));
+    FSC_CHECK(fsc_shm_check_gave_up(g, NULL));
     return fsc_shm_check_refused(g);
+}
+
+void fsc_shm_group_give_up(fsc_shm_group_t *g) {
+    if (atomic_exchange(&g->ranks[g->rank].gave_up, 1) == 0) atomic_fetch_add(&g->seg->gave_up, 1);
+}
+
+fsc_status_t fsc_shm_check_gave_up(fsc_shm_group_t *g, const char *what) {
+    if (atomic_load_explicit(&g->seg->gave_up, memory_order_acquire) == 0) return FSC_OK;
+    const char *sep = what != NULL ? " on " : "";
+    what = what != NULL ? what : "";
+    if (atomic_load_explicit(&g->ranks[g->rank].gave_up, memory_order_acquire))
+        return fsc_shm_fail(g, fsc_error(FSC_ERR_COMM,
+                                         "%s%sgroup '%s' (rank %d of %d): this rank gave up on the group "
+                                         "after an error; it is unusable",
+                                         what, sep, g->name, g->rank, g->size));
+    int quit = -1;
+    for (int p = 0; p < g->size && quit < 0; p++)
+        if (atomic_load_explicit(&g->ranks[p].gave_up, memory_order_acquire)) quit = p;
+    if (quit < 0) return FSC_OK;
+    /* A rank usually gives up because another died: name the dead one, the cause, first. */
+    for (int p = 0; p < g->size; p++) {
+        pid_t pid = (pid_t)atomic_load(&g->ranks[p].pid);
+        if (p != g->rank && p != quit && fsc_shm_pid_dead(pid))
+            return fsc_shm_fail(g, fsc_error(FSC_ERR_COMM,
+                                             "%s%sgroup '%s' (rank %d of %d): rank %d (pid %d) exited, and rank %d "
+                                             "gave up on the group after that; the group is unusable",
+                                             what, sep, g->name, g->rank, g->size, p, (int)pid, quit));
+    }
+    return fsc_shm_fail(g,
+                        fsc_error(FSC_ERR_COMM,
+                                  "%s%sgroup '%s' (rank %d of %d): rank %d (pid %d) gave up on the group after an "
+                                  "error there (see that rank's output); the group is unusable",
+                                  what, sep, g->name, g->rank, g->size, quit, (int)atomic_load(&g->ranks[quit].pid)));
 }
 
 fsc_status_t fsc_shm_fail(fsc_shm_group_t *g, fsc_status_t st) {

@@ -12,7 +12,7 @@
 
 #define FSC_SHM_LINE 128                    /* two x86 lines: adjacent-line prefetch must not cause false sharing */
 #define FSC_SHM_MAGIC 0x31306d6873637366ull /* "fscshm01" */
-#define FSC_SHM_VERSION 9u
+#define FSC_SHM_VERSION 10u
 #define FSC_SHM_MAX_RANKS 256
 
 /* Per-rank control block, written only by its rank. */
@@ -23,6 +23,7 @@ typedef struct {
     fsc_comm_header_t cur;                           /* what the rank is doing now (diagnostics) */
     _Atomic int32_t pid;
     _Atomic uint32_t attached;
+    _Atomic uint32_t gave_up; /* 1 once this rank has given up on the group (fsc_shm_group_give_up) */
     /* Where this rank last arrived or started waiting: (thread id << 32) | CPU; 0 when unknown. */
     _Atomic uint64_t where;
     /* Rung by a peer each time it posts on a send/recv channel towards this rank, so a rank with
@@ -74,6 +75,7 @@ typedef struct {
     uint64_t total;
     uint64_t off_ranks, off_chans, off_slots, off_result, off_p2p;
     _Alignas(FSC_SHM_LINE) _Atomic uint32_t nattached;
+    _Atomic uint32_t gave_up; /* ranks that have given up: one load per op tells whether to look */
 } fsc_shm_seg_t;
 
 /* Progress of one send or recv. */
@@ -231,7 +233,8 @@ typedef struct {
 
 /* One step of waiting for `word` to change from `seen` (spin, yield or a futex slice), then the
  * checks a sleeping waiter makes: the deadline, the group being abandoned, an interrupt of the
- * calling thread, and (every 50 ms) whether rank `peer` is alive. FSC_OK to look again. */
+ * calling thread, and (every 50 ms) whether rank `peer` is alive and whether any rank gave up on
+ * the group. FSC_OK to look again. */
 fsc_status_t fsc_shm_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, _Atomic uint32_t *word,
                              _Atomic uint32_t *sleepers, uint32_t seen, int peer);
 
@@ -257,8 +260,12 @@ fsc_status_t fsc_shm_p2p_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, fsc_s
  * next op or while it waits in one. */
 fsc_status_t fsc_shm_check_refused(fsc_shm_group_t *g);
 
-/* Fail with the group's sticky error when it is broken, used from a fork() child, or a message it
- * sent was refused. */
+/* FSC_ERR_COMM naming the rank when a rank of the group (this one included) has given up on it,
+ * with `what` (the op waiting, or NULL) in the message; FSC_OK otherwise. */
+fsc_status_t fsc_shm_check_gave_up(fsc_shm_group_t *g, const char *what);
+
+/* Fail with the group's sticky error when it is broken, used from a fork() child, a message it
+ * sent was refused, or a rank has given up on the group. */
 fsc_status_t fsc_shm_check_usable(fsc_shm_group_t *g);
 
 /* Record a failure as the group's sticky error (argument errors excepted) and return it. */

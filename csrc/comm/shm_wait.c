@@ -207,6 +207,7 @@ fsc_status_t fsc_shm_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, _Atomic u
     if (now - b->last_check > FSC_SHM_LIVENESS_S) {
         b->last_check = now;
         FSC_CHECK(fsc_shm_check_refused(g));
+        FSC_CHECK(fsc_shm_check_gave_up(g, fsc_shm_op_desc(g, mine, sizeof(mine))));
         if (fsc_shm_pid_dead((pid_t)atomic_load(&g->ranks[peer].pid)) && atomic_load(word) == seen)
             return wait_failed(g, peer, 1);
         if (interrupt_fn != NULL && interrupt_fn(interrupt_arg))

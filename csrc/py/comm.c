@@ -119,6 +119,11 @@ static PyObject *Group_unlink(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Group_give_up(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->g != NULL) fsc_shm_group_give_up(self->g);
+    Py_RETURN_NONE;
+}
+
 /* Close the engine group: drain the queue (every pending Work finishes), abandoning an op still
  * waiting for a peer after grace_s seconds when grace_s >= 0. */
 static void group_close(GroupObject *self, double grace_s) {
@@ -478,6 +483,9 @@ static PyMethodDef Group_methods[] = {
     {"join", (PyCFunction)Group_join, METH_NOARGS,
      "Block (GIL released) until every rank has attached, remove the segment's name, start the progress thread."},
     {"unlink", (PyCFunction)Group_unlink, METH_NOARGS, "Remove the segment's name now (idempotent)."},
+    {"give_up", (PyCFunction)Group_give_up, METH_NOARGS,
+     "give_up(): every rank's ops on the group, this rank's included, fail from now on (a DistributedError "
+     "naming this rank; ops already waiting within about 50 ms). Idempotent; no-op once closed."},
     {"close", (PyCFunction)(void (*)(void))Group_close, METH_VARARGS | METH_KEYWORDS,
      "close(grace=None): finish queued ops, stop the progress thread, unmap. With grace (seconds), an op "
      "still waiting for a peer after that long is abandoned (it and the ops behind it fail)."},

@@ -235,6 +235,19 @@ class Group:
         """Finish queued ops and release the shared memory and NCCL communicator. Idempotent."""
         self._close(None)
 
+    def abort(self) -> None:
+        """Give up on this group after an error left this rank's part of its ops unfinished (a
+        pipeline step that raised half way, say), so that no rank waits out FAIRSCALE_C_TIMEOUT
+        for it. CPU (shared-memory engine): from now on every rank's ops on the group, this rank's
+        included, raise DistributedError naming this rank; ops already waiting end within about
+        50 ms. CUDA: this rank's NCCL communicator is aborted, and its later ops raise; the peers'
+        NCCL ops end at their timeout. A group across hosts without the shared-memory engine tells
+        nobody. Destroy the group afterwards. Idempotent."""
+        if self._shm is not None:
+            self._shm.give_up()
+        if self._nccl is not None:
+            self._nccl.abort()
+
     def _close(self, grace: Optional[float]) -> None:
         """destroy(); with `grace`, an op still waiting for a peer after that many seconds is
         abandoned, and teardown errors are swallowed (the exit and error-unwinding path)."""

@@ -96,6 +96,9 @@ class LocalGroup:
                 local_copy(args[0], args[1])
         return self._done(async_op)
 
+    def abort(self) -> None:
+        """Nothing to tell: no other rank waits on a group of one."""
+
     def destroy(self) -> None:
         pass
 

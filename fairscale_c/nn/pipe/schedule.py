@@ -268,10 +268,14 @@ class PipelineSchedule(_Chunking):
         for stage in self._stages:
             stage.clear()
         mb_losses: List[torch.Tensor] = []
-        compute_s, wait_s = self._run(mbs, targets, mb_losses, has_backward, mb_kwargs, divisors)
-        t1 = time.perf_counter()
-        if self.dp_group is not None and has_backward:
-            self._reduce_gradients()
+        try:
+            compute_s, wait_s = self._run(mbs, targets, mb_losses, has_backward, mb_kwargs, divisors)
+            t1 = time.perf_counter()
+            if self.dp_group is not None and has_backward:
+                self._reduce_gradients()
+        except BaseException:
+            self._give_up()
+            raise
         t2 = time.perf_counter()
         self.last_step = StepStats(t2 - t0, compute_s, wait_s, t2 - t1, m)
         if losses is not None and last is not None:
@@ -341,6 +345,17 @@ class PipelineSchedule(_Chunking):
             inflight.popleft().wait()
         wait_s += time.perf_counter() - t
         return compute_s, wait_s
+
+    def _give_up(self) -> None:
+        """After a step raised part way (a module, the loss, Ctrl-C, a peer's failure): the other
+        stages wait for messages this rank will not send, and this rank's next step would take
+        theirs for its own. Give up on every group the schedule talks on, so that every stage
+        raises DistributedError at once instead of at the timeout (Group.abort)."""
+        groups = [g for st in self._stages for g in (st.group, st.grad_group)]
+        groups += list((getattr(self, "_edge_groups", None) or {}).values())
+        groups.append(self.dp_group)
+        for g in {id(g): g for g in groups if g is not None}.values():
+            g.abort()
 
     def _group_of(self, stage: PipelineStage, kind: str, sending: bool) -> Any:
         """The engine group of the messages a ``kind`` ("F" or "B") action of ``stage`` sends (or
