@@ -202,6 +202,38 @@ def _dead_stage_job(rank, world):
     raise AssertionError("no DistributedError raised")
 
 
+class _Raises(nn.Module):
+    def forward(self, x):
+        raise ArithmeticError("a partition raised")
+
+
+def _raising_stage_job(rank, world):
+    import torch.distributed as dist
+
+    from fairscale_c.nn.pipe import AsyncPipe
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), _Raises())
+    pipe = AsyncPipe(model, [2, 1], group=dist.group.WORLD, chunks=2)
+    got = []
+    for _ in range(2):  # stage 0 waits for gradients that stage 1 will never send
+        start = time.perf_counter()
+        try:
+            pipe(_data(4).float())
+            got.append(("nothing", "", 0.0))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            got.append((type(exc).__name__, str(exc), time.perf_counter() - start))
+    return got
+
+
+def test_a_stage_that_raises_makes_the_others_raise_at_once():
+    (first0, again0), (first1, again1) = run_ranks(_raising_stage_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    assert first1[:2] == ("ArithmeticError", "a partition raised"), first1
+    assert first0[0] == "DistributedError" and "rank 1 (pid" in first0[1] and "gave up" in first0[1], first0
+    assert first0[2] < 20, f"{first0}: expected well before the 60 s timeout"
+    assert again0[0] == again1[0] == "DistributedError" and "gave up" in again0[1] + again1[1], (again0, again1)
+
+
 @pytest.mark.serial  # kills a rank; times how soon the peer knows
 def test_dead_stage_is_reported():
     # rank 0 is inside its second forward waiting for gradients when rank 1 dies

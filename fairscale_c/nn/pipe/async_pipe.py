@@ -229,6 +229,14 @@ class StageStep:
         self.device = pipe._device()
 
     def run(self) -> Any:
+        try:
+            return self._run()
+        except BaseException:
+            # the other stages would wait out FAIRSCALE_C_TIMEOUT for this one's messages
+            self.comm.abort()
+            raise
+
+    def _run(self) -> Any:
         outputs: List[Tensors] = []
         out_atomic = True
         for i, batch in enumerate(self.batches):
