@@ -110,6 +110,8 @@ class AsyncPipe(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.worker_map = worker_map
+        # a forward that raises gives up on the group (StageStep.run); PipeRPCWrapper turns it off
+        self.give_up_on_error = True
         self.input_device = torch.device(input_device) if input_device is not None else None
         self.lock = threading.Lock()
         if group is None:
@@ -233,7 +235,8 @@ class StageStep:
             return self._run()
         except BaseException:
             # the other stages would wait out FAIRSCALE_C_TIMEOUT for this one's messages
-            self.comm.abort()
+            if self.pipe.give_up_on_error:
+                self.comm.abort()
             raise
 
     def _run(self) -> Any:

@@ -138,6 +138,7 @@ def _build(key: Tuple[int, int], kind: str, args: Sequence[Any], kwargs: Dict[st
     if cuda:
         kwargs["input_device"] = torch.device("cuda", torch.cuda.current_device())
     model = AsyncPipe(*args, group=_group(kind), **kwargs)
+    model.give_up_on_error = False  # the wrapper reports a stage's error to rank 0 and goes on
     if cuda:
         model.to(kwargs["input_device"])
     _models[key] = model
@@ -325,6 +326,7 @@ class PipeRPCWrapper(nn.Module):
         building = self._start(_build, (self._key, kind, args, kwargs), names)
         try:
             self.model = AsyncPipe(*args, group=self.group, **kwargs)
+            self.model.give_up_on_error = False
         except BaseException:
             try:
                 building.finish()
