@@ -192,6 +192,8 @@ def test_ctrl_c_ends_a_wait_for_the_creator(monkeypatch):
     monkeypatch.setenv("FAIRSCALE_C_TIMEOUT", "60")
     segment = f"/fsc-{os.getpid()}-ctrlc-{time.monotonic_ns() & 0xFFFFFF:x}"
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    # Python leaves SIGINT ignored when it starts with it ignored (a background job of a shell)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     start = time.perf_counter()
     timer.start()
     try:
@@ -199,6 +201,7 @@ def test_ctrl_c_ends_a_wait_for_the_creator(monkeypatch):
             _C.ShmGroup("late", 1, 2, segment, creator_pid=os.getpid())  # a creator that never creates
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.perf_counter() - start < 5
 
 
