@@ -46,9 +46,9 @@
 #define FSC_SHM_UNTIMED_READ_MAX ((size_t)16 << 20)
 #define FSC_SHM_UNTIMED_REDUCE_SCATTER_MAX ((size_t)8 << 20)
 #define FSC_SHM_SHARED_MIN ((size_t)1 << 20)
-/* From this op size on, in "auto" mode, rank 0 picks reads or slots by timing both (choose_reads):
- * below it reads won in every VM state measured; above it the winner depends on the machine. */
-#define FSC_SHM_CHOICE_MIN ((size_t)512 << 10)
+/* From this op size on (the whole read window), in "auto" mode, rank 0 picks reads or slots by
+ * timing both (choose_reads): the winner depends on the machine at every size. */
+#define FSC_SHM_CHOICE_MIN FSC_SHM_DIRECT_MIN
 #define FSC_SHM_CHOICE_SAMPLES 3  /* timings each way before choosing */
 #define FSC_SHM_CHOICE_RECHECK 32 /* then every this many calls, one the other way */
 

@@ -94,7 +94,7 @@ typedef struct {
  * choose_reads): the last FSC_SHM_CHOICE_KEEP op times through the slots (way 0) and through
  * reads of the peers' buffers (way 1). */
 #define FSC_SHM_CHOICE_OPS 4      /* all_gather, reduce_scatter, broadcast, all_reduce */
-#define FSC_SHM_CHOICE_CLASSES 12 /* 512 KiB, 1, 2, ... 512 MiB, 1 GiB and up (op bytes, rounded down) */
+#define FSC_SHM_CHOICE_CLASSES 16 /* 32, 64, ... 512 KiB, 1 MiB, ... 512 MiB, 1 GiB and up (op bytes, rounded down) */
 #define FSC_SHM_CHOICE_KEEP 8
 typedef struct {
     double secs[2][FSC_SHM_CHOICE_KEEP];
