@@ -164,8 +164,8 @@ class AsyncPipe(nn.Module):
         if self.partition is None:
             return input
         batches = microbatch.scatter(input, self.chunks)
-        begin_mini_batch(self.partition, len(batches))
         with self.lock:
+            begin_mini_batch(self.partition, len(batches))
             return StageStep(self, batches, isinstance(input, Tensor)).run()
 
     def back_helper(self, output: Any) -> None:

@@ -348,8 +348,8 @@ class PipelineSchedule(_Chunking):
 
     def _give_up(self) -> None:
         """After a step raised part way (a module, the loss, Ctrl-C, a peer's failure): the other
-        stages wait for messages this rank will not send, and this rank's next step would take
-        theirs for its own. Give up on every group the schedule talks on, so that every stage
+        stages wait for messages this rank will not send, and a next step of this rank's would be
+        out of step with theirs. Give up on every group the schedule talks on, so that every stage
         raises DistributedError at once instead of at the timeout (Group.abort)."""
         groups = [g for st in self._stages for g in (st.group, st.grad_group)]
         groups += list((getattr(self, "_edge_groups", None) or {}).values())
