@@ -95,10 +95,12 @@ def _reference(world, steps, lr_mom=None, slowmo=None):
     return out
 
 
-def _slowmo_run(rank, world, settings, steps, device="cpu", move=False):
+def _slowmo_run(rank, world, settings, steps, device="cpu", move=False, init_first=True):
     """Parameters after each step of the SlowMo model trained on this rank's slice. The wrapper
     keeps the parameters in one buffer per dtype (a shared tensor on CPU ranks); `move` gives them
-    storage of their own again after wrapping, as a cast or a move would."""
+    storage of their own again after wrapping, as a cast or a move would. `init_first`: make the
+    slow momentum's state before training (FairScale's tests do); else the first perform_slowmo
+    makes it, as in the documented loop."""
     import fairscale_c.distributed as fdist
     from fairscale_c.experimental.nn.data_parallel import SlowMoDistributedDataParallel
 
@@ -111,7 +113,8 @@ def _slowmo_run(rank, world, settings, steps, device="cpu", move=False):
         for p in model.module.parameters():
             p.data = p.data.clone()
     opt = torch.optim.SGD(model.module.parameters(), lr=1, momentum=0)
-    model._init_global_momentum_buffers(opt)
+    if init_first:
+        model._init_global_momentum_buffers(opt)
     x, y = _data(world)
     mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
     out = []
@@ -297,6 +300,15 @@ def _train_job(rank, world, device="cpu"):
             for name, settings, steps, ref in SGP_PAIR_CASES:
                 got = _slowmo_run(rank, world, dict(settings, nprocs_per_node=1), steps, device=device)
                 _compare(name, got, _reference(world, steps, **ref), failures)
+            # the state made by the first perform_slowmo, after a local step: from the parameters
+            # of the first forward, the same on every rank
+            for name, settings, steps, ref in (CASES[1], CASES[3], SGP_PAIR_CASES[0]):
+                got = _slowmo_run(
+                    rank, world, dict(settings, nprocs_per_node=1), steps, device=device, init_first=False
+                )
+                _compare(
+                    f"{name}, state made by the first perform_slowmo", got, _reference(world, steps, **ref), failures
+                )
             from fairscale_c.experimental.nn.data_parallel.gossip import DynamicDirectedExponentialGraph
 
             graph = DynamicDirectedExponentialGraph(rank, world, peers_per_itr=2)
@@ -456,15 +468,13 @@ def test_single_process_trains_like_the_plain_module():
     )  # slow momentum on (0.5) over one process
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, model.module)]
     slow = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.5)  # slowmo_lr 1 x the base lr
-    old = None
+    old = _params(plain)  # the slow start: the parameters of the first forward
     x, y = _data(1)
     for it in range(4):
         for m, opt in zip((plain, model), opts):
             _step(m, x, y)
             _update(opt)
         model.perform_slowmo(opts[1])
-        if old is None:  # the first perform_slowmo takes the parameters it finds as the slow start
-            old = _params(plain)
         if (it + 1) % 2 == 0:  # the slow momentum step on the displacement, in units of the base lr
             for p, o in zip(plain.parameters(), old):
                 p.grad = -(p.detach() - o) / 0.5

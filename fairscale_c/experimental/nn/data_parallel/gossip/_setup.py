@@ -4,7 +4,7 @@ attributes and their engine groups), and the settings of its base algorithm and 
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple, cast
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,9 @@ class _SetupMixin:
         self.localsgd_frequency = _int_arg("localsgd_frequency", localsgd_frequency, 1)
         self.ef1: Optional[List[torch.Tensor]] = None
         self.global_momentum_buffers_initialized = False
+        # the parameters every rank held at its first training forward, until the slow momentum's
+        # state is made from them (its first perform_slowmo comes after a local step)
+        self._slowmo_start: Optional[Dict[int, torch.Tensor]] = None
         self.overlap = False
 
         if self.master_group is None or self.logical_world_size == 1:

@@ -149,6 +149,9 @@ class SlowMoDistributedDataParallel(SGPMixin, _SetupMixin, nn.Module):
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.slowmo and not self.global_momentum_buffers_initialized and self._slowmo_start is None:
+            if self.is_current_node_a_slowmo_shard and self.training and torch.is_grad_enabled():
+                self._slowmo_start = {id(p): p.detach().clone() for p in self.module.parameters()}
         self._sync_buffers()
         if self.sgp:
             self._sgp_unbias()
@@ -366,12 +369,17 @@ class SlowMoDistributedDataParallel(SGPMixin, _SetupMixin, nn.Module):
         self.num_updates += 1
 
     def _init_global_momentum_buffers(self, optimizer: torch.optim.Optimizer) -> None:
-        """The slow momentum state: this rank's portion of the optimizer's parameters as they are
-        now, and a zero momentum."""
+        """The slow momentum state: this rank's portion of the optimizer's parameters and a zero
+        momentum. The parameters are those of the first training forward when one ran before (the
+        first perform_slowmo follows a local step, after which the ranks' parameters differ;
+        FairScale takes them as they are then, so its ranks start from different points), else
+        the parameters as they are now."""
         self.global_momentum_buffers_initialized = True
+        start, self._slowmo_start = self._slowmo_start or {}, None
         if not self.slowmo:
             return
         params, _ = sm.optimizer_params(optimizer)
+        params = [start.get(id(p), p) for p in params]
         total = sum(p.numel() for p in params)
         length = -(-total // self.slowmo_num_shards)
         self.world_portion_length = length
