@@ -608,6 +608,8 @@ def _fairscale_job(rank, world):
             net = Net()
             models = [cls(copy.deepcopy(net), **settings) for cls in (Theirs, Ours)]
             opts = [torch.optim.SGD(m.module.parameters(), lr=0.5) for m in models]
+            for m, opt in zip(models, opts):  # the same start for both (docs/experimental.md)
+                m._init_global_momentum_buffers(opt)
             x, y = _data(world)
             mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
             for it in range(6):
