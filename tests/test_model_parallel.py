@@ -103,6 +103,29 @@ def _embedding_checks(mpu, check, rank, size):
         n = (vocab if split_dim == 0 else dim) // size
         want = master.grad.narrow(split_dim, rank * n, n)
         check.close(layer.weight.grad, want, f"{cls.__name__} weight grad")
+    # padding_idx names a global id: its row, on the rank that holds it, gets no gradient (given
+    # as vocab - 3 and as -3, the same row, in the last rank's part)
+    ids = torch.cat([ids, torch.tensor([[vocab - 3, 1, 0, vocab - 3, 2, 5, 1]])])
+    for pad in (vocab - 3, -3):
+        torch.manual_seed(30)
+        layer = mpu.VocabParallelEmbedding(vocab, dim, padding_idx=pad)
+        master = _master(30, vocab, dim).requires_grad_()
+        w = _data(4, 4, 7, dim)
+        (F.embedding(ids, master, padding_idx=vocab - 3) * w).sum().backward()
+        (layer(ids) * w).sum().backward()
+        n = vocab // size
+        check.close(layer.weight.grad, master.grad[rank * n : (rank + 1) * n], f"padding_idx={pad} weight grad")
+    for bad in (vocab, -1):
+        try:
+            layer(torch.tensor([[0, bad]]))
+            check.true(False, f"VocabParallelEmbedding took id {bad}")
+        except IndexError as exc:
+            check.true(f"index {bad} out of range for num_embeddings={vocab}" in str(exc), str(exc))
+    try:
+        mpu.VocabParallelEmbedding(vocab, dim, padding_idx=vocab)
+        check.true(False, "VocabParallelEmbedding took padding_idx=vocab")
+    except ValueError as exc:
+        check.true("padding_idx=16 must be within num_embeddings=16" in str(exc), str(exc))
 
 
 def _cross_entropy_checks(mpu, check, rank, size):
@@ -224,12 +247,21 @@ def _job(rank, world, model_size, pipeline_length=1):
             _cross_entropy_checks(mpu, check, mp_rank, size)
             _mlp_checks(mpu, check, mp_rank, size)
             _random_checks(mpu, check, rank, world, model_size)
-        if size > 1:
-            try:
-                mpu.ColumnParallelLinear(4, 2 * size + 1)
-                check.failures.append("no error for an output size the ranks do not divide")
-            except ValueError as exc:
-                check.true(f"{2 * size + 1} is not divisible by {size}" in str(exc), str(exc))
+        if size > 1:  # sizes the ranks do not divide, and sizes that are no sizes, named
+            cases = [
+                (lambda: mpu.ColumnParallelLinear(4, 2 * size + 1), ValueError, f"'out_features'={2 * size + 1}"),
+                (lambda: mpu.RowParallelLinear(2 * size + 1, 4), ValueError, f"'in_features'={2 * size + 1}"),
+                (lambda: mpu.VocabParallelEmbedding(2 * size + 1, 4), ValueError, f"'num_embeddings'={2 * size + 1}"),
+                (lambda: mpu.ParallelEmbedding(8, 2 * size + 1), ValueError, f"'embedding_dim'={2 * size + 1}"),
+                (lambda: mpu.ColumnParallelLinear(4, -2), ValueError, "'out_features'=-2"),
+                (lambda: mpu.ColumnParallelLinear(4, 4.0), TypeError, "'out_features' must be an int, got float"),
+            ]
+            for make, exc_type, words in cases:
+                try:
+                    make()
+                    check.failures.append(f"no error for {words}")
+                except exc_type as exc:
+                    check.true(words in str(exc), str(exc))
         try:
             mpu.initialize_model_parallel(model_size)
             check.failures.append("no error for a second initialize_model_parallel")

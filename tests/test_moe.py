@@ -249,6 +249,38 @@ def _layer_job(rank, world, local, seq, device="cpu"):
         dist.destroy_process_group()
 
 
+def _copy_job(rank, world):
+    import copy
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        moe = MOELayer(_gate(world), _expert(rank))
+        twin = copy.deepcopy(moe)  # the group is shared, not copied (a ProcessGroup cannot be)
+        x = _tokens(rank, 2)
+        torch.manual_seed(7)
+        a = moe(x)
+        torch.manual_seed(7)
+        b = twin(x)
+        with torch.no_grad():
+            twin.experts[0][0].weight.add_(1)
+        return [
+            twin.group is moe.group,
+            torch.equal(a, b),
+            not torch.equal(twin.experts[0][0].weight, moe.experts[0][0].weight),
+        ]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_moe_layer_deep_copies():
+    from dist_utils import run_ranks
+
+    assert run_ranks(_copy_job, 2, timeout=120) == [[True, True, True]] * 2
+
+
 @pytest.mark.parametrize("world,local", [(2, 1), (2, 2), (4, 1)])
 def test_moe_layer_across_ranks_equals_the_reference(world, local):
     from dist_utils import run_ranks

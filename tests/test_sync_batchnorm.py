@@ -4,6 +4,8 @@ gradients and running statistics after two steps equal those of one torch BatchN
 batch in one process; under checkpoint_wrapper the running statistics move once per step; eval
 mode, no torch.distributed, convert_sync_batchnorm and bad input."""
 
+import copy
+
 import pytest
 import torch
 
@@ -208,7 +210,26 @@ def _bad_input_job(rank, world):
             except ValueError as exc:
                 errors.append(str(exc))
         y = bn(torch.randn(4, 3, 2) + rank)  # the group still works
-        return errors + [y.shape == (4, 3, 2)]
+        # one value per channel over the whole group (rank 0 one row, rank 1 none): a ValueError on
+        # every rank, as BatchNorm over that batch raises, and the running variance untouched
+        before = bn.running_var.clone()
+        try:
+            bn(torch.randn(1 - rank, 3))
+            errors.append("accepted")
+        except ValueError as exc:
+            errors.append(str(exc))
+        errors.append(torch.equal(bn.running_var, before))
+        # a copy has its own parameters and statistics and works on the same group
+        twin = copy.deepcopy(bn)
+        twin.weight.data.add_(1)
+        z = twin(torch.randn(4, 3, 2) + rank)
+        same_group = twin._process_group is bn._process_group
+        return errors + [
+            y.shape == (4, 3, 2),
+            z.shape == (4, 3, 2),
+            same_group,
+            not torch.equal(twin.weight, bn.weight),
+        ]
     finally:
         dist.destroy_process_group()
 
@@ -217,7 +238,8 @@ def test_bad_input_raises_before_anything_is_sent():
     for errors in run_ranks(_bad_input_job, 2, timeout=120):
         assert "2 or more dimensions, got 1D" in errors[0]
         assert "input has 5 channels (dim 1); expected num_features=3" in errors[1]
-        assert errors[2] is True
+        assert "expected more than 1 value per channel when training, got 1 over the 2 ranks' batches" in errors[2]
+        assert errors[3:] == [True] * 5, errors
 
 
 def test_c_helpers_agree_with_the_formulas_and_refuse_bad_sizes():

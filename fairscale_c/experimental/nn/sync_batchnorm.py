@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ... import _C
 from ...distributed import group_for
+from ...internal.copying import deepcopy_sharing
 from ...nn.checkpoint import is_checkpointing, is_recomputing
 
 
@@ -133,6 +134,10 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
         self.saved_for_2nd_fwd: List[Tuple[Tensor, Tensor, Tensor, Tensor]] = []
         self.disable_patch_batchnorm = True
 
+    def __deepcopy__(self, memo: dict) -> "SyncBatchNorm":
+        """A copy with its own parameters and statistics, on the same process group."""
+        return deepcopy_sharing(self, memo, [self._process_group])
+
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"SyncBatchNorm: expected an input of 2 or more dimensions, got {input.dim()}D")
@@ -156,6 +161,12 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
         else:
             with torch.no_grad():
                 mean, var, invstd, total = _calculate_stats(input, self.eps, group)
+                if total.device.type == "cpu" and float(total) == 1:  # the same total on every rank
+                    raise ValueError(
+                        "SyncBatchNorm: expected more than 1 value per channel when training, got "
+                        f"{int(total)} over the {group.size} ranks' batches "
+                        f"(this rank's input size {list(input.shape)})"
+                    )
                 if self.track_running_stats:
                     self._track_running_stats(mean, var, total)
             if is_checkpointing():

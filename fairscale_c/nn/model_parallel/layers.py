@@ -14,7 +14,7 @@ full weight on every rank with ``init_method`` (seed the ranks alike first) and 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +28,25 @@ from .mappings import (
     reduce_from_model_parallel_region,
     scatter_to_model_parallel_region,
 )
+from ...internal.args import as_int
 from .utils import VocabUtility, divide_and_check_no_remainder
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelEmbedding"]
 
 Init = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _per_rank(value: Any, world: int, layer: str, name: str) -> int:
+    """``value // world`` for a size argument of ``layer``: a positive int that the model-parallel
+    world size divides, else a TypeError / ValueError naming the argument."""
+    n = as_int(value)
+    if n is None:
+        raise TypeError(f"{layer}: argument '{name}' must be an int, got {type(value).__name__}")
+    if n <= 0 or n % world:
+        raise ValueError(
+            f"{layer}: argument '{name}'={n} must be a positive multiple of the model-parallel world size ({world})"
+        )
+    return n // world
 
 
 def _initialize_affine_weight(
@@ -110,6 +124,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.scale_grad_by_freq = scale_grad_by_freq
         self.sparse = sparse
         self._weight = None
+        _per_rank(num_embeddings, get_model_parallel_world_size(), "VocabParallelEmbedding", "num_embeddings")
         self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
             num_embeddings, get_model_parallel_rank(), get_model_parallel_world_size()
         )
@@ -118,14 +133,34 @@ class VocabParallelEmbedding(torch.nn.Module):
         _initialize_affine_weight(
             self.weight, num_embeddings, embedding_dim, self.num_embeddings_per_partition, 0, init_method
         )
+        # padding_idx is a global id: on the rank whose rows hold it, its local row (no gradient)
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(
+                f"VocabParallelEmbedding: padding_idx={padding_idx} must be within num_embeddings={num_embeddings}"
+            )
+        pad = None if padding_idx is None else padding_idx % num_embeddings
+        inside = pad is not None and self.vocab_start_index <= pad < self.vocab_end_index
+        self._local_padding_idx = pad - self.vocab_start_index if inside else None
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if input_.device.type == "cpu":  # as nn.Embedding (on CUDA it asserts on the device)
+            bad = (input_ < 0) | (input_ >= self.num_embeddings)
+            if bool(bad.any()):
+                raise IndexError(
+                    f"VocabParallelEmbedding: index {int(input_[bad][0])} out of range for num_embeddings="
+                    f"{self.num_embeddings}"
+                )
+        else:
+            torch._assert_async(
+                ((input_ >= 0) & (input_ < self.num_embeddings)).all(),
+                "VocabParallelEmbedding: index out of range",
+            )
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(
             local_ids,
             self.weight,
-            self.padding_idx,
+            self._local_padding_idx,
             self.max_norm,
             self.norm_type,
             self.scale_grad_by_freq,
@@ -160,7 +195,7 @@ class ParallelEmbedding(torch.nn.Module):
         self.sparse = sparse
         self._weight = None
         world = get_model_parallel_world_size()
-        self.embedding_dim_per_partition = divide_and_check_no_remainder(embedding_dim, world)
+        self.embedding_dim_per_partition = _per_rank(embedding_dim, world, "ParallelEmbedding", "embedding_dim")
         self.weight = Parameter(torch.empty(num_embeddings, self.embedding_dim_per_partition))
         _initialize_affine_weight(
             self.weight, num_embeddings, embedding_dim, self.embedding_dim_per_partition, 1, init_method
@@ -205,7 +240,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.out_features = out_features
         self.gather_output = gather_output
         world = get_model_parallel_world_size()
-        self.output_size_per_partition = divide_and_check_no_remainder(out_features, world)
+        self.output_size_per_partition = _per_rank(out_features, world, "ColumnParallelLinear", "out_features")
         _linear_parameters(
             self, 0, self.output_size_per_partition, bias, init_method, stride, keep_master_weight_for_test
         )
@@ -245,7 +280,7 @@ class RowParallelLinear(torch.nn.Module):
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
         world = get_model_parallel_world_size()
-        self.input_size_per_partition = divide_and_check_no_remainder(in_features, world)
+        self.input_size_per_partition = _per_rank(in_features, world, "RowParallelLinear", "in_features")
         _linear_parameters(
             self, 1, self.input_size_per_partition, bias, init_method, stride, keep_master_weight_for_test
         )

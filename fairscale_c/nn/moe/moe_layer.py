@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ... import distributed as fdist
+from ...internal.copying import deepcopy_sharing
 from .top2gate import Routing, Top2Gate
 
 __all__ = ["MOELayer"]
@@ -81,6 +82,10 @@ class MOELayer(nn.Module):
 
     After a forward, ``l_aux`` holds the gate's load-balancing loss.
     """
+
+    def __deepcopy__(self, memo: dict) -> "MOELayer":
+        """A copy with its own gate and experts, on the same group."""
+        return deepcopy_sharing(self, memo, [self.group])
 
     def __init__(self, gate: nn.Module, experts: Union[nn.Module, nn.ModuleList], group: Optional[Any] = None) -> None:
         super().__init__()
