@@ -120,7 +120,7 @@ def _embedding_checks(mpu, check, rank, size):
             layer(torch.tensor([[0, bad]]))
             check.true(False, f"VocabParallelEmbedding took id {bad}")
         except IndexError as exc:
-            check.true(f"index {bad} out of range for num_embeddings={vocab}" in str(exc), str(exc))
+            check.true(f"index {bad} out of range for a vocabulary of {vocab}" in str(exc), str(exc))
     try:
         mpu.VocabParallelEmbedding(vocab, dim, padding_idx=vocab)
         check.true(False, "VocabParallelEmbedding took padding_idx=vocab")
@@ -144,6 +144,12 @@ def _cross_entropy_checks(mpu, check, rank, size):
     check.close(loss, ref, "vocab-parallel cross-entropy")
     (loss * weight).sum().backward()
     check.close(mine.grad, ref_logits.grad[..., part], "vocab-parallel cross-entropy grad")
+    for bad in (vocab, -100):  # no ignore_index (as in FairScale): refused, not a made-up loss
+        try:
+            mpu.vocab_parallel_cross_entropy(mine, torch.full((4, 3), bad))
+            check.true(False, f"vocab_parallel_cross_entropy took target {bad}")
+        except IndexError as exc:
+            check.true(f"index {bad} out of range for a vocabulary of {vocab}" in str(exc), str(exc))
 
 
 def _mlp_checks(mpu, check, rank, size):

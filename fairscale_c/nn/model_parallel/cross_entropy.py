@@ -11,7 +11,7 @@ import torch
 
 from ... import distributed as fdist
 from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
-from .utils import VocabUtility
+from .utils import VocabUtility, check_ids_in_range
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -29,6 +29,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
             part, get_model_parallel_rank(), get_model_parallel_world_size()
         )
+        # every model-parallel rank has the same targets: all raise, before anything is sent
+        check_ids_in_range(target, part * get_model_parallel_world_size(), "vocab_parallel_cross_entropy: target")
         logits_max = logits.detach().max(dim=-1)[0].contiguous()
         _all_reduce(logits_max, "max")
         # Shifted by the global max (the caller's logits are left as they are; FairScale shifts

@@ -29,7 +29,7 @@ from .mappings import (
     scatter_to_model_parallel_region,
 )
 from ...internal.args import as_int
-from .utils import VocabUtility, divide_and_check_no_remainder
+from .utils import VocabUtility, check_ids_in_range, divide_and_check_no_remainder
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelEmbedding"]
 
@@ -143,18 +143,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self._local_padding_idx = pad - self.vocab_start_index if inside else None
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if input_.device.type == "cpu":  # as nn.Embedding (on CUDA it asserts on the device)
-            bad = (input_ < 0) | (input_ >= self.num_embeddings)
-            if bool(bad.any()):
-                raise IndexError(
-                    f"VocabParallelEmbedding: index {int(input_[bad][0])} out of range for num_embeddings="
-                    f"{self.num_embeddings}"
-                )
-        else:
-            torch._assert_async(
-                ((input_ >= 0) & (input_ < self.num_embeddings)).all(),
-                "VocabParallelEmbedding: index out of range",
-            )
+        check_ids_in_range(input_, self.num_embeddings, "VocabParallelEmbedding")
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(

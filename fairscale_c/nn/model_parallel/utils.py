@@ -22,6 +22,17 @@ def divide_and_check_no_remainder(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+def check_ids_in_range(ids: torch.Tensor, n: int, what: str) -> None:
+    """IndexError unless every id is in [0, n), as nn.Embedding and F.cross_entropy raise: on the
+    host for CPU tensors, as a device-side assertion (no synchronisation) for CUDA ones."""
+    if ids.device.type == "cpu":
+        bad = (ids < 0) | (ids >= n)
+        if bool(bad.any()):
+            raise IndexError(f"{what}: index {int(ids[bad][0])} out of range for a vocabulary of {n}")
+    else:
+        torch._assert_async(((ids >= 0) & (ids < n)).all(), f"{what}: index out of range")
+
+
 def split_tensor_along_last_dim(
     tensor: torch.Tensor, num_partitions: int, contiguous_split_chunks: bool = False
 ) -> Tuple[torch.Tensor, ...]:
