@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist_utils import orphaned_segments, run_ranks
+from dist_utils import not_close, orphaned_segments, run_ranks
 
 TOL = dict(atol=1e-6, rtol=0)
 STEPS = 3
@@ -614,6 +614,57 @@ def _dead_stage(rank, schedule_name):
     return "nothing", "", time.monotonic() - t0
 
 
+class _Route(nn.Module):
+    """Uses layer a or layer b, depending on the sign of the batch: replicas fed data of
+    different signs use different parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) if bool(x.mean() > 0) else self.b(x)
+
+
+class _Cache(nn.Module):
+    """Builds a table on its first forward, on the input's device (set-up's shape inference must
+    not leave a meta tensor behind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.fc, self.table = nn.Linear(8, 4), None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.linspace(0, 1, 4, device=x.device, dtype=x.dtype)
+        return self.fc(x) + self.table
+
+
+def _routed_gradients(rank, pp, dp):
+    """2 stages x 2 replicas; stage 0 of replica 0 uses only layer a, of replica 1 only layer b.
+    The average over the data-parallel group must give each layer half its replica's gradient
+    on both replicas (a layer's gradient is not added to the other's)."""
+    from fairscale_c.nn.pipe import PipelineStage, ScheduleGPipe
+
+    replica, stage_index = divmod(rank, 2)
+    torch.manual_seed(1)
+    last = nn.Linear(8, 4)
+    mod = _Route() if stage_index == 0 else copy.deepcopy(last)
+    schedule = ScheduleGPipe(
+        PipelineStage(mod, stage_index, 2, group=pp[replica]), 1, F.mse_loss, dp_group=dp[stage_index]
+    )
+    x, y = batch(9, 4)
+    xs = [x.abs(), -x.abs()]
+    schedule.step(xs[replica], target=y)
+    ref0, ref1 = _Route(), copy.deepcopy(last)
+    for xx in xs:
+        F.mse_loss(ref1(ref0(xx)), y).backward()
+    want = ref0 if stage_index == 0 else ref1
+    return [not_close(p.grad, q.grad / 2) for p, q in zip(mod.parameters(), want.parameters())]
+
+
 def job_stage_raises(rank, world):
     """2 stages x 2 replicas; stage 1 of replica 0 (rank 1) raises in the middle of step 1 and
     carries on. Every rank's step must raise at once, not at FAIRSCALE_C_TIMEOUT: rank 0 through
@@ -626,10 +677,11 @@ def job_stage_raises(rank, world):
     dist.init_process_group("gloo")
     pp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    routed = _routed_gradients(rank, pp, dp)
     replica, stage_index = divmod(rank, 2)
     mod = make_model()[CUTS[2][stage_index] : CUTS[2][stage_index + 1]]
     if rank == 1:
-        mod = _FailAt(mod, 4 + 3, "stage 1 of replica 0 raised")  # set-up and step 0: 5 calls; step 1, micro-batch 1
+        mod = _FailAt(mod, 4 + 3, "stage 1 of replica 0 raised")  # step 0: 4 calls; step 1, micro-batch 2
     schedule = Schedule1F1B(
         PipelineStage(mod, stage_index, 2, group=pp[replica]), 4, F.mse_loss, dp_group=dp[stage_index]
     )
@@ -645,7 +697,26 @@ def job_stage_raises(rank, world):
             got.append(("DistributedError", str(e), time.monotonic() - t0))
         except ValueError as e:
             got.append(("ValueError", str(e), time.monotonic() - t0))
-    return got
+    return routed, got
+
+
+def job_cache(rank, world):
+    """Stage 1 builds a table on its first forward; set-up's shape inference on the meta device
+    must leave it unbuilt, so that the first step builds it on the CPU."""
+    from fairscale_c.nn.pipe import PipelineStage, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(1)
+    first = nn.Linear(8, 8)
+    mod = copy.deepcopy(first) if rank == 0 else _Cache()
+    schedule = ScheduleGPipe(PipelineStage(mod, rank, 2), 2, F.mse_loss)
+    x, y = batch(3, 6)
+    out = schedule.step(x, target=torch.zeros(6, 4))
+    if rank == 0:
+        return None
+    want = torch.cat([_Cache()(first(c)) for c in x.tensor_split(2)])
+    return not_close(out, want.detach()), str(mod.table.device)
 
 
 # ------------------------------------------------------------------------------ tests
@@ -669,6 +740,9 @@ def test_three_ranks_on_the_cuda_layouts_groups():
 def test_a_stage_that_raises_makes_every_rank_raise_at_once():
     before = orphaned_segments()
     results = run_ranks(job_stage_raises, 4, timeout=240, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    routed = [r for r, _ in results]
+    assert [len(r) for r in routed] == [4, 2, 4, 2] and not any(any(r) for r in routed), routed
+    results = [got for _, got in results]
     (kind, msg, _), (kind2, msg2, _) = results[1]
     assert (kind, msg) == ("ValueError", "stage 1 of replica 0 raised"), results[1]
     assert kind2 == "DistributedError" and "this rank gave up" in msg2, results[1]
@@ -682,6 +756,10 @@ def test_a_stage_that_raises_makes_every_rank_raise_at_once():
     pids = {re.search(r"\(pid (\d+)\)", results[r][0][1]).group(1) for r in (0, 3)}
     assert len(pids) == 1, results
     assert orphaned_segments() <= before
+
+
+def test_a_module_that_caches_on_its_first_forward():
+    assert run_ranks(job_cache, 2, timeout=120, env={"FAIRSCALE_C_TIMEOUT": "60"})[1] == ("", "cpu")
 
 
 @pytest.mark.serial  # kills a rank; times how soon the others know

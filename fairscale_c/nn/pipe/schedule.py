@@ -380,18 +380,28 @@ class PipelineSchedule(_Chunking):
 
     def _reduce_gradients(self) -> None:
         """Average this stage's gradients over the data-parallel group: one flat all-reduce per
-        (dtype, device)."""
-        groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+        (dtype, device) of every parameter that requires grad, in the same order on every replica,
+        whether or not this replica's step used it (zeros where it did not), followed by one flag
+        per parameter: a parameter no replica used keeps no gradient; one that some used gets the
+        average, as DDP gives it."""
+        groups: Dict[Tuple[torch.dtype, torch.device], List[torch.nn.Parameter]] = {}
         seen: set = set()
         for p in (p for st in self._stages for p in st.module.parameters()):
-            if p.grad is not None and id(p) not in seen:
+            if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-        for grads in groups.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
+                groups.setdefault((p.dtype, p.device), []).append(p)
+        for (dtype, device), params in groups.items():
+            grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
+            used = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)
+            flat = torch.cat(grads + [used])
             self.dp_group.all_reduce(flat, op="avg")
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
+            parts = flat.split([p.numel() for p in params] + [len(params)])
+            flags = parts[-1].tolist() if any(p.grad is None for p in params) else [1.0] * len(params)
+            for p, part, flag in zip(params, parts, flags):
+                if p.grad is not None:
+                    p.grad.copy_(part.view_as(p))
+                elif flag > 0:
+                    p.grad = part.view_as(p).clone()
 
 
 class ScheduleGPipe(PipelineSchedule):

@@ -167,9 +167,16 @@ def resolve_group(group: Any, role: str, what: str) -> Any:
 @contextlib.contextmanager
 def _on_meta(module: nn.Module) -> Iterator[None]:
     """Within the block, ``module``'s parameters and buffers are meta tensors of the same shapes
-    (tied ones stay tied); the originals are put back afterwards, whatever happens."""
+    (tied ones stay tied); the originals are put back afterwards, whatever happens, and so is
+    every submodule's other state: an attribute, buffer or submodule the forward set or added
+    (a cache built on the first call, a call counter) is undone, so that the module's first real
+    forward finds it as it was."""
     swapped: List[Tuple[Dict[str, Any], str, torch.Tensor]] = []
     metas: Dict[int, torch.Tensor] = {}
+    states = [
+        (mod, dict(mod.__dict__), set(mod._parameters), set(mod._buffers), set(mod._modules))
+        for mod in module.modules()
+    ]
     try:
         for mod in module.modules():
             for store in (mod._parameters, mod._buffers):
@@ -184,6 +191,12 @@ def _on_meta(module: nn.Module) -> Iterator[None]:
     finally:
         for store, name, t in reversed(swapped):
             store[name] = t
+        for mod, attrs, params, buffers, children in states:
+            for store, keep in ((mod._parameters, params), (mod._buffers, buffers), (mod._modules, children)):
+                for name in [n for n in store if n not in keep]:
+                    del store[name]
+            mod.__dict__.clear()
+            mod.__dict__.update(attrs)
 
 
 class PipelineStage:
