@@ -131,7 +131,18 @@ class StoreExchange(Exchange):
         self._call("all_gather", "while publishing this rank's part", lambda: self.store.set(mine, data))
         keys = [f"{base}/{r}" for r in range(self.size)]
         self._wait(keys, "all_gather", list(range(self.size)), pids)
-        return self._call("all_gather", "while reading the parts", lambda: [bytes(self.store.get(k)) for k in keys])
+        parts = self._call("all_gather", "while reading the parts", lambda: [bytes(self.store.get(k)) for k in keys])
+        self._read_by_all(base, "all_gather", pids)
+        return parts
+
+    def _read_by_all(self, base: str, what: str, pids: Optional[Dict[int, int]] = None) -> None:
+        """Say this rank has read round ``base``; rank 0 returns once every rank has. The store
+        usually lives in rank 0's process, and rank 0 may raise on what it read (a group that
+        spans hosts, say) and exit: the others then still get to read it."""
+        done = f"{base}/read"
+        self._call(what, "while saying it has read", lambda: self.store.set(f"{done}/{self.rank}", b"1"))
+        if self.rank == 0:
+            self._wait([f"{done}/{r}" for r in range(self.size)], what, list(range(self.size)), pids)
 
     def peek(self, rank: int) -> Optional[bytes]:
         key = f"{self.prefix}/ag{self._round}/{rank}"
@@ -146,7 +157,9 @@ class StoreExchange(Exchange):
             payload = data if data is not None else b""
             self._call("broadcast", "while publishing the value", lambda: self.store.set(key, payload))
         self._wait([key], "broadcast", [0])
-        return self._call("broadcast", "while reading the value", lambda: bytes(self.store.get(key)))
+        value = self._call("broadcast", "while reading the value", lambda: bytes(self.store.get(key)))
+        self._read_by_all(key, "broadcast")
+        return value
 
     def sub(self, ranks: Sequence[int], index: int) -> "Exchange":
         tag = "-".join(map(str, ranks))
