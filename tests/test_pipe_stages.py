@@ -326,6 +326,19 @@ def _bad_input(rank, group):
         )
     )
 
+    # settings every rank must share, compared at set-up: the same ValueError on every rank
+    _raises(
+        ValueError,
+        "the pipeline's ranks disagree on n_microbatches (rank 0: 4, rank 1: 2)",
+        _first_step,
+        ScheduleGPipe(PipelineStage(mod, group=group), 4 if rank == 0 else 2, F.mse_loss),
+    )
+    _raises(
+        ValueError,
+        "loss_fn is given on rank(s) [1] and not on [0]",
+        _first_step,
+        ScheduleGPipe(PipelineStage(mod, group=group), 4, F.mse_loss if rank == 1 else None),
+    )
     # a later step with other shapes (stage 0 only: local)
     good = ScheduleGPipe(PipelineStage(mod, group=group, input_args=(2, 8) if rank == 0 else (2, 16)), 4, F.mse_loss)
     _first_step(good)

@@ -249,6 +249,8 @@ class PipelineSchedule(_Chunking):
                     f"this schedule has n_microbatches={m}; a stage serves schedules of one micro-batch count"
                 )
         t0 = time.perf_counter()
+        if any(not stage.ready for stage in self._stages):
+            self._agree_settings(has_backward)
         for stage in self._stages:  # every rank in the same order: along the pipeline
             if not stage.ready:
                 check = self._check_outputs if stage.is_last else None
@@ -345,6 +347,31 @@ class PipelineSchedule(_Chunking):
             inflight.popleft().wait()
         wait_s += time.perf_counter() - t
         return compute_s, wait_s
+
+    def _agree_settings(self, has_backward: bool) -> None:
+        """At set-up, the settings every rank's schedule must share, compared over the pipeline
+        group (one all_gather): a mismatch is the same ValueError naming the argument on every
+        rank, where it would be a send/recv mismatch at the first message (n_microbatches,
+        num_stages) or stages waiting for each other until the timeout (a loss_fn missing on some
+        ranks: they disagree on whether the step has a backward)."""
+        name, group = type(self).__name__, self._stages[0].group
+        mine = torch.tensor([self._n_microbatches, self._stages[0].num_stages, int(has_backward)], dtype=torch.int64)
+        every = torch.empty(3 * group.size, dtype=torch.int64)
+        group.all_gather(every, mine)
+        rows = every.view(group.size, 3).tolist()
+        for k, what in enumerate(("n_microbatches", "num_stages")):
+            if len({r[k] for r in rows}) > 1:
+                given = ", ".join(f"rank {i}: {r[k]}" for i, r in enumerate(rows))
+                raise ValueError(
+                    f"{name}: the pipeline's ranks disagree on {what} ({given}); every rank must give the same"
+                )
+        if len({r[2] for r in rows}) > 1:
+            with_loss = [i for i, r in enumerate(rows) if r[2]]
+            without = [i for i, r in enumerate(rows) if not r[2]]
+            raise ValueError(
+                f"{name}: loss_fn is given on rank(s) {with_loss} and not on {without}; give it on every stage "
+                "(it decides whether a step has a backward)"
+            )
 
     def _give_up(self) -> None:
         """After a step raised part way (a module, the loss, Ctrl-C, a peer's failure): the other
