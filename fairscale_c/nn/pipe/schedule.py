@@ -153,6 +153,8 @@ class PipelineSchedule(_Chunking):
         self._checked: Any = None  # the last batch whose micro-batches matched stage 0's set-up
 
     _multi_stage = False  # takes a list of this rank's stages (_MultiStageSchedule)
+    # CUDA multi-stage schedules: one engine group per (message kind, edge class)
+    _edge_groups: Optional[Dict[Tuple[str, int], Any]] = None
     # an action's sends join the next action's synchronous receives (run on the calling thread when
     # nothing is queued); a schedule whose sends may run many messages ahead of the peer's receives
     # turns it off, since such a batch would wait for its own send
@@ -379,7 +381,7 @@ class PipelineSchedule(_Chunking):
         out of step with theirs. Give up on every group the schedule talks on, so that every stage
         raises DistributedError at once instead of at the timeout (Group.abort)."""
         groups = [g for st in self._stages for g in (st.group, st.grad_group)]
-        groups += list((getattr(self, "_edge_groups", None) or {}).values())
+        groups += list((self._edge_groups or {}).values())
         groups.append(self.dp_group)
         for g in {id(g): g for g in groups if g is not None}.values():
             g.abort()
@@ -513,7 +515,6 @@ class _MultiStageSchedule(PipelineSchedule):
             raise ValueError(
                 f"{name}: n_microbatches={n_microbatches} must be a multiple of the pipeline group's size ({p})"
             )
-        self._edge_groups: Optional[Dict[Tuple[str, int], Any]] = None
         device = self._stages[0].device
         if p > 1 and device.type == "cuda":
             self._edge_groups = _edge_groups(group, device)
