@@ -66,8 +66,16 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
         save_sharded({"unpicklable": lambda: None}, d, step=2)
     assert read_manifest(d)["step"] == 1 and load_sharded(d)["step"] == 1
     assert [n for n in os.listdir(d) if n.endswith(".tmp")] == []
+    with pytest.raises(CheckpointError, match=r"\(writing shard-[0-9a-f]+-rank0\.pt; [0-9]+ bytes free"):
+        save_sharded({"unpicklable": lambda: None}, d, step=2)
     with pytest.raises(TypeError, match="argument 'step'"):
         save_sharded(_state(3), d, step="3")
+    for bad in ("", b"dir", None, 3):
+        with pytest.raises(TypeError, match="argument 'directory' must be a non-empty str"):
+            save_sharded(_state(3), bad, step=3)
+        with pytest.raises(TypeError, match="argument 'directory'"):
+            load_sharded(bad)
+    assert read_manifest(d)["step"] == 1
 
 
 # ---------------------------------------------------------------- a rank killed during a save
@@ -181,7 +189,7 @@ def test_a_manifest_that_cannot_be_written_leaves_the_previous_checkpoint(tmp_pa
     def no_manifest(path, write):
         if path.endswith("manifest.json"):
             raise OSError(28, "No space left on device")
-        real(path, write)
+        return real(path, write)
 
     monkeypatch.setattr(checkpoint, "_write_durably", no_manifest)
     with pytest.raises(CheckpointError, match="rank 0 could not write manifest.json .*No space left.*unchanged"):
@@ -189,6 +197,8 @@ def test_a_manifest_that_cannot_be_written_leaves_the_previous_checkpoint(tmp_pa
     monkeypatch.undo()
     assert read_manifest(d)["step"] == 1
     assert load_sharded(d)["step"] == 1 and torch.equal(load_sharded(d)["w"], _state(1)["w"])
+    # the new shard went again: on a full disk a retry needs that space
+    assert sorted(os.listdir(d)) == sorted(["manifest.json", read_manifest(d)["shards"][0]["file"]])
 
 
 def test_a_manifest_that_is_not_one_is_refused(tmp_path):
@@ -205,6 +215,24 @@ def test_a_manifest_that_is_not_one_is_refused(tmp_path):
         json.dump(manifest, f)
     with pytest.raises(CheckpointError, match="is not a .* manifest"):
         load_sharded(d)
+    manifest["world_size"] = 1
+    good = dict(manifest, shards=[dict(manifest["shards"][0])])
+    broken = {
+        "'step'": dict(good, step="1"),
+        "'tag'": {k: v for k, v in good.items() if k != "tag"},
+        "shard entry 0": dict(good, shards=[dict(good["shards"][0], file=7)]),
+        "shard entry 0 ": dict(good, shards=[dict(good["shards"][0], file="/etc/passwd")]),
+        "shard entry 0  ": dict(good, shards=[{k: v for k, v in good["shards"][0].items() if k != "sha256"}]),
+        "'world_size'": dict(good, world_size=0, shards=[]),
+    }
+    for what, bad in broken.items():
+        with open(os.path.join(d, "manifest.json"), "w") as f:
+            json.dump(bad, f)
+        with pytest.raises(CheckpointError, match="is not a .* manifest: its " + what.strip()):
+            load_all_shards(d)
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump(good, f)
+    assert load_sharded(d)["step"] == 1
 
 
 def _one_rank_fails_job(rank, world, directory):
@@ -233,3 +261,96 @@ def test_a_rank_that_cannot_write_makes_every_rank_raise_and_keeps_the_previous_
         assert state["step"] == 1 and torch.equal(state["w"], _state(1, rank)["w"])
     # rank 0 wrote its new shard before it learnt of rank 1's failure: it removed it again
     assert sorted(os.listdir(d)) == sorted(["manifest.json"] + [s["file"] for s in manifest["shards"]])
+
+
+# ---------------------------------------------------------------- saves and loads at the same time
+
+
+def test_a_save_in_the_middle_of_another_saves_commit_removes_nothing_either_needs(tmp_path, monkeypatch):
+    """Save B runs whole between save A's commit and A's clean-up (two jobs, one directory): each
+    commits, the later one is the checkpoint, and no clean-up removes a file the manifest names."""
+    from fairscale_c.utils import checkpoint
+
+    d = str(tmp_path)
+    save_sharded(_state(1), d, step=1)
+    real = checkpoint._remove_stale
+    calls = []
+
+    def other_save_first(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            save_sharded(_state(3), d, step=3)  # B: its clean-up finds A's new shard locked
+        real(*args)
+
+    monkeypatch.setattr(checkpoint, "_remove_stale", other_save_first)
+    save_sharded(_state(2), d, step=2)  # A
+    monkeypatch.undo()
+    assert read_manifest(d)["step"] == 3 and load_sharded(d)["step"] == 3
+    save_sharded(_state(4), d, step=4)  # A's shard is no longer held: the next save removes it
+    assert sorted(os.listdir(d)) == sorted(["manifest.json", read_manifest(d)["shards"][0]["file"]])
+
+
+def test_a_failed_clean_up_is_a_warning_after_the_commit(tmp_path, monkeypatch):
+    from fairscale_c.utils import checkpoint
+
+    d = str(tmp_path)
+    save_sharded(_state(1), d, step=1)
+    real_unlink = os.unlink
+
+    def refuse(path, *a, **kw):
+        if os.path.basename(str(path)).startswith("shard-"):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(checkpoint.os, "unlink", refuse)
+    with pytest.warns(UserWarning, match="could not remove the old file .*Operation not permitted"):
+        save_sharded(_state(2), d, step=2)
+    monkeypatch.undo()
+    assert load_sharded(d)["step"] == 2
+
+
+_CONCURRENT = """
+import sys, time
+import torch
+from fairscale_c.utils.checkpoint import CheckpointError, load_all_shards, save_sharded
+d, role, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ok = failed = 0
+deadline = time.monotonic() + 60
+for i in range(n):
+    if time.monotonic() > deadline:
+        break
+    try:
+        if role == "reader":
+            state = load_all_shards(d)[0]
+            assert torch.equal(state["w"], torch.full((1000,), float(state["step"]))), state["step"]
+        else:
+            save_sharded({"step": i, "w": torch.full((1000,), float(i))}, d, step=i)
+        ok += 1
+    except CheckpointError as exc:
+        failed += 1
+        print(role, "failed:", exc, flush=True)
+print(role, ok, failed, flush=True)
+"""
+
+
+def test_two_jobs_saving_and_a_reader_in_one_directory(tmp_path):
+    """Two one-rank jobs save into one directory while a third process loads: every save commits
+    (none removes the other's files), every load returns a whole checkpoint."""
+    import subprocess
+    import sys
+
+    d = str(tmp_path / "ckpt")
+    save_sharded({"step": 0, "w": torch.zeros(1000)}, d, step=0)
+    script = tmp_path / "job.py"
+    script.write_text(_CONCURRENT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen([sys.executable, str(script), d, role, "60"], env=env, stdout=subprocess.PIPE, text=True)
+        for role in ("writer", "writer", "reader")
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for out in outs:
+        role, ok, failed = out.strip().splitlines()[-1].split()
+        assert failed == "0" and int(ok) > 0, out
+    state = load_all_shards(d)[0]
+    assert torch.equal(state["w"], torch.full((1000,), float(state["step"])))
