@@ -106,6 +106,9 @@ def test_bad_module_and_compute_dtype():
         FSDP(lambda x: x)
     with pytest.raises(ValueError, match="argument 'compute_dtype'"):
         FSDP(mlp(), compute_dtype=torch.int8)
+    sparse = nn.Sequential(nn.Linear(3, 3), nn.EmbeddingBag(10, 3, sparse=True))
+    with pytest.raises(ValueError, match="argument 'module' holds EmbeddingBag '1' with sparse=True"):
+        FSDP(sparse)
 
 
 # fmt: off

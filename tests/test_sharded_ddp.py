@@ -386,6 +386,67 @@ def scenario_gradient_that_requires_grad_refused(rank, world):
     assert sdp(x).shape == (4, 3)
 
 
+def _small(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(DEVICE["device"])
+
+
+def _small_batch(step, rank):
+    return torch.randn(4, 4, generator=torch.Generator().manual_seed(100 * step + rank)).to(DEVICE["device"])
+
+
+def scenario_backward_outside_a_training_step(rank, world):
+    """A backward after an eval forward (input saliency) accumulates locally and is not carried into
+    the next step; a second backward after the reduction raises instead of going unaveraged; a
+    hook registered after the wrapper's sees the local gradient; half()/double() keep working."""
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    m, ref = _small(), _small()
+    opt = OSS(m.parameters(), torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    sdp = ShardedDataParallel(m, opt)
+    for step in range(3):
+        opt.zero_grad()  # OSS's (torch's): does not know the wrapper
+        x = _small_batch(step, rank)
+        sdp(x).pow(2).mean().backward()
+        opt.step()
+        sdp.eval()
+        xi = x.clone().requires_grad_()
+        sdp(xi).sum().backward()  # gradients for the input; the parameters' accumulate locally
+        sdp.train()
+        ref_opt.zero_grad()
+        xs = [_small_batch(step, r) for r in range(world)]
+        (sum(ref(xr).pow(2).mean() for xr in xs) / world).backward()
+        ref_opt.step()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **FP32)
+
+    seen = []
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(None if p.grad is None else p.grad.clone()))
+    opt.zero_grad()
+    loss = sdp(_small_batch(9, rank)).pow(2).mean()
+    loss.backward(retain_graph=True)
+    assert len(seen) == 4 and all(g is not None for g in seen), seen
+    if world > 1:
+        with pytest.raises(RuntimeError, match="second backward pass reached the gradients after"):
+            loss.backward()
+    opt.zero_grad()
+
+    for cast in (sdp.double, sdp.float):
+        cast()
+        opt.zero_grad()
+        x = _small_batch(10, rank).to(next(m.parameters()).dtype)
+        sdp(x).sum().backward()
+        opt.step()
+        assert all(p.dtype == x.dtype for p in m.parameters())
+
+    sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="argument 'module' holds Embedding '0' with sparse=True"):
+        ShardedDataParallel(sparse, OSS(sparse.parameters(), torch.optim.SGD, lr=0.1))
+
+
 SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 ALL = sorted(SCENARIOS)
 

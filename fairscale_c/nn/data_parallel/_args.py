@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fairscale_c.internal.parallel import ProcessGroupName
+from fairscale_c.internal.args import refuse_sparse_gradients
 
 _BOOLS = (
     "reshard_after_forward",
@@ -74,6 +75,7 @@ def check_fsdp_args(args: Dict[str, Any]) -> None:
     for a wrong type, ValueError for a value out of range, each naming the argument."""
     if not isinstance(args["module"], nn.Module):
         raise TypeError(f"{_WHERE}: argument 'module' must be an nn.Module, got {type(args['module']).__name__}")
+    refuse_sparse_gradients(args["module"], _WHERE)
     for name in _BOOLS:
         if not isinstance(args[name], bool):
             raise TypeError(f"{_WHERE}: argument '{name}' must be a bool, got {type(args[name]).__name__}")

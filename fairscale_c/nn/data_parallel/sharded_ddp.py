@@ -26,7 +26,7 @@ from torch import nn
 
 from fairscale_c import distributed as fdist
 from fairscale_c.optim.oss import OSS
-from ...internal.args import as_int
+from ...internal.args import as_int, refuse_sparse_gradients
 from ...internal.hooks import weak_hook
 
 __all__ = ["ShardedDataParallel"]
@@ -134,6 +134,7 @@ class ShardedDataParallel(nn.Module):
                     f"ShardedDataParallel: the OSS optimizer's group (rank {o.rank} of {o.world_size}) and argument "
                     f"'process_group' (rank {self._rank} of {self._world_size}) must be the same ranks"
                 )
+        refuse_sparse_gradients(module, "ShardedDataParallel")
         device_types = {p.device.type for p in module.parameters()}
         if len(device_types) > 1:
             raise ValueError(
@@ -159,6 +160,8 @@ class ShardedDataParallel(nn.Module):
         self._grad_hooks: List[Any] = []
         self._should_accumulate_grads = False
         self._armed = False  # a training forward ran: the next backward reduces
+        self._after_reduce = False  # the last training forward's gradients were reduced
+        self._to_drop: List[tuple] = []  # (param, grad) checked in; dropped once the param's later hooks ran
         self._callback_queued = False
         self._next_launch = 0
         self._pending = 0  # gradients of this backward not yet checked in
@@ -182,8 +185,10 @@ class ShardedDataParallel(nn.Module):
         if self._enable_broadcast_buffers and not self._should_accumulate_grads:
             self.sync_buffers(blocking=True)
         self._wait_buffer_works()
-        if self.training:
+        if self.training and torch.is_grad_enabled():
             self._arm()
+        else:  # a backward of this forward accumulates locally, as DDP's does outside training
+            self._after_reduce = False
         return self.module(*inputs, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -210,6 +215,14 @@ class ShardedDataParallel(nn.Module):
             raise ValueError("ShardedDataParallel.to: the module spans several devices; it cannot be moved to one")
         self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
         self.refresh_trainable()
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "ShardedDataParallel":
+        """``half()``, ``double()``, ``float()`` and the like: the buckets and the optimizers' buffers
+        follow the new parameters (as in :meth:`to`)."""
+        super()._apply(fn, recurse)
+        if self._buckets:
+            self.refresh_trainable()
         return self
 
     # ------------------------------------------------------------------ trainability
@@ -319,7 +332,9 @@ class ShardedDataParallel(nn.Module):
         self._overlapped = 0
         self._next_launch = 0
         self._armed = True
+        self._after_reduce = False
         self._callback_queued = False
+        self._saved.clear()  # set aside by a backward that raised before its reduction
 
     def _before_accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """A new gradient is about to be added to ``p.grad``: if that still holds what the last
@@ -327,6 +342,13 @@ class ShardedDataParallel(nn.Module):
         after the next reduction, so that it is not averaged over the ranks a second time. One
         that zero_grad zeroed and nothing wrote since is dropped instead (there is nothing to add);
         one living in a bucket's buffer is copied out first (the buffer is about to be reused)."""
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"ShardedDataParallel: a parameter of shape {tuple(p.shape)} got a sparse gradient; sparse gradients "
+                "are not reduced (build nn.Embedding / nn.EmbeddingBag with sparse=False)"
+            )
+        if not self._armed:
+            return  # no reduction comes: the gradient adds to p.grad as autograd does
         g = self._reduced.pop(p, None)
         zeroed = self._zeroed.pop(p, None)
         if g is not None and p.grad is g:
@@ -340,7 +362,18 @@ class ShardedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _grad_ready(self, p: nn.Parameter) -> None:
-        if self._should_accumulate_grads or not self._armed:
+        self._drop_checked_in()
+        if self._should_accumulate_grads:
+            return
+        if not self._armed:
+            if self._after_reduce:
+                raise RuntimeError(
+                    "ShardedDataParallel: a second backward pass reached the gradients after those of the last "
+                    "forward were reduced; its gradients would not be averaged over the ranks. Run a forward "
+                    "before each backward (or add the losses and call backward once). A reentrant "
+                    "torch.utils.checkpoint around the model's last block ends the reduction early too: use "
+                    "use_reentrant=False or fairscale_c.nn.checkpoint_wrapper there"
+                )
             return
         where = self._where.get(p)
         if where is None:
@@ -353,8 +386,15 @@ class ShardedDataParallel(nn.Module):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._check_in(b, j, p.grad)
-        p.grad = None
+        self._to_drop.append((p, p.grad))  # hooks registered after this one still see the local gradient
         self._launch_ready()
+
+    def _drop_checked_in(self) -> None:
+        """Drop the local gradients already copied into their buckets (or being reduced in place)."""
+        for p, g in self._to_drop:
+            if p.grad is g:
+                p.grad = None
+        self._to_drop.clear()
 
     def _check_in(self, b: _Bucket, j: int, grad: Optional[torch.Tensor]) -> None:
         if (
@@ -394,6 +434,7 @@ class ShardedDataParallel(nn.Module):
         self._flush()
 
     def _flush(self) -> None:
+        self._drop_checked_in()
         for b in self._buckets[self._next_launch :]:
             for j, done in enumerate(b.checked_in):
                 if not done:
@@ -405,6 +446,7 @@ class ShardedDataParallel(nn.Module):
                     b.work.wait()
         finally:
             self._armed = False
+            self._after_reduce = True
         for b in self._buckets:
             if b.owner == self._rank and b.flat is not None:
                 flat = b.flat if b.wire_dtype == b.dtype else b.flat.to(b.dtype)
