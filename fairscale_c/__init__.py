@@ -6,12 +6,15 @@ Existing FairScale code moves over by changing ``fairscale`` to ``fairscale_c`` 
 from typing import Any, Dict
 
 from . import _C
+from ._submodules import lazy_submodules
 from ._C import DistributedError
 from ._version import __version__
 
 __version_tuple__ = tuple(int(p) if p.isdigit() else p for p in __version__.split("."))
 
 __all__ = ["DistributedError", "__version__", "build_info"]
+
+__getattr__ = lazy_submodules(__name__, ("distributed", "experimental", "internal", "nn", "optim", "utils", "version"))
 
 
 def build_info() -> Dict[str, Any]:

@@ -285,6 +285,36 @@ def test_module_runner_passes_arguments_and_main(tmp_path):
     assert proc.returncode == 2 and "usage:" in proc.stderr
 
 
+def test_subpackages_are_attributes_after_importing_the_package():
+    """``import fairscale; fairscale.nn.FullyShardedDataParallel`` works in FairScale (its
+    ``__init__`` imports ``nn``): after the import rename, and under the alias, too."""
+    proc = run_python(
+        """
+        import sys
+        import fairscale_c
+        assert "torch" not in sys.modules  # the package alone stays light: subpackages load on use
+        assert fairscale_c.nn.FullyShardedDataParallel.__name__ == "FullyShardedDataParallel"
+        assert fairscale_c.optim.OSS.__name__ == "OSS"
+        assert fairscale_c.nn.model_parallel.layers.ColumnParallelLinear.__name__ == "ColumnParallelLinear"
+        assert fairscale_c.internal.parallel.ProcessGroupName.__name__ == "ProcessGroupName"
+        assert fairscale_c.version.__version_tuple__ == (0, 4, 13)
+        try:
+            fairscale_c.no_such_thing
+        except AttributeError as exc:
+            assert "no attribute 'no_such_thing'" in str(exc)
+        else:
+            raise AssertionError("no AttributeError")
+        import fairscale_c.compat
+        fairscale_c.compat.install()
+        import fairscale
+        assert fairscale.nn.model_parallel.initialize is fairscale_c.nn.model_parallel.initialize
+        assert fairscale.internal.params is fairscale_c.internal.params
+        print("ok")
+        """
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
 def test_fairscale_only_script_runs_unchanged():
     """Two ranks, each started as torchrun would (environment variables), each running the script
     under the alias; every rank checks its losses and the final full weights against PyTorch."""

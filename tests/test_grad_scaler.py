@@ -3,6 +3,8 @@
 with ShardedGradScaler against single-process PyTorch are the 'sharded_grad_scaler' scenario in
 tests/fsdp_scenarios.py (world 1, 2 and 4)."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -42,6 +44,10 @@ def test_one_process_behaves_as_torchs_grad_scaler(cls):
     assert ours == ref and ours == [2.0**8, 2.0**9, 2.0**8, 2.0**8, 2.0**9, 2.0**9]
     for a, b in zip(ours_params, ref_params):
         assert torch.equal(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # without torch.cuda.amp.GradScaler's deprecation warning
+        scaler = cls()
+    assert isinstance(scaler, torch.cuda.amp.GradScaler)  # as FairScale's (code checks it)
 
 
 def test_fp16_gradients_are_unscaled():

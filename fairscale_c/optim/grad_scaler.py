@@ -23,8 +23,11 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class GradScaler(torch.amp.GradScaler):
-    """torch.amp.GradScaler that unscales float16 gradients too (FairScale's GradScaler)."""
+class GradScaler(torch.cuda.amp.GradScaler):
+    """torch.amp.GradScaler that unscales float16 gradients too (FairScale's GradScaler). Its class
+    is ``torch.cuda.amp.GradScaler``'s, as FairScale's is, so ``isinstance`` checks written for
+    FairScale hold; it is built through ``torch.amp.GradScaler`` (without the CUDA class's
+    deprecation warning) on the device found at run time."""
 
     def __init__(
         self,
@@ -34,7 +37,8 @@ class GradScaler(torch.amp.GradScaler):
         growth_interval: int = 2000,
         enabled: bool = True,
     ) -> None:
-        super().__init__(
+        torch.amp.GradScaler.__init__(
+            self,
             _default_device(),
             init_scale=init_scale,
             growth_factor=growth_factor,
