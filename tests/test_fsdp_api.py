@@ -297,6 +297,28 @@ def test_unflattened_shared_parameters_are_one_parameter():
         assert m.module[1].weight is m.module[0].weight and m.module[0].weight.shape == (3, 3)
 
 
+def test_unflattened_local_state_dict_at_world_one_keeps_parameter_shapes():
+    """FairScale keeps each parameter whole at world size 1 without flattening, and its local
+    state dict holds it in its own shape: ours does the same, so the two load each other's."""
+    m = FSDP(mlp(), flatten_parameters=False)
+    local = m.local_state_dict()
+    assert {k: tuple(v.shape) for k, v in local.items()} == {
+        "0.weight": (8, 4),
+        "0.bias": (8,),
+        "2.weight": (2, 8),
+        "2.bias": (2,),
+    }
+    full = m.state_dict()
+    merged = FSDP.consolidate_shard_weights([local], [m.local_metadata_dict()])
+    assert all(torch.equal(merged[k], full[k]) for k in full)
+    for saved in (local, {k: v.reshape(-1) for k, v in local.items()}):  # flat: saved by an earlier version
+        other = FSDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), flatten_parameters=False)
+        other.load_local_state_dict({k: v.clone() for k, v in saved.items()})
+        assert all(torch.equal(other.state_dict()[k], full[k]) for k in full)
+    with pytest.raises(ValueError, match="'0.bias' has 7 elements but this rank's shard has 8"):
+        other.load_local_state_dict(dict(local, **{"0.bias": torch.zeros(7)}))
+
+
 def test_local_state_dict_round_trip_and_consolidate():
     m = FSDP(mlp())
     local = m.local_state_dict()

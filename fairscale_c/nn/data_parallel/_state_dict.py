@@ -154,10 +154,24 @@ def detach_to(sd: Dict[str, Any], device: torch.device, to_fp32: bool) -> Dict[s
     return out
 
 
-def check_local_shards(named_instances: List[Tuple[str, Any]], state_dict: Dict[str, Any]) -> None:
+def unflattened_shards(named_instances: List[Tuple[str, Any]], sd: Dict[str, Any], prefix: str) -> None:
+    """At world size 1 without flattening, FairScale keeps each parameter whole, in its own shape,
+    and its local state dict holds it so: give ours the same shapes (views of the shards)."""
+    for path, m in named_instances:
+        if m.world_size != 1 or m.flatten_parameters:
+            continue
+        for h in m._handles:
+            key = prefix + _join(path, h.backing_name)
+            if key in sd and len(h.layout.slots) == 1 and h.layout.padding == 0:
+                sd[key] = sd[key].view(h.layout.slots[0].shape)
+
+
+def check_local_shards(named_instances: List[Tuple[str, Any]], state_dict: Dict[str, Any]) -> Dict[str, Any]:
     """A local state saved at another world size has other shard sizes, and one of another dtype
     would be cast silently by nn.Module: say so before loading anything. `named_instances`: (clean
-    path, instance) of every FSDP instance of the model."""
+    path, instance) of every FSDP instance of the model. Returns the state to load: shards saved
+    in their parameters' shapes (FairScale's at world size 1 without flattening) as this rank's."""
+    reshaped = {}
     for path, m in named_instances:
         for h in m._handles:
             key = _join(path, h.backing_name)
@@ -177,6 +191,15 @@ def check_local_shards(named_instances: List[Tuple[str, Any]], state_dict: Dict[
                     f"has {h.layout.shard_numel} (world size {m.world_size}); a local state dict loads only at the "
                     f"world size it was saved with — rebuild it with consolidate_shard_weights() and load_state_dict()"
                 )
+            if value.shape != h.param.shape:
+                reshaped[key] = value.reshape(h.param.shape)
+    if not reshaped:
+        return state_dict
+    out = type(state_dict)(state_dict)
+    out.update(reshaped)
+    if hasattr(state_dict, "_metadata"):
+        out._metadata = state_dict._metadata
+    return out
 
 
 def local_metadata(root: nn.Module, named_instances: List[Tuple[str, Any]]) -> Dict[str, Any]:
