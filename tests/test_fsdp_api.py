@@ -319,6 +319,18 @@ def test_unflattened_local_state_dict_at_world_one_keeps_parameter_shapes():
         other.load_local_state_dict(dict(local, **{"0.bias": torch.zeros(7)}))
 
 
+def test_fairscale_instance_attributes():
+    m = FSDP(mlp())
+    assert (m.buffer_size, m.num_params_managed) == (4 * 8 + 8 + 8 * 2 + 2, 4)
+    assert not m.has_full_params
+    with m.summon_full_params():
+        assert m.has_full_params
+    assert not m.has_full_params
+    kept = FSDP(mlp(), reshard_after_forward=False)
+    kept(torch.randn(2, 4))
+    assert kept.has_full_params  # kept after forward, for backward
+
+
 def test_local_state_dict_round_trip_and_consolidate():
     m = FSDP(mlp())
     local = m.local_state_dict()

@@ -24,6 +24,7 @@ from fairscale_c.internal.parallel import ProcessGroupName
 from fairscale_c.internal.params import grad_norm_term, reduce_norm_term
 
 from . import _optim_state, _state_dict
+from ._state_dict import no_pre_load_state_dict_hook  # noqa: F401 - FairScale defines it in this module
 from ._args import check_fsdp_args
 from ._bucket import ReduceScatterBucket
 from ._backward import BackwardHooks
@@ -164,6 +165,23 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
     @property
     def _has_shared_params(self) -> bool:
         return bool(self._ties)
+
+    @property
+    def has_full_params(self) -> bool:
+        """Whether this instance's full parameters are gathered now (FairScale's flag): inside
+        forward and backward with ``reshard_after_forward=False``, or in ``summon_full_params``."""
+        return bool(self._all_handles) and all(h.has_full or h.summoned is not None for h in self._all_handles)
+
+    @property
+    def buffer_size(self) -> int:
+        """Elements of the parameters this instance shards (unpadded), as in FairScale."""
+        return sum(slot.numel for h in self._handles for slot in h.layout.slots)
+
+    @property
+    def num_params_managed(self) -> int:
+        """How many of the module's parameters this instance shards (FairScale's
+        FlattenParamsWrapper count, reached through its FSDP)."""
+        return sum(len(h.layout.slots) for h in self._handles)
 
     def append_shared_param(self, p: nn.Parameter) -> None:
         """FairScale's call to share `p`, a parameter another instance has already sharded and
