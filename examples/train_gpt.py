@@ -12,7 +12,9 @@ recomputes each block's activations in backward. Rank 0 prints a progress bar wi
 
 Every ``--save-every`` steps and at the end, each rank writes its shard of the model and the
 optimizer to ``--ckpt-dir/step-NNNNNN/rank-R-of-W.pt`` (atomically); ``--resume`` continues from
-the newest step that every rank saved. Ctrl-C stops every rank, closes the process groups
+the newest step that every rank saved and every rank can read (a damaged one is reported and the
+next older one taken); a newer checkpoint of another world size is an error, since shards load
+only at the world size that saved them. Ctrl-C stops every rank, closes the process groups
 (nothing is left in /dev/shm) and exits with status 130; the last checkpoint is kept.
 
 On CPU, torchrun gives each process one thread unless OMP_NUM_THREADS is set: with N processes
@@ -137,11 +139,12 @@ def shard_file(ckpt_dir: str, step: int, rank: int, world: int) -> str:
 def save_checkpoint(model: FSDP, optim: torch.optim.Optimizer, step: int, ckpt_dir: str, keep: int) -> None:
     """Write this rank's shard (model, FSDP metadata, optimizer state, step) atomically: a temporary
     file renamed into place, so a file that exists is complete. A step folder counts once every
-    rank's file is in it (see latest_checkpoint). Rank 0 then removes every folder but the `keep`
-    newest complete ones (a folder a killed run left half-written is never counted as kept).
+    rank's file is in it (see complete_world). Rank 0 then removes this world size's complete
+    checkpoints but the `keep` newest, and folders a killed run left half-written; complete
+    checkpoints of another world size (another run's) stay.
 
-    Collective (all ranks call it at the same step). Each rank commits on its own; a sharded-save
-    helper that commits every rank together under one manifest can replace this function."""
+    Collective (all ranks call it at the same step). Each rank commits on its own;
+    fairscale_c.utils.checkpoint.save_sharded commits every rank together under one manifest."""
     rank, world = dist.get_rank(), dist.get_world_size()
     path = shard_file(ckpt_dir, step, rank, world)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -161,11 +164,14 @@ def save_checkpoint(model: FSDP, optim: torch.optim.Optimizer, step: int, ckpt_d
             os.unlink(tmp)
     dist.barrier()
     if rank == 0:  # keep the `keep` newest complete checkpoints; torn folders of killed runs go too
-        complete = [s for s in step_folders(ckpt_dir) if is_complete(ckpt_dir, s, world)]
-        kept = set(sorted(complete)[-keep:])
-        for old in step_folders(ckpt_dir):
-            if old not in kept:
+        saved_by = {s: complete_world(ckpt_dir, s, world) for s in step_folders(ckpt_dir)}
+        kept = set(sorted(s for s, w in saved_by.items() if w == world)[-keep:])
+        for old, w in saved_by.items():  # complete checkpoints of another world size are another run's
+            if w is None or (w == world and old not in kept):
                 shutil.rmtree(os.path.join(ckpt_dir, f"step-{old:06d}"), ignore_errors=True)
+
+
+SHARD_NAME = re.compile(r"^rank-(\d+)-of-(\d+)\.pt$")
 
 
 def step_folders(ckpt_dir: str) -> list:
@@ -173,37 +179,65 @@ def step_folders(ckpt_dir: str) -> list:
     return [int(m.group(1)) for m in map(STEP_DIR.match, names) if m]
 
 
-def is_complete(ckpt_dir: str, step: int, world: int) -> bool:
-    """Whether every rank of a `world`-rank run saved its shard of `step`."""
-    return all(os.path.isfile(shard_file(ckpt_dir, step, r, world)) for r in range(world))
-
-
-def latest_checkpoint(ckpt_dir: str, world: int) -> Optional[int]:
-    """The newest step for which every rank of a `world`-rank run saved its shard, or None."""
-    for step in sorted(step_folders(ckpt_dir), reverse=True):
-        if is_complete(ckpt_dir, step, world):
-            return step
+def complete_world(ckpt_dir: str, step: int, prefer: int) -> Optional[int]:
+    """The world size W of the run whose every rank saved its shard of `step`
+    (rank-0-of-W.pt ... rank-(W-1)-of-W.pt), `prefer` first, or None when no run's set is complete."""
+    folder = os.path.join(ckpt_dir, f"step-{step:06d}")
+    worlds = {int(m.group(2)) for m in map(SHARD_NAME.match, os.listdir(folder)) if m}
+    for world in sorted(worlds, key=lambda w: (w != prefer, -w)):
+        if all(os.path.isfile(shard_file(ckpt_dir, step, r, world)) for r in range(world)):
+            return world
     return None
 
 
+def complete_checkpoints(ckpt_dir: str, world: int) -> list:
+    """The steps with a complete checkpoint of a `world`-rank run, newest first. A newer complete
+    checkpoint of another world size is an error: its shards load only at the world size that
+    wrote them, and resuming from an older one would silently go back in time."""
+    steps = []
+    for step in sorted(step_folders(ckpt_dir), reverse=True):
+        saved_by = complete_world(ckpt_dir, step, world)
+        if saved_by is not None and saved_by != world and not steps:
+            raise RuntimeError(
+                f"the newest checkpoint in {ckpt_dir} (step {step}) was saved by {saved_by} ranks and this run has "
+                f"{world}; resume with {saved_by} ranks (local shards load only at the world size that saved them)"
+            )
+        if saved_by == world:
+            steps.append(step)
+    return steps
+
+
 def load_checkpoint(model: FSDP, optim: torch.optim.Optimizer, ckpt_dir: str, device: torch.device) -> int:
-    """Load this rank's shard of the newest complete checkpoint; returns its step (0: none found).
-    Every rank must find the same step, else the folder changed under us: raise, don't diverge."""
+    """Load this rank's shard of the newest complete checkpoint that every rank can read; returns
+    its step (0: none found). A checkpoint some rank cannot read (a damaged file) is reported and
+    the next older one is tried, by every rank together."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    step = latest_checkpoint(ckpt_dir, world) or 0
-    # Tensor collectives (torch's object collectives would need numpy): the largest and smallest step.
-    extremes = torch.tensor([step, -step], device=device)
+    if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+        raise NotADirectoryError(f"--ckpt-dir {ckpt_dir} is not a directory")
+    steps = complete_checkpoints(ckpt_dir, world)
+    # Tensor collectives (torch's object collectives would need numpy): every rank's candidates.
+    mine = [len(steps), steps[0] if steps else 0]
+    extremes = torch.tensor(mine + [-v for v in mine], device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    if extremes[0].item() != -extremes[1].item():
-        raise RuntimeError(
-            f"ranks found different checkpoints in {ckpt_dir}: steps {-extremes[1].item()} to {extremes[0].item()}"
-        )
-    if step == 0:
-        return 0
-    state = torch.load(shard_file(ckpt_dir, step, rank, world), map_location=device, weights_only=True)
-    model.load_local_state_dict(state["model"])
-    optim.load_state_dict(state["optim"])
-    return step
+    if extremes[:2].tolist() != [-v for v in extremes[2:].tolist()]:
+        raise RuntimeError(f"ranks found different checkpoints in {ckpt_dir} (rank {rank}: steps {steps})")
+    for step in steps:
+        path = shard_file(ckpt_dir, step, rank, world)
+        try:
+            state, problem = torch.load(path, map_location=device, weights_only=True), ""
+        except Exception as exc:  # every rank learns of it below, and moves on together
+            state, problem = None, f"{type(exc).__name__}: {exc}"
+        ok = torch.tensor([0 if problem else 1], device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if problem:
+            print(f"rank {rank}: cannot load {path} ({problem})", file=sys.stderr, flush=True)
+        if ok.item() == 1:
+            model.load_local_state_dict(state["model"])
+            optim.load_state_dict(state["optim"])
+            return step
+        if rank == 0:
+            print(f"checkpoint step {step} in {ckpt_dir} is damaged; trying an older one", file=sys.stderr, flush=True)
+    return 0
 
 
 # ---- progress -----------------------------------------------------------------------------------

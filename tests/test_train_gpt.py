@@ -75,6 +75,33 @@ def test_resume_continues_the_loss_curve(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["step-000006"], os.listdir(ckpt)
 
 
+def test_resume_skips_a_damaged_checkpoint_and_refuses_another_world_size(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    common = ["--steps", "6", "--save-every", "3", "--log-every", "1", "--ckpt-dir", ckpt]
+    run(tmp_path, *common)
+    newest = os.path.join(ckpt, "step-000006", "rank-1-of-2.pt")
+    with open(newest, "r+b") as f:  # damaged on disk: cut short
+        f.truncate(100)
+    r = subprocess.run(
+        torchrun(*common, "--resume"), cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env()
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "resumed from step 3" in r.stdout and f"cannot load {newest}" in r.stderr, r.stdout + r.stderr
+    assert "checkpoint step 6" in r.stderr and "trying an older one" in r.stderr, r.stderr
+    # A newer complete checkpoint of a 3-rank run: resuming 2 ranks from an older one would go back
+    # in time silently, so it is refused; a 2-rank run's pruning leaves the 3-rank one alone.
+    other = os.path.join(ckpt, "step-000099")
+    os.makedirs(other)
+    for rank in range(3):
+        shutil.copy(os.path.join(ckpt, "step-000003", "rank-0-of-2.pt"), os.path.join(other, f"rank-{rank}-of-3.pt"))
+    r = subprocess.run(
+        torchrun(*common, "--resume"), cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env()
+    )
+    assert r.returncode != 0 and "(step 99) was saved by 3 ranks and this run has 2" in r.stdout + r.stderr, r.stderr
+    run(tmp_path, *common, "--keep", "1")
+    assert sorted(os.listdir(ckpt)) == ["step-000006", "step-000099"], os.listdir(ckpt)
+
+
 def _read_terminal(fd, q):
     """Lines written to the pseudo-terminal `fd`; a progress bar's redraws (\\r) count as lines."""
     pending = b""
