@@ -188,8 +188,9 @@ def check_local_shards(named_instances: List[Tuple[str, Any]], state_dict: Dict[
             if value.numel() != h.layout.shard_numel:
                 raise ValueError(
                     f"load_local_state_dict: '{key}' has {value.numel()} elements but this rank's shard "
-                    f"has {h.layout.shard_numel} (world size {m.world_size}); a local state dict loads only at the "
-                    f"world size it was saved with — rebuild it with consolidate_shard_weights() and load_state_dict()"
+                    f"has {h.layout.shard_numel} (world size {m.world_size}); a local state dict loads only into the "
+                    "same model at the world size it was saved with (another model, or another world size: for the "
+                    "latter, rebuild full weights with consolidate_shard_weights() and load_state_dict())"
                 )
             if value.shape != h.param.shape:
                 reshaped[key] = value.reshape(h.param.shape)
