@@ -111,6 +111,38 @@ def test_per_tensor_add_stores_each_tensor_once(work):
     assert isinstance(a, SizeInfo)
 
 
+def test_a_per_tensor_add_that_fails_part_way_gives_its_references_back(work, monkeypatch):
+    """Disk full after some of a checkpoint's tensors were stored: the references those took are
+    dropped again, so a retried add counts each once and delete can free them."""
+    repo = Repo(work, init=True)
+    shared = torch.randn(1000)
+    _ckpt("a.pt", 0, shared=shared)
+    repo.add("a.pt")
+    store = repo._sha1_store
+    with store._readonly_json_ctx:
+        before = {k: dict(v) for k, v in store._json_dict.items() if isinstance(v, dict)}
+    _ckpt("b.pt", 1, shared=shared)
+    real, calls = store.add, []
+
+    def fails_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "add", fails_third)
+    with pytest.raises(OSError, match="No space left"):
+        repo.add("b.pt")
+    monkeypatch.setattr(store, "add", real)
+    with store._readonly_json_ctx:
+        after = {k: dict(v) for k, v in store._json_dict.items() if isinstance(v, dict)}
+    assert {k: v["ref_count"] for k, v in after.items()} == {k: v["ref_count"] for k, v in before.items()}
+    repo.add("b.pt")
+    sha1 = store.get(json.loads((work / ".wgit/proj/b.pt").read_text())["SHA1"])["shared"].dense_sha1
+    with store._readonly_json_ctx:
+        assert store._json_dict[sha1]["ref_count"] == 2  # a.pt's and b.pt's
+
+
 def test_checkout_by_commit_and_by_file_version(work, capsys):
     repo = Repo(work, init=True)
     v1 = _ckpt("a.pt", 0, step=1)

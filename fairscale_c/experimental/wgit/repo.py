@@ -22,6 +22,7 @@ defined there, and ``SignalSparsity`` serves lossy compression directly.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -188,24 +189,34 @@ class Repo:
         metadata_file = self._process_metadata_file(self._rel_file_path(file_path))
 
         obj: Union[Path, Dict[Any, Any]] = file_path
-        if per_tensor:
-            state_dict = torch.load(file_path, map_location="cpu", weights_only=True)
+        added: List[str] = []  # references this call took: given back if it fails part-way
+        try:
+            if per_tensor:
+                state_dict = torch.load(file_path, map_location="cpu", weights_only=True)
 
-            def fn(element: Any, names: List[str]) -> Any:
-                if isinstance(element, Tensor):
-                    return _SHA1_Tensor(is_dense=True, dense_sha1=self._sha1_store.add(element, gzip, ".".join(names)))
-                return element
+                def fn(element: Any, names: List[str]) -> Any:
+                    if isinstance(element, Tensor):
+                        added.append(self._sha1_store.add(element, gzip, ".".join(names)))
+                        return _SHA1_Tensor(is_dense=True, dense_sha1=added[-1])
+                    return element
 
-            if isinstance(state_dict, dict):
-                _recursive_apply_to_elements(state_dict, fn, [])
-            elif not isinstance(state_dict, Tensor):  # a tensor alone is one object anyway
-                raise TypeError(
-                    f"Repo.add: per_tensor=True needs a checkpoint holding a dict or a tensor, "
-                    f"{in_file_path!r} holds a {type(state_dict).__name__}"
-                )
-            obj = state_dict
-        sha1 = self._sha1_store.add(obj, compress=gzip)
-        self._write_metadata(metadata_file, file_path, sha1)
+                if isinstance(state_dict, dict):
+                    _recursive_apply_to_elements(state_dict, fn, [])
+                elif not isinstance(state_dict, Tensor):  # a tensor alone is one object anyway
+                    raise TypeError(
+                        f"Repo.add: per_tensor=True needs a checkpoint holding a dict or a tensor, "
+                        f"{in_file_path!r} holds a {type(state_dict).__name__}"
+                    )
+                obj = state_dict
+            added.append(self._sha1_store.add(obj, compress=gzip))
+            self._write_metadata(metadata_file, file_path, added[-1])
+        except BaseException:
+            for sha1 in reversed(added):
+                try:
+                    self._sha1_store.delete(sha1)
+                except Exception as exc:  # noqa: BLE001 - the original error is the one to raise
+                    logging.warning("Repo.add: could not give back the reference to %s: %s", sha1, exc)
+            raise
         self._pygit.add()
         return None
 
