@@ -331,6 +331,15 @@ def test_fairscale_instance_attributes():
     assert kept.has_full_params  # kept after forward, for backward
 
 
+@pytest.mark.parametrize("flatten", [True, False])
+def test_parameters_swapped_in_by_functional_call_are_refused(flatten):
+    m = FSDP(mlp(), flatten_parameters=flatten)
+    zeros = {k: torch.zeros_like(v) for k, v in m.named_parameters()}
+    with pytest.raises(RuntimeError, match="is not this instance's shard any more"):
+        torch.func.functional_call(m, zeros, (torch.randn(2, 4),))
+    m(torch.randn(2, 4)).sum().backward()  # the instance itself is untouched
+
+
 def test_local_state_dict_round_trip_and_consolidate():
     m = FSDP(mlp())
     local = m.local_state_dict()

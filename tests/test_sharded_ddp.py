@@ -434,7 +434,7 @@ def scenario_backward_outside_a_training_step(rank, world):
             loss.backward()
     opt.zero_grad()
 
-    for cast in (sdp.double, sdp.float):
+    for cast in (sdp.double, sdp.float, lambda: sdp.to(torch.float64), lambda: sdp.to(torch.float32)):
         cast()
         opt.zero_grad()
         x = _small_batch(10, rank).to(next(m.parameters()).dtype)

@@ -330,6 +330,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         for h in self._all_handles:
             h.forward_users += 1
         try:
+            self._check_own_shards()
             self._sync_requires_grad()
             self._rebuild_full_params()
             self._root._on_forward(self)
@@ -346,6 +347,18 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         if self.clear_autocast_cache:
             torch.clear_autocast_cache()
         return outputs
+
+    def _check_own_shards(self) -> None:
+        """A parameter slot that no longer holds this instance's shard (``torch.func.functional_call``
+        swaps in other tensors) would be ignored: the forward computes with the instance's shards."""
+        for h in self._handles:
+            module, attr = (self, h.backing_name) if self.flatten_parameters else h.places()[0]
+            if module._parameters.get(attr) is not h.param:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: parameter '{h.backing_name}' is not this instance's shard any more "
+                    "(replaced, e.g. by torch.func.functional_call); the forward computes with its own shards and "
+                    "would ignore it: change the weights through load_state_dict() or summon_full_params() instead"
+                )
 
     def _on_forward(self, m: "FullyShardedDataParallel") -> None:
         """Root: record the forward order once; afterwards prefetch the instance after `m`."""

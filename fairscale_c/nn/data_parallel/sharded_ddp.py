@@ -203,6 +203,8 @@ class ShardedDataParallel(nn.Module):
     ) -> "ShardedDataParallel":  # type: ignore[override]
         """Cast (and move within the device type) the module; the sharded optimizers' buffers follow.
         A change of device type is a ValueError: the optimizers' state would be left behind."""
+        if isinstance(device, torch.dtype) and dtype is None:  # to(torch.float64), as nn.Module takes it
+            device, dtype = None, device
         if isinstance(device, str):
             device = torch.device(device)
         if device is not None and device.type != self.device_type:
