@@ -112,5 +112,52 @@ def _torch_shaped_job(rank: int, world: int):
     return True
 
 
+def _torch_subgroup_job(rank: int, world: int):
+    """With a torch.distributed subgroup as `group`, the module functions take (and recv returns)
+    global ranks, as torch.distributed's do."""
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    join_gloo(rank, world)
+    sub = dist.new_group([1, 2])  # every rank calls it; rank 0 is not a member
+    if rank == 0:
+        dist.barrier()
+        return True
+    peer = 3 - rank  # the other member's global rank
+    t = torch.full((2,), float(rank))
+    fdist.broadcast(t, 2, group=sub)  # from global rank 2
+    assert t.tolist() == [2.0, 2.0], t
+    t = torch.full((2,), float(rank))
+    fdist.reduce(t, 1, group=sub)  # onto global rank 1
+    assert rank != 1 or t.tolist() == [3.0, 3.0], t
+    x, y = torch.full((3,), 10.0 + rank), torch.empty(3)
+    if rank == 1:
+        fdist.send(x, 2, sub)
+        assert fdist.recv(y, 2, sub) == 2
+    else:
+        assert fdist.recv(y, 1, sub) == 1
+        fdist.send(x, 1, sub)
+    assert y.tolist() == [10.0 + peer] * 3, y
+    y = torch.empty(3)
+    works = [fdist.irecv(y, peer, sub), fdist.isend(x, peer, sub)]
+    assert all(w.wait() for w in works) and y.tolist() == [10.0 + peer] * 3, y
+    y = torch.empty(3)
+    ops = [fdist.P2POp(fdist.irecv, y, peer, group=sub), fdist.P2POp(fdist.isend, x, peer, group=sub)]
+    for w in fdist.batch_isend_irecv(ops):
+        w.wait()
+    assert y.tolist() == [10.0 + peer] * 3, y
+    with pytest.raises(ValueError, match=r"broadcast: root=0 is not a rank of the process group.*\[1, 2\]"):
+        fdist.broadcast(t, 0, group=sub)
+    with pytest.raises(TypeError, match=r"send: argument 'dst' must be an int \(a global rank\)"):
+        fdist.send(x, "1", sub)
+    dist.barrier()
+    return True
+
+
+def test_torch_subgroup_ranks_are_global_ranks():
+    assert run_ranks(_torch_subgroup_job, 3, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [True] * 3
+
+
 def test_torch_shaped_module_functions():
     assert run_ranks(_torch_shaped_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [True, True]

@@ -24,6 +24,8 @@ Errors: ValueError/TypeError for bad arguments (raised before anything is sent);
 
 from __future__ import annotations
 
+import operator
+
 import os
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -255,6 +257,13 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp], group: Any = None) -> List[A
         if len(named) > 1:
             raise ValueError("batch_isend_irecv: the P2POps name different groups; expected one group for all")
         group = next(iter(named.values()), None)
+    if _is_torch_group(group):  # torch's P2POp peers are global ranks
+        ops = [
+            (op.op, op.tensor, _group_rank(group, op.peer, f"P2POp {i}: peer", "batch_isend_irecv"), op.tag)
+            if isinstance(op, P2POp)
+            else op
+            for i, op in enumerate(ops)
+        ]
     return [_resolve(group).batch(ops, async_op=True)]
 
 
@@ -295,6 +304,26 @@ def _resolve(group: Any) -> Any:
     )
 
 
+def _group_rank(group: Any, rank: Any, arg: str, fn: str) -> int:
+    """``rank`` as a rank of the engine group: as given for a group of this module (ranks of the
+    group), translated from a global rank for a torch.distributed process group, as
+    torch.distributed's functions take it there."""
+    if not _is_torch_group(group):
+        return rank
+    try:
+        rank = operator.index(rank)
+    except TypeError:
+        raise TypeError(f"{fn}: argument '{arg}' must be an int (a global rank), got {type(rank).__name__}") from None
+    try:
+        return dist.get_group_rank(group, rank)
+    except (ValueError, RuntimeError):
+        ranks = dist.get_process_group_ranks(group)
+        raise ValueError(
+            f"{fn}: {arg}={rank} is not a rank of the process group; with a torch.distributed process group as "
+            f"'group', ranks are global ranks, as in torch.distributed (its ranks: {ranks})"
+        ) from None
+
+
 def all_gather(output: Any, input: Any, group: Any = None, async_op: bool = False) -> Any:
     return _resolve(group).all_gather(output, input, async_op=async_op)
 
@@ -310,36 +339,44 @@ def all_reduce(tensor: Any, op: Any = "sum", group: Any = None, async_op: bool =
 
 
 def broadcast(tensor: Any, root: int = 0, group: Any = None, async_op: bool = False) -> Any:
+    """From rank ``root`` of ``group`` (a global rank when ``group`` is a torch.distributed process
+    group, as torch.distributed.broadcast's ``src``)."""
+    root = _group_rank(group, root, "root", "broadcast")
     return _resolve(group).broadcast(tensor, root=root, async_op=async_op)
 
 
 def reduce(tensor: Any, root: int = 0, op: Any = "sum", group: Any = None, async_op: bool = False) -> Any:
+    """Onto rank ``root`` of ``group`` (a global rank when ``group`` is a torch.distributed process
+    group, as torch.distributed.reduce's ``dst``)."""
+    root = _group_rank(group, root, "root", "reduce")
     return _resolve(group).reduce(tensor, root=root, op=op, async_op=async_op)
 
 
 def send(tensor: Any, dst: int, group: Any = None, tag: int = 0, *, async_op: bool = False) -> Any:
     """Send to rank ``dst`` of ``group``; the positional order of torch.distributed.send
-    (tensor, dst, group, tag). A Work with ``async_op=True`` (or use :func:`isend`)."""
-    return _resolve(group).send(tensor, dst, async_op=async_op, tag=tag)
+    (tensor, dst, group, tag). A Work with ``async_op=True`` (or use :func:`isend`). With a
+    torch.distributed process group as ``group``, ``dst`` is a global rank, as in torch."""
+    return _resolve(group).send(tensor, _group_rank(group, dst, "dst", "send"), async_op=async_op, tag=tag)
 
 
 def recv(tensor: Any, src: int, group: Any = None, tag: int = 0, *, async_op: bool = False) -> Any:
     """Receive from rank ``src`` of ``group`` into ``tensor``; the positional order of
     torch.distributed.recv (tensor, src, group, tag), and like it returns the sender's rank
     (a Work with ``async_op=True``, or use :func:`irecv`). ``src`` is required: the engine matches
-    messages by sender."""
-    work = _resolve(group).recv(tensor, src, async_op=async_op, tag=tag)
+    messages by sender. With a torch.distributed process group as ``group``, ``src`` (and the rank
+    returned) is a global rank, as in torch."""
+    work = _resolve(group).recv(tensor, _group_rank(group, src, "src", "recv"), async_op=async_op, tag=tag)
     return work if async_op else src
 
 
 def isend(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> Any:
     """torch.distributed.isend: :func:`send` with ``async_op=True``; returns its Work."""
-    return _resolve(group).send(tensor, dst, async_op=True, tag=tag)
+    return _resolve(group).send(tensor, _group_rank(group, dst, "dst", "isend"), async_op=True, tag=tag)
 
 
 def irecv(tensor: Any, src: int, group: Any = None, tag: int = 0) -> Any:
     """torch.distributed.irecv: :func:`recv` with ``async_op=True``; returns its Work."""
-    return _resolve(group).recv(tensor, src, async_op=True, tag=tag)
+    return _resolve(group).recv(tensor, _group_rank(group, src, "src", "irecv"), async_op=True, tag=tag)
 
 
 def barrier(group: Any = None, async_op: bool = False) -> Any:
