@@ -136,6 +136,7 @@ BAD_ARGS = [
     (dict(process_group_reduce_scatter="fast"), ValueError, "'process_group_reduce_scatter' must be a process group"),
     (dict(process_group_reduce_scatter=3), TypeError, "'process_group_reduce_scatter' must be a process group"),
     (dict(fp32_reduce_scatter=True), ValueError, "fp32_reduce_scatter requires mixed_precision=True"),
+    (dict(compute_dtype=torch.bfloat16), ValueError, "'compute_dtype' is bfloat16 without mixed_precision=True"),
 ]
 # fmt: on
 

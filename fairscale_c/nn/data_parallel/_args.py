@@ -117,3 +117,10 @@ def check_fsdp_args(args: Dict[str, Any]) -> None:
     _check_device("state_dict_device", args["state_dict_device"])
     if args["fp32_reduce_scatter"] and not args["mixed_precision"]:
         raise ValueError(f"{_WHERE}: fp32_reduce_scatter requires mixed_precision=True")
+    if args["compute_dtype"] is torch.bfloat16 and not args["mixed_precision"]:
+        raise ValueError(
+            f"{_WHERE}: argument 'compute_dtype' is bfloat16 without mixed_precision=True; expected "
+            "mixed_precision=True (float32 parameters computed in bfloat16), or, for parameters kept in bfloat16, "
+            "wrapping float32 ones and calling .bfloat16() on the wrapper (float32 inputs would otherwise meet "
+            "bfloat16 weights in the forward)"
+        )
