@@ -396,9 +396,10 @@ def _small_batch(step, rank):
 
 
 def scenario_backward_outside_a_training_step(rank, world):
-    """A backward after an eval forward (input saliency) accumulates locally and is not carried into
-    the next step; a second backward after the reduction raises instead of going unaveraged; a
-    hook registered after the wrapper's sees the local gradient; half()/double() keep working."""
+    """A backward after an eval forward (input saliency) or through the inner module accumulates
+    locally and is not carried into the next step; torch.autograd.grad on the parameters leaves
+    their gradients alone; a hook registered after the wrapper's sees the local gradient;
+    half()/double() keep working, and a cast that changes nothing stays local to its rank."""
     from fairscale_c.nn import ShardedDataParallel
     from fairscale_c.optim import OSS
 
@@ -406,15 +407,22 @@ def scenario_backward_outside_a_training_step(rank, world):
     opt = OSS(m.parameters(), torch.optim.SGD, lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     sdp = ShardedDataParallel(m, opt)
-    for step in range(3):
+    for step in range(4):
         opt.zero_grad()  # OSS's (torch's): does not know the wrapper
         x = _small_batch(step, rank)
         sdp(x).pow(2).mean().backward()
+        owned = {id(p): p.grad.clone() for p in m.parameters() if p.grad is not None}
+        torch.autograd.grad(sdp.module(x).sum(), list(m.parameters()))  # a metric: no accumulation
+        assert {id(p): p.grad for p in m.parameters() if p.grad is not None}.keys() == owned.keys()
+        assert all(torch.equal(p.grad, owned[id(p)]) for p in m.parameters() if p.grad is not None)
         opt.step()
-        sdp.eval()
-        xi = x.clone().requires_grad_()
-        sdp(xi).sum().backward()  # gradients for the input; the parameters' accumulate locally
-        sdp.train()
+        if step % 2:
+            sdp.eval()
+            xi = x.clone().requires_grad_()
+            sdp(xi).sum().backward()  # gradients for the input; the parameters' accumulate locally
+            sdp.train()
+        else:
+            sdp.module(x).sum().backward()  # around the wrapper, as with ddp.module
         ref_opt.zero_grad()
         xs = [_small_batch(step, r) for r in range(world)]
         (sum(ref(xr).pow(2).mean() for xr in xs) / world).backward()
@@ -426,13 +434,12 @@ def scenario_backward_outside_a_training_step(rank, world):
     for p in m.parameters():
         p.register_post_accumulate_grad_hook(lambda p: seen.append(None if p.grad is None else p.grad.clone()))
     opt.zero_grad()
-    loss = sdp(_small_batch(9, rank)).pow(2).mean()
-    loss.backward(retain_graph=True)
+    sdp(_small_batch(9, rank)).pow(2).mean().backward()
     assert len(seen) == 4 and all(g is not None for g in seen), seen
-    if world > 1:
-        with pytest.raises(RuntimeError, match="second backward pass reached the gradients after"):
-            loss.backward()
     opt.zero_grad()
+    if rank == 0:
+        sdp.cpu()  # changes nothing: no collective (the other ranks do not call it)
+        sdp.float()
 
     for cast in (sdp.double, sdp.float, lambda: sdp.to(torch.float64), lambda: sdp.to(torch.float32)):
         cast()

@@ -160,7 +160,6 @@ class ShardedDataParallel(nn.Module):
         self._grad_hooks: List[Any] = []
         self._should_accumulate_grads = False
         self._armed = False  # a training forward ran: the next backward reduces
-        self._after_reduce = False  # the last training forward's gradients were reduced
         self._to_drop: List[tuple] = []  # (param, grad) checked in; dropped once the param's later hooks ran
         self._callback_queued = False
         self._next_launch = 0
@@ -187,8 +186,6 @@ class ShardedDataParallel(nn.Module):
         self._wait_buffer_works()
         if self.training and torch.is_grad_enabled():
             self._arm()
-        else:  # a backward of this forward accumulates locally, as DDP's does outside training
-            self._after_reduce = False
         return self.module(*inputs, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -220,10 +217,12 @@ class ShardedDataParallel(nn.Module):
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> "ShardedDataParallel":
-        """``half()``, ``double()``, ``float()`` and the like: the buckets and the optimizers' buffers
-        follow the new parameters (as in :meth:`to`)."""
+        """``half()``, ``double()``, ``float()`` and the like: when they change a parameter's dtype or
+        device, the buckets and the optimizers' buffers follow (as in :meth:`to`; every rank then
+        calls it). A call that changes nothing (``cpu()`` on a CPU model) stays local."""
+        before = [(p.dtype, p.device) for p in self._all_params]
         super()._apply(fn, recurse)
-        if self._buckets:
+        if self._buckets and [(p.dtype, p.device) for p in self._all_params] != before:
             self.refresh_trainable()
         return self
 
@@ -334,9 +333,7 @@ class ShardedDataParallel(nn.Module):
         self._overlapped = 0
         self._next_launch = 0
         self._armed = True
-        self._after_reduce = False
         self._callback_queued = False
-        self._saved.clear()  # set aside by a backward that raised before its reduction
 
     def _before_accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """A new gradient is about to be added to ``p.grad``: if that still holds what the last
@@ -368,14 +365,6 @@ class ShardedDataParallel(nn.Module):
         if self._should_accumulate_grads:
             return
         if not self._armed:
-            if self._after_reduce:
-                raise RuntimeError(
-                    "ShardedDataParallel: a second backward pass reached the gradients after those of the last "
-                    "forward were reduced; its gradients would not be averaged over the ranks. Run a forward "
-                    "before each backward (or add the losses and call backward once). A reentrant "
-                    "torch.utils.checkpoint around the model's last block ends the reduction early too: use "
-                    "use_reentrant=False or fairscale_c.nn.checkpoint_wrapper there"
-                )
             return
         where = self._where.get(p)
         if where is None:
@@ -448,7 +437,6 @@ class ShardedDataParallel(nn.Module):
                     b.work.wait()
         finally:
             self._armed = False
-            self._after_reduce = True
         for b in self._buckets:
             if b.owner == self._rank and b.flat is not None:
                 flat = b.flat if b.wire_dtype == b.dtype else b.flat.to(b.dtype)
