@@ -12,10 +12,11 @@ recomputes each block's activations in backward. Rank 0 prints a progress bar wi
 
 Every ``--save-every`` steps and at the end, each rank writes its shard of the model and the
 optimizer to ``--ckpt-dir/step-NNNNNN/rank-R-of-W.pt`` (atomically); ``--resume`` continues from
-the newest step that every rank saved and every rank can read (a damaged one is reported and the
-next older one taken); a newer checkpoint of another world size is an error, since shards load
-only at the world size that saved them. Ctrl-C stops every rank, closes the process groups
-(nothing is left in /dev/shm) and exits with status 130; the last checkpoint is kept.
+the newest step that every rank saved and every rank can read (a damaged one is reported, moved
+to ``step-NNNNNN.damaged`` and the next older one taken); a newer checkpoint of another world
+size is an error, since shards load only at the world size that saved them. Ctrl-C stops every
+rank, closes the process groups (nothing is left in /dev/shm) and exits with status 130; the last
+checkpoint is kept.
 
 On CPU, torchrun gives each process one thread unless OMP_NUM_THREADS is set: with N processes
 on C cores, OMP_NUM_THREADS=C/N is usually faster.
@@ -165,7 +166,7 @@ def save_checkpoint(model: FSDP, optim: torch.optim.Optimizer, step: int, ckpt_d
     dist.barrier()
     if rank == 0:  # keep the `keep` newest complete checkpoints; torn folders of killed runs go too
         saved_by = {s: complete_world(ckpt_dir, s, world) for s in step_folders(ckpt_dir)}
-        kept = set(sorted(s for s, w in saved_by.items() if w == world)[-keep:])
+        kept = set(sorted(s for s, w in saved_by.items() if w == world)[-keep:]) | {step}
         for old, w in saved_by.items():  # complete checkpoints of another world size are another run's
             if w is None or (w == world and old not in kept):
                 shutil.rmtree(os.path.join(ckpt_dir, f"step-{old:06d}"), ignore_errors=True)
@@ -235,8 +236,15 @@ def load_checkpoint(model: FSDP, optim: torch.optim.Optimizer, ckpt_dir: str, de
             model.load_local_state_dict(state["model"])
             optim.load_state_dict(state["optim"])
             return step
-        if rank == 0:
-            print(f"checkpoint step {step} in {ckpt_dir} is damaged; trying an older one", file=sys.stderr, flush=True)
+        if rank == 0:  # set aside, not deleted, so that pruning does not count it as a newer checkpoint
+            folder = os.path.join(ckpt_dir, f"step-{step:06d}")
+            os.replace(folder, folder + ".damaged")
+            print(
+                f"checkpoint step {step} in {ckpt_dir} is damaged (moved to {folder}.damaged); trying an older one",
+                file=sys.stderr,
+                flush=True,
+            )
+        dist.barrier()
     return 0
 
 

@@ -88,6 +88,8 @@ def test_resume_skips_a_damaged_checkpoint_and_refuses_another_world_size(tmp_pa
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resumed from step 3" in r.stdout and f"cannot load {newest}" in r.stderr, r.stdout + r.stderr
     assert "checkpoint step 6" in r.stderr and "trying an older one" in r.stderr, r.stderr
+    # the damaged one was set aside, so the resumed run's own step 6 replaced it and pruning kept it
+    assert sorted(os.listdir(ckpt)) == ["step-000003", "step-000006", "step-000006.damaged"], os.listdir(ckpt)
     # A newer complete checkpoint of a 3-rank run: resuming 2 ranks from an older one would go back
     # in time silently, so it is refused; a 2-rank run's pruning leaves the 3-rank one alone.
     other = os.path.join(ckpt, "step-000099")
@@ -99,7 +101,7 @@ def test_resume_skips_a_damaged_checkpoint_and_refuses_another_world_size(tmp_pa
     )
     assert r.returncode != 0 and "(step 99) was saved by 3 ranks and this run has 2" in r.stdout + r.stderr, r.stderr
     run(tmp_path, *common, "--keep", "1")
-    assert sorted(os.listdir(ckpt)) == ["step-000006", "step-000099"], os.listdir(ckpt)
+    assert sorted(os.listdir(ckpt)) == ["step-000006", "step-000006.damaged", "step-000099"], os.listdir(ckpt)
 
 
 def _read_terminal(fd, q):
