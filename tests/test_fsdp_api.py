@@ -318,6 +318,29 @@ def test_unflattened_local_state_dict_at_world_one_keeps_parameter_shapes():
         assert all(torch.equal(other.state_dict()[k], full[k]) for k in full)
     with pytest.raises(ValueError, match="'0.bias' has 7 elements but this rank's shard has 8"):
         other.load_local_state_dict(dict(local, **{"0.bias": torch.zeros(7)}))
+    with pytest.raises(RuntimeError, match="size mismatch for _fsdp_wrapped_module.0.weight"):  # transposed: refused
+        other.load_local_state_dict(dict(local, **{"0.weight": local["0.weight"].t().contiguous()}))
+    kept = other.local_state_dict(keep_vars=True)  # the Parameters themselves, as nn.Module gives them
+    assert all(isinstance(v, nn.Parameter) for k, v in kept.items())
+
+    # a weight tied within the instance (an embedding and its output layer): shaped under both names
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    torch.manual_seed(0)
+    tied = FSDP(Tied(), flatten_parameters=False)
+    local = tied.local_state_dict()
+    assert {k: tuple(v.shape) for k, v in local.items()} == {"emb.weight": (10, 8), "head.weight": (10, 8)}
+    torch.manual_seed(1)
+    again = FSDP(Tied(), flatten_parameters=False)
+    again.load_local_state_dict({k: v.clone() for k, v in local.items()})
+    assert torch.equal(again.state_dict()["emb.weight"], tied.state_dict()["emb.weight"])
 
 
 def test_fairscale_instance_attributes():

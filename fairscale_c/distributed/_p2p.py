@@ -50,7 +50,8 @@ def item_tag(item: tuple) -> int:
 class P2POp:
     """One send or recv of a :meth:`Group.batch`, as ``torch.distributed.P2POp``: ``op`` is
     ``"send"`` / ``"recv"`` or one of fairscale_c.distributed's send / recv / isend / irecv
-    functions (or torch.distributed's), ``peer`` a rank of the group the batch runs on, ``group``
+    functions (or torch.distributed's), ``peer`` a rank of the group the batch runs on (a global
+    rank when :func:`batch_isend_irecv` runs it on a torch.distributed process group), ``group``
     that group (a fairscale_c.distributed group or a torch.distributed process group; None: the
     batch's), ``tag`` the message's tag (an int32; see :meth:`Group.recv` for how tags match; CUDA
     tensors take ``tag=0`` only)."""

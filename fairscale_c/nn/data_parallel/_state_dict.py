@@ -154,24 +154,57 @@ def detach_to(sd: Dict[str, Any], device: torch.device, to_fp32: bool) -> Dict[s
     return out
 
 
-def unflattened_shards(named_instances: List[Tuple[str, Any]], sd: Dict[str, Any], prefix: str) -> None:
+def _whole_shards(named_instances: List[Tuple[str, Any]]) -> Dict[int, Tuple[int, torch.Size]]:
+    """data_ptr -> (numel, shape) of the shards that hold one whole parameter: those of instances
+    at world size 1 without flattening, which FairScale keeps in the parameter's shape."""
+    out = {}
+    for _, m in named_instances:
+        if m.world_size == 1 and not m.flatten_parameters:
+            for h in m._handles:
+                if len(h.layout.slots) == 1 and h.layout.padding == 0 and h.param.numel() > 0:
+                    out[h.param.data_ptr()] = (h.param.numel(), h.layout.slots[0].shape)
+    return out
+
+
+def unflattened_shards(named_instances: List[Tuple[str, Any]], sd: Dict[str, Any]) -> None:
     """At world size 1 without flattening, FairScale keeps each parameter whole, in its own shape,
-    and its local state dict holds it so: give ours the same shapes (views of the shards)."""
-    for path, m in named_instances:
-        if m.world_size != 1 or m.flatten_parameters:
-            continue
-        for h in m._handles:
-            key = prefix + _join(path, h.backing_name)
-            if key in sd and len(h.layout.slots) == 1 and h.layout.padding == 0:
-                sd[key] = sd[key].view(h.layout.slots[0].shape)
+    and its local state dict holds it so: give ours the same shapes (views of the shards), under
+    every name a shard has (a tied parameter's too). Parameters (``keep_vars=True``) stay as they
+    are."""
+    whole = _whole_shards(named_instances)
+    for key, v in sd.items():
+        if torch.is_tensor(v) and not isinstance(v, nn.Parameter) and v.dim() == 1:
+            hit = whole.get(v.data_ptr())
+            if hit is not None and hit[0] == v.numel():
+                sd[key] = v.view(hit[1])
 
 
-def check_local_shards(named_instances: List[Tuple[str, Any]], state_dict: Dict[str, Any]) -> Dict[str, Any]:
+def shaped_for_load(
+    named_instances: List[Tuple[str, Any]], current: Dict[str, Any], state_dict: Dict[str, Any]
+) -> Dict[str, Any]:
+    """``state_dict`` with the whole-parameter shards (see unflattened_shards) given in their
+    parameters' shapes, as FairScale and ours save them, flattened to the shards' shape for
+    loading. ``current``: the model's local state (its shards, under every name)."""
+    whole = _whole_shards(named_instances)
+    reshaped = {}
+    for key, v in current.items():
+        hit = whole.get(v.data_ptr()) if torch.is_tensor(v) else None
+        given = state_dict.get(key)
+        if hit is not None and torch.is_tensor(given) and given.shape == hit[1] and given.shape != v.shape:
+            reshaped[key] = given.reshape(v.shape)
+    if not reshaped:
+        return state_dict
+    out = type(state_dict)(state_dict)
+    out.update(reshaped)
+    if hasattr(state_dict, "_metadata"):
+        out._metadata = state_dict._metadata
+    return out
+
+
+def check_local_shards(named_instances: List[Tuple[str, Any]], state_dict: Dict[str, Any]) -> None:
     """A local state saved at another world size has other shard sizes, and one of another dtype
     would be cast silently by nn.Module: say so before loading anything. `named_instances`: (clean
-    path, instance) of every FSDP instance of the model. Returns the state to load: shards saved
-    in their parameters' shapes (FairScale's at world size 1 without flattening) as this rank's."""
-    reshaped = {}
+    path, instance) of every FSDP instance of the model."""
     for path, m in named_instances:
         for h in m._handles:
             key = _join(path, h.backing_name)
@@ -192,15 +225,6 @@ def check_local_shards(named_instances: List[Tuple[str, Any]], state_dict: Dict[
                     "same model at the world size it was saved with (another model, or another world size: for the "
                     "latter, rebuild full weights with consolidate_shard_weights() and load_state_dict())"
                 )
-            if value.shape != h.param.shape:
-                reshaped[key] = value.reshape(h.param.shape)
-    if not reshaped:
-        return state_dict
-    out = type(state_dict)(state_dict)
-    out.update(reshaped)
-    if hasattr(state_dict, "_metadata"):
-        out._metadata = state_dict._metadata
-    return out
 
 
 def local_metadata(root: nn.Module, named_instances: List[Tuple[str, Any]]) -> Dict[str, Any]:

@@ -458,8 +458,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         self.assert_state([TrainingState.IDLE, TrainingState.FORWARD])
         with _state_dict.local_mode(get_fsdp_instances(self)):
             sd = super().state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-        _state_dict.unflattened_shards(_named_instances(self), sd, prefix)
+        _state_dict.unflattened_shards(_named_instances(self), sd)
         if self.mixed_precision:  # buffers kept in the compute dtype are saved in fp32, as in FairScale
             for k, v in sd.items():
                 if torch.is_tensor(v) and v.is_floating_point() and v.dtype is not torch.float32:
@@ -477,8 +476,10 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         """Load a local (sharded) state dict saved by local_state_dict() at the same world size."""
         self.assert_state(TrainingState.IDLE)
         instances = get_fsdp_instances(self)
-        state_dict = _state_dict.check_local_shards(_named_instances(self), state_dict)
+        named = _named_instances(self)
+        _state_dict.check_local_shards(named, state_dict)
         with _state_dict.local_mode(instances):
+            state_dict = _state_dict.shaped_for_load(named, super().state_dict(), state_dict)
             result = super().load_state_dict(state_dict, strict)
         for m in instances:
             m._free_full_params()
