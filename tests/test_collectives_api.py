@@ -6,6 +6,7 @@ LocalGroup refusing every argument the engine refuses, with the engine's message
 from __future__ import annotations
 
 import datetime
+import time
 
 import pytest
 import torch
@@ -153,6 +154,79 @@ def _torch_subgroup_job(rank: int, world: int):
         fdist.send(x, "1", sub)
     dist.barrier()
     return True
+
+
+def _torch_code_job(rank: int, world: int):
+    """Calls written for torch.distributed: group=None is every rank even when a subgroup's engine
+    group was built first; a non-member's NON_GROUP_MEMBER makes a call do nothing; src=/dst=
+    keywords; the list forms of all_gather and reduce_scatter and the *_tensor names."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    join_gloo(rank, world)
+    sub = dist.new_group([0, 1])  # NON_GROUP_MEMBER on rank 2
+    x = torch.ones(2)
+    if rank < 2:
+        fdist.all_reduce(x, group=sub)  # builds the subgroup's engine group first
+        assert x.tolist() == [2.0, 2.0], x
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert fdist.all_reduce(x, group=sub) is None and fdist.recv(x, 0, sub) == -1
+        assert x.tolist() == [1.0, 1.0] and "not in the process group" in str(caught[0].message)
+    t = torch.full((2,), float(rank + 1))
+    fdist.all_reduce(t)  # every rank, as torch's group=None
+    assert t.tolist() == [6.0, 6.0], t
+    t = torch.full((1,), float(rank))
+    fdist.broadcast(t, src=1)
+    assert t.tolist() == [1.0], t
+    t = torch.ones(1)
+    fdist.reduce(t, dst=2)
+    assert rank != 2 or t.tolist() == [3.0], t
+    outs = [torch.empty(2) for _ in range(world)]
+    fdist.all_gather(outs, torch.full((2,), float(rank)))
+    assert [o.tolist() for o in outs] == [[float(r)] * 2 for r in range(world)], outs
+    for w in [fdist.all_gather(outs, torch.full((2,), 10.0 + rank), async_op=True)]:
+        w.wait()
+    assert [o[0].item() for o in outs] == [10.0 + r for r in range(world)], outs
+    out = torch.empty(2)
+    fdist.reduce_scatter(out, [torch.full((2,), float(r)) for r in range(world)])
+    assert out.tolist() == [3.0 * rank] * 2, out
+    flat = torch.empty(2 * world)
+    fdist.all_gather_into_tensor(flat, torch.full((2,), float(rank)))
+    fdist.reduce_scatter_tensor(out, flat)
+    assert out.tolist() == [3.0 * rank] * 2, out
+    dist.barrier()
+    return True
+
+
+def test_code_written_for_torch_distributed():
+    assert run_ranks(_torch_code_job, 3, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [True] * 3
+
+
+def _wait_timeout_job(rank: int, world: int):
+    import fairscale_c.distributed as fdist
+
+    g = fdist.init_group()
+    if rank == 0:
+        got = torch.zeros(1)
+        work = fdist.irecv(got, 1, g)
+        with pytest.raises(Exception, match=r"recv did not complete within 0.5 s"):
+            work.wait(timeout=0.5)
+    if rank == 1:
+        time.sleep(2.0)  # after rank 0's wait gave up
+        fdist.send(torch.ones(1), 0, g)
+    else:
+        assert work.wait() and got.item() == 1.0  # the op went on after the timed-out wait
+    g.destroy()
+    return True
+
+
+def test_a_timed_out_wait_says_how_long_it_waited():
+    assert run_ranks(_wait_timeout_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [True] * 2
 
 
 def test_torch_subgroup_ranks_are_global_ranks():

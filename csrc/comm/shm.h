@@ -152,6 +152,8 @@ int fsc_shm_work_done(fsc_shm_work_t *w);
  * and records its message on the calling thread; FSC_ERR_TIMEOUT if it has not finished in
  * time (the op keeps running). Thread-safe. */
 fsc_status_t fsc_shm_work_wait(fsc_shm_work_t *w, double timeout_s);
+/* The timeout error of a wait that gave up after `waited_s` seconds (the op still runs). */
+fsc_status_t fsc_shm_work_timed_out(fsc_shm_work_t *w, double waited_s);
 
 /* Drop the caller's reference. The op itself is not cancelled. NULL is a no-op. */
 void fsc_shm_work_release(fsc_shm_work_t *w);

@@ -303,6 +303,11 @@ int fsc_shm_work_done(fsc_shm_work_t *w) {
     return atomic_load_explicit(&w->done, memory_order_acquire);
 }
 
+fsc_status_t fsc_shm_work_timed_out(fsc_shm_work_t *w, double waited_s) {
+    return fsc_error(FSC_ERR_TIMEOUT, "Work.wait: %s did not complete within %g s (it is still running)",
+                     w->n > 1 ? "batch" : fsc_comm_op_name(w->args[0].op), waited_s);
+}
+
 fsc_status_t fsc_shm_work_wait(fsc_shm_work_t *w, double timeout_s) {
     struct timespec abs = realtime_after(timeout_s >= 0 ? timeout_s : 0);
     pthread_mutex_lock(&w->mu);
@@ -311,8 +316,7 @@ fsc_status_t fsc_shm_work_wait(fsc_shm_work_t *w, double timeout_s) {
             pthread_cond_wait(&w->cv, &w->mu);
         } else if (pthread_cond_timedwait(&w->cv, &w->mu, &abs) == ETIMEDOUT && !atomic_load(&w->done)) {
             pthread_mutex_unlock(&w->mu);
-            return fsc_error(FSC_ERR_TIMEOUT, "Work.wait: %s did not complete within %g s (it is still running)",
-                             w->n > 1 ? "batch" : fsc_comm_op_name(w->args[0].op), timeout_s);
+            return fsc_shm_work_timed_out(w, timeout_s);
         }
     }
     fsc_status_t st = w->st;

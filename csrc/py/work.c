@@ -33,6 +33,7 @@ int fsc_py_work_block(fsc_py_work_t *self, double timeout_s) {
         if (deadline >= 0 && fsc_comm_now() >= deadline) {
             st = fsc_shm_work_wait(self->work, 0); /* OK if it has just finished */
             if (st == FSC_OK) return 0;
+            if (!fsc_shm_work_done(self->work)) st = fsc_shm_work_timed_out(self->work, timeout_s);
             fsc_py_raise(self->module, st);
             return -1;
         }

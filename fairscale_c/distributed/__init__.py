@@ -24,9 +24,10 @@ Errors: ValueError/TypeError for bad arguments (raised before anything is sent);
 
 from __future__ import annotations
 
+import functools
 import operator
-
 import os
+import warnings
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -59,7 +60,9 @@ __all__ = [
     "get_group",
     "destroy",
     "all_gather",
+    "all_gather_into_tensor",
     "reduce_scatter",
+    "reduce_scatter_tensor",
     "all_reduce",
     "broadcast",
     "reduce",
@@ -80,6 +83,8 @@ __all__ = [
 _default: Optional[Group] = None
 _built: Dict[Tuple[int, ...], int] = defaultdict(int)
 _env_store: Optional["dist.Store"] = None
+# What torch.distributed.new_group returns on a rank outside the group.
+_NON_GROUP_MEMBER = dist.GroupMember.NON_GROUP_MEMBER if dist.is_available() else object()
 
 
 def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] = None, device: Any = None) -> Group:
@@ -90,8 +95,8 @@ def init_group(pg: Optional["dist.ProcessGroup"] = None, *, name: Optional[str] 
     rendezvous data travel through torch's store (or object collectives on ``pg``); without a
     ``name`` this is the registry's group for ``pg`` (see :func:`group_for`), built once. With a
     ``name``, a new group of its own. Without torch.distributed, RANK / WORLD_SIZE / MASTER_ADDR /
-    MASTER_PORT (as set by torchrun) are used with a TCPStore. The first group built becomes the
-    default for the module-level functions. ``device`` (a CUDA device) creates the group's NCCL
+    MASTER_PORT (as set by torchrun) are used with a TCPStore. The first group built over every
+    rank becomes the default for the module-level functions. ``device`` (a CUDA device) creates the group's NCCL
     communicator now instead of at its first CUDA op."""
     if name is None and dist.is_available() and dist.is_initialized():
         group = group_for(pg if pg is not None else dist.group.WORLD, device=device)
@@ -129,6 +134,7 @@ def _build(pg: Optional["dist.ProcessGroup"], name: Optional[str], role: str = "
         else:
             exchange = ProcessGroupExchange(pg, gname)
         group = Group(exchange, gname, pg)
+        whole_world = ranks == tuple(range(dist.get_world_size())) and role == "default"
     else:
         if pg is not None:
             raise ValueError("init_group: pg was given but torch.distributed is not initialised")
@@ -142,7 +148,8 @@ def _build(pg: Optional["dist.ProcessGroup"], name: Optional[str], role: str = "
             store, _key_prefix(gname), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), gname
         )
         group = Group(exchange, gname, None)
-    if _default is None:
+        whole_world = True
+    if _default is None and whole_world:  # group=None means every rank, as in torch.distributed
         _default = group
     return group
 
@@ -296,6 +303,8 @@ def _resolve(group: Any) -> Any:
         return get_group()
     if isinstance(group, (Group, LocalGroup)):
         return group
+    if isinstance(group, int) and not isinstance(group, bool) and group == _NON_GROUP_MEMBER:
+        raise _NonMember()
     if _is_torch_group(group) or hasattr(group, "traced_process_group"):
         return group_for(group)
     raise TypeError(
@@ -324,34 +333,106 @@ def _group_rank(group: Any, rank: Any, arg: str, fn: str) -> int:
         ) from None
 
 
+class _NonMember(Exception):
+    """``group`` is torch.distributed's NON_GROUP_MEMBER: this rank is outside the process group."""
+
+
+def _torch_shaped(fn: Any) -> Any:
+    """A module-level function called on a rank outside ``group`` (torch.distributed gives such a
+    rank ``GroupMember.NON_GROUP_MEMBER`` from ``new_group``) does nothing and returns None (recv
+    -1), with a warning, as torch.distributed's do."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _NonMember:
+            warnings.warn(
+                f"fairscale_c.distributed.{fn.__name__}: this rank is not in the process group; nothing to do",
+                stacklevel=2,
+            )
+            return -1 if fn.__name__ == "recv" else None
+
+    return call
+
+
+def _complete_into(work: Any, copy: Any, async_op: bool) -> Any:
+    """Run ``copy`` once ``work`` is done: now for a synchronous call, else in the Work's wait."""
+    if not async_op:
+        copy()
+        return None
+    work.wait()
+    copy()
+    return CompletedWork()
+
+
+@_torch_shaped
 def all_gather(output: Any, input: Any, group: Any = None, async_op: bool = False) -> Any:
+    """Every rank's ``input`` into ``output``: one tensor of world × input's elements (as
+    torch.distributed.all_gather_into_tensor), or torch.distributed.all_gather's list of one tensor
+    per rank."""
+    if isinstance(output, (list, tuple)):
+        import torch
+
+        flat = torch.empty((len(output),) + tuple(input.shape), dtype=input.dtype, device=input.device)
+        work = _resolve(group).all_gather(flat, input, async_op=async_op)
+
+        def copy() -> None:
+            for out, got in zip(output, flat):
+                out.copy_(got)
+
+        return _complete_into(work, copy, async_op)
     return _resolve(group).all_gather(output, input, async_op=async_op)
 
 
+@_torch_shaped
 def reduce_scatter(output: Any, input: Any, op: Any = "sum", group: Any = None, async_op: bool = False) -> Any:
+    """This rank's block of the reduced ``input``: one tensor of world × output's elements (as
+    torch.distributed.reduce_scatter_tensor), or torch.distributed.reduce_scatter's list of one
+    tensor per rank."""
+    if isinstance(input, (list, tuple)):
+        import torch
+
+        input = torch.cat([t.reshape(-1) for t in input])
     return _resolve(group).reduce_scatter(output, input, op=op, async_op=async_op)
 
 
+def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = None, async_op: bool = False) -> Any:
+    """torch.distributed.all_gather_into_tensor: :func:`all_gather` into one tensor."""
+    return all_gather(output_tensor, input_tensor, group, async_op)
+
+
+def reduce_scatter_tensor(output: Any, input: Any, op: Any = "sum", group: Any = None, async_op: bool = False) -> Any:
+    """torch.distributed.reduce_scatter_tensor: :func:`reduce_scatter` from one tensor."""
+    return reduce_scatter(output, input, op, group, async_op)
+
+
+@_torch_shaped
 def all_reduce(tensor: Any, op: Any = "sum", group: Any = None, async_op: bool = False) -> Any:
     """In place over the ranks of ``group``: ``op`` is "sum", "avg", "max", "min" or their
     torch.distributed.ReduceOp."""
     return _resolve(group).all_reduce(tensor, op=op, async_op=async_op)
 
 
-def broadcast(tensor: Any, root: int = 0, group: Any = None, async_op: bool = False) -> Any:
+@_torch_shaped
+def broadcast(tensor: Any, root: int = 0, group: Any = None, async_op: bool = False, *, src: Any = None) -> Any:
     """From rank ``root`` of ``group`` (a global rank when ``group`` is a torch.distributed process
-    group, as torch.distributed.broadcast's ``src``)."""
-    root = _group_rank(group, root, "root", "broadcast")
+    group, as torch.distributed.broadcast's ``src``, which may be given by that name too)."""
+    root = _group_rank(group, root if src is None else src, "root", "broadcast")
     return _resolve(group).broadcast(tensor, root=root, async_op=async_op)
 
 
-def reduce(tensor: Any, root: int = 0, op: Any = "sum", group: Any = None, async_op: bool = False) -> Any:
+@_torch_shaped
+def reduce(
+    tensor: Any, root: int = 0, op: Any = "sum", group: Any = None, async_op: bool = False, *, dst: Any = None
+) -> Any:
     """Onto rank ``root`` of ``group`` (a global rank when ``group`` is a torch.distributed process
-    group, as torch.distributed.reduce's ``dst``)."""
-    root = _group_rank(group, root, "root", "reduce")
+    group, as torch.distributed.reduce's ``dst``, which may be given by that name too)."""
+    root = _group_rank(group, root if dst is None else dst, "root", "reduce")
     return _resolve(group).reduce(tensor, root=root, op=op, async_op=async_op)
 
 
+@_torch_shaped
 def send(tensor: Any, dst: int, group: Any = None, tag: int = 0, *, async_op: bool = False) -> Any:
     """Send to rank ``dst`` of ``group``; the positional order of torch.distributed.send
     (tensor, dst, group, tag). A Work with ``async_op=True`` (or use :func:`isend`). With a
@@ -359,6 +440,7 @@ def send(tensor: Any, dst: int, group: Any = None, tag: int = 0, *, async_op: bo
     return _resolve(group).send(tensor, _group_rank(group, dst, "dst", "send"), async_op=async_op, tag=tag)
 
 
+@_torch_shaped
 def recv(tensor: Any, src: int, group: Any = None, tag: int = 0, *, async_op: bool = False) -> Any:
     """Receive from rank ``src`` of ``group`` into ``tensor``; the positional order of
     torch.distributed.recv (tensor, src, group, tag), and like it returns the sender's rank
@@ -369,20 +451,24 @@ def recv(tensor: Any, src: int, group: Any = None, tag: int = 0, *, async_op: bo
     return work if async_op else src
 
 
+@_torch_shaped
 def isend(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> Any:
     """torch.distributed.isend: :func:`send` with ``async_op=True``; returns its Work."""
     return _resolve(group).send(tensor, _group_rank(group, dst, "dst", "isend"), async_op=True, tag=tag)
 
 
+@_torch_shaped
 def irecv(tensor: Any, src: int, group: Any = None, tag: int = 0) -> Any:
     """torch.distributed.irecv: :func:`recv` with ``async_op=True``; returns its Work."""
     return _resolve(group).recv(tensor, _group_rank(group, src, "src", "irecv"), async_op=True, tag=tag)
 
 
+@_torch_shaped
 def barrier(group: Any = None, async_op: bool = False) -> Any:
     return _resolve(group).barrier(async_op=async_op)
 
 
+@_torch_shaped
 def all_to_all_single(
     output: Any,
     input: Any,
@@ -397,6 +483,7 @@ def all_to_all_single(
     return _resolve(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op=async_op)
 
 
+@_torch_shaped
 def all_to_all(
     output_tensor_list: Sequence[Any],
     input_tensor_list: Sequence[Any],
