@@ -195,6 +195,10 @@ def _torch_code_job(rank: int, world: int):
     out = torch.empty(2)
     fdist.reduce_scatter(out, [torch.full((2,), float(r)) for r in range(world)])
     assert out.tolist() == [3.0 * rank] * 2, out
+    with pytest.raises(TypeError, match=r"argument 'op' must be one of 'sum'.* got float"):
+        fdist.all_reduce(t, 3.5)
+    with pytest.raises(TypeError, match=r"ops\[0\] must be a fairscale_c.distributed.P2POp .*torch.distributed"):
+        fdist.batch_isend_irecv([dist.P2POp(dist.isend, t, (rank + 1) % world)])
     flat = torch.empty(2 * world)
     fdist.all_gather_into_tensor(flat, torch.full((2,), float(rank)))
     fdist.reduce_scatter_tensor(out, flat)

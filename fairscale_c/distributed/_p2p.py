@@ -26,11 +26,23 @@ def batch_items(ops: Any, group: Any = None) -> list:
     """A batch's ops as tuples (name, *args); TypeError naming what was given otherwise. A P2POp
     that names a group must name ``group`` (the group the batch runs on) or its process group."""
     try:
-        items = [op.as_tuple() if isinstance(op, P2POp) else tuple(op) for op in ops]
+        ops = list(ops)
     except TypeError:
         raise TypeError(
             f"batch: argument 'ops' must be a sequence of P2POp or tuples (name, *args), got {type(ops).__name__}"
         ) from None
+    items = []
+    for i, op in enumerate(ops):
+        if isinstance(op, P2POp):
+            items.append(op.as_tuple())
+        elif isinstance(op, (tuple, list)):
+            items.append(tuple(op))
+        else:
+            raise TypeError(
+                f"batch: ops[{i}] must be a fairscale_c.distributed.P2POp or a tuple (name, *args), got "
+                f"{type(op).__module__}.{type(op).__name__}"
+                + (" (build it with fairscale_c.distributed.P2POp)" if type(op).__name__ == "P2POp" else "")
+            )
     if group is not None:
         for i, op in enumerate(ops):
             if isinstance(op, P2POp) and op.group is not None and op.group is not group:

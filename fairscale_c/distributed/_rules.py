@@ -18,6 +18,8 @@ def redop(op: Any) -> Any:
     is a ValueError naming the ops there are."""
     if op.__class__ is str:
         return op
+    if isinstance(op, str):
+        return str(op)
     import torch.distributed as dist
 
     if dist.is_available() and isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
@@ -25,7 +27,10 @@ def redop(op: Any) -> Any:
             if op == getattr(dist.ReduceOp, name.upper()):
                 return name
         raise ValueError(f"op: expected one of {', '.join(repr(o) for o in _OPS)} or their ReduceOp, got {op!r}")
-    return op  # the engine's parser names the type it wanted
+    raise TypeError(
+        f"argument 'op' must be one of {', '.join(repr(o) for o in _OPS)} or their torch.distributed.ReduceOp, "
+        f"got {type(op).__name__}"
+    )
 
 
 def _as_call(op: str, args: tuple, kwargs: dict) -> Optional[tuple]:
