@@ -11,6 +11,7 @@ import copy
 import os
 import time
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -436,7 +437,9 @@ def scenario_backward_outside_a_training_step(rank, world):
     opt.zero_grad()
     sdp(_small_batch(9, rank)).pow(2).mean().backward()
     assert len(seen) == 4 and all(g is not None for g in seen), seen
-    opt.zero_grad()
+    held = [weakref.ref(p.grad) for p in m.parameters() if p.grad is not None]
+    opt.zero_grad(set_to_none=True)
+    assert all(g() is None for g in held)  # the wrapper keeps no averaged gradient alive
     if rank == 0:
         sdp.cpu()  # changes nothing: no collective (the other ranks do not call it)
         sdp.float()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generator, List, Optional, Union
 
@@ -166,7 +167,8 @@ class ShardedDataParallel(nn.Module):
         self._pending = 0  # gradients of this backward not yet checked in
         self._overlapped = 0  # buckets of the last backward sent while gradients were still to come
         self._buffer_works: List[Any] = []
-        self._reduced: Dict[nn.Parameter, torch.Tensor] = {}  # owner gradients set by the last reduction
+        # owner gradients set by the last reduction, held weakly: zero_grad(set_to_none=True) frees them
+        self._reduced: Dict[nn.Parameter, Any] = {}
         self._saved: Dict[nn.Parameter, torch.Tensor] = {}  # ... set aside while the next is accumulated
         self._zeroed: Dict[nn.Parameter, int] = {}  # ... zeroed by zero_grad: its version counter then
         if sync_models_at_startup:
@@ -348,7 +350,8 @@ class ShardedDataParallel(nn.Module):
             )
         if not self._armed:
             return  # no reduction comes: the gradient adds to p.grad as autograd does
-        g = self._reduced.pop(p, None)
+        ref = self._reduced.pop(p, None)
+        g = ref() if ref is not None else None
         zeroed = self._zeroed.pop(p, None)
         if g is not None and p.grad is g:
             p.grad = None
@@ -446,7 +449,7 @@ class ShardedDataParallel(nn.Module):
                     if saved is not None:
                         g = g.add_(saved)
                     p.grad = g
-                    self._reduced[p] = g
+                    self._reduced[p] = weakref.ref(g)
             b.flat, b.work = None, None
 
     def reduce(self) -> None:
@@ -491,7 +494,8 @@ class ShardedDataParallel(nn.Module):
                 else:
                     p.grad.requires_grad_(False)
                 p.grad.zero_()
-                if self._reduced.get(p) is p.grad:
+                ref = self._reduced.get(p)
+                if ref is not None and ref() is p.grad:
                     self._zeroed[p] = p.grad._version
 
     # ------------------------------------------------------------------ buffers and start-up sync
