@@ -357,13 +357,12 @@ def _torch_shaped(fn: Any) -> Any:
 
 
 def _complete_into(work: Any, copy: Any, async_op: bool) -> Any:
-    """Run ``copy`` once ``work`` is done: now for a synchronous call, else in the Work's wait."""
-    if not async_op:
-        copy()
-        return None
-    work.wait()
+    """Run ``copy`` once ``work`` is done. The copy needs the gathered data, so an asynchronous
+    call waits here as well and returns a completed Work (the list form does not overlap)."""
+    if async_op:
+        work.wait()
     copy()
-    return CompletedWork()
+    return CompletedWork() if async_op else None
 
 
 @_torch_shaped
