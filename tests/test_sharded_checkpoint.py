@@ -354,3 +354,20 @@ def test_two_jobs_saving_and_a_reader_in_one_directory(tmp_path):
         assert failed == "0" and int(ok) > 0, out
     state = load_all_shards(d)[0]
     assert torch.equal(state["w"], torch.full((1000,), float(state["step"])))
+
+
+def test_a_filesystem_without_locks_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch):
+    from fairscale_c.utils import checkpoint
+
+    d = str(tmp_path)
+    save_sharded(_state(1), d, step=1)
+    before = sorted(os.listdir(d))
+
+    def no_locks(*args):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(checkpoint.fcntl, "flock", no_locks)
+    with pytest.raises(CheckpointError, match="No locks available.*previous checkpoint is unchanged"):
+        save_sharded(_state(2), d, step=2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(d)) == before and load_sharded(d)["step"] == 1

@@ -114,7 +114,12 @@ def _create_locked(path: str) -> Any:
     makes us create it again."""
     for _ in range(100):
         f = open(path, "w+b")
-        fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        except OSError:  # a filesystem without flock: the file must not stay behind
+            f.close()
+            os.unlink(path)
+            raise
         try:
             if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
                 return f
