@@ -176,6 +176,7 @@ def _torch_code_job(rank: int, world: int):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert fdist.all_reduce(x, group=sub) is None and fdist.recv(x, 0, sub) == -1
+            assert fdist.batch_isend_irecv([fdist.P2POp("send", x, 0, group=sub)]) is None
         assert x.tolist() == [1.0, 1.0] and "not in the process group" in str(caught[0].message)
     t = torch.full((2,), float(rank + 1))
     fdist.all_reduce(t)  # every rank, as torch's group=None

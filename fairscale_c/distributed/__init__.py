@@ -254,6 +254,30 @@ def _release_destroyed_groups() -> None:
             group.destroy()
 
 
+class _NonMember(Exception):
+    """``group`` is torch.distributed's NON_GROUP_MEMBER: this rank is outside the process group."""
+
+
+def _torch_shaped(fn: Any) -> Any:
+    """A module-level function called on a rank outside ``group`` (torch.distributed gives such a
+    rank ``GroupMember.NON_GROUP_MEMBER`` from ``new_group``) does nothing and returns None (recv
+    -1), with a warning, as torch.distributed's do."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _NonMember:
+            warnings.warn(
+                f"fairscale_c.distributed.{fn.__name__}: this rank is not in the process group; nothing to do",
+                stacklevel=2,
+            )
+            return -1 if fn.__name__ == "recv" else None
+
+    return call
+
+
+@_torch_shaped
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp], group: Any = None) -> List[Any]:
     """torch.distributed.batch_isend_irecv's shape: run the sends and recvs together (no order of
     issue deadlocks) and return a list with one Work for them. The group is ``group``, else the
@@ -331,29 +355,6 @@ def _group_rank(group: Any, rank: Any, arg: str, fn: str) -> int:
             f"{fn}: {arg}={rank} is not a rank of the process group; with a torch.distributed process group as "
             f"'group', ranks are global ranks, as in torch.distributed (its ranks: {ranks})"
         ) from None
-
-
-class _NonMember(Exception):
-    """``group`` is torch.distributed's NON_GROUP_MEMBER: this rank is outside the process group."""
-
-
-def _torch_shaped(fn: Any) -> Any:
-    """A module-level function called on a rank outside ``group`` (torch.distributed gives such a
-    rank ``GroupMember.NON_GROUP_MEMBER`` from ``new_group``) does nothing and returns None (recv
-    -1), with a warning, as torch.distributed's do."""
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except _NonMember:
-            warnings.warn(
-                f"fairscale_c.distributed.{fn.__name__}: this rank is not in the process group; nothing to do",
-                stacklevel=2,
-            )
-            return -1 if fn.__name__ == "recv" else None
-
-    return call
 
 
 def _complete_into(work: Any, copy: Any, async_op: bool) -> Any:
