@@ -626,3 +626,59 @@ def test_local_state_dict_keeps_buffers_in_fp32_under_mixed_precision():
     for name in ("1.running_mean", "1.running_var"):
         assert local[name].dtype is torch.float32 and full[name].dtype is torch.float32, name
     assert local["flat_param_0"].dtype is torch.float32
+
+
+def test_a_first_forward_under_inference_mode_leaves_the_model_trainable():
+    # The first forward casts the buffers to buffer_dtype; in inference mode that made them
+    # inference tensors, which every later training forward refused to save for backward.
+    torch.manual_seed(0)
+    m = FSDP(
+        nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)),
+        mixed_precision=True,
+        compute_dtype=torch.bfloat16,
+    )
+    with torch.inference_mode():
+        m(torch.randn(3, 4))
+    assert not any(b.is_inference() for b in m.buffers())
+    m(torch.randn(3, 4)).float().sum().backward()
+    assert m.flat_param_0.grad is not None and torch.isfinite(m.flat_param_0.grad).all()
+
+
+def test_a_module_on_the_meta_device_is_refused():
+    meta = mlp().to_empty(device="meta")
+    with pytest.raises(ValueError, match="argument 'module' has parameter '0.weight' on the meta device"):
+        FSDP(meta)
+    real = mlp()
+    real.register_buffer("steps", torch.zeros(1, device="meta"))
+    with pytest.raises(ValueError, match="argument 'module' has buffer 'steps' on the meta device"):
+        FSDP(real)
+
+
+def test_a_failed_summon_leaves_the_instance_as_it_was(monkeypatch):
+    from fairscale_c.nn.data_parallel import _state_dict
+
+    plain = mlp()
+    plain[2].requires_grad_(False)  # two flat parameters: one gathered before the failing one
+    m = FSDP(copy.deepcopy(plain))
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["flat_param_0", "flat_param_1"]
+    gather, calls = _state_dict._gather_fp32, []
+
+    def fail_second(fsdp, h):
+        calls.append(h)
+        if len(calls) == 2:
+            raise RuntimeError("gather failed")
+        return gather(fsdp, h)
+
+    monkeypatch.setattr(_state_dict, "_gather_fp32", fail_second)
+    with pytest.raises(RuntimeError, match="gather failed"):
+        with m.summon_full_params():
+            pass
+    monkeypatch.setattr(_state_dict, "_gather_fp32", gather)
+    assert m.training_state is TrainingState.IDLE and len(calls) == 2
+    assert [n for n, _ in m.named_parameters()] == names
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(m(x), plain(x))
+    with m.summon_full_params():
+        torch.testing.assert_close(m.module[0].weight, plain[0].weight)
+    assert m.state_dict().keys() == plain.state_dict().keys()

@@ -34,4 +34,18 @@ def refuse_sparse_gradients(module: Any, where: str) -> None:
             )
 
 
-__all__ = ["as_int", "refuse_sparse_gradients"]
+def refuse_meta_tensors(module: Any, where: str) -> None:
+    """ValueError when a parameter or buffer of ``module`` is on the meta device: the wrappers copy,
+    shard and broadcast the values at construction, and a meta tensor has none."""
+    tensors = [("parameter", n, t) for n, t in module.named_parameters()]
+    tensors += [("buffer", n, t) for n, t in module.named_buffers()]
+    for kind, name, t in tensors:
+        if t.is_meta:
+            raise ValueError(
+                f"{where}: argument 'module' has {kind} {name!r} on the meta device; materialise the module "
+                "before wrapping it (module.to_empty(device=...), then initialise the values, e.g. with "
+                "each submodule's reset_parameters())"
+            )
+
+
+__all__ = ["as_int", "refuse_meta_tensors", "refuse_sparse_gradients"]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fairscale_c.internal.parallel import ProcessGroupName
-from fairscale_c.internal.args import refuse_sparse_gradients
+from fairscale_c.internal.args import refuse_meta_tensors, refuse_sparse_gradients
 
 _BOOLS = (
     "reshard_after_forward",
@@ -76,6 +76,7 @@ def check_fsdp_args(args: Dict[str, Any]) -> None:
     if not isinstance(args["module"], nn.Module):
         raise TypeError(f"{_WHERE}: argument 'module' must be an nn.Module, got {type(args['module']).__name__}")
     refuse_sparse_gradients(args["module"], _WHERE)
+    refuse_meta_tensors(args["module"], _WHERE)
     for name in _BOOLS:
         if not isinstance(args[name], bool):
             raise TypeError(f"{_WHERE}: argument '{name}' must be a bool, got {type(args[name]).__name__}")

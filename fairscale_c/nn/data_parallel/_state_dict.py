@@ -87,8 +87,17 @@ def _write_back(h, full: torch.Tensor) -> None:
 def summon(fsdp) -> List[Any]:
     """All-gather each flat parameter in fp32 and register the original parameters as views of it.
     A parameter shared with another instance (``fsdp._ties``) gets the owner's summoned Parameter
-    when the owner is summoned, else a gather of its own."""
+    when the owner is summoned, else a gather of its own. A gather that raises undoes the others."""
     fulls: List[Any] = []
+    try:
+        _summon_into(fsdp, fulls)
+    except BaseException:
+        unsummon(fsdp, fulls, write_back=False)
+        raise
+    return fulls
+
+
+def _summon_into(fsdp, fulls: List[Any]) -> None:
     for h in fsdp._handles:
         full = _gather_fp32(fsdp, h)
         fulls.append(full)
@@ -113,7 +122,6 @@ def summon(fsdp) -> List[Any]:
         t.module.__dict__.pop(t.attr, None)
         t.module._parameters[t.attr] = p
         fulls.append(own)
-    return fulls
 
 
 @torch.no_grad()
@@ -138,6 +146,10 @@ def unsummon(fsdp, fulls: List[Any], write_back: bool) -> None:
         for shared in h.layout.shared:
             shared.module._parameters.pop(shared.attr, None)
         fsdp._parameters[h.backing_name] = h.param
+    if fsdp.flatten_parameters:  # in handle order, also after a summon that stopped part-way
+        for h in fsdp._handles:
+            if h.backing_name in fsdp._parameters:
+                fsdp._parameters[h.backing_name] = fsdp._parameters.pop(h.backing_name)
     fsdp._leave_shaped_views()
 
 

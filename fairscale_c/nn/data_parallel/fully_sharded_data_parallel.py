@@ -293,8 +293,9 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             self.reshard_after_forward = False
         # Each instance casts the buffers it owns (not those of nested instances) to its own
         # buffer_dtype, as FairScale does: an fp32 BatchNorm instance inside a mixed-precision root
-        # keeps fp32 running statistics.
-        with torch.no_grad():
+        # keeps fp32 running statistics. The cast may run in a first forward under
+        # torch.inference_mode(); the buffers it makes must still serve later training steps.
+        with torch.inference_mode(False), torch.no_grad():
             for m in self._fsdp_instances:
                 for owner, name, buf in _own_buffers(m):
                     if buf.is_floating_point() and buf.dtype is not m.buffer_dtype:
@@ -431,7 +432,11 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
                 f"(state {self.training_state.name})"
             )
         self.training_state = TrainingState.SUMMON_FULL_PARAMS
-        fulls = _state_dict.summon(self)
+        try:
+            fulls = _state_dict.summon(self)
+        except BaseException:
+            self.training_state = TrainingState.IDLE
+            raise
         try:
             yield
         finally:
