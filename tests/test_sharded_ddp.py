@@ -457,6 +457,58 @@ def scenario_backward_outside_a_training_step(rank, world):
         ShardedDataParallel(sparse, OSS(sparse.parameters(), torch.optim.SGD, lr=0.1))
 
 
+def scenario_inference_mode_non_contiguous_and_meta_state(rank, world):
+    """Forwards under torch.inference_mode() (the first one, and one after a layer was frozen)
+    leave the parameters trainable; a non-contiguous buffer is broadcast as DDP broadcasts it; a
+    module or optimizer with meta tensors is refused, naming them."""
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    m, ref = _small(), _small()
+    transposed = torch.full((4, 3), float(rank + 1), device=DEVICE["device"]).t()
+    m.register_buffer("transposed", transposed)
+    opt = OSS(m.parameters(), torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    sdp = ShardedDataParallel(m, opt)
+    assert torch.equal(m.transposed, torch.ones(3, 4, device=DEVICE["device"])), m.transposed  # rank 0's
+    assert m.transposed is transposed and not m.transposed.is_contiguous()
+    with torch.inference_mode():
+        sdp(_small_batch(0, rank))  # the wrapper's first forward: it builds its buffers here
+    for step in range(3):
+        if step == 1:
+            m[0].requires_grad_(False)
+            ref[0].requires_grad_(False)
+            with torch.inference_mode():
+                sdp.eval()
+                sdp(_small_batch(9, rank))  # rebuilds the buffers for the frozen layer
+                sdp.train()
+            m[0].requires_grad_(True)  # refused on an inference tensor
+            ref[0].requires_grad_(True)
+        opt.zero_grad()
+        sdp(_small_batch(step, rank)).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        xs = [_small_batch(step, r) for r in range(world)]
+        (sum(ref(xr).pow(2).mean() for xr in xs) / world).backward()
+        ref_opt.step()
+    assert not any(p.is_inference() for p in m.parameters())
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **FP32)
+    if rank == 0:
+        m.transposed.fill_(7.0)
+    sdp(_small_batch(5, rank))  # broadcast_buffers: rank 0's buffers before the forward
+    assert torch.equal(m.transposed, torch.full((3, 4), 7.0, device=DEVICE["device"])), m.transposed
+
+    meta = _small().to_empty(device="meta")
+    on_meta = r"argument 'params' holds parameters on the meta device \(position\(s\) \[0, 1, 2, 3\]\)"
+    with pytest.raises(ValueError, match=on_meta):
+        OSS(meta.parameters(), torch.optim.SGD, lr=0.1)
+    real = _small()
+    real.register_buffer("counter", torch.zeros(1, device="meta"))
+    with pytest.raises(ValueError, match="argument 'module' has buffer 'counter' on the meta device"):
+        ShardedDataParallel(real, OSS(real.parameters(), torch.optim.SGD, lr=0.1))
+
+
 SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 ALL = sorted(SCENARIOS)
 

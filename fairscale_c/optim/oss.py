@@ -222,6 +222,16 @@ class OSS(Optimizer):
                     f"param group (or twice in this one), at position(s) {twice or 'within the group'}; "
                     "each parameter may belong to exactly one group"
                 )
+            meta = [i for i, p in enumerate(params) if isinstance(p, torch.Tensor) and p.is_meta]
+            if meta:
+                where = "OSS: argument 'params'"
+                if not self.in_super_constructor:
+                    where = "OSS.add_param_group: argument 'param_group'"
+                raise ValueError(
+                    f"{where} holds parameters on the meta device (position(s) {meta}); "
+                    "materialise the module (module.to_empty(device=...), then initialise the values) "
+                    "before building the optimizer"
+                )
             param_group = dict(param_group, params=params)
         super().add_param_group(param_group)
         if self.in_super_constructor:
@@ -254,6 +264,7 @@ class OSS(Optimizer):
             OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
         self._setup_flat_buffers()
 
+    @torch.inference_mode(False)  # the buffers hold trainable parameters, whatever mode calls it
     @torch.no_grad()
     def _setup_flat_buffers(self) -> None:
         keyed: Dict[Tuple[torch.device, torch.dtype], List[List[torch.Tensor]]] = {}

@@ -20,14 +20,14 @@ import contextlib
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, List, Optional, Union
+from typing import Any, Dict, Generator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from fairscale_c import distributed as fdist
 from fairscale_c.optim.oss import OSS
-from ...internal.args import as_int, refuse_sparse_gradients
+from ...internal.args import as_int, refuse_meta_tensors, refuse_sparse_gradients
 from ...internal.hooks import weak_hook
 
 __all__ = ["ShardedDataParallel"]
@@ -136,6 +136,7 @@ class ShardedDataParallel(nn.Module):
                     f"'process_group' (rank {self._rank} of {self._world_size}) must be the same ranks"
                 )
         refuse_sparse_gradients(module, "ShardedDataParallel")
+        refuse_meta_tensors(module, "ShardedDataParallel")
         device_types = {p.device.type for p in module.parameters()}
         if len(device_types) > 1:
             raise ValueError(
@@ -251,7 +252,8 @@ class ShardedDataParallel(nn.Module):
             self._reference_trainable_mask = mask
         return changed
 
-    def refresh_trainable(self) -> None:
+    @torch.inference_mode(False)  # what it builds serves training, even when a forward under
+    def refresh_trainable(self) -> None:  # torch.inference_mode() calls it
         """Rebuild buckets and hooks (and the optimizers' buffers) for the current ``requires_grad``
         flags. Every rank calls it."""
         if self._armed and any(b.pending < len(b.params) for b in self._buckets):
@@ -507,7 +509,7 @@ class ShardedDataParallel(nn.Module):
         if self._world_size == 1:
             return
         for buf in self.module.buffers(recurse=True):
-            self._buffer_works.append(self.comm.broadcast(_wire_view(buf), root=0, async_op=True))
+            self._buffer_works.append(self._broadcast_from_rank0(buf))
         if blocking:
             self._wait_buffer_works()
 
@@ -516,14 +518,19 @@ class ShardedDataParallel(nn.Module):
         for w in works:
             w.wait()
 
+    def _broadcast_from_rank0(self, t: torch.Tensor) -> "_Broadcast":
+        """Start broadcasting rank 0's ``t`` into every rank's ``t``: in place when ``t`` is
+        contiguous, else through a contiguous copy that wait() copies back."""
+        wire = t if t.is_contiguous() else t.contiguous()
+        sent = wire.view(torch.uint8) if wire.dtype == torch.bool else wire
+        work = self.comm.broadcast(sent, root=0, async_op=True)
+        return _Broadcast(work, None if wire is t or self._rank == 0 else (t, wire))
+
     @torch.no_grad()
     def _sync_params_and_buffers(self) -> None:
         if self._world_size == 1:
             return
-        works = [
-            self.comm.broadcast(_wire_view(t), root=0, async_op=True)
-            for t in _unique(self.module.state_dict().values())
-        ]
+        works = [self._broadcast_from_rank0(t) for t in _unique(self.module.state_dict().values())]
         for w in works:
             w.wait()
 
@@ -548,11 +555,16 @@ def _own_version(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tens
     )
 
 
-def _wire_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a tensor the engine sends (bools as bytes); must be contiguous."""
-    if not t.is_contiguous():
-        raise ValueError(
-            f"ShardedDataParallel: module state of shape {tuple(t.shape)} is not contiguous; "
-            "cannot broadcast it in place"
-        )
-    return t.view(torch.uint8) if t.dtype == torch.bool else t
+class _Broadcast(NamedTuple):
+    """A broadcast of module state in flight; ``copy_back`` is (the state, the contiguous copy
+    that travels in its place) when the state is not contiguous."""
+
+    work: Any
+    copy_back: Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.copy_back is not None:
+            dst, src = self.copy_back
+            with torch.no_grad():
+                dst.copy_(src)
