@@ -240,3 +240,48 @@ def test_torch_subgroup_ranks_are_global_ranks():
 
 def test_torch_shaped_module_functions():
     assert run_ranks(_torch_shaped_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [True, True]
+
+
+def _reinit_job(rank: int, world: int):
+    """group=None across destroy_process_group / init_process_group: it follows the current world,
+    as torch's does, also after a feature built the new world's engine group (which releases the
+    old one); destroying the shared group says so in the error the features then get."""
+    import os
+
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    torch.set_num_threads(1)
+    base = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0)
+    sums = []
+    for cycle, solo in enumerate((False, False, True)):
+        if solo:  # each process a world of its own
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"c{cycle}", base), rank=rank, world_size=world)
+            if cycle:
+                fdist.group_for(dist.group.WORLD)  # as FSDP / OSS do at construction
+        t = torch.ones(2)
+        fdist.all_reduce(t)
+        sums.append(t[0].item())
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("shared", base), rank=rank, world_size=world)
+    shared = fdist.group_for(dist.group.WORLD)
+    with fdist.init_group() as group:
+        assert group is shared
+    try:
+        shared.all_reduce(torch.ones(2))
+        message = ""
+    except RuntimeError as e:
+        message = str(e)
+    base.set(f"done{rank}", "1")
+    base.wait([f"done{r}" for r in range(world)])
+    dist.destroy_process_group()
+    return sums, message
+
+
+def test_group_none_follows_the_current_world_across_reinitialisation():
+    for sums, message in run_ranks(_reinit_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120):
+        assert sums == [2.0, 2.0, 1.0], sums
+        assert "has been destroyed" in message and "init_group(name=...)" in message, message

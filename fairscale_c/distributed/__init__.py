@@ -299,8 +299,23 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp], group: Any = None) -> List[A
 
 
 def get_group() -> Group:
-    """The default group (the first built by init_group), building it if needed."""
+    """The default group (the first built over every rank), building it if needed. A default that
+    was destroyed, or whose torch process group torch has destroyed (destroy_process_group and a
+    new init_process_group), is replaced by the group of the current one."""
+    global _default
+    if _default is not None and not _still_every_rank(_default):
+        _default = None
     return _default if _default is not None else init_group()
+
+
+def _still_every_rank(group: Group) -> bool:
+    if group._closed:
+        return False
+    pg = group.process_group
+    if pg is None:  # built from torchrun's environment
+        return True
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return live is None or pg in live
 
 
 def new_group(ranks: Optional[Sequence[int]] = None, group: Optional[Group] = None) -> Optional[Group]:

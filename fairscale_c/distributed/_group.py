@@ -155,6 +155,7 @@ class Group:
         self._shm: Optional[Any] = None
         self._torch_cpu: Optional[_TorchCPU] = None
         self._closed = False
+        self._was_shared = False  # closed while it was a torch process group's shared engine group
         self._nccl: Optional[Any] = None
         self._subgroups = 0
         self.shares_gpu = False  # two ranks on one GPU (set at rendezvous; see gpu_identity)
@@ -256,6 +257,7 @@ class Group:
         for key, (_, group) in list(REGISTRY.items()):
             if group is self:
                 del REGISTRY[key]
+                self._was_shared = True
         # A closed group holds no reference to its torch process group: once torch has destroyed
         # that group too, it ends (joining its gloo threads) as soon as its user lets go of it,
         # not during interpreter finalization, where a gloo thread still releasing a finished
@@ -328,12 +330,22 @@ class Group:
     def _cpu(self) -> Any:
         backend = self._shm if self._shm is not None else self._torch_cpu
         if backend is None:
-            raise RuntimeError(f"group '{self.name}' has been destroyed")
+            raise RuntimeError(self._destroyed_message())
         return backend
 
     def _check_open(self, op: str) -> None:
         if self._closed:
-            raise RuntimeError(f"{op}: group '{self.name}' has been destroyed")
+            raise RuntimeError(f"{op}: {self._destroyed_message()}")
+
+    def _destroyed_message(self) -> str:
+        message = f"group '{self.name}' has been destroyed"
+        if self._was_shared:
+            message += (
+                " (it was the engine group that init_group() without a name, group_for() and the features "
+                "(FSDP, OSS, ShardedDataParallel, ...) share for a torch process group: destroying it, or leaving "
+                "a `with` block on it, ends it for all of them; build a group of your own with init_group(name=...))"
+            )
+        return message
 
     def _cuda(self, device: Any = None) -> Any:
         if self._nccl is None:
