@@ -285,3 +285,29 @@ def test_group_none_follows_the_current_world_across_reinitialisation():
     for sums, message in run_ranks(_reinit_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120):
         assert sums == [2.0, 2.0, 1.0], sums
         assert "has been destroyed" in message and "init_group(name=...)" in message, message
+
+
+def _store_keys_job(rank: int, world: int):
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    join_gloo(rank, world)
+    store = dist.distributed_c10d._get_default_store()
+    FSDP(torch.nn.Linear(8, 8))  # builds the engine groups FSDP shares
+    dist.barrier()
+    before = store.num_keys()
+    for i in range(5):
+        FSDP(torch.nn.Linear(8, 8))  # its shards in shared memory: two exchanges each
+        fdist.init_group(name=f"mine{i}").destroy()
+    dist.barrier()
+    grown = store.num_keys() - before
+    dist.destroy_process_group()
+    return grown
+
+
+def test_rendezvous_keys_are_deleted_once_every_rank_has_read_them():
+    # A job that builds wrappers, groups or shared tensors over and over must not grow the store
+    # (which lives in rank 0's process, or in torchrun's agent) by a few keys each time.
+    assert run_ranks(_store_keys_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [0, 0]

@@ -132,17 +132,25 @@ class StoreExchange(Exchange):
         keys = [f"{base}/{r}" for r in range(self.size)]
         self._wait(keys, "all_gather", list(range(self.size)), pids)
         parts = self._call("all_gather", "while reading the parts", lambda: [bytes(self.store.get(k)) for k in keys])
-        self._read_by_all(base, "all_gather", pids)
+        self._read_by_all(base, keys, "all_gather", pids)
         return parts
 
-    def _read_by_all(self, base: str, what: str, pids: Optional[Dict[int, int]] = None) -> None:
-        """Say this rank has read round ``base``; rank 0 returns once every rank has. The store
-        usually lives in rank 0's process, and rank 0 may raise on what it read (a group that
-        spans hosts, say) and exit: the others then still get to read it."""
+    def _read_by_all(self, base: str, keys: List[str], what: str, pids: Optional[Dict[int, int]] = None) -> None:
+        """Say this rank has read round ``base`` (its data in ``keys``); rank 0 returns once every
+        rank has, and then deletes the round's keys, so a long job's store does not grow with every
+        group and shared allocation. The store usually lives in rank 0's process, and rank 0 may
+        raise on what it read (a group that spans hosts, say) and exit: the others then still get
+        to read it."""
         done = f"{base}/read"
         self._call(what, "while saying it has read", lambda: self.store.set(f"{done}/{self.rank}", b"1"))
         if self.rank == 0:
-            self._wait([f"{done}/{r}" for r in range(self.size)], what, list(range(self.size)), pids)
+            acks = [f"{done}/{r}" for r in range(self.size)]
+            self._wait(acks, what, list(range(self.size)), pids)
+            for key in keys + acks:
+                try:
+                    self.store.delete_key(key)
+                except Exception:  # noqa: BLE001 - a store without delete_key only keeps the keys
+                    return
 
     def peek(self, rank: int) -> Optional[bytes]:
         key = f"{self.prefix}/ag{self._round}/{rank}"
@@ -158,7 +166,7 @@ class StoreExchange(Exchange):
             self._call("broadcast", "while publishing the value", lambda: self.store.set(key, payload))
         self._wait([key], "broadcast", [0])
         value = self._call("broadcast", "while reading the value", lambda: bytes(self.store.get(key)))
-        self._read_by_all(key, "broadcast")
+        self._read_by_all(key, [key], "broadcast")
         return value
 
     def sub(self, ranks: Sequence[int], index: int) -> "Exchange":
