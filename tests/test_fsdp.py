@@ -260,3 +260,204 @@ def test_reinitialised_process_groups_do_not_pile_up(tmp_path):
 
     for counts in run_ranks(_reinit_job, 2, str(tmp_path), env={"FAIRSCALE_C_TIMEOUT": "60"}):
         assert counts[-1] == counts[0] and counts[0][0] > 0 and counts[0][1] > 0, counts
+
+
+# ------------------------------------------------------------------------------------ run_ranks jobs
+
+
+def _wrap_reduce_scatters(root, calls):
+    """Record (input dtype, output dtype) of every reduce-scatter the instances under `root` issue
+    (each instance's comm_rs, wrapped once however many instances share it)."""
+    from fairscale_c.nn.data_parallel.fully_sharded_data_parallel import get_fsdp_instances
+
+    wrapped = set()
+    for inst in get_fsdp_instances(root):
+        comm = inst.comm_rs
+        if id(comm) in wrapped:
+            continue
+        wrapped.add(id(comm))
+        orig = comm.reduce_scatter
+
+        def reduce_scatter(out, inp, *a, _orig=orig, **k):
+            calls.append((inp.dtype, out.dtype))
+            return _orig(out, inp, *a, **k)
+
+        comm.reduce_scatter = reduce_scatter
+
+
+def _padding_job(rank, world):
+    """A flat parameter of 5 elements at world 4: shards of 2, rank 2 holds 1 real element and
+    rank 3 none."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(4, 1))  # 4 weights + 1 bias
+        m = FSDP(nn.Sequential(nn.Linear(4, 1)))
+        m.load_state_dict(plain.state_dict())
+        shards = [None] * world
+        dist.all_gather_object(shards, (m.local_state_dict(), m.local_metadata_dict()))
+        merged = FSDP.consolidate_shard_weights([s[0] for s in shards], [s[1] for s in shards])
+        full = plain.state_dict()
+        assert set(merged) == set(full), (sorted(merged), sorted(full))
+        for k, v in full.items():
+            torch.testing.assert_close(merged[k], v, atol=0, rtol=0, msg=k)
+        return list(m.numel_padded_per_param)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_padding_per_rank_at_world_4_matches_fairscale():
+    """FairScale pads each rank's shard to the same size: with 5 elements over 4 ranks (shards of
+    2) ranks 0 and 1 are full, rank 2 has 1 padding element and rank 3 has 2
+    (numel_padded_per_param); the 4 local shards consolidate to the full state dict."""
+    from dist_utils import run_ranks
+
+    padded = run_ranks(_padding_job, 4, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120)
+    assert padded == [[0], [0], [1], [2]], padded
+
+
+def _two_level(seed=0):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _wrap_two_level(plain, **kw):
+    import copy
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    model = copy.deepcopy(plain)
+    model[2] = FSDP(model[2], **kw)
+    return FSDP(model, **kw)
+
+
+def _rank_input(r):
+    import torch
+
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(50 + r))
+
+
+def _divide_factors_job(rank, world):
+    """set_gradient_divide_factors(pre, post, recursive): FairScale divides each rank's gradient
+    by `pre` before the sum over ranks and the sum by `post`: grad = sum over ranks / (pre * post).
+    One SGD step (lr 1) against plain torch with that gradient."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        plain = _two_level()
+        # recursive=False: the root only
+        model = _wrap_two_level(plain)
+        inner = model.module[2]
+        before = (inner.gradient_predivide_factor, inner.gradient_postdivide_factor)
+        model.set_gradient_divide_factors(3.0, 5.0, recursive=False)
+        assert (model.gradient_predivide_factor, model.gradient_postdivide_factor) == (3.0, 5.0)
+        assert (inner.gradient_predivide_factor, inner.gradient_postdivide_factor) == before
+        # recursive=True: every instance, and the gradients are divided by pre * post = 4 (not world 2)
+        model = _wrap_two_level(plain)
+        model.set_gradient_divide_factors(2.0, 2.0, recursive=True)
+        inner = model.module[2]
+        assert (inner.gradient_predivide_factor, inner.gradient_postdivide_factor) == (2.0, 2.0)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        model(_rank_input(rank)).pow(2).sum().backward()
+        opt.step()
+        ref = _two_level()
+        sum(ref(_rank_input(r)).pow(2).sum() for r in range(world)).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= p.grad / 4
+        got = model.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_set_gradient_divide_factors():
+    from dist_utils import run_ranks
+
+    run_ranks(_divide_factors_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120)
+
+
+def _fp32_reduce_scatter_job(rank, world):
+    """mixed_precision with bfloat16 compute: fp32_reduce_scatter=True reduce-scatters float32
+    gradients; False reduce-scatters them in the compute dtype (FairScale's behaviour). The grad
+    shards are float32 either way."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        seen = {}
+        for fp32_rs in (True, False):
+            model = _wrap_two_level(
+                _two_level(), mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=fp32_rs
+            )
+            model(_rank_input(rank)).float().pow(2).sum().backward()  # lazy init
+            model.zero_grad()
+            calls = []
+            _wrap_reduce_scatters(model, calls)
+            model(_rank_input(rank)).float().pow(2).sum().backward()
+            assert calls, "no reduce-scatter"
+            seen[fp32_rs] = sorted({str(d) for c in calls for d in c})
+            assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+        assert seen == {True: ["torch.float32"], False: ["torch.bfloat16"]}, seen
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp32_reduce_scatter_sets_the_reduce_scatter_dtype():
+    from dist_utils import run_ranks
+
+    run_ranks(_fp32_reduce_scatter_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120)
+
+
+def _no_sync_nested_job(rank, world):
+    """root.no_sync() on nested instances: no reduce-scatter at all inside the context (the inner
+    instances' gradients accumulate locally too); the synced backward after it reduces everything,
+    and one SGD step equals plain torch on the gradients of both backwards averaged over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        plain = _two_level(1)
+        model = _wrap_two_level(plain)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model(_rank_input(rank)).pow(2).sum().backward()  # lazy init (not counted)
+        opt.zero_grad()
+        calls = []
+        _wrap_reduce_scatters(model, calls)
+        with model.no_sync():
+            model(_rank_input(rank)).pow(2).sum().backward()
+        assert calls == [], f"{len(calls)} reduce-scatters inside no_sync"
+        model(_rank_input(rank + world)).pow(2).sum().backward()
+        assert calls, "the synced backward reduced nothing"
+        opt.step()
+        ref = _two_level(1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        for r in range(world):
+            (ref(_rank_input(r)).pow(2).sum() / world).backward()
+            (ref(_rank_input(r + world)).pow(2).sum() / world).backward()
+        ref_opt.step()
+        got = model.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_sync_on_nested_instances_reduces_nothing():
+    from dist_utils import run_ranks
+
+    run_ranks(_no_sync_nested_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120)

@@ -101,3 +101,52 @@ def test_ranks_skip_the_step_together():
 def test_ranks_skip_the_step_together_with_a_fused_optimizer():
     assert run_ranks(_only_one_rank_overflows, 2, "torch", "fused") == [(True, 2.0**8), (False, 2.0**7)]
     assert run_ranks(_only_one_rank_overflows, 2, "sharded", "fused") == [(False, 2.0**7), (False, 2.0**7)]
+
+
+def _rank_without_gradients(rank, world):
+    """OSS + ShardedDataParallel on a model of one parameter at world 2: rank 0 owns it, rank 1
+    owns nothing and holds no gradient. Rank 1 must still take part in the found-inf agreement and
+    in update(). Step 1 overflows on rank 0's data: both ranks skip it and back off."""
+    import torch.distributed as dist
+
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    def data(step, r):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + r))
+        if step == 1 and r == 0:
+            x[0, 0] = float("inf")
+        return x
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1, bias=False)
+        ref = nn.Linear(4, 1, bias=False)
+        ref.load_state_dict(model.state_dict())
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        sdp = ShardedDataParallel(model, opt)
+        scaler = ShardedGradScaler(init_scale=1024.0)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        scales, held = [], []
+        for step in range(3):
+            scaler.scale(sdp(data(step, rank)).pow(2).sum()).backward()
+            held.append(model.weight.grad is not None)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+            if step != 1:  # the reference: the gradient averaged over ranks, the overflow skipped
+                ref_opt.zero_grad()
+                sum(ref(data(step, r)).pow(2).sum() for r in range(world)).div(world).backward()
+                ref_opt.step()
+        torch.testing.assert_close(model.weight.detach(), ref.weight.detach(), atol=1e-6, rtol=1e-6)
+        return held, scales
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_scaler_on_a_rank_without_gradients():
+    held, scales = zip(*run_ranks(_rank_without_gradients, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120))
+    assert held == ([True] * 3, [False] * 3), held  # rank 1 really holds no gradient
+    assert scales == ([1024.0, 512.0, 512.0],) * 2, scales

@@ -296,6 +296,23 @@ def test_deferred_batch_norm_has_full_batch_statistics(mode):
     torch.testing.assert_close(pipe(x), ref(x), atol=1e-5, rtol=1e-5)
 
 
+def test_deferred_batch_norm_cumulative_average_with_momentum_none():
+    """momentum=None: BatchNorm's cumulative moving average (factor 1 / num_batches_tracked), of
+    the statistics of each whole mini-batch, as nn.BatchNorm2d(momentum=None) gives over 3 steps."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3, momentum=None), nn.ReLU())
+    model = copy.deepcopy(ref)
+    pipe = Pipe(model, [1, 2], devices=["cpu", "cpu"], chunks=4, deferred_batch_norm=True)
+    assert isinstance(pipe[1], DeferredBatchNorm) and pipe[1].momentum is None
+    for step in range(3):
+        x = torch.randn(16, 3, 4, 4) * (step + 1) + 2 * step
+        ref(x)
+        pipe(x).sum().backward()
+        torch.testing.assert_close(pipe[1].running_mean, ref[1].running_mean, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pipe[1].running_var, ref[1].running_var, atol=1e-5, rtol=1e-5)
+    assert pipe[1].num_batches_tracked.item() == ref[1].num_batches_tracked.item() == 3
+
+
 class FailOnSecondCall(nn.Module):
     """Once armed, raises on its second call: a mini-batch whose forward stops part way, after
     the layers before it in the partition have seen one micro-batch."""
@@ -522,6 +539,22 @@ def test_checkpointing_flags():
     pipe = Pipe(nn.Sequential(nn.Linear(2, 2), flags), [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint="except_last")
     pipe(torch.randn(4, 2)).sum().backward()
     assert sorted(flags.seen) == [(False, False), (False, True), (True, False)]
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last"])
+def test_no_checkpointing_in_eval_mode_with_grad_enabled(mode):
+    """FairScale checkpoints nothing in eval mode (checkpoint_stop 0), even with autograd on:
+    no micro-batch runs checkpointed or is recomputed, and gradients are still those of the
+    plain model."""
+    flags = Flags()
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), flags), [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint=mode)
+    pipe.eval()
+    assert torch.is_grad_enabled()
+    pipe(torch.randn(4, 2)).sum().backward()
+    assert flags.seen == [(False, False), (False, False)], flags.seen
+    ref = mlp()
+    pipe = Pipe(mlp(), [3, 2, 4], devices=["cpu"] * 3, chunks=3, checkpoint=mode).eval()
+    assert_same_training(ref.eval(), pipe, torch.randn(6, 8))
 
 
 def dropout_model():

@@ -883,3 +883,86 @@ def test_looped_bfs_order_is_torchs():
     got = [str(a) for a in ScheduleLoopedBFS.order(fake)]
     assert got == ["F0", "F1", "F2", "F0@1", "F1@1", "F2@1", "B2@1", "B1@1", "B0@1", "B2", "B1", "B0"]
     assert [str(a) for a in ScheduleLoopedBFS.order(fake, has_backward=False)] == got[:6]
+
+
+class _RouteWithUnused(_Route):
+    """_Route with a layer c that no replica ever uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(8, 8)
+
+
+def job_unused_by_every_replica(rank, world):
+    """One-stage pipelines on two data-parallel replicas: replica 0 uses layer a, replica 1 layer
+    b, neither uses c. As DDP (find_unused_parameters) and torch give it, c keeps no gradient,
+    and a and b get their replica's gradient averaged with the other's zero."""
+    from fairscale_c.nn.pipe import PipelineStage, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        pp = [dist.new_group([0]), dist.new_group([1])]
+        mod = _RouteWithUnused()
+        schedule = ScheduleGPipe(PipelineStage(mod, 0, 1, group=pp[rank]), 2, F.mse_loss, dp_group=dist.group.WORLD)
+        x, y = batch(11, 4)
+        y = y.repeat(1, 2)
+        xs = [x.abs(), -x.abs()]
+        schedule.step(xs[rank], target=y)
+        ref = _RouteWithUnused()
+        for xx in xs:
+            F.mse_loss(ref(xx), y).backward()
+        out = {}
+        for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
+            if q.grad is None:
+                out[name] = None if p.grad is None else "has a gradient"
+            else:
+                out[name] = "no gradient" if p.grad is None else not_close(p.grad, q.grad / 2)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_parameter_no_replica_uses_keeps_no_gradient():
+    results = run_ranks(job_unused_by_every_replica, 2, timeout=120, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    want = {"a.weight": "", "a.bias": "", "b.weight": "", "b.bias": "", "c.weight": None, "c.bias": None}
+    assert results == [want, want], results
+
+
+def _one_f_one_b(p, s, m):
+    """The 1F1B order of stage s of p, written out: p - s - 1 warm-up forwards (at most m), then
+    a forward and the oldest backward in turn, then the backwards left."""
+    warm = min(p - s - 1, m)
+    order = [f"F{i}" for i in range(warm)]
+    for i in range(m - warm):
+        order += [f"F{warm + i}", f"B{i}"]
+    return order + [f"B{i}" for i in range(m - warm, m)]
+
+
+def test_one_f_one_b_order():
+    """Schedule1F1B.order(): the 1F1B order, and at most p - s micro-batches in flight on stage s
+    (exactly that many at the peak when m >= p - s), as its docstring says."""
+    import types
+
+    from fairscale_c.nn.pipe import Schedule1F1B
+
+    def order(p, s, m, has_backward=True):
+        stage = types.SimpleNamespace(num_stages=p, stage_index=s)
+        fake = types.SimpleNamespace(_stages=[stage], _n_microbatches=m)
+        return [str(a) for a in Schedule1F1B.order(fake, has_backward)]
+
+    assert order(2, 0, 4) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert order(2, 1, 4) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert order(4, 0, 4) == ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
+    assert order(4, 1, 4) == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
+    for p in (2, 4):
+        for m in (4, 8):
+            for s in range(p):
+                got = order(p, s, m)
+                assert got == _one_f_one_b(p, s, m), (p, s, m, got)
+                assert order(p, s, m, has_backward=False) == [f"F{i}" for i in range(m)]
+                in_flight, peak = 0, 0
+                for a in got:
+                    in_flight += 1 if a[0] == "F" else -1
+                    peak = max(peak, in_flight)
+                assert in_flight == 0 and peak == min(p - s, m), (p, s, m, peak)

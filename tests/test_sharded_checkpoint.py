@@ -371,3 +371,43 @@ def test_a_filesystem_without_locks_fails_the_save_and_leaves_nothing(tmp_path, 
         save_sharded(_state(2), d, step=2)
     monkeypatch.undo()
     assert sorted(os.listdir(d)) == before and load_sharded(d)["step"] == 1
+
+
+def test_each_file_is_synced_before_its_rename_and_the_directory_after(tmp_path, monkeypatch):
+    """Durability of a save: the shard and then the manifest are each written to a temporary
+    name, flushed and fsynced (all their bytes on disk), renamed over their name, and the
+    directory is fsynced after the rename (so the new name survives a crash of the machine)
+    before the next file is committed and before save_sharded returns."""
+    import stat
+
+    from fairscale_c.utils import checkpoint
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), stat.S_ISDIR(st.st_mode), st.st_size))
+        return real_fsync(fd)
+
+    def replace(src, dst, *a, **k):
+        events.append(("replace", os.path.realpath(src), os.path.realpath(dst)))
+        return real_replace(src, dst, *a, **k)
+
+    d = os.path.realpath(tmp_path)
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    shard = os.path.realpath(save_sharded(_state(1), d, step=1))
+    monkeypatch.undo()
+    manifest = os.path.join(d, "manifest.json")
+    renames = [i for i, e in enumerate(events) if e[0] == "replace"]
+    assert [events[i][2] for i in renames] == [shard, manifest], events
+    for n, i in enumerate(renames):
+        tmp, dst = events[i][1:]
+        synced = [e for e in events[:i] if e[0] == "fsync" and e[1] == tmp]
+        assert synced, f"{dst} renamed before its temporary file was fsynced: {events}"
+        assert synced[-1][3] == os.path.getsize(dst), f"{dst} fsynced before all its bytes were written: {events}"
+        end = renames[n + 1] if n + 1 < len(renames) else len(events)
+        after = [e for e in events[i + 1 : end] if e[0] == "fsync" and e[2] and e[1] == d]
+        assert after, f"the directory was not fsynced after {dst} was renamed (before the next step): {events}"
+    assert load_sharded(d)["step"] == 1
