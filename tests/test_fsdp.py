@@ -346,6 +346,15 @@ def _rank_input(r):
     return torch.randn(4, 6, generator=torch.Generator().manual_seed(50 + r))
 
 
+def _assert_state_close(model, ref):
+    """The FSDP model's full state dict equals the plain reference model's."""
+    import torch
+
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def _divide_factors_job(rank, world):
     """set_gradient_divide_factors(pre, post, recursive): FairScale divides each rank's gradient
     by `pre` before the sum over ranks and the sum by `post`: grad = sum over ranks / (pre * post).
@@ -376,9 +385,7 @@ def _divide_factors_job(rank, world):
         with torch.no_grad():
             for p in ref.parameters():
                 p -= p.grad / 4
-        got = model.state_dict()
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        _assert_state_close(model, ref)
     finally:
         dist.destroy_process_group()
 
@@ -450,9 +457,7 @@ def _no_sync_nested_job(rank, world):
             (ref(_rank_input(r)).pow(2).sum() / world).backward()
             (ref(_rank_input(r + world)).pow(2).sum() / world).backward()
         ref_opt.step()
-        got = model.state_dict()
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        _assert_state_close(model, ref)
     finally:
         dist.destroy_process_group()
 
