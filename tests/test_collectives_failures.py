@@ -142,6 +142,35 @@ def test_peer_that_never_joins():
     assert all(r is None or r < 15 for r in results), results
 
 
+def _dies_after_publishing_job(rank, world):
+    import signal
+    import threading
+
+    import fairscale_c
+    import fairscale_c.distributed as fdist
+
+    if rank == 1:  # publishes its part at once, then dies while rank 2 is still on its way
+        threading.Timer(0.7, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    if rank == 2:
+        time.sleep(2.0)
+    start = time.perf_counter()
+    try:
+        fdist.init_group(name="late")
+    except fairscale_c.DistributedError as exc:
+        return str(exc), time.perf_counter() - start
+    return "joined", time.perf_counter() - start
+
+
+def test_a_rank_that_dies_after_publishing_its_part_is_named_at_once():
+    # Its pid is in the part every rank reads: rank 0, waiting for every rank to confirm it read
+    # the parts, names it instead of waiting out FAIRSCALE_C_TIMEOUT.
+    results = run_ranks(_dies_after_publishing_job, 3, env={"FAIRSCALE_C_TIMEOUT": "60"}, may_die=[1], timeout=120)
+    message, seconds = results[0]
+    assert "rank 1 (pid" in message and "exited" in message, message
+    assert seconds < 20, seconds
+    assert results[2][0] != "joined", results[2]
+
+
 def _dead_pid() -> int:
     import subprocess
     import sys

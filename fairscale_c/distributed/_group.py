@@ -9,7 +9,7 @@ import json
 import os
 import socket
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,13 @@ def gpu_identity() -> Optional[str]:
         return None
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
     return str(uuid) if uuid else None
+
+
+def _pids_on_this_host(parts: Sequence[bytes]) -> Dict[int, int]:
+    """rank -> pid for the ranks of a rendezvous's first exchange that run on this host."""
+    me = hostname()
+    infos = [json.loads(b) for b in parts]
+    return {r: int(i["pid"]) for r, i in enumerate(infos) if i.get("host") == me}
 
 
 def _gpus_shared(infos: Sequence[dict]) -> bool:
@@ -173,7 +180,11 @@ class Group:
         shm = None
         try:
             me = {"host": hostname(), "pid": os.getpid(), "segment": segment, "gpu": gpu_identity()}
-            infos = [json.loads(b) for b in self._exchange.all_gather(json.dumps(me).encode())]
+            # A rank that dies once its part is in is named while rank 0 waits for every rank to
+            # have read the parts (only ranks on this host: a pid means nothing elsewhere).
+            infos = [
+                json.loads(b) for b in self._exchange.all_gather(json.dumps(me).encode(), pids_in=_pids_on_this_host)
+            ]
             self.shares_gpu = _gpus_shared(infos)
             hosts = sorted({i["host"] for i in infos})
             if len(hosts) > 1:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .. import _C
 
 _T = TypeVar("_T")
+_PidsIn = Callable[[List[bytes]], Dict[int, int]]  # the parts of an all_gather -> pids on this host
 
 # How often a rendezvous wait checks whether the ranks it waits for still run.
 _LIVENESS_S = 0.05
@@ -52,9 +53,13 @@ class Exchange:
     rank: int
     size: int
 
-    def all_gather(self, data: bytes, pids: Optional[Dict[int, int]] = None) -> List[bytes]:
+    def all_gather(
+        self, data: bytes, pids: Optional[Dict[int, int]] = None, pids_in: Optional[_PidsIn] = None
+    ) -> List[bytes]:
         """Every rank's ``data``, in rank order. With ``pids`` (rank -> pid, ranks on this host),
-        a rank whose process has exited is reported at once instead of at the timeout."""
+        a rank whose process has exited is reported at once instead of at the timeout; with
+        ``pids_in`` (the parts -> such a mapping), the same once the parts are in (for the rest of
+        the exchange, where the ranks confirm they have read them)."""
         raise NotImplementedError
 
     def broadcast(self, data: Optional[bytes]) -> bytes:
@@ -124,7 +129,9 @@ class StoreExchange(Exchange):
                 f"became unreachable {when} ({exc.__class__.__name__}: {exc})"
             ) from None
 
-    def all_gather(self, data: bytes, pids: Optional[Dict[int, int]] = None) -> List[bytes]:
+    def all_gather(
+        self, data: bytes, pids: Optional[Dict[int, int]] = None, pids_in: Optional[_PidsIn] = None
+    ) -> List[bytes]:
         base = f"{self.prefix}/ag{self._round}"
         self._round += 1
         mine = f"{base}/{self.rank}"
@@ -132,6 +139,8 @@ class StoreExchange(Exchange):
         keys = [f"{base}/{r}" for r in range(self.size)]
         self._wait(keys, "all_gather", list(range(self.size)), pids)
         parts = self._call("all_gather", "while reading the parts", lambda: [bytes(self.store.get(k)) for k in keys])
+        if pids_in is not None:
+            pids = pids_in(parts)
         self._read_by_all(base, keys, "all_gather", pids)
         return parts
 
@@ -187,7 +196,9 @@ class ProcessGroupExchange(Exchange):
         self.pg, self.name = pg, name
         self.rank, self.size = dist.get_rank(pg), dist.get_world_size(pg)
 
-    def all_gather(self, data: bytes, pids: Optional[Dict[int, int]] = None) -> List[bytes]:
+    def all_gather(
+        self, data: bytes, pids: Optional[Dict[int, int]] = None, pids_in: Optional[_PidsIn] = None
+    ) -> List[bytes]:
         # torch's collective notices a peer that exits (its connection closes) on its own
         out: List[Optional[bytes]] = [None] * self.size
         dist.all_gather_object(out, data, group=self.pg)
