@@ -149,6 +149,44 @@ def test_rank_killed_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path
         load_sharded(d)
 
 
+def _dies_after_the_exchange_job(rank, world, directory):
+    import signal
+
+    import torch.distributed as dist
+
+    from fairscale_c.utils import checkpoint
+
+    dist.init_process_group("gloo")
+    save_sharded(_state(1, rank), directory, step=1)
+    if rank == 1:  # dies once every rank's shard is written and exchanged, before rank 0 commits
+        exchange, calls = checkpoint._all_gather, []
+
+        def exchange_then_die(*args, **kwargs):
+            out = exchange(*args, **kwargs)
+            calls.append(None)
+            if len(calls) == 2:  # the tag, then the shard entries
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        checkpoint._all_gather = exchange_then_die
+    try:
+        save_sharded(_state(2, rank), directory, step=2)
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+@pytest.mark.serial  # kills a rank
+def test_a_rank_killed_after_the_exchange_may_leave_the_new_checkpoint_committed_and_rank_0_says_so(tmp_path):
+    d = str(tmp_path)
+    message = run_ranks(_dies_after_the_exchange_job, 2, d, timeout=240, may_die=[1])[0]
+    assert message.startswith("DistributedError") and "rank 1" in message, message
+    assert "already committed this save" in message and "complete and current" in message, message
+    assert read_manifest(d)["step"] == 2
+    for rank, state in enumerate(load_all_shards(d)):
+        assert state["step"] == 2 and torch.equal(state["w"], _state(2, rank)["w"])
+
+
 def _stalled_peer_job(rank, world, directory):
     import time
 
@@ -235,12 +273,22 @@ def test_a_manifest_that_is_not_one_is_refused(tmp_path):
     assert load_sharded(d)["step"] == 1
 
 
-def _one_rank_fails_job(rank, world, directory):
+def _one_rank_fails_job(rank, world, directory, how):
     import torch.distributed as dist
+
+    from fairscale_c.utils import checkpoint
 
     dist.init_process_group("gloo")
     save_sharded(_state(1, rank), directory, step=1)
-    state = {"unpicklable": lambda: None} if rank == 1 else _state(2, rank)
+    state = _state(2, rank)
+    if rank == 1 and how == "unpicklable":
+        state = {"unpicklable": lambda: None}
+    if rank == 1 and how == "directory not synced":  # its new shard is complete and renamed into place
+
+        def eio(directory):
+            raise OSError(5, "Input/output error")
+
+        checkpoint._fsync_dir = eio
     try:
         save_sharded(state, directory, step=2)
     except CheckpointError as exc:
@@ -250,16 +298,18 @@ def _one_rank_fails_job(rank, world, directory):
     return "saved"
 
 
-def test_a_rank_that_cannot_write_makes_every_rank_raise_and_keeps_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("how", ["unpicklable", "directory not synced"])
+def test_a_rank_that_cannot_write_makes_every_rank_raise_and_keeps_the_previous_checkpoint(tmp_path, how):
     d = str(tmp_path)
-    results = run_ranks(_one_rank_fails_job, 2, d, timeout=240)
+    results = run_ranks(_one_rank_fails_job, 2, d, how, timeout=240)
     for msg in results:  # the same error on both ranks, naming the rank that failed
         assert "rank 1 could not write its shard" in msg and "previous checkpoint is unchanged" in msg, msg
     manifest = read_manifest(d)
     assert manifest["step"] == 1
     for rank, state in enumerate(load_all_shards(d)):
         assert state["step"] == 1 and torch.equal(state["w"], _state(1, rank)["w"])
-    # rank 0 wrote its new shard before it learnt of rank 1's failure: it removed it again
+    # rank 0 wrote its new shard before it learnt of rank 1's failure, and rank 1's may be in
+    # place when only syncing the directory failed: both are removed again
     assert sorted(os.listdir(d)) == sorted(["manifest.json"] + [s["file"] for s in manifest["shards"]])
 
 

@@ -49,6 +49,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import _C
+
 __all__ = ["CheckpointError", "save_sharded", "load_sharded", "load_all_shards", "read_manifest"]
 
 MANIFEST = "manifest.json"
@@ -244,8 +246,11 @@ def save_sharded(state: Any, directory: str, group: Any = None, *, step: Optiona
 
     Returns the path of this rank's committed shard. When any rank fails to write its shard, or
     rank 0 fails to write the manifest, every rank raises :class:`CheckpointError`, the previous
-    checkpoint stays the current one and the new shards are removed; when a rank dies or stalls,
-    the others raise DistributedError within FAIRSCALE_C_TIMEOUT, with the same guarantee."""
+    checkpoint stays the current one and the new shards are removed. When a rank dies or stalls,
+    the others raise DistributedError within FAIRSCALE_C_TIMEOUT: before every rank's shard was
+    exchanged, the previous checkpoint stays the current one (the new files are left for the next
+    save to remove); after it, rank 0 may still commit the new, complete checkpoint, and its error
+    then says so. After a failed save, the manifest on disk says which checkpoint is current."""
     directory = _check_directory(directory, "save_sharded")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise TypeError(f"save_sharded: argument 'step' must be an int or None, got {type(step).__name__}")
@@ -270,8 +275,7 @@ def save_sharded(state: Any, directory: str, group: Any = None, *, step: Optiona
         entries = _all_gather(entry, group, world)  # also: every rank has written and synced its file
         failed = [e for e in entries if "error" in e]
         if failed:
-            if error is None:
-                _unlink_quietly(path)
+            _unlink_quietly(path)  # also a file of this rank's that failed after its rename
             raise CheckpointError(
                 f"save_sharded({directory!r}): "
                 + "; ".join(f"rank {e['rank']} could not write its shard ({e['error']})" for e in failed)
@@ -288,7 +292,16 @@ def save_sharded(state: Any, directory: str, group: Any = None, *, step: Optiona
                 commit = {"replaced": True, "error": f"{type(exc).__name__}: {exc}"}
             except Exception as exc:
                 commit = {"replaced": False, "error": f"{type(exc).__name__}: {exc}"}
-        commit = _all_gather(commit, group, world)[0]  # nobody returns before the commit
+        try:
+            commit = _all_gather(commit, group, world)[0]  # nobody returns before the commit
+        except _C.DistributedError as exc:
+            if rank != 0 or commit is not None:
+                raise
+            # a rank died or stalled after the shards were exchanged: the manifest is written
+            raise _C.DistributedError(
+                f"{exc}; rank 0 had already committed this save before that ({MANIFEST} in {directory!r} names it, "
+                "and every shard it names was written and synced): the new checkpoint is complete and current"
+            ) from exc
         if commit is not None and commit["replaced"]:
             raise CheckpointError(
                 f"save_sharded({directory!r}): {MANIFEST} now names this save, but rank 0 could not sync the "
