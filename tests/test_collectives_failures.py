@@ -171,6 +171,31 @@ def test_a_rank_that_dies_after_publishing_its_part_is_named_at_once():
     assert results[2][0] != "joined", results[2]
 
 
+_NO_STORE = """
+import os, socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FAIRSCALE_C_TIMEOUT="8")
+import fairscale_c, fairscale_c.distributed as fdist
+t = time.perf_counter()
+try:
+    fdist.init_group()
+except fairscale_c.DistributedError as e:
+    print(f"{time.perf_counter() - t:.2f} {e}")
+"""
+
+
+def test_a_store_host_that_never_comes_is_reported_at_the_timeout():
+    # torch's client retries with pauses that outgrow its timeout (14.8 s at 8 s); the connect is
+    # retried in short tries up to FAIRSCALE_C_TIMEOUT instead.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NO_STORE], capture_output=True, text=True, timeout=120).stdout
+    seconds, message = out.split(" ", 1)
+    assert "cannot reach the TCPStore" in message and "FAIRSCALE_C_TIMEOUT=8 s" in message, out
+    assert 7.9 < float(seconds) < 11, seconds
+
+
 def _dead_pid() -> int:
     import subprocess
     import sys

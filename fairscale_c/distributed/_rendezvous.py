@@ -21,6 +21,7 @@ _PidsIn = Callable[[List[bytes]], Dict[int, int]]  # the parts of an all_gather 
 
 # How often a rendezvous wait checks whether the ranks it waits for still run.
 _LIVENESS_S = 0.05
+_CONNECT_TRY_S = 1.0  # a store client's connect attempt, retried until FAIRSCALE_C_TIMEOUT
 
 
 def timeout_s() -> float:
@@ -236,17 +237,31 @@ def env_store() -> "dist.Store":
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     t = timeout_s()  # a ValueError of its own, not "cannot reach the TCPStore"
+    master = rank == 0 and not agent
+    deadline = time.monotonic() + t
     try:
-        # wait_for_workers=False: a rank that never comes is reported by the first exchange,
-        # which can name it, rather than by the store's constructor
-        return dist.TCPStore(
-            addr,
-            port,
-            world,
-            is_master=(rank == 0 and not agent),
-            timeout=datetime.timedelta(seconds=t),
-            wait_for_workers=False,
-        )
+        while True:
+            # A client's connect retries with pauses that grow past the timeout it is given (a
+            # host that died mid-rendezvous cost up to 2.75x FAIRSCALE_C_TIMEOUT): short tries,
+            # until the deadline. wait_for_workers=False: a rank that never comes is reported by
+            # the first exchange, which can name it, rather than by the store's constructor.
+            left = deadline - time.monotonic()
+            try:
+                store = dist.TCPStore(
+                    addr,
+                    port,
+                    world,
+                    is_master=master,
+                    timeout=datetime.timedelta(seconds=t if master else max(0.1, min(_CONNECT_TRY_S, left))),
+                    wait_for_workers=False,
+                )
+            except Exception:
+                if master or time.monotonic() + 0.05 >= deadline:
+                    raise
+                time.sleep(0.05)
+                continue
+            store.set_timeout(datetime.timedelta(seconds=t))
+            return store
     except Exception as exc:
         raise _C.DistributedError(
             f"rendezvous (rank {rank} of {world}): cannot reach the TCPStore at {addr}:{port} within "
