@@ -364,6 +364,45 @@ def test_parameters_swapped_in_by_functional_call_are_refused(flatten):
     m(torch.randn(2, 4)).sum().backward()  # the instance itself is untouched
 
 
+@pytest.mark.parametrize("flatten", [True, False])
+@pytest.mark.parametrize("how", ["checkpoint_wrapper", "torch non-reentrant"])
+def test_activation_checkpointing_around_an_instance(how, flatten):
+    # The forward recomputed in backward finds the instance's full parameters in its slots; that
+    # is not a swap (the check for torch.func.functional_call refused it when unflattened).
+    import torch.utils.checkpoint as tck
+
+    from fairscale_c.nn import checkpoint_wrapper
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return tck.checkpoint(self.inner, x, use_reentrant=False)
+
+    def plain():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), nn.Linear(4, 2)
+        )
+
+    ref, m = plain(), plain()
+    block = FSDP(m[1], flatten_parameters=flatten)
+    m[1] = checkpoint_wrapper(block) if how == "checkpoint_wrapper" else Checkpointed(block)
+    model = FSDP(m)
+    x = torch.randn(3, 4)
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    full = {k.replace("inner.", ""): v for k, v in model.state_dict().items()}
+    assert full.keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, msg=lambda msg, k=k: f"{k}: {msg}")
+
+
 def test_local_state_dict_round_trip_and_consolidate():
     m = FSDP(mlp())
     local = m.local_state_dict()

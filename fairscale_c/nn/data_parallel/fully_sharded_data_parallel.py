@@ -351,10 +351,13 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
 
     def _check_own_shards(self) -> None:
         """A parameter slot that no longer holds this instance's shard (``torch.func.functional_call``
-        swaps in other tensors) would be ignored: the forward computes with the instance's shards."""
+        swaps in other tensors) would be ignored: the forward computes with the instance's shards.
+        An empty slot is this instance's own doing: a forward recomputed in backward (activation
+        checkpointing around the instance) finds the full parameters in place of the shards."""
         for h in self._handles:
             module, attr = (self, h.backing_name) if self.flatten_parameters else h.places()[0]
-            if module._parameters.get(attr) is not h.param:
+            held = module._parameters.get(attr)
+            if held is not None and held is not h.param:
                 raise RuntimeError(
                     f"FullyShardedDataParallel: parameter '{h.backing_name}' is not this instance's shard any more "
                     "(replaced, e.g. by torch.func.functional_call); the forward computes with its own shards and "
