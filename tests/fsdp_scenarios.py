@@ -1008,7 +1008,7 @@ def reduce_scatters_in_flight(rank, world):
     """Full gradients do not pile up during backward: with every gradient reduce-scattered alone
     (bucket_cap_mb=0) through 6 wrapped blocks, at most two reduce-scatters (and so two full
     gradients) are alive at any point of backward; the rest have already become shard gradients."""
-    from fairscale_c.nn.data_parallel import _bucket, get_fsdp_instances
+    from fairscale_c.nn.data_parallel import _bucket
 
     torch.manual_seed(0)
     model = nested_manual_wrap(TinyLM(n_layers=6), bucket_cap_mb=0)
@@ -1018,7 +1018,7 @@ def reduce_scatters_in_flight(rank, world):
 
     def add(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        seen.append(sum(h.pending is not None for m in get_fsdp_instances(model) for h in m._handles))
+        seen.append(sum(len(issued.members) for issued in self.in_flight))
 
     _bucket.ReduceScatterBucket.add = add
     try:

@@ -466,3 +466,69 @@ def test_no_sync_on_nested_instances_reduces_nothing():
     from dist_utils import run_ranks
 
     run_ranks(_no_sync_nested_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120)
+
+
+class _PartlyCheckpointed:
+    """A model whose layers `ckpt` run under torch.utils.checkpoint(use_reentrant=True) inside one
+    FSDP instance (built lazily: the class needs torch)."""
+
+    @staticmethod
+    def build(ckpt, seed=0):
+        import torch
+        import torch.utils.checkpoint as tck
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+
+            def forward(self, x):
+                for i, layer in enumerate(self.layers):
+                    x = tck.checkpoint(layer, x, use_reentrant=True) if i in ckpt else layer(x)
+                    x = torch.tanh(x)
+                return x
+
+        torch.manual_seed(seed)
+        return Net()
+
+
+def _reentrant_job(rank, world, ckpt, flatten, nested):
+    import torch
+    import torch.distributed as dist
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    dist.init_process_group("gloo")
+    try:
+        plain = _PartlyCheckpointed.build(ckpt)
+        ref = _PartlyCheckpointed.build(ckpt)
+        if nested:  # the checkpoint around a whole nested instance (its input requires grad)
+            plain.layers[1] = FSDP(plain.layers[1], flatten_parameters=flatten)
+        model = FSDP(plain, flatten_parameters=flatten)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        for _step in range(2):
+            opt.zero_grad()
+            model(_rank_input(rank)).pow(2).sum().backward()
+            opt.step()
+            ref_opt.zero_grad()
+            (sum(ref(_rank_input(r)).pow(2).sum() for r in range(world)) / world).backward()
+            ref_opt.step()
+        _assert_state_close(model, ref)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "ckpt, flatten, nested",
+    [((1,), True, False), ((1, 3), False, False), ((0, 2), True, False), ((1,), True, True), ((1,), False, True)],
+    ids=str,
+)
+def test_a_reentrant_checkpoint_inside_an_instance(ckpt, flatten, nested):
+    # torch.utils.checkpoint(use_reentrant=True) around some layers of an instance: the recomputed
+    # layers' gradient completes in a nested backward of its own, before the rest (it crashed in
+    # the reduce-scatter bookkeeping; unflattened, those layers got no gradient at all).
+    from dist_utils import run_ranks
+
+    run_ranks(_reentrant_job, 2, ckpt, flatten, nested, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120)

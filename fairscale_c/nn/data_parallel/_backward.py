@@ -13,8 +13,16 @@ from ._handle import Handle, TrainingState, free_storage
 from ._tensors import map_tensors
 
 
+def _graph_task() -> int:
+    """The id of the backward running now (a reentrant checkpoint's nested backward has its own)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
+
+
 class BackwardHooks:
     """The backward of one FSDP instance."""
+
+    _backward_task = -1  # root: the graph task of the backward its pre-backward hook saw
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -27,12 +35,16 @@ class BackwardHooks:
             self._pre_backward_hook_has_run = True
             if self._is_root:
                 torch.autograd.Variable._execution_engine.queue_callback(self._wait_for_post_backward)
+                self._backward_task = _graph_task()
             self.training_state = TrainingState.BACKWARD_PRE
             self._rebuild_full_params()
             if not self.flatten_parameters or self._ties:
                 # A block recomputed in backward (activation checkpointing) reads the attributes:
-                # they hold full views until the end of backward (flat ones always do).
-                self._use_full_params()
+                # they hold full views until the end of backward (flat ones always do). Views
+                # that autograd records, so that a reentrant checkpoint's recomputed block
+                # reaches the full parameters' gradient.
+                with torch.enable_grad():
+                    self._use_full_params()
             self._root._prefetch_neighbour(self, -1)
 
         def register(t: torch.Tensor) -> torch.Tensor:
@@ -44,10 +56,15 @@ class BackwardHooks:
 
     @torch.no_grad()
     def _post_backward_hook(self, h: Handle, full: torch.Tensor) -> None:
-        """Runs when the full flat gradient is complete: start its reduce-scatter, free the full params."""
+        """Runs when the full flat gradient is complete: start its reduce-scatter, free the full
+        params. A reentrant checkpoint inside the instance (torch.utils.checkpoint with
+        use_reentrant=True) backpropagates its recomputed part in a nested backward, which
+        completes a gradient of its own first: that one is reduced as well (the shards add up),
+        and the full params stay for the rest of the outer backward."""
         grad = full.grad
         if grad is None:
             return
+        nested = _graph_task() != self._root._backward_task
         self.training_state = TrainingState.BACKWARD_POST
         if self._require_backward_grad_sync:
             full.grad = None
@@ -57,7 +74,7 @@ class BackwardHooks:
                 grad = g32
             average = abs(self.gradient_predivide_factor * self.gradient_postdivide_factor - self.world_size) < 1e-6
             self._root._bucket.add(self, h, grad, average)
-        if self._require_backward_grad_sync or self.reshard_after_forward:
+        if (self._require_backward_grad_sync or self.reshard_after_forward) and not nested:
             free_storage(h.full.detach())
             h.has_full = False
 

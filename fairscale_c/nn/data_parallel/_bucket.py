@@ -29,7 +29,7 @@ _MAX_IN_FLIGHT = 2
 
 
 class PendingReduce(NamedTuple):
-    """One flat parameter's part of a reduce-scatter in flight (``Handle.pending``, _handle.py)."""
+    """One flat gradient's part of a reduce-scatter in flight."""
 
     out: torch.Tensor  # its shard of the reduced gradient: a view of the collective's output
     input: torch.Tensor  # the collective's input (the full gradient or the packed bucket), alive until retired
@@ -37,10 +37,13 @@ class PendingReduce(NamedTuple):
 
 
 class _Member(NamedTuple):
-    """A flat parameter (its instance and handle) whose gradient one reduce-scatter reduces."""
+    """A flat parameter (its instance and handle) whose gradient one reduce-scatter reduces. A
+    flat parameter may have several in one backward: a reentrant checkpoint inside its instance
+    hands over the gradient of the recomputed part on its own."""
 
     fsdp: Any
     handle: Any
+    pending: PendingReduce
 
 
 class _BucketKey(NamedTuple):
@@ -122,18 +125,15 @@ class ReduceScatterBucket:
             issued = self.in_flight.popleft()
             issued.work.wait()
             for m in issued.members:
-                pending = m.handle.pending
-                m.handle.pending = None
-                self.reduced.append(_Reduced(m.fsdp, m.handle, pending.out, pending.averaged))
+                self.reduced.append(_Reduced(m.fsdp, m.handle, m.pending.out, m.pending.averaged))
 
     def _send_alone(self, fsdp, h, grad: torch.Tensor, op: str, average: bool) -> None:
         # On CUDA `out` is allocated on the compute stream, like `grad`, and the collective runs on
-        # the group's side stream; h.pending keeps both alive until the work is retired (the compute
+        # the group's side stream; the member's pending keeps both alive until the work is retired (the compute
         # stream waits for it), so their memory is reused only after it (events, no record_stream).
         out = torch.empty(h.layout.shard_numel, dtype=grad.dtype, device=grad.device)
         work = fsdp.comm_rs.reduce_scatter(out, grad, op=op, async_op=True)
-        h.pending = PendingReduce(out, grad, average)
-        self.in_flight.append(_InFlight(work, [_Member(fsdp, h)]))
+        self.in_flight.append(_InFlight(work, [_Member(fsdp, h, PendingReduce(out, grad, average))]))
 
     def _send(self, key: _BucketKey) -> None:
         entries = self.buckets.pop(key)
@@ -144,14 +144,14 @@ class ReduceScatterBucket:
         out = torch.empty(packed.numel() // world, dtype=key.dtype, device=key.device)
         if key.device.type == "cuda":
             # Packed on the compute stream (as FSDP2 copies in), so the gradients can be freed as
-            # soon as this returns; `packed` and `out` stay alive in h.pending until retired.
+            # soon as this returns; `packed` and `out` stay alive in the members until retired.
             _C.pack_blocks(packed, grads, world, torch.cuda.current_stream(key.device).cuda_stream)
         else:
             _C.pack_blocks(packed, grads, world)
         work = fsdp.comm_rs.reduce_scatter(out, packed, op=key.op, async_op=True)
-        offset = 0
+        members, offset = [], 0
         for q in entries:
             n = q.grad.numel() // world
-            q.handle.pending = PendingReduce(out[offset : offset + n], packed, key.op == "avg")
+            members.append(_Member(q.fsdp, q.handle, PendingReduce(out[offset : offset + n], packed, key.op == "avg")))
             offset += n
-        self.in_flight.append(_InFlight(work, [_Member(q.fsdp, q.handle) for q in entries]))
+        self.in_flight.append(_InFlight(work, members))

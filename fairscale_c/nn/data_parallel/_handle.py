@@ -1,5 +1,5 @@
 """Run-time state of FSDP's flat parameters: the full buffer a shard is gathered into (its storage
-released between uses), the all-gather in flight, the reduce-scatter pending, and the parameters an
+released between uses), the all-gather in flight, and the parameters an
 instance shares with the instance that shards them, and what an instance is doing."""
 
 from enum import Enum, auto
@@ -8,7 +8,6 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from ._bucket import PendingReduce
 from .flat_param import FlatLayout, ParamSlot
 
 
@@ -53,7 +52,6 @@ class Handle:
         self.split_sizes = [s.numel for s in layout.slots] + ([pad] if pad else [])
         self.has_full = False
         self.gathering: Optional[Gathering] = None  # while an all-gather started ahead runs
-        self.pending: Optional[PendingReduce] = None  # while its gradient's reduce-scatter runs
         self.backing_name = ""  # "flat_param_<i>", or the parameter's name when not flattened
         self.forward_users = 0  # instances using it (owner and sharers) whose forward is running
         self.summoned: Optional[Dict[int, nn.Parameter]] = None  # id(slot) -> full fp32 parameter, while summoned
