@@ -966,3 +966,43 @@ def test_one_f_one_b_order():
                     in_flight += 1 if a[0] == "F" else -1
                     peak = max(peak, in_flight)
                 assert in_flight == 0 and peak == min(p - s, m), (p, s, m, peak)
+
+
+class _Warns(nn.Module):
+    """A layer that warns once per forward it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        import warnings
+
+        warnings.warn("forward ran", UserWarning, stacklevel=2)
+        return self.lin(x)
+
+
+def job_setup_pass_is_silent(rank, world):
+    """The stage's set-up pass (shapes worked out on the meta device, or a real run) is not a
+    forward of the user's: their module's warnings come once per micro-batch forward."""
+    import warnings
+
+    from fairscale_c.nn.pipe import PipelineStage, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        mod = _Warns() if rank == 0 else nn.Linear(8, 4)
+        schedule = ScheduleGPipe(PipelineStage(mod, rank, 2), 2, F.mse_loss)
+        x, y = batch(12, 4)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            schedule.step(x if rank == 0 else None, target=y if rank == 1 else None)
+        return sum(str(w.message) == "forward ran" for w in seen)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_set_up_pass_gives_no_warnings_of_the_module():
+    assert run_ranks(job_setup_pass_is_silent, 2, timeout=120, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [2, 0]

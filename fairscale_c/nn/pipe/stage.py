@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -382,16 +383,22 @@ class PipelineStage:
         """Output metadata of the module on inputs described by ``metas``: on the meta device
         (parameters and buffers replaced by meta tensors, so nothing is computed or changed), else
         by running it once without gradients (RNG state and buffers restored afterwards). Stage 0
-        given keyword arguments runs for real on its first micro-batch and their first chunk."""
+        given keyword arguments runs for real on its first micro-batch and their first chunk. The
+        module's warnings in this extra pass (a reentrant checkpoint's "none of the inputs have
+        requires_grad", say) are not the user's: the steps give theirs."""
         try:
             if kwargs:
                 raise NotImplementedError("keyword arguments are not moved to the meta device")
             args = tuple(torch.empty(m.shape, dtype=m.dtype, device="meta") for m in metas)
             with torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad(), _on_meta(self.module):
-                out = self.module(*args)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    out = self.module(*args)
         except Exception:  # noqa: BLE001 - a module the meta device cannot run: run it for real
             try:
-                out = self._sample_forward(metas, sample, kwargs)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    out = self._sample_forward(metas, sample, kwargs)
             except Exception as e:  # noqa: BLE001 - reported to every rank by setup()
                 return None, (
                     f"stage {self.stage_index}'s module raised {type(e).__name__} on inputs {describe(metas)}: "
