@@ -532,3 +532,38 @@ def test_a_reentrant_checkpoint_inside_an_instance(ckpt, flatten, nested):
     from dist_utils import run_ranks
 
     run_ranks(_reentrant_job, 2, ckpt, flatten, nested, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120)
+
+
+def _lbfgs_gather_job(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    dist.init_process_group("gloo")
+    try:
+        model = FSDP(_two_level())
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(_rank_input(rank)).pow(2).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        try:
+            model.gather_full_optim_state_dict(opt)
+        except ValueError as e:
+            return str(e)
+        return "gathered"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_rank_list_state_is_refused_by_the_gather():
+    # LBFGS's history lists differ per rank; the format holds one copy, which rank 0's would fill.
+    from dist_utils import run_ranks
+
+    for message in run_ranks(_lbfgs_gather_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120):
+        assert "is a list" in message and "LBFGS" in message, message

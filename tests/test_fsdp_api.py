@@ -721,3 +721,54 @@ def test_a_failed_summon_leaves_the_instance_as_it_was(monkeypatch):
     with m.summon_full_params():
         torch.testing.assert_close(m.module[0].weight, plain[0].weight)
     assert m.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_gathered_optimizer_state_gives_each_parameter_its_own_scalars():
+    # NAdam's mu_product is one 0-d tensor per flat parameter; shared by every entry of the
+    # gathered state, a plain NAdam loading it multiplied it once per parameter at each step.
+    plain, ref = mlp(), mlp()
+    m = FSDP(plain)
+    opt, ref_opt = torch.optim.NAdam(m.parameters(), lr=0.01), torch.optim.NAdam(ref.parameters(), lr=0.01)
+    for step in range(3):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for model, o in ((m, opt), (ref, ref_opt)):
+            o.zero_grad()
+            model(x).pow(2).sum().backward()
+            o.step()
+    full = m.gather_full_optim_state_dict(opt)
+    assert full["state"][0]["mu_product"] is not full["state"][1]["mu_product"]
+    loaded = mlp()
+    loaded.load_state_dict(m.state_dict())
+    loaded_opt = torch.optim.NAdam(loaded.parameters(), lr=0.01)
+    loaded_opt.load_state_dict({"state": full["state"], "param_groups": full["param_groups"]})
+    for step in range(3, 6):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for model, o in ((loaded, loaded_opt), (ref, ref_opt)):
+            o.zero_grad()
+            model(x).pow(2).sum().backward()
+            o.step()
+    for p, q in zip(loaded.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_optimizer_state_arguments_are_checked():
+    m = FSDP(mlp())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with pytest.raises(TypeError, match="argument 'optim' must be a torch.optim.Optimizer, got NoneType"):
+        m.gather_full_optim_state_dict(None)
+    with pytest.raises(TypeError, match="argument 'full_optim_state_dict' must be a dict"):
+        m.get_shard_from_optim_state_dict(None)
+    full = m.gather_full_optim_state_dict(opt)
+    assert full["state"][0]["momentum_buffer"].shape == (8, 4)
+    transposed = copy.deepcopy(full)
+    transposed["state"][0]["momentum_buffer"] = full["state"][0]["momentum_buffer"].t().contiguous()
+    with pytest.raises(ValueError, match=r"state 'momentum_buffer' of parameter 0 is \(4, 8\); expected .* \(8, 4\)"):
+        m.get_shard_from_optim_state_dict(transposed)
+    missing = copy.deepcopy(full)
+    del missing["state"][1]["momentum_buffer"]
+    with pytest.raises(ValueError, match="has no state 'momentum_buffer' for parameter 1"):
+        m.get_shard_from_optim_state_dict(missing)
+    shard = m.get_shard_from_optim_state_dict(full)  # the checked form still round-trips
+    torch.testing.assert_close(shard["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])

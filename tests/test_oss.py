@@ -366,6 +366,28 @@ def scenario_clip_filtered(rank, world, tmp):
     return "compared"
 
 
+def scenario_inner_defaults_and_lbfgs(rank, world, tmp):
+    """OSS.defaults holds the inner optimizer's defaults too, as a plain optimizer's does, so
+    OneCycleLR (which looks for momentum or betas there) runs OSS(Adam) as it runs Adam; LBFGS
+    on a partition at world > 1 warns that it is not LBFGS on the whole model."""
+    import warnings
+
+    from fairscale_c.optim import OSS
+
+    model, ref = _make(11)
+    opt = OSS(_core(model), optim=torch.optim.Adam, lr=0.01)
+    ref_opt = torch.optim.Adam(_core(ref), lr=0.01)
+    assert opt.defaults["betas"] == (0.9, 0.999) and opt.defaults["lr"] == 0.01
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10) for o in (opt, ref_opt)]
+    _train_pair(model, ref, opt, ref_opt, 4, scheds=scheds)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        OSS(_core(model), optim=torch.optim.LBFGS, lr=0.1)
+    warned = any("LBFGS on a rank's partition" in str(w.message) for w in seen)
+    assert warned == (world > 1), [str(w.message) for w in seen]
+    return "compared"
+
+
 def scenario_checkpoint_save(rank, world, tmp):
     """Train 3 steps, save the consolidated state (every recipient form), train 3 more: the
     reference the loading worlds must reproduce."""
@@ -602,6 +624,12 @@ def test_oss_partition_matches_fairscale(world, tmp_path):
     pytest.importorskip("fairscale.optim.oss", reason="FairScale 0.4.13 not importable (see make fairscale-tests)")
     results = _run(world, ["partition_matches_fairscale"], tmp_path)
     assert [r["partition_matches_fairscale"] for r in results] == ["compared"] * world
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_oss_inner_defaults_and_lbfgs(world, tmp_path):
+    results = _run(world, ["inner_defaults_and_lbfgs"], tmp_path)
+    assert [r["inner_defaults_and_lbfgs"] for r in results] == ["compared"] * world
 
 
 def test_oss_clip_grad_norm_filter_params_fn(tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
@@ -262,6 +263,15 @@ class OSS(Optimizer):
         if not hasattr(self, "optim"):
             self.optim = self._optim_constructor(self.partition_parameters()[self.rank], **self._optim_defaults)
             OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
+            # The inner optimizer's defaults (betas, momentum, ...) as well as the ones given here,
+            # as a plain optimizer has them: LR schedulers read them (OneCycleLR: momentum or betas).
+            self.defaults = {**self.optim.defaults, **self.defaults}
+            if self.world_size > 1 and isinstance(self.optim, torch.optim.LBFGS):
+                warnings.warn(
+                    "OSS: LBFGS on a rank's partition is not LBFGS on the whole model (each rank's line search and "
+                    "history see its own parameters only): the steps differ from a single process's, as in FairScale",
+                    stacklevel=3,
+                )
         self._setup_flat_buffers()
 
     @torch.inference_mode(False)  # the buffers hold trainable parameters, whatever mode calls it

@@ -18,6 +18,11 @@ def _flat_entries(instances: List[Any]) -> List[Tuple[Any, Any]]:
 
 
 def _local_ids(optim: torch.optim.Optimizer, entries) -> List[Optional[int]]:
+    if not isinstance(optim, torch.optim.Optimizer):
+        raise TypeError(
+            "gather_full_optim_state_dict: argument 'optim' must be a torch.optim.Optimizer, got "
+            + type(optim).__name__
+        )
     if len(optim.param_groups) != 1:
         raise ValueError(
             f"gather_full_optim_state_dict: the optimizer has {len(optim.param_groups)} parameter groups; "
@@ -59,19 +64,18 @@ def gather_full(root, instances: List[Any], optim: torch.optim.Optimizer) -> Opt
                 full_state[key] = full
             elif _is_singleton(value) and key == "step":
                 full_state[key] = value.item()  # FairScale stores the step as an int
+            elif isinstance(value, (list, tuple, dict)) and m.world_size > 1:
+                raise ValueError(
+                    f"gather_full_optim_state_dict: state '{key}' of flat parameter {local_id} is a "
+                    f"{type(value).__name__} (LBFGS keeps its history so): each rank's differs and this format "
+                    "holds one; only tensors of the shard's size and scalars can be gathered"
+                )
             else:
                 full_state[key] = value
         for slot in h.layout.slots:
             param_id_map[global_id] = local_id
             if root.rank == 0 and local_state:
-                state[global_id] = {
-                    k: (
-                        v[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
-                        if torch.is_tensor(v) and v.dim() == 1 and v.numel() == h.layout.padded_numel
-                        else v
-                    )
-                    for k, v in full_state.items()
-                }
+                state[global_id] = {k: _slot_value(v, slot, h) for k, v in full_state.items()}
             global_id += 1
     if root.rank != 0:
         return None
@@ -85,10 +89,43 @@ def gather_full(root, instances: List[Any], optim: torch.optim.Optimizer) -> Opt
     }
 
 
+def _slot_value(v: Any, slot: Any, h: Any) -> Any:
+    """One original parameter's entry of a gathered state value: its part of a full flat tensor,
+    in the parameter's shape; anything else a copy of its own (a scalar tensor shared by every
+    entry would be updated once per entry by an optimizer that loads it, NAdam's mu_product)."""
+    if torch.is_tensor(v) and v.dim() == 1 and v.numel() == h.layout.padded_numel:
+        return v[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
+    return v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+
+
+def _slot_state(full_osd: Dict[str, Any], gid: int, key: str, slot: Any) -> torch.Tensor:
+    """The state tensor `key` of original parameter `gid`, checked against the parameter's shape."""
+    entry = full_osd["state"].get(gid)
+    if not isinstance(entry, dict) or key not in entry:
+        raise ValueError(
+            f"get_shard_from_optim_state_dict: argument 'full_optim_state_dict' has no state '{key}' for "
+            f"parameter {gid} (its flat parameter's other parameters have it)"
+        )
+    t = entry[key]
+    shape = tuple(slot.shape)
+    if not torch.is_tensor(t) or (tuple(t.shape) != shape and tuple(t.shape) != (slot.numel,)):
+        got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+        raise ValueError(
+            f"get_shard_from_optim_state_dict: state '{key}' of parameter {gid} is {got}; expected a tensor of the "
+            f"parameter's shape {shape}"
+        )
+    return t
+
+
 @torch.no_grad()
 def shard_from_full(instances: List[Any], full_osd: Dict[str, Any]) -> Dict[str, Any]:
     """get_shard_from_optim_state_dict of the root of `instances` (its FSDP instances, itself included)."""
     entries = _flat_entries(instances)
+    if not isinstance(full_osd, dict):
+        raise TypeError(
+            "get_shard_from_optim_state_dict: argument 'full_optim_state_dict' must be a dict (from "
+            f"gather_full_optim_state_dict), got {type(full_osd).__name__}"
+        )
     for key in ("state", "param_groups", "param_id_map"):
         if key not in full_osd:
             raise ValueError(f"get_shard_from_optim_state_dict: argument 'full_optim_state_dict' has no '{key}'")
@@ -119,7 +156,7 @@ def shard_from_full(instances: List[Any], full_osd: Dict[str, Any]) -> Dict[str,
             ):
                 flat = torch.zeros(h.layout.padded_numel, dtype=value.dtype)
                 for gid, slot in zip(ids, h.layout.slots):
-                    flat[slot.offset : slot.offset + slot.numel] = full_osd["state"][gid][key].reshape(-1)
+                    flat[slot.offset : slot.offset + slot.numel] = _slot_state(full_osd, gid, key, slot).reshape(-1)
                 n = h.layout.shard_numel
                 shard_state[key] = flat[h.layout.rank * n : (h.layout.rank + 1) * n].to(h.param.device).clone()
             elif key == "step" and not torch.is_tensor(value):
