@@ -309,5 +309,7 @@ def _store_keys_job(rank: int, world: int):
 
 def test_rendezvous_keys_are_deleted_once_every_rank_has_read_them():
     # A job that builds wrappers, groups or shared tensors over and over must not grow the store
-    # (which lives in rank 0's process, or in torchrun's agent) by a few keys each time.
-    assert run_ranks(_store_keys_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [0, 0]
+    # (which lives in rank 0's process, or in torchrun's agent) by a few keys each time. (torch
+    # may drop a key of its own meanwhile: the count must not grow.)
+    grown = run_ranks(_store_keys_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    assert all(n <= 0 for n in grown), grown
