@@ -772,3 +772,33 @@ def test_optimizer_state_arguments_are_checked():
         m.get_shard_from_optim_state_dict(missing)
     shard = m.get_shard_from_optim_state_dict(full)  # the checked form still round-trips
     torch.testing.assert_close(shard["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("order", ["FSDP(checkpoint(block))", "checkpoint(FSDP(block))"])
+def test_a_reentrant_checkpoint_around_whole_instances_frees_them_in_backward(order):
+    # The whole instance is recomputed and backpropagated in the checkpoint's nested backward:
+    # its full parameters are freed there, as in FairScale, not kept to the end of backward.
+    import torch.utils.checkpoint as tck
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return tck.checkpoint(self.inner, x, use_reentrant=True)
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)]
+    if order == "FSDP(checkpoint(block))":
+        kids = [FSDP(Checkpointed(b)) for b in blocks]
+        model = FSDP(nn.Sequential(*kids))
+    else:
+        kids = [FSDP(b) for b in blocks]
+        model = FSDP(nn.Sequential(*[Checkpointed(k) for k in kids]))
+    x = torch.randn(2, 8, requires_grad=True)
+    held = []
+    x.register_hook(lambda g: held.append(sum(h.has_full for k in kids for h in k._handles)))
+    model(x).sum().backward()
+    assert held == [0], held
+    assert all(p.grad is not None for p in model.parameters())

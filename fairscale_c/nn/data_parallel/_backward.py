@@ -19,10 +19,40 @@ def _graph_task() -> int:
     return current() if current is not None else -1
 
 
+_MARK = torch.zeros((), requires_grad=True)
+
+
+def sequence_mark() -> int:
+    """The sequence number autograd gives the next node it records on this thread: nodes of an
+    instance's forward have this number or higher."""
+    return _MARK.view(()).grad_fn._sequence_nr()
+
+
+def outer_graph_uses_full(outputs: Any, start: int) -> bool:
+    """Whether autograd's record of a forward that began at `start` (sequence_mark()) may use the
+    instance's full parameters: False only when each output is made by one node whose inputs all
+    come from before the forward (or are leaves), i.e. a reentrant checkpoint took the whole
+    computation (its first pass ran without autograd; its recomputation is backpropagated in a
+    nested backward)."""
+    tensors: list = []
+    map_tensors(lambda t: tensors.append(t) or t, outputs)
+    for t in tensors:
+        node = t.grad_fn if t.requires_grad else None
+        if node is None or node._sequence_nr() < start:
+            continue  # not recorded, or an input passed through
+        for parent, _ in node.next_functions:
+            # a node of this forward (the parameters are reached through views, never as
+            # leaves: a leaf's AccumulateGrad, such as FairScale's checkpoint's dummy, is not one)
+            if parent is not None and not hasattr(parent, "variable") and parent._sequence_nr() >= start:
+                return True
+    return False
+
+
 class BackwardHooks:
     """The backward of one FSDP instance."""
 
     _backward_task = -1  # root: the graph task of the backward its pre-backward hook saw
+    _outer_uses_full = True  # whether autograd's record of its last forward uses the full params
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -60,11 +90,13 @@ class BackwardHooks:
         params. A reentrant checkpoint inside the instance (torch.utils.checkpoint with
         use_reentrant=True) backpropagates its recomputed part in a nested backward, which
         completes a gradient of its own first: that one is reduced as well (the shards add up),
-        and the full params stay for the rest of the outer backward."""
+        and the full params stay for the rest of the outer backward, which still holds views of
+        them. An instance the checkpoint covers whole (its first forward ran without autograd)
+        has its whole gradient in the nested backward, and is freed there as usual."""
         grad = full.grad
         if grad is None:
             return
-        nested = _graph_task() != self._root._backward_task
+        outer_needs_full = self._outer_uses_full and _graph_task() != self._root._backward_task
         self.training_state = TrainingState.BACKWARD_POST
         if self._require_backward_grad_sync:
             full.grad = None
@@ -74,7 +106,7 @@ class BackwardHooks:
                 grad = g32
             average = abs(self.gradient_predivide_factor * self.gradient_postdivide_factor - self.world_size) < 1e-6
             self._root._bucket.add(self, h, grad, average)
-        if (self._require_backward_grad_sync or self.reshard_after_forward) and not nested:
+        if (self._require_backward_grad_sync or self.reshard_after_forward) and not outer_needs_full:
             free_storage(h.full.detach())
             h.has_full = False
 

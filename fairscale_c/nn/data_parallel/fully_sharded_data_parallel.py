@@ -27,7 +27,7 @@ from . import _optim_state, _state_dict
 from ._state_dict import no_pre_load_state_dict_hook  # noqa: F401 - FairScale defines it in this module
 from ._args import check_fsdp_args
 from ._bucket import ReduceScatterBucket
-from ._backward import BackwardHooks
+from ._backward import BackwardHooks, _graph_task, outer_graph_uses_full, sequence_mark
 from ._full_params import FullParams
 from ._setup import Setup, is_managed
 from ._handle import TrainingState, free_storage
@@ -324,6 +324,9 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError("FullyShardedDataParallel: forward inside summon_full_params is not supported")
         self.training_state = TrainingState.FORWARD
+        # Not a forward recomputed in backward by activation checkpointing: note where autograd's
+        # record of this forward starts (see _outer_graph_uses_full).
+        start = sequence_mark() if _graph_task() == -1 and torch.is_grad_enabled() else None
         if self._is_root and self.mixed_precision:
             args, kwargs = cast_floats(self.compute_dtype, args, kwargs)
         elif self.force_input_to_fp32 and not self.mixed_precision:
@@ -337,6 +340,8 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             self._root._on_forward(self)
             self._use_full_params()
             outputs = self.module(*args, **kwargs)
+            if _graph_task() == -1:
+                self._outer_uses_full = start is not None and outer_graph_uses_full(outputs, start)
             if self.reshard_after_forward:
                 self._free_full_params(in_forward=True)
             outputs = self._register_pre_backward_hooks(outputs)
