@@ -567,3 +567,35 @@ def test_per_rank_list_state_is_refused_by_the_gather():
 
     for message in run_ranks(_lbfgs_gather_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120):
         assert "is a list" in message and "LBFGS" in message, message
+
+
+def _uncollected_job(rank, world):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        expert = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), no_broadcast_optim_state=True)
+        m = FSDP(nn.Sequential(nn.Linear(4, 4), expert))
+        opt = torch.optim.Adam(m.parameters(), lr=0.1)
+        m(_rank_input(rank)[:, :4]).sum().backward()
+        opt.step()
+        full = m.gather_full_optim_state_dict(opt)
+        if full is None:
+            return None
+        ids = [g for g, lid in full["param_id_map"].items() if lid in full["uncollected_local_ids"]]
+        return len(ids), len({full["state"][g]["exp_avg"].untyped_storage().data_ptr() for g in ids})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_uncollected_optimizer_state_is_not_copied_per_parameter():
+    # An instance with no_broadcast_optim_state keeps each rank's shard state as it is: its
+    # parameters' entries refer to that state rather than each holding a copy of all of it.
+    from dist_utils import run_ranks
+
+    assert run_ranks(_uncollected_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120) == [(4, 1), None]

@@ -802,3 +802,29 @@ def test_a_reentrant_checkpoint_around_whole_instances_frees_them_in_backward(or
     model(x).sum().backward()
     assert held == [0], held
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_optimizer_state_round_trip_with_a_0d_parameter_first():
+    # The state's layout was read off the flat parameter's first parameter: a 0-d one there made
+    # Adam's exp_avg look like a scalar, and the loaded optimizer failed at its next step.
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(1.5))
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    m = FSDP(Scaled())
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = opt.state_dict()["state"][0]
+    shard = m.get_shard_from_optim_state_dict(m.gather_full_optim_state_dict(opt))
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(shard["state"][0][key], before[key])
+    opt.load_state_dict(shard)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()

@@ -91,11 +91,12 @@ def gather_full(root, instances: List[Any], optim: torch.optim.Optimizer) -> Opt
 
 def _slot_value(v: Any, slot: Any, h: Any) -> Any:
     """One original parameter's entry of a gathered state value: its part of a full flat tensor,
-    in the parameter's shape; anything else a copy of its own (a scalar tensor shared by every
-    entry would be updated once per entry by an optimizer that loads it, NAdam's mu_product)."""
+    in the parameter's shape; a scalar tensor a copy of its own (shared by every entry, it would
+    be updated once per entry by an optimizer that loads it: NAdam's mu_product); anything else
+    (an uncollected shard's state, say) shared, as gathered."""
     if torch.is_tensor(v) and v.dim() == 1 and v.numel() == h.layout.padded_numel:
         return v[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
-    return v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+    return v.clone() if _is_singleton(v) else v
 
 
 def _slot_state(full_osd: Dict[str, Any], gid: int, key: str, slot: Any) -> torch.Tensor:
@@ -147,8 +148,11 @@ def shard_from_full(instances: List[Any], full_osd: Dict[str, Any]) -> Dict[str,
         local_ids.add(local_id)
         if ids[0] not in full_osd["state"]:
             continue
+        # A state is per element when it has the parameter's shape: read off the largest of the
+        # flat parameter's parameters (a 0-d one would make every state look like a scalar).
+        largest = max(range(len(ids)), key=lambda i: h.layout.slots[i].numel)
         shard_state = {}
-        for key, value in full_osd["state"][ids[0]].items():
+        for key, value in full_osd["state"].get(ids[largest], full_osd["state"][ids[0]]).items():
             if (
                 torch.is_tensor(value)
                 and not _is_singleton(value)
