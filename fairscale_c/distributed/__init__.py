@@ -304,6 +304,13 @@ def get_group() -> Group:
     new init_process_group), is replaced by the group of the current one."""
     global _default
     if _default is not None and not _still_every_rank(_default):
+        if _default._pg_built and not (dist.is_available() and dist.is_initialized()):
+            # not torchrun's environment: the rendezvous would find torch's old store on its port
+            raise RuntimeError(
+                "fairscale_c.distributed: the default group's torch.distributed process group was destroyed "
+                "(destroy_process_group) and torch.distributed is not initialised now; call "
+                "init_process_group again, or pass a group"
+            )
         _default = None
     return _default if _default is not None else init_group()
 

@@ -156,6 +156,7 @@ class Group:
     def __init__(self, exchange: Exchange, name: str, pg: Optional["dist.ProcessGroup"] = None) -> None:
         self.rank, self.size, self.name = exchange.rank, exchange.size, name
         self._exchange, self._pg = exchange, pg
+        self._pg_built = pg is not None  # built on a torch process group (kept after close)
         self.process_group = pg  # the torch.distributed group it was built from, if any
         self._side: dict = {}  # CUDA device -> the stream this group's asynchronous NCCL ops run on
         self._last: dict = {}  # CUDA device -> the stream this group's last NCCL op was enqueued on
