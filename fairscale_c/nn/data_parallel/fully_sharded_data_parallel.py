@@ -325,7 +325,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             raise RuntimeError("FullyShardedDataParallel: forward inside summon_full_params is not supported")
         self.training_state = TrainingState.FORWARD
         # Not a forward recomputed in backward by activation checkpointing: note where autograd's
-        # record of this forward starts (see _outer_graph_uses_full).
+        # record of this forward starts (see outer_graph_uses_full).
         start = sequence_mark() if _graph_task() == -1 and torch.is_grad_enabled() else None
         if self._is_root and self.mixed_precision:
             args, kwargs = cast_floats(self.compute_dtype, args, kwargs)
