@@ -527,8 +527,8 @@ def _reentrant_job(rank, world, ckpt, flatten, nested):
 )
 def test_a_reentrant_checkpoint_inside_an_instance(ckpt, flatten, nested):
     # torch.utils.checkpoint(use_reentrant=True) around some layers of an instance: the recomputed
-    # layers' gradient completes in a nested backward of its own, before the rest (it crashed in
-    # the reduce-scatter bookkeeping; unflattened, those layers got no gradient at all).
+    # layers' gradient completes in a nested backward of its own, before the rest: both parts are
+    # reduced, and the recomputed layers get their gradient, flattened or not.
     from dist_utils import run_ranks
 
     run_ranks(_reentrant_job, 2, ckpt, flatten, nested, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120)

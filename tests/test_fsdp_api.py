@@ -12,6 +12,19 @@ from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale_c.nn.data_parallel import TrainingState, get_fsdp_instances
 
 
+class TorchCheckpointed(nn.Module):
+    """``inner`` under torch.utils.checkpoint, reentrant or not."""
+
+    def __init__(self, inner, reentrant):
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x):
+        import torch.utils.checkpoint as tck
+
+        return tck.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
 def mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -368,18 +381,8 @@ def test_parameters_swapped_in_by_functional_call_are_refused(flatten):
 @pytest.mark.parametrize("how", ["checkpoint_wrapper", "torch non-reentrant"])
 def test_activation_checkpointing_around_an_instance(how, flatten):
     # The forward recomputed in backward finds the instance's full parameters in its slots; that
-    # is not a swap (the check for torch.func.functional_call refused it when unflattened).
-    import torch.utils.checkpoint as tck
-
+    # is not a swap of the kind the check for torch.func.functional_call refuses.
     from fairscale_c.nn import checkpoint_wrapper
-
-    class Checkpointed(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return tck.checkpoint(self.inner, x, use_reentrant=False)
 
     def plain():
         torch.manual_seed(0)
@@ -389,7 +392,7 @@ def test_activation_checkpointing_around_an_instance(how, flatten):
 
     ref, m = plain(), plain()
     block = FSDP(m[1], flatten_parameters=flatten)
-    m[1] = checkpoint_wrapper(block) if how == "checkpoint_wrapper" else Checkpointed(block)
+    m[1] = checkpoint_wrapper(block) if how == "checkpoint_wrapper" else TorchCheckpointed(block, reentrant=False)
     model = FSDP(m)
     x = torch.randn(3, 4)
     model(x).pow(2).sum().backward()
@@ -668,8 +671,8 @@ def test_local_state_dict_keeps_buffers_in_fp32_under_mixed_precision():
 
 
 def test_a_first_forward_under_inference_mode_leaves_the_model_trainable():
-    # The first forward casts the buffers to buffer_dtype; in inference mode that made them
-    # inference tensors, which every later training forward refused to save for backward.
+    # The first forward casts the buffers to buffer_dtype; under inference mode the cast must
+    # still give normal tensors, or every later training forward refuses to save them.
     torch.manual_seed(0)
     m = FSDP(
         nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)),
@@ -725,7 +728,7 @@ def test_a_failed_summon_leaves_the_instance_as_it_was(monkeypatch):
 
 def test_gathered_optimizer_state_gives_each_parameter_its_own_scalars():
     # NAdam's mu_product is one 0-d tensor per flat parameter; shared by every entry of the
-    # gathered state, a plain NAdam loading it multiplied it once per parameter at each step.
+    # gathered state, a plain NAdam loading it would multiply it once per parameter each step.
     plain, ref = mlp(), mlp()
     m = FSDP(plain)
     opt, ref_opt = torch.optim.NAdam(m.parameters(), lr=0.01), torch.optim.NAdam(ref.parameters(), lr=0.01)
@@ -778,24 +781,14 @@ def test_optimizer_state_arguments_are_checked():
 def test_a_reentrant_checkpoint_around_whole_instances_frees_them_in_backward(order):
     # The whole instance is recomputed and backpropagated in the checkpoint's nested backward:
     # its full parameters are freed there, as in FairScale, not kept to the end of backward.
-    import torch.utils.checkpoint as tck
-
-    class Checkpointed(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return tck.checkpoint(self.inner, x, use_reentrant=True)
-
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)]
     if order == "FSDP(checkpoint(block))":
-        kids = [FSDP(Checkpointed(b)) for b in blocks]
+        kids = [FSDP(TorchCheckpointed(b, reentrant=True)) for b in blocks]
         model = FSDP(nn.Sequential(*kids))
     else:
         kids = [FSDP(b) for b in blocks]
-        model = FSDP(nn.Sequential(*[Checkpointed(k) for k in kids]))
+        model = FSDP(nn.Sequential(*[TorchCheckpointed(k, reentrant=True) for k in kids]))
     x = torch.randn(2, 8, requires_grad=True)
     held = []
     x.register_hook(lambda g: held.append(sum(h.has_full for k in kids for h in k._handles)))
@@ -805,8 +798,8 @@ def test_a_reentrant_checkpoint_around_whole_instances_frees_them_in_backward(or
 
 
 def test_optimizer_state_round_trip_with_a_0d_parameter_first():
-    # The state's layout was read off the flat parameter's first parameter: a 0-d one there made
-    # Adam's exp_avg look like a scalar, and the loaded optimizer failed at its next step.
+    # The state's layout must not be read off a 0-d first parameter: Adam's exp_avg would look
+    # like a scalar, and the loaded optimizer would fail at its next step.
     class Scaled(nn.Module):
         def __init__(self):
             super().__init__()

@@ -245,7 +245,7 @@ def _release_destroyed_groups() -> None:
     that initialises and destroys torch.distributed repeatedly (sweeps, test suites) does not keep
     a progress thread and a shared-memory mapping per past process group. Runs where every rank
     builds its next group, so every rank releases the same ones."""
-    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    live = _live_process_groups()
     if live is None:  # a torch without this registry: keep everything
         return
     for key, (pg, group) in list(REGISTRY.items()):
@@ -321,8 +321,13 @@ def _still_every_rank(group: Group) -> bool:
     pg = group.process_group
     if pg is None:  # built from torchrun's environment
         return True
-    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    live = _live_process_groups()
     return live is None or pg in live
+
+
+def _live_process_groups() -> Any:
+    """torch's registry of the process groups it has not destroyed (None where torch has none)."""
+    return getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
 
 
 def new_group(ranks: Optional[Sequence[int]] = None, group: Optional[Group] = None) -> Optional[Group]:

@@ -241,10 +241,10 @@ def env_store() -> "dist.Store":
     deadline = time.monotonic() + t
     try:
         while True:
-            # A client's connect retries with pauses that grow past the timeout it is given (a
-            # host that died mid-rendezvous cost up to 2.75x FAIRSCALE_C_TIMEOUT): short tries,
-            # until the deadline. wait_for_workers=False: a rank that never comes is reported by
-            # the first exchange, which can name it, rather than by the store's constructor.
+            # A client's connect retries with pauses that grow past the timeout it is given:
+            # short tries, until the deadline. wait_for_workers=False: a rank that never comes is
+            # reported by the first exchange, which can name it, rather than by the store's
+            # constructor.
             left = deadline - time.monotonic()
             try:
                 store = dist.TCPStore(

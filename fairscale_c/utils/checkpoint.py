@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _C
+from .. import DistributedError
 
 __all__ = ["CheckpointError", "save_sharded", "load_sharded", "load_all_shards", "read_manifest"]
 
@@ -294,11 +294,11 @@ def save_sharded(state: Any, directory: str, group: Any = None, *, step: Optiona
                 commit = {"replaced": False, "error": f"{type(exc).__name__}: {exc}"}
         try:
             commit = _all_gather(commit, group, world)[0]  # nobody returns before the commit
-        except _C.DistributedError as exc:
+        except DistributedError as exc:
             if rank != 0 or commit is not None:
                 raise
             # a rank died or stalled after the shards were exchanged: the manifest is written
-            raise _C.DistributedError(
+            raise DistributedError(
                 f"{exc}; rank 0 had already committed this save before that ({MANIFEST} in {directory!r} names it, "
                 "and every shard it names was written and synced): the new checkpoint is complete and current"
             ) from exc
