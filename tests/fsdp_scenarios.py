@@ -7,6 +7,7 @@ autocast) atol/rtol 3e-2, since bf16 keeps 8 bits of mantissa.
 """
 
 import copy
+import dataclasses
 import functools
 import os
 import re
@@ -931,6 +932,75 @@ def dataloader_fork_workers(rank, world):
 
 
 SCENARIOS.update(dataloader_fork_workers=dataloader_fork_workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Output:
+    out: torch.Tensor
+    note: str = "dataclass"
+
+
+class _Box:
+    """An object FSDP does not look into."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class _Unboxed(nn.Module):
+    def __init__(self, inner, box):
+        super().__init__()
+        self.inner, self.box = inner, box
+
+    def forward(self, x):
+        y = self.inner(x)
+        return _Box(y) if self.box else _Output(y)
+
+
+class _OutputsOfAnyType(nn.Module):
+    """An MLP whose middle layer and whole output come back in a dataclass or in a plain object."""
+
+    def __init__(self, box):
+        super().__init__()
+        self.fc1, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.fc2 = _Unboxed(nn.Linear(16, 16), box)
+        self.box = box
+
+    def forward(self, x):
+        h = self.fc2(F.relu(self.fc1(x)))
+        h = h.t if self.box else h.out
+        y = self.fc3(F.relu(h))
+        return _Box(y) if self.box else _Output(y)
+
+
+def outputs_of_any_type(rank, world):
+    """A model returning a dataclass (frozen) trains as plain torch does, through nested instances
+    that reshard after forward; one returning objects FSDP cannot look into trains too, with a
+    warning naming the type."""
+    import warnings
+
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    def wrap(flatten, model):
+        model.fc2 = FSDP(model.fc2, reshard_after_forward=True)
+        return FSDP(model, flatten_parameters=flatten)
+
+    def loss(box, model, x, y):
+        out = model(x)
+        return F.mse_loss(out.t if box else out.out, y)
+
+    for box in (False, True):
+        for flatten in (True, False):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                make = functools.partial(_OutputsOfAnyType, box)
+                wrapped = functools.partial(wrap, flatten)
+                train_and_compare(rank, world, make, wrapped, loss_fn=functools.partial(loss, box))
+            named = [str(w.message) for w in caught if "_Box" in str(w.message)]
+            assert bool(named) == box, [str(w.message) for w in caught]
+
+
+SCENARIOS.update(outputs_of_any_type=outputs_of_any_type)
 
 
 def _held():

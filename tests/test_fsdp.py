@@ -170,6 +170,10 @@ def test_dataloader_workers_forked_from_a_training_rank():
     spawn(2, ["dataloader_fork_workers"])
 
 
+def test_outputs_of_any_type_train():
+    spawn(2, ["outputs_of_any_type"])
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_full_gradients_do_not_pile_up_in_backward(world):
     spawn(world, ["reduce_scatters_in_flight"])

@@ -3,6 +3,7 @@ hand each complete flat gradient to the reduce-scatter buckets, and at the end o
 the averaged gradient shards (a mixin of FullyShardedDataParallel, whose instance attributes it
 uses)."""
 
+import warnings
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
 from ._handle import Handle, TrainingState, free_storage
-from ._tensors import map_tensors
+from ._tensors import hidden_from_hooks, map_tensors
 
 
 def _graph_task() -> int:
@@ -54,6 +55,27 @@ class BackwardHooks:
     _backward_task = -1  # root: the graph task of the backward its pre-backward hook saw
     _outer_uses_full = True  # whether autograd's record of its last forward uses the full params
 
+    def _hidden_outputs(self, outputs: Any) -> bool:
+        """Whether a training forward's outputs hold tensors that no pre-backward hook can be put
+        on (hidden_from_hooks). Such an instance keeps its full parameters until its gradient is
+        reduced (nothing re-gathers them before its backward), and the root's end of backward is
+        then started by the first gradient (_post_backward_hook)."""
+        if not torch.is_grad_enabled():
+            return False
+        kind = hidden_from_hooks(outputs)
+        if kind is None:
+            return False
+        if kind not in self._warned_opaque:
+            self._warned_opaque.add(kind)
+            warnings.warn(
+                f"FullyShardedDataParallel: the output of {type(self.module).__name__} holds a "
+                f"{kind.__module__}.{kind.__qualname__}, whose tensors FSDP cannot see (it looks into "
+                f"tensors, dicts, lists, tuples and dataclasses); the instance keeps its full "
+                f"parameters from this forward to its backward",
+                stacklevel=5,
+            )
+        return True
+
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
         if not torch.is_grad_enabled():
             return outputs
@@ -96,6 +118,12 @@ class BackwardHooks:
         grad = full.grad
         if grad is None:
             return
+        root = self._root
+        if not root._pre_backward_hook_has_run:
+            # No pre-backward hook ran: the outputs' tensors were out of its reach (_hidden_outputs).
+            root._pre_backward_hook_has_run = True
+            root._backward_task = _graph_task()
+            torch.autograd.Variable._execution_engine.queue_callback(root._wait_for_post_backward)
         outer_needs_full = self._outer_uses_full and _graph_task() != self._root._backward_task
         self.training_state = TrainingState.BACKWARD_POST
         if self._require_backward_grad_sync:

@@ -1,7 +1,10 @@
 """The tensors inside a forward's inputs and outputs (nested containers, named tuples, mapping
-subclasses such as HuggingFace's ModelOutput), mapped or cast while the containers keep their types."""
+subclasses such as HuggingFace's ModelOutput, dataclasses), mapped or cast while the containers
+keep their types."""
 
 import contextlib
+import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -9,7 +12,8 @@ import torch
 
 def map_tensors(fn, obj: Any) -> Any:
     """`obj` with `fn` applied to every tensor in it; dicts, lists, tuples and named tuples are
-    rebuilt as their own types, other mappings updated in place."""
+    rebuilt as their own types, other mappings updated in place, dataclass instances copied
+    (frozen ones too) with their fields mapped."""
     if torch.is_tensor(obj):
         return fn(obj)
     if isinstance(obj, dict):
@@ -18,7 +22,40 @@ def map_tensors(fn, obj: Any) -> Any:
         return type(obj)(*(map_tensors(fn, v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(fn, v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, map_tensors(fn, getattr(obj, f.name)))
+        return out
     return obj
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def hidden_from_hooks(obj: Any):
+    """When no tensor in `obj` that map_tensors reaches requires grad but `obj` holds an object
+    map_tensors does not look into (any object but a tensor, a container it walks or a plain
+    value, which may hold tensors), that object's type; otherwise None."""
+    grad, opaque = [], []
+
+    def walk(x: Any) -> None:
+        if torch.is_tensor(x):
+            grad.append(x.requires_grad)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name))
+        elif not isinstance(x, _PLAIN):
+            opaque.append(type(x))
+
+    walk(obj)
+    return opaque[0] if opaque and not any(grad) else None
 
 
 def _map_dict(fn, obj: Any) -> Any:

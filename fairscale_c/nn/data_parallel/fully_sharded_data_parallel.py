@@ -342,7 +342,8 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             outputs = self.module(*args, **kwargs)
             if _graph_task() == -1:
                 self._outer_uses_full = start is not None and outer_graph_uses_full(outputs, start)
-            if self.reshard_after_forward:
+            hidden = self._hidden_outputs(outputs)
+            if self.reshard_after_forward and not hidden:
                 self._free_full_params(in_forward=True)
             outputs = self._register_pre_backward_hooks(outputs)
         finally:
