@@ -3,6 +3,7 @@
 with ShardedGradScaler against single-process PyTorch are the 'sharded_grad_scaler' scenario in
 tests/fsdp_scenarios.py (world 1, 2 and 4)."""
 
+import pickle
 import warnings
 
 import pytest
@@ -87,6 +88,13 @@ def _only_one_rank_overflows(rank, world, scaler_kind, optim="sgd"):
     scaler.step(opt)
     scaler.update()
     stepped = not torch.equal(model.flat_param_0.detach(), before)
+    if scaler_kind == "sharded":
+        # a scaler that has stepped can still be copied (torch.save, deepcopy), and the copy works
+        copied = pickle.loads(pickle.dumps(scaler))
+        assert copied.get_scale() == scaler.get_scale()
+        copied.scale(model(torch.randn(3, 4)).pow(2).mean()).backward()
+        copied.step(opt)
+        copied.update()
     dist.destroy_process_group()
     return stepped, scaler.get_scale()
 

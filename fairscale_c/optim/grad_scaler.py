@@ -73,6 +73,12 @@ class ShardedGradScaler(GradScaler):
         self.group = process_group
         self._comm: Optional[Any] = None
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # the engine group is looked up again where the copy is used (torch.save, deepcopy)
+        state = super().__getstate__()
+        state["_comm"] = None
+        return state
+
     def _group_comm(self) -> Any:
         if self._comm is None:
             self._comm = fdist.group_for(self.group)  # a LocalGroup for one process
