@@ -1003,6 +1003,58 @@ def outputs_of_any_type(rank, world):
 SCENARIOS.update(outputs_of_any_type=outputs_of_any_type)
 
 
+def no_sync_grads_on_params(rank, world):
+    """After a backward in no_sync() the parameters' .grad hold the full local gradient,
+    unreduced (FairScale's flat parameters do): zero_grad() between micro-batches discards it,
+    in-place or to None; without it the micro-batches add up, also onto a shard left from an
+    earlier synchronised backward."""
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(world * LOCAL_BATCH, 8, generator=gen) for _ in range(3)]
+    ys = [torch.randn(world * LOCAL_BATCH, 4, generator=gen) for _ in range(3)]
+    # which micro-batches run in no_sync, and what happens between them: "zero" (set_to_none),
+    # "zero_inplace", or "" (accumulate)
+    plans = {
+        "dropped": [(0, True, "zero"), (1, False, "")],
+        "dropped_in_place": [(0, True, "zero_inplace"), (1, False, "")],
+        "accumulated": [(0, True, ""), (1, True, ""), (2, False, "")],
+        "onto_a_shard": [(0, False, ""), (1, True, ""), (2, False, "")],
+    }
+    for flatten in (True, False):
+        for plan_name, plan in plans.items():
+            torch.manual_seed(0)
+            ref = MLP()
+            fsdp = FSDP(copy.deepcopy(ref), flatten_parameters=flatten)
+            local = copy.deepcopy(ref)  # this rank's own gradients since the last reduction
+            for i, in_no_sync, between in plan:
+                with fsdp.no_sync() if in_no_sync else _nullcontext():
+                    mse(fsdp, _local(xs[i], rank), _local(ys[i], rank)).backward()
+                mse(local, _local(xs[i], rank), _local(ys[i], rank)).backward()
+                if in_no_sync:
+                    shown = [p.grad for p in fsdp.parameters()]
+                    expected = [p.grad for p in local.parameters()]
+                    if flatten:
+                        expected = [torch.cat([g.reshape(-1) for g in expected])]
+                    assert [g.shape for g in shown] == [g.shape for g in expected], plan_name
+                    for g, e in zip(shown, expected):
+                        torch.testing.assert_close(g, e, **FP32_TOL, msg=f"{plan_name}, flatten={flatten}")
+                else:
+                    local.zero_grad()
+                mse(ref, xs[i], ys[i]).backward()
+                if between:
+                    for m in (fsdp, ref, local):
+                        m.zero_grad(set_to_none=between == "zero")
+            torch.optim.SGD(fsdp.parameters(), lr=0.1).step()
+            torch.optim.SGD(ref.parameters(), lr=0.1).step()
+            sd = fsdp.state_dict()
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"{plan_name}, flatten={flatten}: {k}")
+
+
+SCENARIOS.update(no_sync_grads_on_params=no_sync_grads_on_params)
+
+
 def _held():
     """What this process holds: open file descriptors, threads, mappings of the engine's
     shared-memory segments, resident pages, and live tensors (after a full collection). Freed heap

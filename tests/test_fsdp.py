@@ -174,6 +174,10 @@ def test_outputs_of_any_type_train():
     spawn(2, ["outputs_of_any_type"])
 
 
+def test_no_sync_gradients_are_on_the_parameters():
+    spawn(2, ["no_sync_grads_on_params"])
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_full_gradients_do_not_pile_up_in_backward(world):
     spawn(world, ["reduce_scatters_in_flight"])

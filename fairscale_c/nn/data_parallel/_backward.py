@@ -88,6 +88,7 @@ class BackwardHooks:
             if self._is_root:
                 torch.autograd.Variable._execution_engine.queue_callback(self._wait_for_post_backward)
                 self._backward_task = _graph_task()
+                self._take_back_accumulated_grads()
             self.training_state = TrainingState.BACKWARD_PRE
             self._rebuild_full_params()
             if not self.flatten_parameters or self._ties:
@@ -146,8 +147,58 @@ class BackwardHooks:
             m._use_shard_params()
             if m._require_backward_grad_sync:
                 m._free_full_params()
+            else:
+                m._show_accumulated_grads()
             m._pre_backward_hook_has_run = False
             m.training_state = TrainingState.IDLE
+
+    @torch.no_grad()
+    def _show_accumulated_grads(self) -> None:
+        """After a backward in no_sync(): each flat parameter's ``.grad`` shows the full gradient
+        accumulated so far, unreduced, as FairScale's do (full size, in the compute dtype), so that
+        zero_grad() discards it and clip_grad_norm_ sees it. A gradient shard the parameter held
+        is kept aside; the next root forward or backward takes both back."""
+        for h in self._handles:
+            base = h.full.grad
+            if base is None or h.shown is not None:
+                continue
+            n = h.layout.numel
+            view = base[:n] if self.flatten_parameters else base[:n].view(h.layout.slots[0].shape)
+            p = h.param
+            h.saved_shard, shard = p.grad, p.data
+            p.data = view  # .grad takes a tensor of the parameter's shape and dtype only
+            p.grad = view
+            p.data = shard
+            h.shown, h.shown_base = view, base
+
+    @torch.no_grad()
+    def _take_back_accumulated_grads(self) -> None:
+        """Root, before a forward or backward: what no_sync() showed on ``.grad`` goes back to the
+        full buffers' gradients, where the next backward accumulates and the first synchronised
+        one reduces it. A ``.grad`` set to None (zero_grad()) drops it; zeroed in place, it
+        restarts from zero; a full-size tensor assigned replaces it."""
+        for m in self._fsdp_instances:
+            for h in m._handles:
+                if h.shown is None:
+                    continue
+                p, shown, base = h.param, h.shown, h.shown_base
+                g = p.grad
+                p.grad = None
+                if g is None:
+                    h.full.grad = None
+                else:
+                    if g.numel() != shown.numel():
+                        raise ValueError(
+                            f"FullyShardedDataParallel: the .grad of '{h.backing_name}' was set to a tensor of "
+                            f"{g.numel()} elements after a backward in no_sync(); expected None or the full "
+                            f"gradient's {shown.numel()}"
+                        )
+                    if g is not shown or h.full.grad is not base:
+                        base = torch.zeros_like(h.full)
+                        base[: g.numel()].copy_(g.reshape(-1))
+                    h.full.grad = base
+                p.grad = h.saved_shard
+                h.shown = h.shown_base = h.saved_shard = None
 
     def _accumulate_grad(self, h: Handle, reduced: torch.Tensor) -> None:
         p = h.param

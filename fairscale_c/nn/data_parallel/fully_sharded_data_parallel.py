@@ -324,6 +324,8 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError("FullyShardedDataParallel: forward inside summon_full_params is not supported")
         self.training_state = TrainingState.FORWARD
+        if self._is_root:
+            self._take_back_accumulated_grads()
         # Not a forward recomputed in backward by activation checkpointing: note where autograd's
         # record of this forward starts (see outer_graph_uses_full).
         start = sequence_mark() if _graph_task() == -1 and torch.is_grad_enabled() else None
