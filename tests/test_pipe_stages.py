@@ -732,6 +732,51 @@ def job_cache(rank, world):
     return not_close(out, want.detach()), str(mod.table.device)
 
 
+class _Autocast(nn.Module):
+    """``inner`` with its forward under CPU bf16 autocast."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x)
+
+
+def job_autocast(rank, world):
+    """Stages under CPU bf16 autocast, around the step or inside each stage's forward: the stages
+    send what autocast makes (bf16), and output and gradients are those of the same model run on
+    the same micro-batches in one process under the same autocast."""
+    from fairscale_c.nn.pipe import PipelineStage, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    n_micro, cuts = 2, CUTS[2]
+    got = []
+    for where in ("around the step", "inside the stages"):
+        full = make_model()
+        ref = copy.deepcopy(full)
+        mod = full[cuts[rank] : cuts[rank + 1]]
+        stage_mod = _Autocast(mod) if where == "inside the stages" else mod
+        schedule = ScheduleGPipe(PipelineStage(stage_mod, rank, 2), n_micro, F.mse_loss)
+        x, y = batch(0, 6)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "around the step"):
+            out = schedule.step(x, target=y)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_outs = [ref(c) for c in x.tensor_split(n_micro)]
+            ref_loss = sum(F.mse_loss(o, t) for o, t in zip(ref_outs, y.tensor_split(n_micro))) / n_micro
+        ref_loss.backward()
+        if rank == 1:
+            assert out.dtype is torch.bfloat16, (where, out.dtype)
+            torch.testing.assert_close(out, torch.cat(ref_outs).detach(), atol=1e-2, rtol=1e-2)
+        for p, q in zip(mod.parameters(), ref[cuts[rank] : cuts[rank + 1]].parameters()):
+            assert p.grad.dtype is torch.float32
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-2, rtol=1e-2, msg=lambda m, w=where: f"{w}: {m}")
+        got.append(where)
+    return got
+
+
 # ------------------------------------------------------------------------------ tests
 
 
@@ -769,6 +814,11 @@ def test_a_stage_that_raises_makes_every_rank_raise_at_once():
     pids = {re.search(r"\(pid (\d+)\)", results[r][0][1]).group(1) for r in (0, 3)}
     assert len(pids) == 1, results
     assert orphaned_segments() <= before
+
+
+def test_stages_under_autocast():
+    want = ["around the step", "inside the stages"]
+    assert run_ranks(job_autocast, 2, timeout=120, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [want, want]
 
 
 def test_a_module_that_caches_on_its_first_forward():

@@ -165,6 +165,24 @@ def resolve_group(group: Any, role: str, what: str) -> Any:
     )
 
 
+class _AutocastSeen(Exception):
+    """The meta-device pass met autocast, which does not apply to meta tensors."""
+
+
+class _WatchAutocast(torch.overrides.TorchFunctionMode):
+    """Notes whether autocast is on for `device_type` when any torch function runs in the block
+    (around the whole pass, or entered inside the module's forward)."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type, self.seen = device_type, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.seen and torch.is_autocast_enabled(self.device_type):
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def _on_meta(module: nn.Module) -> Iterator[None]:
     """Within the block, ``module``'s parameters and buffers are meta tensors of the same shapes
@@ -383,17 +401,22 @@ class PipelineStage:
         """Output metadata of the module on inputs described by ``metas``: on the meta device
         (parameters and buffers replaced by meta tensors, so nothing is computed or changed), else
         by running it once without gradients (RNG state and buffers restored afterwards). Stage 0
-        given keyword arguments runs for real on its first micro-batch and their first chunk. The
-        module's warnings in this extra pass (a reentrant checkpoint's "none of the inputs have
-        requires_grad", say) are not the user's: the steps give theirs."""
+        given keyword arguments runs for real on its first micro-batch and their first chunk, and
+        so does a stage whose pass meets autocast (around the step or inside the module), which
+        decides dtypes on the real device only. The module's warnings in this extra pass (a
+        reentrant checkpoint's "none of the inputs have requires_grad", say) are not the user's:
+        the steps give theirs."""
         try:
             if kwargs:
                 raise NotImplementedError("keyword arguments are not moved to the meta device")
             args = tuple(torch.empty(m.shape, dtype=m.dtype, device="meta") for m in metas)
+            watch = _WatchAutocast(self.device.type)
             with torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad(), _on_meta(self.module):
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), watch:
                     warnings.simplefilter("ignore")
                     out = self.module(*args)
+            if watch.seen:
+                raise _AutocastSeen()
         except Exception:  # noqa: BLE001 - a module the meta device cannot run: run it for real
             try:
                 with warnings.catch_warnings():
