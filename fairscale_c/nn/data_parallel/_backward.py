@@ -54,6 +54,7 @@ class BackwardHooks:
 
     _backward_task = -1  # root: the graph task of the backward its pre-backward hook saw
     _outer_uses_full = True  # whether autograd's record of its last forward uses the full params
+    _grads_shown = False  # root: some instance shows no_sync()'s full gradients on .grad
 
     def _hidden_outputs(self, outputs: Any) -> bool:
         """Whether a training forward's outputs hold tensors that no pre-backward hook can be put
@@ -148,7 +149,7 @@ class BackwardHooks:
             if m._require_backward_grad_sync:
                 m._free_full_params()
             else:
-                m._show_accumulated_grads()
+                self._grads_shown = m._show_accumulated_grads() or self._grads_shown
             m._pre_backward_hook_has_run = False
             m.training_state = TrainingState.IDLE
 
@@ -157,7 +158,8 @@ class BackwardHooks:
         """After a backward in no_sync(): each flat parameter's ``.grad`` shows the full gradient
         accumulated so far, unreduced, as FairScale's do (full size, in the compute dtype), so that
         zero_grad() discards it and clip_grad_norm_ sees it. A gradient shard the parameter held
-        is kept aside; the next root forward or backward takes both back."""
+        is kept aside; the next root forward or backward takes both back. Whether any was shown."""
+        shown = False
         for h in self._handles:
             base = h.full.grad
             if base is None or h.shown is not None:
@@ -170,6 +172,8 @@ class BackwardHooks:
             p.grad = view
             p.data = shard
             h.shown, h.shown_base = view, base
+            shown = True
+        return shown
 
     @torch.no_grad()
     def _take_back_accumulated_grads(self) -> None:
@@ -177,6 +181,8 @@ class BackwardHooks:
         full buffers' gradients, where the next backward accumulates and the first synchronised
         one reduces it. A ``.grad`` set to None (zero_grad()) drops it; zeroed in place, it
         restarts from zero; a full-size tensor assigned replaces it."""
+        if not self._grads_shown:
+            return
         for m in self._fsdp_instances:
             for h in m._handles:
                 if h.shown is None:
@@ -199,6 +205,7 @@ class BackwardHooks:
                     h.full.grad = base
                 p.grad = h.saved_shard
                 h.shown = h.shown_base = h.saved_shard = None
+        self._grads_shown = False
 
     def _accumulate_grad(self, h: Handle, reduced: torch.Tensor) -> None:
         p = h.param
