@@ -777,6 +777,54 @@ def test_optimizer_state_arguments_are_checked():
     torch.testing.assert_close(shard["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
 
 
+def test_optimizer_state_written_by_fairscale_with_a_stateless_instance_loads():
+    # FairScale numbers the optimizer's flat parameters by position and maps the parameters of
+    # one without state (here the frozen middle instance) to None; its loader counts the runs.
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+        m[1] = FSDP(m[1])
+        return FSDP(m)
+
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m[1].flat_param_0.requires_grad_(False)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    ours = m.gather_full_optim_state_dict(opt)
+    order = [id(p) for p in m.parameters()]
+    root_id, inner_id = order.index(id(m.flat_param_0)), order.index(id(m[1].flat_param_0))
+    assert ours["local_param_count"] == 2 and set(ours["param_id_map"].values()) == {root_id, inner_id}
+    # the same state as FairScale writes it: the stateless flat parameter's ids are None
+    fairscale = {
+        "state": {},
+        "param_groups": ours["param_groups"],
+        "param_id_map": {},
+        "uncollected_local_ids": [],
+    }
+    for gid, lid in ours["param_id_map"].items():
+        fairscale["param_id_map"][gid] = None if lid == inner_id else lid
+        if lid == root_id:
+            fairscale["state"][gid] = ours["state"][gid]
+    shard = m.get_shard_from_optim_state_dict(copy.deepcopy(fairscale))
+    assert shard["param_groups"][0]["params"] == [0, 1]
+    loaded = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    loaded.load_state_dict(shard)
+    torch.testing.assert_close(
+        loaded.state[m.flat_param_0]["momentum_buffer"], opt.state[m.flat_param_0]["momentum_buffer"]
+    )
+    # our own file: None is a flat parameter the optimizer does not hold
+    trainable = torch.optim.SGD([m.flat_param_0], lr=0.1, momentum=0.9)
+    m(torch.randn(3, 4)).sum().backward()
+    trainable.step()
+    own = m.gather_full_optim_state_dict(trainable)
+    assert own["local_param_count"] == 1 and None in own["param_id_map"].values()
+    again = torch.optim.SGD([m.flat_param_0], lr=0.1, momentum=0.9)
+    again.load_state_dict(m.get_shard_from_optim_state_dict(own))
+    with pytest.raises(ValueError, match="argument 'optim' holds none of this model's parameters"):
+        m.gather_full_optim_state_dict(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
 @pytest.mark.parametrize("order", ["FSDP(checkpoint(block))", "checkpoint(FSDP(block))"])
 def test_a_reentrant_checkpoint_around_whole_instances_frees_them_in_backward(order):
     # The whole instance is recomputed and backpropagated in the checkpoint's nested backward:

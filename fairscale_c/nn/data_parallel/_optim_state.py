@@ -3,10 +3,14 @@
 Format (as FairScale 0.4.13): ``{"state": {global_id: {...}}, "param_groups": [...],
 "param_id_map": {global_id: local_id}, "uncollected_local_ids": [...]}``. Global ids number the
 original (unflattened, de-duplicated) parameters in flattening order across the FSDP instances;
-local ids index the optimizer's own (flat, sharded) parameters.
+local ids index the optimizer's own (flat, sharded) parameters, None for a flat parameter the
+optimizer does not hold. FairScale numbers local ids by the flat parameters' position instead,
+and writes None for one that has no state (unused, or frozen): a state without the
+"local_param_count" key written here is read that way.
 """
 
 import copy
+import itertools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -29,7 +33,13 @@ def _local_ids(optim: torch.optim.Optimizer, entries) -> List[Optional[int]]:
             f"FairScale's format (and this implementation) supports exactly one"
         )
     index = {id(p): i for i, p in enumerate(optim.param_groups[0]["params"])}
-    return [index.get(id(h.param)) for _, h in entries]
+    ids = [index.get(id(h.param)) for _, h in entries]
+    if entries and all(i is None for i in ids):
+        raise ValueError(
+            "gather_full_optim_state_dict: argument 'optim' holds none of this model's parameters; build it "
+            "from the wrapped model's parameters() (after wrapping: FSDP replaces them with flat shards)"
+        )
+    return ids
 
 
 def _is_singleton(x: Any) -> bool:
@@ -86,6 +96,7 @@ def gather_full(root, instances: List[Any], optim: torch.optim.Optimizer) -> Opt
         "param_groups": param_groups,
         "param_id_map": param_id_map,
         "uncollected_local_ids": uncollected,
+        "local_param_count": len(optim.param_groups[0]["params"]),
     }
 
 
@@ -169,5 +180,11 @@ def shard_from_full(instances: List[Any], full_osd: Dict[str, Any]) -> Dict[str,
                 shard_state[key] = value
         state[local_id] = shard_state
     param_groups = copy.deepcopy(full_osd["param_groups"])
-    param_groups[0]["params"] = sorted(local_ids)
+    ids_in_order = [full_osd["param_id_map"][g] for g in sorted(full_osd["param_id_map"])]
+    if "local_param_count" not in full_osd and None in ids_in_order:
+        # FairScale's: each flat parameter, None (no state) or not, is one of the optimizer's,
+        # numbered by position (its flatten_optim_state_dict counts the runs of equal ids)
+        param_groups[0]["params"] = list(range(sum(1 for _ in itertools.groupby(ids_in_order))))
+    else:
+        param_groups[0]["params"] = sorted(local_ids)
     return {"state": state, "param_groups": param_groups}
