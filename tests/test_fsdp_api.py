@@ -777,6 +777,25 @@ def test_optimizer_state_arguments_are_checked():
     torch.testing.assert_close(shard["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("flatten", [True, False])
+def test_the_wrapped_modules_own_state_dict_is_refused_where_it_would_be_partial(flatten):
+    # DDP's habit, model.module.state_dict(), would leave out (flat) or flatten (unflattened) the
+    # parameters the instance holds; a module whose parameters all sit in nested instances is whole.
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    m[1] = FSDP(m[1], flatten_parameters=flatten)
+    model = FSDP(m, flatten_parameters=flatten)
+    with pytest.raises(RuntimeError, match="call state_dict\\(\\) on the FullyShardedDataParallel instance"):
+        model.module.state_dict()
+    full = model.state_dict()
+    assert list(full) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    with model.summon_full_params():
+        inside = model.module.state_dict()
+    assert list(inside) == list(full) and all(torch.equal(inside[k], v) for k, v in full.items())
+    model.local_state_dict()  # its own paths are unaffected
+    outer = FSDP(nn.Sequential(FSDP(nn.Linear(4, 4), flatten_parameters=flatten)))
+    assert list(outer.module.state_dict()) == ["0.weight", "0.bias"]
+
+
 def test_optimizer_state_written_by_fairscale_with_a_stateless_instance_loads():
     # FairScale numbers the optimizer's flat parameters by position and maps the parameters of
     # one without state (here the frozen middle instance) to None; its loader counts the runs.

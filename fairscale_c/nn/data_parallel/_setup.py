@@ -38,6 +38,20 @@ def _warn_shared_gpu() -> None:
     )
 
 
+def _refuse_partial_state_dict(owner_ref: Any, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any):
+    """The wrapped module's state_dict() outside its instance's own state_dict()s: the parameters
+    the instance holds are flat or sharded there (missing, or 1-D shards), so the state would be
+    incomplete without a word."""
+    owner = owner_ref()
+    if owner is None or not owner._return_full_state_dict or owner.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        return
+    raise RuntimeError(
+        "state_dict() of the module inside FullyShardedDataParallel lacks the parameters the instance holds "
+        "(flattened or sharded): call state_dict() on the FullyShardedDataParallel instance (the keys are the "
+        "module's), or this one inside summon_full_params()"
+    )
+
+
 class Setup:
     """The construction of one FSDP instance."""
 
@@ -68,6 +82,8 @@ class Setup:
         self._ties: List[Tie] = [self._tie(f) for f in foreign]
         # what this instance gathers and frees: its own flat parameters, then those it shares
         self._all_handles: List[Handle] = self._handles + [t.handle for t in self._ties]
+        if self._all_handles:
+            module._register_state_dict_hook(functools.partial(_refuse_partial_state_dict, weakref.ref(self)))
         # Modules whose parameters leave and rejoin _parameters at every forward (unflattened
         # shards, shared parameters) and their original order, which parameters() keeps.
         moved = [t.module for t in self._ties]
