@@ -286,6 +286,10 @@ def scenario_manual_reduce_and_api(rank, world):
     if world > 1:
         with pytest.raises(RuntimeError, match="no gradients are waiting"):
             sdp.reduce()
+    else:  # a group of one reduces nothing: the gradients stay as they are
+        before = [p.grad.clone() for p in model.parameters()]
+        sdp.reduce()
+        assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
     sdp.zero_grad()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
     sdp.zero_grad(set_to_none=True)

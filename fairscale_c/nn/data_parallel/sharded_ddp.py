@@ -456,7 +456,10 @@ class ShardedDataParallel(nn.Module):
 
     def reduce(self) -> None:
         """Reduce the gradients now (normally automatic in backward); e.g. after backward passes
-        under no_sync(). Every rank calls it."""
+        under no_sync(). Every rank calls it. In a group of one nothing is reduced: the
+        gradients stay where autograd put them."""
+        if self._world_size == 1:
+            return
         if not any(not all(b.checked_in) for b in self._buckets) or not self._buckets:
             raise RuntimeError(
                 "ShardedDataParallel.reduce: no gradients are waiting to be reduced (called twice, or no backward "
