@@ -565,6 +565,9 @@ def _job(rank, world, names, tmp, use_dist=True):
                 failures.append(f"[{name}] rank {rank}:\n{traceback.format_exc()}")
     finally:
         if use_dist:
+            # rank 0 hosts the store: it must not leave while a pair of ranks still builds its
+            # group (subgroups: each pair works at its own pace)
+            dist.barrier()
             dist.destroy_process_group()
     return out, failures
 
