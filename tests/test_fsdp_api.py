@@ -796,6 +796,39 @@ def test_the_wrapped_modules_own_state_dict_is_refused_where_it_would_be_partial
     assert list(outer.module.state_dict()) == ["0.weight", "0.bias"]
 
 
+def test_a_launched_rank_without_torch_distributed_is_refused(monkeypatch, tmp_path):
+    # Under torchrun without init_process_group, process_group=None would be a world of one on
+    # every rank: each would train alone, and save_sharded would write every rank as rank 0.
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+    from fairscale_c.optim.grad_scaler import ShardedGradScaler
+    from fairscale_c.utils.checkpoint import save_sharded
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    message = "WORLD_SIZE=2 ranks .* call torch.distributed.init_process_group"
+    with pytest.raises(
+        RuntimeError, match="FullyShardedDataParallel" + r"\(process_group=None\): this process is one of " + message
+    ):
+        FSDP(mlp())
+    with pytest.raises(RuntimeError, match=r"OSS\(group=None\): .*" + message):
+        OSS(mlp().parameters(), optim=torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match=r"save_sharded .*" + message):
+        save_sharded({"w": torch.ones(2)}, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    model = mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, opt)
+    scaler = ShardedGradScaler()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"ShardedDataParallel\(process_group=None\): .*" + message):
+        ShardedDataParallel(mlp(), opt)
+    scaler.scale(sdp(torch.randn(2, 4)).sum()).backward()
+    with pytest.raises(RuntimeError, match=message):
+        scaler.step(opt)
+
+
 def test_optimizer_state_written_by_fairscale_with_a_stateless_instance_loads():
     # FairScale numbers the optimizer's flat parameters by position and maps the parameters of
     # one without state (here the frozen middle instance) to None; its loader counts the runs.

@@ -154,6 +154,23 @@ def _build(pg: Optional["dist.ProcessGroup"], name: Optional[str], role: str = "
     return group
 
 
+def require_initialised_world(what: str) -> None:
+    """For a feature given no process group while torch.distributed is not initialised: raise if
+    this process is one of several launched ranks (WORLD_SIZE > 1, as torchrun sets), where the
+    world size of one that the feature would take has every rank train alone."""
+    try:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if size > 1:
+        raise RuntimeError(
+            f"{what}: this process is one of WORLD_SIZE={size} ranks (a launch such as torchrun) but "
+            "torch.distributed is not initialised, so there is no default group to work over; call "
+            "torch.distributed.init_process_group() first (as with FairScale). Without it every rank "
+            "would run alone, at world size 1"
+        )
+
+
 def group_for(process_group: Any = None, role: str = "default", *, device: Any = None) -> Any:
     """The one engine group of a torch process group and role, built on first use (a collective
     over that group; every rank asks in the same order). ``None`` means the default group; with
@@ -177,6 +194,7 @@ def group_for(process_group: Any = None, role: str = "default", *, device: Any =
         return _stand_in_group(process_group, role)
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
+            require_initialised_world("process_group=None (torch.distributed's default group)")
             return LocalGroup()
         process_group = dist.group.WORLD
     key = (id(process_group), role)

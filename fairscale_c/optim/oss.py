@@ -74,6 +74,7 @@ def _group_rank_size(group: Any) -> Tuple[int, int]:
     if group is None:
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
+        fdist.require_initialised_world("OSS(group=None)")
         return 0, 1
     if dist.is_available() and isinstance(group, dist.ProcessGroup):
         return dist.get_rank(group), dist.get_world_size(group)

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .. import DistributedError
+from .. import distributed as fdist
 
 __all__ = ["CheckpointError", "save_sharded", "load_sharded", "load_all_shards", "read_manifest"]
 
@@ -72,6 +73,7 @@ class CheckpointError(ValueError):
 
 def _rank_and_world(group: Any) -> Tuple[int, int]:
     if group is None and not (dist.is_available() and dist.is_initialized()):
+        fdist.require_initialised_world("save_sharded / load_sharded (group=None)")
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 

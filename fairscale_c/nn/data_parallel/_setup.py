@@ -58,6 +58,8 @@ class Setup:
     def _init_groups(self, process_group: Optional[Any], process_group_reduce_scatter: Any) -> None:
         """The engine groups for all-gathers (`process_group`'s; None: the default group) and for
         reduce-scatters (see _reduce_scatter_comm), and this rank's place in them."""
+        if process_group is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            fdist.require_initialised_world("FullyShardedDataParallel(process_group=None)")
         self.comm = fdist.group_for(process_group)
         self.process_group = self.comm.process_group
         # a ProcessGroupTracker (layer_memory_tracker) given as process_group hears of each all-gather

@@ -127,6 +127,8 @@ class ShardedDataParallel(nn.Module):
         self._reduce_fp16 = bool(reduce_fp16)
         self._warn_on_trainable_params_changed = bool(warn_on_trainable_params_changed)
         self._process_group = process_group
+        if process_group is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            fdist.require_initialised_world("ShardedDataParallel(process_group=None)")
         self.comm = fdist.group_for(process_group)
         self._rank, self._world_size = self.comm.rank, self.comm.size
         for o in optims:
