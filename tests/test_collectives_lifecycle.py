@@ -157,6 +157,30 @@ def test_dropped_group_with_an_unwaitable_op_is_not_held_for_the_timeout():
     assert results[0] < 6, f"dropping the group took {results[0]:.1f} s (timeout 60 s)"
 
 
+def _engine_then_torch_job(rank, world):
+    """The engine's rendezvous from the environment first (rank 0 hosts the store on MASTER_PORT),
+    then torch.distributed's env:// on the same port: one store server serves both."""
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group()
+    mine = torch.ones(3)
+    group.all_reduce(mine)
+    dist.init_process_group("gloo")
+    theirs = torch.ones(3)
+    dist.all_reduce(theirs)
+    after = torch.ones(3)
+    fdist.all_reduce(after)
+    dist.destroy_process_group()
+    return mine.tolist(), theirs.tolist(), after.tolist()
+
+
+def test_torch_distributed_initialised_after_the_engines_rendezvous():
+    results = run_ranks(_engine_then_torch_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}, timeout=120)
+    assert results == [([2.0] * 3, [2.0] * 3, [2.0] * 3)] * 2
+
+
 def _creator_fails_job(rank, world):
     import fairscale_c
     import fairscale_c.distributed as fdist

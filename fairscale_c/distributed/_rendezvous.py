@@ -254,6 +254,9 @@ def env_store() -> "dist.Store":
                     is_master=master,
                     timeout=datetime.timedelta(seconds=t if master else max(0.1, min(_CONNECT_TRY_S, left))),
                     wait_for_workers=False,
+                    # torch's env:// rendezvous, if the user initialises torch.distributed after
+                    # this, starts its store on the same port: one server for both, as torch's are
+                    multi_tenant=True,
                 )
             except Exception:
                 if master or time.monotonic() + 0.05 >= deadline:
