@@ -106,6 +106,12 @@ def test_named_groups_and_unflatten_with_external_data():
     )
     assert wrapped.flat_param_names == ["flat_param_body", "flat_param_head"]
     assert [n for n, _ in wrapped.named_parameters()] == ["flat_param_body", "flat_param_head"]
+    numbered = _net()  # any names, as FairScale formats them: ints too
+    groups = [list(numbered[0].parameters()), list(numbered[1].parameters())]
+    assert FlattenParamsWrapper(numbered, groups, flat_param_names=[0, 1]).flat_param_names == [
+        "flat_param_0",
+        "flat_param_1",
+    ]
     x = torch.randn(2, 4)
     before = wrapped(x)
     zeros = [torch.zeros_like(p) for p in wrapped.flat_params]

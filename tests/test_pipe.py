@@ -8,6 +8,7 @@ import threading
 import time
 import warnings
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -627,6 +628,10 @@ def test_module_protocol_and_attributes():
     pipe = Pipe(model, [3, 6], devices=["cpu", torch.device("cpu")], chunks=4, checkpoint="always")
     assert len(pipe) == 9 and list(pipe) == layers
     assert pipe[0] is layers[0] and pipe[4] is layers[4] and pipe[-1] is layers[-1] and pipe[-9] is layers[0]
+    assert pipe[numpy.int64(4)] is layers[4] and pipe[torch.tensor(-1)] is layers[-1]  # as nn.Sequential
+    with pytest.raises(TypeError, match="Pipe indices must be integers, not str"):
+        pipe["0"]
+    assert pipe.pipeline is pipe._pipeline  # FairScale's attribute
     with pytest.raises(IndexError):
         pipe[9]
     with pytest.raises(IndexError):
@@ -791,6 +796,9 @@ def test_second_backward_is_a_clear_error():
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="once per forward"):
         y.sum().backward()
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True .* is not supported"):
+        torch.autograd.grad(pipe(x).sum(), x, create_graph=True)
 
 
 @pytest.mark.parametrize("chunks", [1, 3])

@@ -140,7 +140,8 @@ class FlattenParamsWrapper(nn.Module):
             if places:
                 self._param_sets.append(places)
 
-        names = [str(i) for i in range(len(self._param_sets))] if flat_param_names is None else list(flat_param_names)
+        # any names, ints too, as FairScale's (it formats them into the attribute names)
+        names = [str(n) for n in (range(len(self._param_sets)) if flat_param_names is None else flat_param_names)]
         if len(names) != len(self._param_sets):
             raise ValueError(
                 f"FlattenParamsWrapper: argument 'flat_param_names' has {len(names)} names for "

@@ -204,6 +204,11 @@ class Pipe(nn.Module):
         self._pipeline = Pipeline(self.partitions, self.devices, self._skip_layout, checkpoint)
         weakref.finalize(self, self._pipeline.close)
 
+    @property
+    def pipeline(self) -> Pipeline:
+        """What runs the micro-batches (FairScale's attribute of the same name)."""
+        return self._pipeline
+
     def __len__(self) -> int:
         """The number of layers of the underlying Sequential."""
         return sum(len(p) for p in self.partitions)
@@ -211,8 +216,10 @@ class Pipe(nn.Module):
     def __getitem__(self, index: int) -> nn.Module:
         """A layer of the underlying Sequential (negative indices count from the end)."""
         layers = list(self)
-        if not isinstance(index, int):
-            raise TypeError(f"Pipe indices must be integers, not {type(index).__name__}")
+        try:
+            index = operator.index(index)  # numpy and 0-d tensor integers too, as nn.Sequential
+        except TypeError:
+            raise TypeError(f"Pipe indices must be integers, not {type(index).__name__}") from None
         if not -len(layers) <= index < len(layers):
             raise IndexError(f"Pipe index {index} out of range for {len(layers)} layers")
         return layers[index]

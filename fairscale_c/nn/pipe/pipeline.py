@@ -431,6 +431,11 @@ class PipeFunction(torch.autograd.Function):
                 "Pipe: backward through a Pipe's output can run once per forward (its partitions' graphs are freed "
                 "by the first backward, also with retain_graph=True)"
             )
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "Pipe: a backward with create_graph=True (a double backward, e.g. a gradient penalty) is not "
+                "supported: the partitions' backward runs without recording a graph"
+            )
         per_batch: List[List[Optional[Tensor]]] = [[] for _ in range(run.m)]
         for g in grad_outputs:
             parts = [None] * run.m if g is None else list(g.split(ctx.output_split))
