@@ -114,7 +114,7 @@ static fsc_status_t wait_failed(fsc_shm_group_t *g, int peer, int dead) {
                          mine, g->name, g->rank, g->size, peer, (int)atomic_load(&g->ranks[peer].pid), peer_op);
     return fsc_error(FSC_ERR_TIMEOUT,
                      "%s on group '%s' (rank %d of %d): rank %d did not arrive within "
-                     "FAIRSCALE_C_TIMEOUT=%g s (it is in %s)",
+                     "FAIRSCALE_C_TIMEOUT=%g s (it was last in %s)",
                      mine, g->name, g->rank, g->size, peer, g->timeout, peer_op);
 }
 
