@@ -1055,6 +1055,39 @@ def no_sync_grads_on_params(rank, world):
 SCENARIOS.update(no_sync_grads_on_params=no_sync_grads_on_params)
 
 
+def clip_norm_types(rank, world):
+    """clip_grad_norm_ for every norm type torch's takes but 0 (refused): the total norm and the
+    clipped gradients equal torch's on the whole batch; -inf (the smallest |g|) does not count
+    the padding of a flat parameter whose size does not divide by the world size."""
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(world * LOCAL_BATCH, 3, generator=gen), torch.randn(world * LOCAL_BATCH, 1, generator=gen)
+    for norm_type in (2.0, 1.0, 3.0, float("inf"), float("-inf"), -1.0):
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1))  # 11 parameters: padded at world 2
+        fsdp = FSDP(copy.deepcopy(ref))
+        mse(fsdp, _local(x, rank), _local(y, rank)).backward()
+        mse(ref, x, y).backward()
+        total = fsdp.clip_grad_norm_(1e-3, norm_type)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type)
+        torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-7, msg=lambda m, p=norm_type: f"norm {p}: {m}")
+        torch.optim.SGD(fsdp.parameters(), lr=1.0).step()
+        torch.optim.SGD(ref.parameters(), lr=1.0).step()
+        sd = fsdp.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=lambda m, p=norm_type, k=k: f"norm {p}, {k}: {m}")
+    try:
+        fsdp.clip_grad_norm_(1.0, 0)
+    except ValueError as e:
+        assert "argument 'norm_type' must be a number other than 0" in str(e), e
+    else:
+        raise AssertionError("norm_type=0 was accepted")
+
+
+SCENARIOS.update(clip_norm_types=clip_norm_types)
+
+
 def _held():
     """What this process holds: open file descriptors, threads, mappings of the engine's
     shared-memory segments, resident pages, and live tensors (after a full collection). Freed heap

@@ -178,6 +178,10 @@ def test_no_sync_gradients_are_on_the_parameters():
     spawn(2, ["no_sync_grads_on_params"])
 
 
+def test_clip_grad_norm_of_every_norm_type():
+    spawn(2, ["clip_norm_types"])
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_full_gradients_do_not_pile_up_in_backward(world):
     spawn(world, ["reduce_scatters_in_flight"])

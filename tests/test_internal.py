@@ -97,7 +97,7 @@ def test_params():
     assert copied["a"][1][1] == "s" and isinstance(copied["a"][1], tuple)
 
 
-@pytest.mark.parametrize("p", [2.0, math.inf, 1.0, 3.0])
+@pytest.mark.parametrize("p", [2.0, math.inf, 1.0, 3.0, -math.inf, -1.0])
 def test_grad_norm_term_is_the_norm_of_every_gradient_to_the_power_p(p):
     # C's path (contiguous float32, float16 and bfloat16 on the host, p = 2 and inf) and torch's
     # (a non-contiguous view, float64, other p) together, as a rank of FSDP or OSS holds them
@@ -110,11 +110,11 @@ def test_grad_norm_term_is_the_norm_of_every_gradient_to_the_power_p(p):
         torch.randn(50, generator=gen, dtype=torch.float64),
     ]
     flat = torch.cat([g.double().reshape(-1) for g in grads])
-    want = flat.abs().max() if p == math.inf else flat.abs().pow(p).sum()
+    want = flat.abs().max() if p == math.inf else flat.abs().min() if p == -math.inf else flat.abs().pow(p).sum()
     got = params.grad_norm_term(grads, p)
-    assert got.shape == (1,) and got.dtype == torch.float32 and got.device.type == "cpu"
+    assert got.shape == (1,) and got.dtype == torch.float64 and got.device.type == "cpu"
     assert math.isclose(got.item(), want.item(), rel_tol=1e-5)
-    assert params.grad_norm_term([], p).tolist() == [0.0]
+    assert params.grad_norm_term([], p).tolist() == [math.inf if p == -math.inf else 0.0]
     nan = torch.tensor([1.0, math.nan])
     for with_nan in ([nan] + grads, grads + [nan]):  # wherever it is, a NaN makes the norm NaN
         assert math.isnan(params.grad_norm_term(with_nan, p).item())
@@ -127,7 +127,12 @@ class _NcclLikeComm:
         self.other = other
 
     def all_reduce(self, t, op):
-        t.copy_(torch.fmax(t, self.other) if op == "max" else t + self.other)
+        t.copy_({"max": torch.fmax, "min": torch.fmin}.get(op, torch.add)(t, self.other))
+
+
+def test_norm_type_zero_is_refused():
+    with pytest.raises(ValueError, match="argument 'norm_type' must be a number other than 0"):
+        params.grad_norm_term([torch.ones(2)], 0)
 
 
 @pytest.mark.parametrize("p", [2.0, math.inf])
@@ -141,6 +146,16 @@ def test_reduce_norm_term_keeps_a_nan_from_any_rank(p):
         assert math.isnan(params.reduce_norm_term(_NcclLikeComm(torch.tensor([math.nan, 1.0])), mine, p).item())
 
 
+def test_reduce_norm_term_minimum_keeps_a_nan_from_any_rank():
+    # p = -inf: the smallest |g| over the ranks; the NaN flag travels negated, reduced by "min"
+    mine, theirs = torch.tensor([2.0], dtype=torch.float64), torch.tensor([3.0, -0.0], dtype=torch.float64)
+    assert params.reduce_norm_term(_NcclLikeComm(theirs), mine.clone(), -math.inf).item() == 2.0
+    nan_there = torch.tensor([math.nan, -1.0], dtype=torch.float64)
+    assert math.isnan(params.reduce_norm_term(_NcclLikeComm(nan_there), mine.clone(), -math.inf).item())
+    nan_here = torch.tensor([math.nan], dtype=torch.float64)
+    assert math.isnan(params.reduce_norm_term(_NcclLikeComm(theirs), nan_here, -math.inf).item())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("p", [2.0, math.inf])
@@ -150,7 +165,7 @@ def test_grad_norm_term_on_cuda_equals_the_host_term(p):
     grads.append(torch.randn(33, generator=gen, dtype=torch.float64))
     host = params.grad_norm_term(grads, p)
     got = params.grad_norm_term([g.cuda() for g in grads], p)
-    assert got.device.type == "cuda" and got.dtype == torch.float32
+    assert got.device.type == "cuda" and got.dtype == torch.float64
     assert math.isclose(got.item(), host.item(), rel_tol=1e-5)
 
 

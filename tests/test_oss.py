@@ -186,10 +186,30 @@ def scenario_clip_float64(rank, world, tmp):
         m(x).pow(2).sum().backward()
     norm = opt.clip_grad_norm(0.1)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-    torch.testing.assert_close(norm.double(), ref_norm, atol=0, rtol=1e-6)
+    owns_some = any(p.grad is not None for p in opt._local_params)
+    assert norm.dtype == (torch.float64 if owns_some else torch.float32), norm.dtype  # as torch's, in their dtype
+    torch.testing.assert_close(norm.double(), ref_norm, atol=0, rtol=1e-12)
     opt.step()
     ref_opt.step()
     _close_params(model, ref, "float64 clip")
+    # the smallest |g| (-inf) and a negative p too, in float64 as torch computes them
+    for norm_type in (float("-inf"), -1.0):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+        norm = opt.clip_grad_norm(1e-4, norm_type)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-4, norm_type)
+        torch.testing.assert_close(norm.double(), ref_norm, atol=0, rtol=1e-12, msg=lambda m, p=norm_type: f"{p}: {m}")
+        owned = {id(p) for p in opt._local_params}  # each rank clips the gradients it owns
+        for p, q in zip(model.parameters(), ref.parameters()):
+            if id(p) in owned:
+                torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=1e-12)
+    try:
+        opt.clip_grad_norm(1.0, 0)
+    except ValueError as e:
+        assert "argument 'norm_type' must be a number other than 0" in str(e), e
+    else:
+        raise AssertionError("norm_type=0 was accepted")
     return "compared"
 
 

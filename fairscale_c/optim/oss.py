@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
 from fairscale_c import distributed as fdist
-from fairscale_c.internal.params import grad_norm_term, reduce_norm_term
+from fairscale_c.internal.params import grad_norm_term, norm_dtype, reduce_norm_term
 
 from ._blocked import stepped_in_blocks
 from ._oss_state import PER_ELEMENT_STATE, copy_state, merge_shards, pack, to_cpu, unpack
@@ -418,6 +418,7 @@ class OSS(Optimizer):
             params = list(filter_params_fn(params))
         grads = [p.grad.detach() for p in params if p.grad is not None]
         total = reduce_norm_term(self.comm, grad_norm_term(grads, norm_type, device=self._default_device), norm_type)
+        total = total.to(norm_dtype(grads))
         clip_coef = max_norm / (total + 1e-6)
         if clip_coef < 1:
             for lists in self.per_device_params.values():

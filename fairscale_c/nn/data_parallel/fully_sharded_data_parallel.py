@@ -21,7 +21,7 @@ from torch import nn
 
 from fairscale_c import _C
 from fairscale_c.internal.parallel import ProcessGroupName
-from fairscale_c.internal.params import grad_norm_term, reduce_norm_term
+from fairscale_c.internal.params import grad_norm_term, norm_dtype, reduce_norm_term
 
 from . import _optim_state, _state_dict
 from ._state_dict import no_pre_load_state_dict_hook  # noqa: F401 - FairScale defines it in this module
@@ -411,7 +411,20 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         self.assert_state(TrainingState.IDLE)
         norm_type = float(norm_type)
         grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
-        total = reduce_norm_term(self.comm, grad_norm_term(grads, norm_type), norm_type)
+        measured = grads
+        if norm_type < 0:  # -inf (the smallest |g|) and negative p: padding's zeros would count
+            layouts = {id(h.param): h.layout for m in self._fsdp_instances for h in m._handles}
+            measured = []
+            for p in self.parameters():
+                if p.grad is None:
+                    continue
+                g, layout = p.grad.detach().reshape(-1), layouts.get(id(p))
+                if layout is not None:  # a shard's real part, or no_sync's full gradient's
+                    real = layout.numel if g.numel() > layout.shard_numel else layout.shard_numel - layout.padding
+                    g = g[:real]
+                if g.numel():
+                    measured.append(g)
+        total = reduce_norm_term(self.comm, grad_norm_term(measured, norm_type), norm_type).to(norm_dtype(grads))
         clip_coef = float(max_norm) / (float(total) + 1e-6)
         if clip_coef < 1:
             for g in grads:
