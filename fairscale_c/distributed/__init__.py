@@ -194,7 +194,6 @@ def group_for(process_group: Any = None, role: str = "default", *, device: Any =
         return _stand_in_group(process_group, role)
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
-            require_initialised_world("process_group=None (torch.distributed's default group)")
             return LocalGroup()
         process_group = dist.group.WORLD
     key = (id(process_group), role)

@@ -15,6 +15,7 @@ as well as CUDA: the scale lives on the device of the first tensor passed to ``s
 from typing import Any, Dict, Optional
 
 import torch
+import torch.distributed as dist
 
 from fairscale_c import distributed as fdist
 
@@ -58,7 +59,8 @@ class GradScaler(torch.cuda.amp.GradScaler):
 class ShardedGradScaler(GradScaler):
     """A GradScaler for sharded gradients: the found-inf flag is combined over ``process_group``
     (default: the default group once torch.distributed is initialised; without it, this is a
-    plain GradScaler), so all ranks step, or skip, together."""
+    plain GradScaler, except in a process launched as one of several ranks, where the first
+    unscale raises), so all ranks step, or skip, together."""
 
     def __init__(
         self,
@@ -81,6 +83,8 @@ class ShardedGradScaler(GradScaler):
 
     def _group_comm(self) -> Any:
         if self._comm is None:
+            if self.group is None and not (dist.is_available() and dist.is_initialized()):
+                fdist.require_initialised_world("ShardedGradScaler(process_group=None)")
             self._comm = fdist.group_for(self.group)  # a LocalGroup for one process
         return self._comm
 
@@ -90,6 +94,7 @@ class ShardedGradScaler(GradScaler):
         ``step``) for the same optimizers in the same order."""
         if not self._enabled:
             return
+        self._group_comm()  # a world without torch.distributed is refused before anything is unscaled
         super().unscale_(optimizer)
         self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
 
