@@ -1,6 +1,7 @@
 """FSDP's API surface and bad input, in one process (world size 1, no process group needed)."""
 
 import copy
+import pickle
 import re
 
 import pytest
@@ -788,9 +789,16 @@ def test_the_wrapped_modules_own_state_dict_is_refused_where_it_would_be_partial
         model.module.state_dict()
     full = model.state_dict()
     assert list(full) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    with pytest.raises(RuntimeError, match="call state_dict\\(\\) on the FullyShardedDataParallel instance"):
+        model.module[0].state_dict()  # a submodule whose parameters the instance holds
     with model.summon_full_params():
         inside = model.module.state_dict()
+        plain = copy.deepcopy(model.module[0])  # a plain module, whole, with a state of its own
+        pickled = pickle.loads(pickle.dumps(model.module[0]))
     assert list(inside) == list(full) and all(torch.equal(inside[k], v) for k, v in full.items())
+    for copied in (plain, pickled):
+        assert list(copied.state_dict()) == ["weight", "bias"]
+        torch.testing.assert_close(copied.state_dict()["weight"], full["0.weight"])
     model.local_state_dict()  # its own paths are unaffected
     outer = FSDP(nn.Sequential(FSDP(nn.Linear(4, 4), flatten_parameters=flatten)))
     assert list(outer.module.state_dict()) == ["0.weight", "0.bias"]
@@ -825,8 +833,122 @@ def test_a_launched_rank_without_torch_distributed_is_refused(monkeypatch, tmp_p
     with pytest.raises(RuntimeError, match=r"ShardedDataParallel\(process_group=None\): .*" + message):
         ShardedDataParallel(mlp(), opt)
     scaler.scale(sdp(torch.randn(2, 4)).sum()).backward()
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(RuntimeError, match=r"ShardedGradScaler\(process_group=None\): .*" + message):
         scaler.step(opt)
+    # before anything was unscaled: the stage is still READY, the gradients still scaled
+    assert scaler._per_optimizer_states[id(opt)]["stage"].name == "READY"
+
+
+class _Boxed(nn.Module):
+    """mlp() whose output sits in an object FSDP cannot look into."""
+
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x):
+        return _Boxed.Box(self.net(x))
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_no_sync_gradients_follow_the_caller_until_the_next_backward(flatten):
+    # zero_grad() after the next forward still drops what no_sync() accumulated (the gradients
+    # go back to FSDP when backward starts); with outputs FSDP cannot hook, forwarding every
+    # micro-batch before the backwards accumulates as plain torch does.
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    m, ref = FSDP(mlp(), flatten_parameters=flatten), mlp()
+    with m.no_sync():
+        m(xs[0]).sum().backward()
+    out = m(xs[1])
+    m.zero_grad()
+    out.sum().backward()
+    ref(xs[1]).sum().backward()
+    torch.optim.SGD(m.parameters(), lr=1.0).step()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(m.state_dict()[k], v, msg=lambda msg, k=k: f"dropped: {k}: {msg}")
+    boxed, ref = FSDP(_Boxed(), flatten_parameters=flatten), _Boxed()
+    with pytest.warns(UserWarning, match="Box, whose tensors FSDP cannot see"):
+        outs = [boxed(x) for x in xs]
+    with boxed.no_sync():
+        outs[0].t.sum().backward()
+        outs[1].t.sum().backward()
+    outs[2].t.sum().backward()
+    for x in xs:
+        ref(x).t.sum().backward()
+    torch.optim.SGD(boxed.parameters(), lr=1.0).step()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(boxed.state_dict()[k], v, msg=lambda msg, k=k: f"hidden: {k}: {msg}")
+
+
+def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
+    # In a process of its own: a read of the released full buffer would segfault it.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import torch
+        from torch import nn
+        from fairscale_c.nn.data_parallel import FullyShardedDataParallel as FSDP
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        m[2] = FSDP(m[2])
+        f = FSDP(m)
+        f(torch.randn(2, 4)).sum().backward()
+        inner = f.module[2].module
+        print(repr(inner.weight), tuple(inner.weight.shape), inner.weight.dtype)
+        with torch.no_grad():
+            f(torch.randn(2, 4))
+        print(repr(inner.weight))
+        with f.summon_full_params():
+            print(bool(inner.weight.abs().sum() > 0))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "tensor(..., device='meta', size=(2, 8)) (2, 8) torch.float32", lines
+    assert lines[1] == "tensor(..., device='meta', size=(2, 8))" and lines[2] == "True", lines
+
+
+def test_half_after_an_eval_forward_and_after_a_no_sync_backward():
+    for step in ("eval forward", "no_sync backward"):
+        m = FSDP(mlp(), mixed_precision=False)
+        if step == "eval forward":
+            with torch.no_grad():
+                m(torch.randn(2, 4))
+        else:
+            with m.no_sync():
+                m(torch.randn(2, 4)).sum().backward()
+        m.half()
+        assert m(torch.randn(2, 4).half()).dtype == torch.float16, step
+
+
+def test_a_dataclass_output_with_an_unset_field():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+        note: str = dataclasses.field(init=False)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            return Out(self.net(x))
+
+    m = FSDP(Net())
+    m(torch.randn(2, 4)).y.sum().backward()
+    assert m.flat_param_0.grad is not None
 
 
 def test_optimizer_state_written_by_fairscale_with_a_stateless_instance_loads():

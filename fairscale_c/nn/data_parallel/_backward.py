@@ -85,11 +85,12 @@ class BackwardHooks:
         def hook(*unused: Any) -> None:
             if self._pre_backward_hook_has_run:
                 return
+            if self._is_root:
+                self._take_back_accumulated_grads()
             self._pre_backward_hook_has_run = True
             if self._is_root:
                 torch.autograd.Variable._execution_engine.queue_callback(self._wait_for_post_backward)
                 self._backward_task = _graph_task()
-                self._take_back_accumulated_grads()
             self.training_state = TrainingState.BACKWARD_PRE
             self._rebuild_full_params()
             if not self.flatten_parameters or self._ties:
@@ -148,26 +149,32 @@ class BackwardHooks:
             m._use_shard_params()
             if m._require_backward_grad_sync:
                 m._free_full_params()
+                m._leave_shaped_views()
             else:
                 self._grads_shown = m._show_accumulated_grads() or self._grads_shown
             m._pre_backward_hook_has_run = False
             m.training_state = TrainingState.IDLE
 
     @torch.no_grad()
-    def _show_accumulated_grads(self) -> None:
+    def _show_accumulated_grads(self) -> bool:
         """After a backward in no_sync(): each flat parameter's ``.grad`` shows the full gradient
         accumulated so far, unreduced, as FairScale's do (full size, in the compute dtype), so that
-        zero_grad() discards it and clip_grad_norm_ sees it. A gradient shard the parameter held
-        is kept aside; the next root forward or backward takes both back. Whether any was shown."""
+        zero_grad() discards it and clip_grad_norm_ sees it, until the next backward starts
+        (_take_back_accumulated_grads). A gradient shard the parameter held is kept aside. Whether
+        any is shown."""
         shown = False
         for h in self._handles:
             base = h.full.grad
-            if base is None or h.shown is not None:
+            if base is None:
                 continue
+            p = h.param
+            if h.shown is not None and p.grad is not h.shown:
+                continue  # changed by the caller since, in a backward nothing took back (hidden outputs)
             n = h.layout.numel
             view = base[:n] if self.flatten_parameters else base[:n].view(h.layout.slots[0].shape)
-            p = h.param
-            h.saved_shard, shard = p.grad, p.data
+            if h.shown is None:
+                h.saved_shard = p.grad
+            shard = p.data
             p.data = view  # .grad takes a tensor of the parameter's shape and dtype only
             p.grad = view
             p.data = shard
@@ -177,38 +184,47 @@ class BackwardHooks:
 
     @torch.no_grad()
     def _take_back_accumulated_grads(self) -> None:
-        """Root, before a forward or backward: what no_sync() showed on ``.grad`` goes back to the
-        full buffers' gradients, where the next backward accumulates and the first synchronised
-        one reduces it. A ``.grad`` set to None (zero_grad()) drops it; zeroed in place, it
-        restarts from zero; a full-size tensor assigned replaces it."""
+        """Root, as a backward starts (its pre-backward hook; after the forward when no hook can be
+        put on the outputs): what no_sync() showed on ``.grad`` goes back to the full buffers'
+        gradients, where this backward accumulates and the first synchronised one reduces it.
+        As in FairScale: a ``.grad`` set to None (zero_grad()) drops it, zeroed in place it
+        restarts from zero, a full-size tensor assigned replaces it, and a shard-size one is
+        taken as the gradient shard (the accumulation dropped). Any other size is a ValueError,
+        once every parameter is back as it was before no_sync()."""
         if not self._grads_shown:
             return
+        wrong = []
         for m in self._fsdp_instances:
             for h in m._handles:
                 if h.shown is None:
                     continue
-                p, shown, base = h.param, h.shown, h.shown_base
-                g = p.grad
+                p, shown, g = h.param, h.shown, h.param.grad
                 p.grad = None
                 if g is None:
                     h.full.grad = None
-                else:
-                    if g.numel() != shown.numel():
-                        raise ValueError(
-                            f"FullyShardedDataParallel: the .grad of '{h.backing_name}' was set to a tensor of "
-                            f"{g.numel()} elements after a backward in no_sync(); expected None or the full "
-                            f"gradient's {shown.numel()}"
-                        )
-                    if g is not shown or h.full.grad is not base:
-                        base = torch.zeros_like(h.full)
-                        base[: g.numel()].copy_(g.reshape(-1))
-                    h.full.grad = base
+                elif g is not shown:
+                    if g.numel() == shown.numel():
+                        full = torch.zeros_like(h.full)
+                        full[: g.numel()].copy_(g.reshape(-1))
+                        h.full.grad = full
+                    elif g.shape == p.shape:
+                        h.saved_shard, h.full.grad = g, None
+                    else:
+                        wrong.append(f"'{h.backing_name}' ({g.numel()} elements)")
                 p.grad = h.saved_shard
                 h.shown = h.shown_base = h.saved_shard = None
         self._grads_shown = False
+        if wrong:
+            raise ValueError(
+                "FullyShardedDataParallel: after a backward in no_sync(), .grad was set to a tensor of neither the "
+                f"full gradient's size nor the shard's: {', '.join(wrong)}; it is left out"
+            )
 
     def _accumulate_grad(self, h: Handle, reduced: torch.Tensor) -> None:
         p = h.param
+        if h.shown is not None:  # reduced without a take-back (hidden outputs): the shard comes back
+            p.grad = h.saved_shard
+            h.shown = h.shown_base = h.saved_shard = None
         target_device = torch.device("cpu") if self.move_grads_to_cpu else p.device
         if p.grad is None:
             if reduced.dtype is p.dtype and reduced.device == target_device:

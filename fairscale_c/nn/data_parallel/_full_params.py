@@ -73,17 +73,23 @@ class FullParams:
 
     @torch.no_grad()
     def _leave_shaped_views(self) -> None:
-        """Outside forward, keep shaped views under the original names so the module still reprs
-        and introspects like the original (unflattened shards are registered there instead). A
-        view needs storage when it is made, so free buffers get it for that moment."""
+        """Outside forward and backward, the original names of a flat parameter whose full buffer
+        is released hold meta tensors of the parameters' shapes and dtypes: the module still reprs
+        and introspects like the original, and printing or using such an attribute gives meta
+        data or a device error, not a read of released memory (a view of the released buffer, as
+        autograd keeps between forward and backward, segfaults when printed). The next forward
+        points them at the full buffer again."""
         if not self.flatten_parameters:
             return
-        freed = [h for h in self._handles if not h.has_full and h.gathering is None]
-        for h in freed:
-            alloc_storage(h.full.detach())
-        self._point_at_full()
-        for h in freed:
-            free_storage(h.full.detach())
+        for h in self._handles:
+            if h.has_full or h.gathering is not None:
+                continue
+            for slot in h.layout.slots:
+                meta = torch.empty(slot.shape, dtype=h.full.dtype, device="meta")
+                slot.module.__dict__[slot.attr] = meta
+                for shared in h.layout.shared:
+                    if shared.src is slot:
+                        shared.module.__dict__[shared.attr] = meta
 
     def _use_shard_params(self) -> None:
         """Register the shards under the original names again: unflattened instances' own

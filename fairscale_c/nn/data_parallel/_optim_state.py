@@ -150,10 +150,12 @@ def shard_from_full(instances: List[Any], full_osd: Dict[str, Any]) -> Dict[str,
     state: Dict[int, Dict[str, Any]] = {}
     global_id = 0
     local_ids = set()
-    for _, h in entries:
+    per_entry = []  # (position of the flat parameter, its local id)
+    for k, (_, h) in enumerate(entries):
         ids = list(range(global_id, global_id + len(h.layout.slots)))
         global_id += len(ids)
         local_id = full_osd["param_id_map"][ids[0]]
+        per_entry.append((k, local_id))
         if local_id is None:
             continue
         local_ids.add(local_id)
@@ -181,9 +183,13 @@ def shard_from_full(instances: List[Any], full_osd: Dict[str, Any]) -> Dict[str,
         state[local_id] = shard_state
     param_groups = copy.deepcopy(full_osd["param_groups"])
     ids_in_order = [full_osd["param_id_map"][g] for g in sorted(full_osd["param_id_map"])]
-    if "local_param_count" not in full_osd and None in ids_in_order:
+    positional = all(i is None or i == k for k, i in per_entry)
+    if "local_param_count" not in full_osd and None in ids_in_order and positional:
         # FairScale's: each flat parameter, None (no state) or not, is one of the optimizer's,
-        # numbered by position (its flatten_optim_state_dict counts the runs of equal ids)
+        # numbered by position (its flatten_optim_state_dict counts the runs of equal ids). A
+        # state this library wrote before it recorded local_param_count numbers the optimizer's
+        # parameters, which a flat parameter left out of it shifts (one left out last is read
+        # as FairScale's).
         param_groups[0]["params"] = list(range(sum(1 for _ in itertools.groupby(ids_in_order))))
     else:
         param_groups[0]["params"] = sorted(local_ids)

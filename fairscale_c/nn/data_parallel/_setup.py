@@ -38,18 +38,33 @@ def _warn_shared_gpu() -> None:
     )
 
 
-def _refuse_partial_state_dict(owner_ref: Any, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any):
-    """The wrapped module's state_dict() outside its instance's own state_dict()s: the parameters
-    the instance holds are flat or sharded there (missing, or 1-D shards), so the state would be
-    incomplete without a word."""
-    owner = owner_ref()
-    if owner is None or not owner._return_full_state_dict or owner.training_state is TrainingState.SUMMON_FULL_PARAMS:
-        return
-    raise RuntimeError(
-        "state_dict() of the module inside FullyShardedDataParallel lacks the parameters the instance holds "
-        "(flattened or sharded): call state_dict() on the FullyShardedDataParallel instance (the keys are the "
-        "module's), or this one inside summon_full_params()"
-    )
+class _RefusePartialStateDict:
+    """A state-dict hook on the wrapped module and on each module between it and a parameter the
+    instance holds: their state_dict() outside the instance's own (and outside summon_full_params)
+    would miss those parameters (flat) or hold 1-D shards of them (unflattened), without a word.
+    A copy of the module (deepcopy, pickle: e.g. taken inside summon_full_params) is a plain
+    module again: the copy's hook does nothing."""
+
+    def __init__(self, owner: Any = None) -> None:
+        self.owner = weakref.ref(owner) if owner is not None else None
+
+    def __call__(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        owner = self.owner() if self.owner is not None else None
+        if owner is None or not owner._return_full_state_dict:
+            return
+        if owner.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            return
+        raise RuntimeError(
+            "state_dict() of a module inside FullyShardedDataParallel lacks the parameters the instance holds "
+            "(flattened or sharded): call state_dict() on the FullyShardedDataParallel instance (the keys are the "
+            "module's), or this one inside summon_full_params()"
+        )
+
+    def __deepcopy__(self, memo: Any) -> "_RefusePartialStateDict":
+        return _RefusePartialStateDict()
+
+    def __reduce__(self) -> Any:
+        return (_RefusePartialStateDict, ())
 
 
 class Setup:
@@ -68,6 +83,25 @@ class Setup:
         self.process_group_reduce_scatter = self.comm_rs.process_group
         self.rank, self.world_size = self.comm.rank, self.comm.size
 
+    def _refuse_partial_state_dicts(self, module: nn.Module) -> None:
+        """_RefusePartialStateDict on `module` and every module between it and a parameter this
+        instance holds (its own, or one it shares)."""
+        holders = {id(s.module) for h in self._handles for s in list(h.layout.slots) + list(h.layout.shared)}
+        holders.update(id(t.module) for t in self._ties)
+        if not holders:
+            return
+        parents: dict = {}
+        for _, sub in module.named_modules(remove_duplicate=False):
+            for child in sub.children():
+                parents.setdefault(id(child), sub)
+        hooked: set = set()
+        for sub in module.modules():
+            node = sub if id(sub) in holders else None
+            while node is not None and id(node) not in hooked:
+                hooked.add(id(node))
+                node._register_state_dict_hook(_RefusePartialStateDict(self))
+                node = parents.get(id(node)) if node is not module else None
+
     def _init_shards(self, module: nn.Module, state_dict_device: Optional[torch.device]) -> None:
         """Lay out the parameters this instance owns (not those of nested instances) in flat buffers,
         keep this rank's shard of each as a registered Parameter, and leave shaped views of the
@@ -84,8 +118,7 @@ class Setup:
         self._ties: List[Tie] = [self._tie(f) for f in foreign]
         # what this instance gathers and frees: its own flat parameters, then those it shares
         self._all_handles: List[Handle] = self._handles + [t.handle for t in self._ties]
-        if self._all_handles:
-            module._register_state_dict_hook(functools.partial(_refuse_partial_state_dict, weakref.ref(self)))
+        self._refuse_partial_state_dicts(module)
         # Modules whose parameters leave and rejoin _parameters at every forward (unflattened
         # shards, shared parameters) and their original order, which parameters() keeps.
         moved = [t.module for t in self._ties]

@@ -25,7 +25,8 @@ def map_tensors(fn, obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = copy.copy(obj)
         for f in dataclasses.fields(obj):
-            object.__setattr__(out, f.name, map_tensors(fn, getattr(obj, f.name)))
+            if hasattr(obj, f.name):  # an init=False field may be unset
+                object.__setattr__(out, f.name, map_tensors(fn, getattr(obj, f.name)))
         return out
     return obj
 
@@ -50,7 +51,7 @@ def hidden_from_hooks(obj: Any):
                 walk(v)
         elif dataclasses.is_dataclass(x) and not isinstance(x, type):
             for f in dataclasses.fields(x):
-                walk(getattr(x, f.name))
+                walk(getattr(x, f.name, None))
         elif not isinstance(x, _PLAIN):
             opaque.append(type(x))
 

@@ -130,6 +130,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
                     h.full = h.new_full(self.compute_dtype, self.compute_device)
                     self._hook_full(h)
                     free_storage(h.full.detach())
+                    h.has_full = False
                 self._leave_shaped_views()
         return ret
 
@@ -324,8 +325,6 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError("FullyShardedDataParallel: forward inside summon_full_params is not supported")
         self.training_state = TrainingState.FORWARD
-        if self._is_root:
-            self._take_back_accumulated_grads()
         # Not a forward recomputed in backward by activation checkpointing: note where autograd's
         # record of this forward starts (see outer_graph_uses_full).
         start = sequence_mark() if _graph_task() == -1 and torch.is_grad_enabled() else None
@@ -347,6 +346,8 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             hidden = self._hidden_outputs(outputs)
             if self.reshard_after_forward and not hidden:
                 self._free_full_params(in_forward=True)
+                if not torch.is_grad_enabled():  # no backward will read the views
+                    self._leave_shaped_views()
             outputs = self._register_pre_backward_hooks(outputs)
         finally:
             for h in self._all_handles:
@@ -355,6 +356,8 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             self.training_state = TrainingState.IDLE
         if self.clear_autocast_cache:
             torch.clear_autocast_cache()
+        if hidden and self._is_root:  # no pre-backward hook will take them back
+            self._take_back_accumulated_grads()
         return outputs
 
     def _check_own_shards(self) -> None:
