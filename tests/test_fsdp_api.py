@@ -407,6 +407,28 @@ def test_activation_checkpointing_around_an_instance(how, flatten):
         torch.testing.assert_close(full[k], v, msg=lambda msg, k=k: f"{k}: {msg}")
 
 
+@pytest.mark.parametrize("flatten", [True, False])
+def test_nested_instances_each_around_a_checkpointed_block(flatten):
+    # The outer block's recomputation runs the inner instance's forward again after the inner
+    # instance's backward began: its full parameters and views stay for that backward.
+    from fairscale_c.nn import checkpoint_wrapper
+
+    def plain():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+
+    ref, m = plain(), plain()
+    m[1] = FSDP(checkpoint_wrapper(m[1]), flatten_parameters=flatten)
+    model = FSDP(checkpoint_wrapper(m), flatten_parameters=flatten)
+    x = torch.randn(3, 4)
+    for net in (model, ref):
+        net(x).pow(2).sum().backward()
+        torch.optim.SGD(net.parameters(), lr=0.5).step()
+    full = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, msg=lambda msg, k=k: f"{k}: {msg}")
+
+
 def test_local_state_dict_round_trip_and_consolidate():
     m = FSDP(mlp())
     local = m.local_state_dict()

@@ -324,6 +324,10 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         self._lazy_init()
         if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError("FullyShardedDataParallel: forward inside summon_full_params is not supported")
+        # A forward recomputed (activation checkpointing) after this instance's backward began:
+        # that backward still reads the full parameters and the attributes' full views.
+        in_backward = self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
+        entry_state = self.training_state
         self.training_state = TrainingState.FORWARD
         # Not a forward recomputed in backward by activation checkpointing: note where autograd's
         # record of this forward starts (see outer_graph_uses_full).
@@ -344,7 +348,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             if _graph_task() == -1:
                 self._outer_uses_full = start is not None and outer_graph_uses_full(outputs, start)
             hidden = self._hidden_outputs(outputs)
-            if self.reshard_after_forward and not hidden:
+            if self.reshard_after_forward and not hidden and not in_backward:
                 self._free_full_params(in_forward=True)
                 if not torch.is_grad_enabled():  # no backward will read the views
                     self._leave_shaped_views()
@@ -352,8 +356,14 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         finally:
             for h in self._all_handles:
                 h.forward_users -= 1
-            self._use_shard_params()
-            self.training_state = TrainingState.IDLE
+            if in_backward:
+                if not self.flatten_parameters or self._ties:
+                    with torch.enable_grad():
+                        self._use_full_params()
+                self.training_state = entry_state
+            else:
+                self._use_shard_params()
+                self.training_state = TrainingState.IDLE
         if self.clear_autocast_cache:
             torch.clear_autocast_cache()
         if hidden and self._is_root:  # no pre-backward hook will take them back
