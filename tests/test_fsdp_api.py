@@ -909,7 +909,8 @@ def test_no_sync_gradients_follow_the_caller_until_the_next_backward(flatten):
 
 
 def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
-    # In a process of its own: a read of the released full buffer would segfault it.
+    # In a process of its own: a read of the released full buffer would segfault it. Its device
+    # and dtype stay readable (models build tensors on `some_layer.weight.device`).
     import subprocess
     import sys
     import textwrap
@@ -925,6 +926,12 @@ def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
         f(torch.randn(2, 4)).sum().backward()
         inner = f.module[2].module
         print(repr(inner.weight), tuple(inner.weight.shape), inner.weight.dtype)
+        assert inner.weight.device == torch.device("cpu") and inner.weight.requires_grad  # read as is common
+        try:
+            inner.weight.sum()
+            raise AssertionError("a released parameter's values were read")
+        except RuntimeError as e:
+            assert "summon_full_params" in str(e), e
         with torch.no_grad():
             f(torch.randn(2, 4))
         print(repr(inner.weight))
@@ -935,8 +942,8 @@ def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0] == "tensor(..., device='meta', size=(2, 8)) (2, 8) torch.float32", lines
-    assert lines[1] == "tensor(..., device='meta', size=(2, 8))" and lines[2] == "True", lines
+    assert lines[0] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu) (2, 8) torch.float32", lines
+    assert lines[1] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu)" and lines[2] == "True", lines
 
 
 def test_half_after_an_eval_forward_and_after_a_no_sync_backward():

@@ -2,11 +2,34 @@
 module's attributes at views of them, and releasing them (a mixin of FullyShardedDataParallel,
 whose instance attributes it uses)."""
 
+from typing import Any
+
 import torch
 
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
 from ._handle import Gathering, alloc_storage, free_storage
+
+
+class ReleasedParameter(torch.Tensor):
+    """Stands, between steps, for a parameter whose values are in a released full buffer: it has
+    the parameter's shape, dtype, device and requires_grad, and no data; any operation on it
+    raises a RuntimeError saying where the values are."""
+
+    @staticmethod
+    def __new__(cls, shape: Any, dtype: torch.dtype, device: torch.device, requires_grad: bool) -> "ReleasedParameter":
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"ReleasedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise RuntimeError(
+            f"{func}: a parameter held by a FullyShardedDataParallel instance has no values outside the instance's "
+            "forward (its full buffer is released between steps); read it inside summon_full_params(), or call "
+            "the module through the instance"
+        )
 
 
 class FullParams:
@@ -74,9 +97,9 @@ class FullParams:
     @torch.no_grad()
     def _leave_shaped_views(self) -> None:
         """Outside forward and backward, the original names of a flat parameter whose full buffer
-        is released hold meta tensors of the parameters' shapes and dtypes: the module still reprs
-        and introspects like the original, and printing or using such an attribute gives meta
-        data or a device error, not a read of released memory (a view of the released buffer, as
+        is released hold a ReleasedParameter of its shape, dtype, device and requires_grad: the
+        module still reprs and introspects like the original (``weight.device``), and reading the
+        values raises instead of reading released memory (a view of the released buffer, as
         autograd keeps between forward and backward, segfaults when printed). The next forward
         points them at the full buffer again."""
         if not self.flatten_parameters:
@@ -85,11 +108,11 @@ class FullParams:
             if h.has_full or h.gathering is not None:
                 continue
             for slot in h.layout.slots:
-                meta = torch.empty(slot.shape, dtype=h.full.dtype, device="meta")
-                slot.module.__dict__[slot.attr] = meta
+                released = ReleasedParameter(slot.shape, h.full.dtype, h.full.device, h.param.requires_grad)
+                slot.module.__dict__[slot.attr] = released
                 for shared in h.layout.shared:
                     if shared.src is slot:
-                        shared.module.__dict__[shared.attr] = meta
+                        shared.module.__dict__[shared.attr] = released
 
     def _use_shard_params(self) -> None:
         """Register the shards under the original names again: unflattened instances' own
