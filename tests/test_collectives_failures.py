@@ -149,10 +149,12 @@ def _dies_after_publishing_job(rank, world):
     import fairscale_c
     import fairscale_c.distributed as fdist
 
-    if rank == 1:  # publishes its part at once, then dies while rank 2 is still on its way
-        threading.Timer(0.7, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    # rank 1 publishes its part at once (within 1.5 s even on a loaded machine), then dies while
+    # rank 2 is still on its way (a rank that dies before publishing is reported at the timeout)
+    if rank == 1:
+        threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     if rank == 2:
-        time.sleep(2.0)
+        time.sleep(4.0)
     start = time.perf_counter()
     try:
         fdist.init_group(name="late")
