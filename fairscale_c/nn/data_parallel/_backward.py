@@ -178,7 +178,7 @@ class BackwardHooks:
             p.data = view  # .grad takes a tensor of the parameter's shape and dtype only
             p.grad = view
             p.data = shard
-            h.shown, h.shown_base = view, base
+            h.shown = view
             shown = True
         return shown
 
@@ -212,7 +212,7 @@ class BackwardHooks:
                     else:
                         wrong.append(f"'{h.backing_name}' ({g.numel()} elements)")
                 p.grad = h.saved_shard
-                h.shown = h.shown_base = h.saved_shard = None
+                h.shown = h.saved_shard = None
         self._grads_shown = False
         if wrong:
             raise ValueError(
@@ -224,7 +224,7 @@ class BackwardHooks:
         p = h.param
         if h.shown is not None:  # reduced without a take-back (hidden outputs): the shard comes back
             p.grad = h.saved_shard
-            h.shown = h.shown_base = h.saved_shard = None
+            h.shown = h.saved_shard = None
         target_device = torch.device("cpu") if self.move_grads_to_cpu else p.device
         if p.grad is None:
             if reduced.dtype is p.dtype and reduced.device == target_device:

@@ -99,9 +99,9 @@ class FullParams:
         """Outside forward and backward, the original names of a flat parameter whose full buffer
         is released hold a ReleasedParameter of its shape, dtype, device and requires_grad: the
         module still reprs and introspects like the original (``weight.device``), and reading the
-        values raises instead of reading released memory (a view of the released buffer, as
-        autograd keeps between forward and backward, segfaults when printed). The next forward
-        points them at the full buffer again."""
+        values raises instead of reading released memory (which a view of the released buffer,
+        as autograd keeps between forward and backward, would do). The next forward points them
+        at the full buffer again."""
         if not self.flatten_parameters:
             return
         for h in self._handles:

@@ -57,9 +57,8 @@ class Handle:
         self.summoned: Optional[Dict[int, nn.Parameter]] = None  # id(slot) -> full fp32 parameter, while summoned
         self.grad_hooked = False  # the full buffer's gradient hook is registered (FSDP._hook_full)
         # After a backward in no_sync(): the accumulated full gradient shown on param.grad (a view of
-        # full.grad, `shown_base`), and the gradient shard param.grad held before it
+        # full.grad), and the gradient shard param.grad held before it
         self.shown: Optional[torch.Tensor] = None
-        self.shown_base: Optional[torch.Tensor] = None
         self.saved_shard: Optional[torch.Tensor] = None
 
     def places(self) -> List[Tuple[nn.Module, str]]:
