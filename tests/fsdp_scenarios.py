@@ -1249,3 +1249,107 @@ def dead_peer(rank, world):
     except DistributedError as e:
         return str(e), time.monotonic() - t0
     raise AssertionError("the dead peer was not reported")
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises while ``armed`` (a user's backward that fails midway)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailingBackward.armed:
+            raise RuntimeError("backward failed on purpose")
+        return g
+
+
+class _FailsInBackward(nn.Module):
+    def forward(self, x):
+        return _FailingBackward.apply(x)
+
+
+def backward_that_raises(rank, world):
+    """A backward that raises midway (after the layers above the failure have reduce-scattered,
+    before those below ran) leaves no gradient: the gradient shards are as it found them, the
+    no_sync() accumulation is dropped with it, and nothing of it is left for the next backward.
+    The state dict works at once, and training goes on as plain torch's does after the usual
+    recovery (zero_grad and the next batch)."""
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+    from fairscale_c.nn.data_parallel import get_fsdp_instances
+
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(world * LOCAL_BATCH, 8, generator=gen) for _ in range(4)]
+    ys = [torch.randn(world * LOCAL_BATCH, 4, generator=gen) for _ in range(4)]
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _FailsInBackward(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    # (micro-batch, in no_sync, fails): the failing backward is retried as plain torch's would be
+    # after zero_grad (torch keeps the part it computed on .grad; zero_grad drops it)
+    plans = {
+        "synchronised": [(0, False, True), (1, False, False), (2, False, False)],
+        "in_no_sync": [(0, True, False), (1, True, True), (2, True, False), (3, False, False)],
+    }
+    for flatten in (True, False):
+        for plan_name, plan in plans.items():
+            ref = build()
+            fsdp = FSDP(
+                nn.Sequential(*[FSDP(copy.deepcopy(m), flatten_parameters=flatten) if i in (0, 3, 5) else m
+                                for i, m in enumerate(ref)]),
+                flatten_parameters=flatten,
+            )
+            fsdp_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            where = f"{plan_name}, flatten={flatten}"
+            for i, in_no_sync, fails in plan:
+                _FailingBackward.armed = fails
+                try:
+                    with fsdp.no_sync() if in_no_sync else _nullcontext():
+                        loss = mse(fsdp, _local(xs[i], rank), _local(ys[i], rank))
+                        with pytest.raises(RuntimeError, match="on purpose") if fails else _nullcontext():
+                            loss.backward()
+                    with pytest.raises(RuntimeError, match="on purpose") if fails else _nullcontext():
+                        mse(ref, xs[i], ys[i]).backward()
+                finally:
+                    _FailingBackward.armed = False
+                if fails:
+                    before = [p.detach().clone() for p in ref.parameters()]
+                    sd = fsdp.state_dict()  # usable at once, and unchanged
+                    for (k, v), b in zip(ref.state_dict().items(), before):
+                        torch.testing.assert_close(sd[k], b, **FP32_TOL, msg=f"{where}: {k}")
+                    assert all(m.training_state.name == "IDLE" for m in get_fsdp_instances(fsdp)), where
+                    held = [h for m in get_fsdp_instances(fsdp) for h in m._handles if h.has_full]
+                    assert not held, f"{where}: {len(held)} full parameters still held"
+                    fsdp_opt.zero_grad()
+                    ref_opt.zero_grad()
+                elif not in_no_sync:
+                    fsdp_opt.step()
+                    ref_opt.step()
+                    fsdp_opt.zero_grad()
+                    ref_opt.zero_grad()
+            sd = fsdp.state_dict()
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"{where}: {k}")
+
+    # Without zero_grad the shards keep what the last good backward left, nothing of the failed one.
+    ref = build()
+    fsdp = FSDP(nn.Sequential(*[FSDP(copy.deepcopy(m)) if i in (0, 3, 5) else m for i, m in enumerate(ref)]))
+    mse(fsdp, _local(xs[0], rank), _local(ys[0], rank)).backward()
+    good = [p.grad.clone() for p in fsdp.parameters()]
+    _FailingBackward.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="on purpose"):
+            mse(fsdp, _local(xs[1], rank), _local(ys[1], rank)).backward()
+    finally:
+        _FailingBackward.armed = False
+    fsdp.clip_grad_norm_(1e9)  # a user call after the failure finishes it off
+    for p, g in zip(fsdp.parameters(), good):
+        torch.testing.assert_close(p.grad, g, **FP32_TOL)
+
+
+SCENARIOS.update(backward_that_raises=backward_that_raises)

@@ -178,6 +178,11 @@ def test_no_sync_gradients_are_on_the_parameters():
     spawn(2, ["no_sync_grads_on_params"])
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_backward_that_raises_leaves_no_gradient(world):
+    spawn(world, ["backward_that_raises"])
+
+
 def test_clip_grad_norm_of_every_norm_type():
     spawn(2, ["clip_norm_types"])
 

@@ -55,6 +55,7 @@ class BackwardHooks:
     _backward_task = -1  # root: the graph task of the backward its pre-backward hook saw
     _outer_uses_full = True  # whether autograd's record of its last forward uses the full params
     _grads_shown = False  # root: some instance shows no_sync()'s full gradients on .grad
+    _backward_open = False  # root: a backward reached an instance and its end has not run yet
 
     def _hidden_outputs(self, outputs: Any) -> bool:
         """Whether a training forward's outputs hold tensors that no pre-backward hook can be put
@@ -92,6 +93,7 @@ class BackwardHooks:
                 torch.autograd.Variable._execution_engine.queue_callback(self._wait_for_post_backward)
                 self._backward_task = _graph_task()
             self.training_state = TrainingState.BACKWARD_PRE
+            self._root._backward_open = True
             self._rebuild_full_params()
             if not self.flatten_parameters or self._ties:
                 # A block recomputed in backward (activation checkpointing) reads the attributes:
@@ -127,6 +129,7 @@ class BackwardHooks:
             root._pre_backward_hook_has_run = True
             root._backward_task = _graph_task()
             torch.autograd.Variable._execution_engine.queue_callback(root._wait_for_post_backward)
+        root._backward_open = True
         outer_needs_full = self._outer_uses_full and _graph_task() != self._root._backward_task
         self.training_state = TrainingState.BACKWARD_POST
         if self._require_backward_grad_sync:
@@ -144,6 +147,7 @@ class BackwardHooks:
     @torch.no_grad()
     def _wait_for_post_backward(self) -> None:
         """Root only, at the end of backward: finish every reduce-scatter and set the grad shards."""
+        self._backward_open = False
         self._bucket.drain()
         for m in self._fsdp_instances:
             m._use_shard_params()
@@ -154,6 +158,32 @@ class BackwardHooks:
                 self._grads_shown = m._show_accumulated_grads() or self._grads_shown
             m._pre_backward_hook_has_run = False
             m.training_state = TrainingState.IDLE
+
+    def _settle_failed_backward(self) -> None:
+        """Called outside backward where a user's call begins (forward, summon_full_params,
+        clip_grad_norm_, the state dicts): a backward that raised ran no end of backward
+        (_wait_for_post_backward), and its states, full parameters and reduce-scatters are still
+        there. They are put away, and that backward leaves no gradient: the reduce-scatters it
+        started are finished (every rank started the same ones) and their results dropped, and
+        so is the full gradient accumulated since the last synchronised backward (no_sync()).
+        The gradient shards on ``.grad`` are as that backward found them."""
+        root = getattr(self, "_root", None)  # set by the root's first forward
+        if root is None or not root._backward_open or _graph_task() != -1:
+            return
+        root._backward_open = False
+        try:
+            root._bucket.abandon()
+        finally:
+            with torch.no_grad():
+                for m in root._fsdp_instances:
+                    for h in m._handles:
+                        if h.shown is None:  # not no_sync()'s gradient shown on .grad
+                            h.full.grad = None
+                    m._use_shard_params()
+                    m._free_full_params()
+                    m._leave_shaped_views()
+                    m._pre_backward_hook_has_run = False
+                    m.training_state = TrainingState.IDLE
 
     @torch.no_grad()
     def _show_accumulated_grads(self) -> bool:

@@ -118,6 +118,21 @@ class ReduceScatterBucket:
             r.fsdp._accumulate_grad(r.handle, r.out)
         self.reduced.clear()
 
+    def abandon(self) -> None:
+        """After a backward that raised: forget the queued gradients, wait for the reduce-scatters
+        in flight (their inputs must outlive them) and drop every result."""
+        self.buckets.clear()
+        self.reduced.clear()
+        in_flight, self.in_flight = list(self.in_flight), deque()
+        failed = None
+        for issued in in_flight:
+            try:
+                issued.work.wait()
+            except Exception as e:  # the group failed: still wait for the others
+                failed = failed or e
+        if failed is not None:
+            raise failed
+
     def _retire(self, keep: int) -> None:
         """Retire finished reduce-scatters, and the oldest ones until at most `keep` remain: wait
         (on CUDA the compute stream waits; the host does not) and release the input."""

@@ -99,6 +99,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         the compute dtype and the full buffers follow the shards' new dtype (with mixed precision
         the compute dtype stays, as in FairScale). Moving a wrapped module to another device is
         refused before anything changes: move the module before wrapping it."""
+        self._settle_failed_backward()
         self.assert_state(TrainingState.IDLE)
         for h in self._handles:
             probe = fn(h.param.detach()[:0])  # what the conversion does, on an empty view
@@ -143,6 +144,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
         """Divide gradients by `pre` before and `post` after the reduction (FairScale's API)."""
+        self._settle_failed_backward()
         self.assert_state(TrainingState.IDLE)
         for m in get_fsdp_instances(self) if recursive else [self]:
             m.gradient_predivide_factor, m.gradient_postdivide_factor = pre, post
@@ -266,6 +268,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
 
     def apply(self, fn):
         """Module.apply with the full parameters in place (under summon_full_params(recurse=False))."""
+        self._settle_failed_backward()
         self.assert_state(TrainingState.IDLE)
         with self.summon_full_params(recurse=False):
             return super().apply(fn)
@@ -322,6 +325,8 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
+        if self._is_root:
+            self._settle_failed_backward()
         if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError("FullyShardedDataParallel: forward inside summon_full_params is not supported")
         # A forward recomputed (activation checkpointing) after this instance's backward began:
@@ -421,6 +426,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         self._lazy_init()
         if not self._is_root:
             raise RuntimeError("FullyShardedDataParallel.clip_grad_norm_ may only be called on the root instance")
+        self._settle_failed_backward()
         self.assert_state(TrainingState.IDLE)
         norm_type = float(norm_type)
         grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
@@ -453,6 +459,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
     def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Generator:
         """Gather the full fp32 parameters in place under their original names. Edits persist to the
         local shard on exit unless `volatile`. Collective: every rank must enter it."""
+        self._settle_failed_backward()
         if recurse:
             with contextlib.ExitStack() as stack:
                 # owners first, so an instance that shares their parameters registers the same full ones
@@ -497,6 +504,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The sharded state: keys ``<fsdp path>.flat_param_<i>`` plus buffers, FairScale's format."""
+        self._settle_failed_backward()
         self.assert_state([TrainingState.IDLE, TrainingState.FORWARD])
         with _state_dict.local_mode(get_fsdp_instances(self)):
             sd = super().state_dict(*args, **kwargs)
@@ -516,6 +524,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
 
     def load_local_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> Any:
         """Load a local (sharded) state dict saved by local_state_dict() at the same world size."""
+        self._settle_failed_backward()
         self.assert_state(TrainingState.IDLE)
         instances = get_fsdp_instances(self)
         named = _named_instances(self)
