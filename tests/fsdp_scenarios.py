@@ -1287,10 +1287,11 @@ def backward_that_raises(rank, world):
 
     def build():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _FailsInBackward(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        layers = [nn.Linear(8, 16), nn.ReLU(), _FailsInBackward(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)]
+        return nn.Sequential(*layers)
 
-    # (micro-batch, in no_sync, fails): the failing backward is retried as plain torch's would be
-    # after zero_grad (torch keeps the part it computed on .grad; zero_grad drops it)
+    # (micro-batch, in no_sync, its backward fails); after a failure both sides zero_grad, the usual
+    # recovery (torch keeps on .grad the part the failed backward computed; zero_grad drops it)
     plans = {
         "synchronised": [(0, False, True), (1, False, False), (2, False, False)],
         "in_no_sync": [(0, True, False), (1, True, True), (2, True, False), (3, False, False)],
@@ -1299,8 +1300,12 @@ def backward_that_raises(rank, world):
         for plan_name, plan in plans.items():
             ref = build()
             fsdp = FSDP(
-                nn.Sequential(*[FSDP(copy.deepcopy(m), flatten_parameters=flatten) if i in (0, 3, 5) else m
-                                for i, m in enumerate(ref)]),
+                nn.Sequential(
+                    *[
+                        FSDP(copy.deepcopy(m), flatten_parameters=flatten) if i in (0, 3, 5) else m
+                        for i, m in enumerate(ref)
+                    ]
+                ),
                 flatten_parameters=flatten,
             )
             fsdp_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
@@ -1320,7 +1325,7 @@ def backward_that_raises(rank, world):
                 if fails:
                     before = [p.detach().clone() for p in ref.parameters()]
                     sd = fsdp.state_dict()  # usable at once, and unchanged
-                    for (k, v), b in zip(ref.state_dict().items(), before):
+                    for k, b in zip(ref.state_dict(), before):
                         torch.testing.assert_close(sd[k], b, **FP32_TOL, msg=f"{where}: {k}")
                     assert all(m.training_state.name == "IDLE" for m in get_fsdp_instances(fsdp)), where
                     held = [h for m in get_fsdp_instances(fsdp) for h in m._handles if h.has_full]
