@@ -1323,6 +1323,10 @@ def backward_that_raises(rank, world):
                 finally:
                     _FailingBackward.armed = False
                 if fails:
+                    fsdp.zero_grad()  # the first call after the failure: it sees every parameter
+                    ref_opt.zero_grad()
+                    assert len(list(fsdp.parameters())) == len(list(fsdp_opt.param_groups[0]["params"])), where
+                    assert all(p.grad is None for p in fsdp_opt.param_groups[0]["params"]), where
                     before = [p.detach().clone() for p in ref.parameters()]
                     sd = fsdp.state_dict()  # usable at once, and unchanged
                     for k, b in zip(ref.state_dict(), before):
@@ -1330,8 +1334,6 @@ def backward_that_raises(rank, world):
                     assert all(m.training_state.name == "IDLE" for m in get_fsdp_instances(fsdp)), where
                     held = [h for m in get_fsdp_instances(fsdp) for h in m._handles if h.has_full]
                     assert not held, f"{where}: {len(held)} full parameters still held"
-                    fsdp_opt.zero_grad()
-                    ref_opt.zero_grad()
                 elif not in_no_sync:
                     fsdp_opt.step()
                     ref_opt.step()

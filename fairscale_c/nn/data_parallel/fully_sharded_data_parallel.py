@@ -223,6 +223,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         not flattening, without the wrapper names (``_fsdp_wrapped_module``), so they are the
         unwrapped model's names, as in FairScale. (A parent module's named_parameters() does not
         call this and keeps the wrapper names, as in FairScale.)"""
+        self._settle_failed_backward()  # unflattened, its parameters are not registered meanwhile
         clean = not self.flatten_parameters or self.training_state is TrainingState.SUMMON_FULL_PARAMS
         for name, p in super().named_parameters(*args, **kwargs):
             yield (_state_dict.clean_path(name) if clean else name), p
