@@ -198,6 +198,33 @@ def test_a_store_host_that_never_comes_is_reported_at_the_timeout():
     assert 7.9 < float(seconds) < 11, seconds
 
 
+_SILENT_STORE = """
+import os, socket, threading, time
+server = socket.socket(); server.bind(("127.0.0.1", 0)); server.listen(4)
+held = []
+threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(4)], daemon=True).start()
+port = server.getsockname()[1]
+os.environ.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FAIRSCALE_C_TIMEOUT="4")
+import fairscale_c, fairscale_c.distributed as fdist
+t = time.perf_counter()
+try:
+    fdist.init_group()
+except fairscale_c.DistributedError as e:
+    print(f"{time.perf_counter() - t:.2f} {e}")
+"""
+
+
+def test_a_store_host_that_accepts_and_never_answers_is_reported_at_the_timeout():
+    # torch's TCPStore client waits without a deadline once connected
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SILENT_STORE], capture_output=True, text=True, timeout=60).stdout
+    seconds, message = out.split(" ", 1)
+    assert "did not answer" in message and "FAIRSCALE_C_TIMEOUT=4 s" in message, out
+    assert 3.9 < float(seconds) < 6, seconds
+
+
 def _dead_pid() -> int:
     import subprocess
     import sys

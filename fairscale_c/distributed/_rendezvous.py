@@ -8,7 +8,9 @@ on a torch.distributed process group when no store is reachable.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
@@ -224,6 +226,32 @@ def default_store() -> Optional["dist.Store"]:
         return None
 
 
+class _NoAnswer(Exception):
+    pass
+
+
+def _answered_within(seconds: float, make: Callable[[], _T]) -> _T:
+    """make() on a thread of its own, waited for `seconds`. torch's TCPStore client has no
+    deadline once connected: a host that accepts the connection and never answers (its process
+    stopped mid-handshake) would hold the caller forever. The thread is left to that wait."""
+    box: Dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = make()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="fairscale_c-store-connect", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise _NoAnswer("the host accepted the connection but did not answer")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
 def env_store() -> "dist.Store":
     """A TCPStore from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
     Under torchrun the agent already hosts the store; otherwise rank 0 hosts it."""
@@ -246,18 +274,22 @@ def env_store() -> "dist.Store":
             # reported by the first exchange, which can name it, rather than by the store's
             # constructor.
             left = deadline - time.monotonic()
+            make = functools.partial(
+                dist.TCPStore,
+                addr,
+                port,
+                world,
+                is_master=master,
+                timeout=datetime.timedelta(seconds=t if master else max(0.1, min(_CONNECT_TRY_S, left))),
+                wait_for_workers=False,
+                # torch's env:// rendezvous, if the user initialises torch.distributed after
+                # this, starts its store on the same port: one server for both, as torch's are
+                multi_tenant=True,
+            )
             try:
-                store = dist.TCPStore(
-                    addr,
-                    port,
-                    world,
-                    is_master=master,
-                    timeout=datetime.timedelta(seconds=t if master else max(0.1, min(_CONNECT_TRY_S, left))),
-                    wait_for_workers=False,
-                    # torch's env:// rendezvous, if the user initialises torch.distributed after
-                    # this, starts its store on the same port: one server for both, as torch's are
-                    multi_tenant=True,
-                )
+                store = make() if master else _answered_within(max(0.1, left), make)
+            except _NoAnswer:
+                raise
             except Exception:
                 if master or time.monotonic() + 0.05 >= deadline:
                     raise
@@ -266,7 +298,8 @@ def env_store() -> "dist.Store":
             store.set_timeout(datetime.timedelta(seconds=t))
             return store
     except Exception as exc:
+        why = str(exc) if isinstance(exc, _NoAnswer) else f"{exc.__class__.__name__}: {exc}"
         raise _C.DistributedError(
             f"rendezvous (rank {rank} of {world}): cannot reach the TCPStore at {addr}:{port} within "
-            f"FAIRSCALE_C_TIMEOUT={t:g} s ({exc.__class__.__name__}: {exc})"
+            f"FAIRSCALE_C_TIMEOUT={t:g} s ({why})"
         ) from None
