@@ -937,6 +937,15 @@ def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
         print(repr(inner.weight))
         with f.summon_full_params():
             print(bool(inner.weight.abs().sum() > 0))
+        for change in (lambda w: setattr(w, "requires_grad", False), lambda w: w.requires_grad_(False)):
+            try:  # FairScale's view of the flat parameter refuses it too (not a leaf)
+                change(inner.weight)
+                raise AssertionError("a held parameter's requires_grad changed alone")
+            except RuntimeError as e:
+                assert "cannot change after wrapping" in str(e), e
+        f.requires_grad_(False)  # frozen: a forward with gradients on reaches no backward
+        f(torch.randn(2, 4))
+        print(repr(inner.weight))
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -944,6 +953,7 @@ def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
     lines = proc.stdout.splitlines()
     assert lines[0] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu) (2, 8) torch.float32", lines
     assert lines[1] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu)" and lines[2] == "True", lines
+    assert lines[3] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu)", lines
 
 
 def test_half_after_an_eval_forward_and_after_a_no_sync_backward():

@@ -4,14 +4,14 @@ the averaged gradient shards (a mixin of FullyShardedDataParallel, whose instanc
 uses)."""
 
 import warnings
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
 from ._handle import Handle, TrainingState, free_storage
-from ._tensors import hidden_from_hooks, map_tensors
+from ._tensors import map_tensors, scan_outputs
 
 
 def _graph_task() -> int:
@@ -57,16 +57,17 @@ class BackwardHooks:
     _grads_shown = False  # root: some instance shows no_sync()'s full gradients on .grad
     _backward_open = False  # root: a backward reached an instance and its end has not run yet
 
-    def _hidden_outputs(self, outputs: Any) -> bool:
-        """Whether a training forward's outputs hold tensors that no pre-backward hook can be put
-        on (hidden_from_hooks). Such an instance keeps its full parameters until its gradient is
-        reduced (nothing re-gathers them before its backward), and the root's end of backward is
-        then started by the first gradient (_post_backward_hook)."""
+    def _scan_outputs(self, outputs: Any) -> Tuple[bool, bool]:
+        """(whether a backward can reach the forward through `outputs`, whether they hold tensors
+        that no pre-backward hook can be put on (scan_outputs)). An instance with such hidden
+        outputs keeps its full parameters until its gradient is reduced (nothing re-gathers them
+        before its backward), and the root's end of backward is then started by the first
+        gradient (_post_backward_hook)."""
         if not torch.is_grad_enabled():
-            return False
-        kind = hidden_from_hooks(outputs)
+            return False, False
+        reached, kind = scan_outputs(outputs)
         if kind is None:
-            return False
+            return reached, False
         if kind not in self._warned_opaque:
             self._warned_opaque.add(kind)
             warnings.warn(
@@ -76,7 +77,7 @@ class BackwardHooks:
                 f"parameters from this forward to its backward",
                 stacklevel=5,
             )
-        return True
+        return False, True
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -125,7 +126,7 @@ class BackwardHooks:
             return
         root = self._root
         if not root._pre_backward_hook_has_run:
-            # No pre-backward hook ran: the outputs' tensors were out of its reach (_hidden_outputs).
+            # No pre-backward hook ran: the outputs' tensors were out of its reach (_scan_outputs).
             root._pre_backward_hook_has_run = True
             root._backward_task = _graph_task()
             torch.autograd.Variable._execution_engine.queue_callback(root._wait_for_post_backward)

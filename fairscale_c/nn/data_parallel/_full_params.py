@@ -23,6 +23,24 @@ class ReleasedParameter(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"ReleasedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
+    @property
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        return torch._C.TensorBase.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.requires_grad_(value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "ReleasedParameter":
+        """Refused: the parameter is a part of a flat parameter, which trains or not as a whole
+        (FairScale's view of the flat parameter refuses it too, as a non-leaf)."""
+        raise RuntimeError(
+            "requires_grad of a parameter that a FullyShardedDataParallel instance holds in a flat parameter "
+            "cannot change after wrapping: set it before wrapping (frozen and trainable parameters get flat "
+            "parameters of their own), change the whole instance with its requires_grad_(), or wrap with "
+            "flatten_parameters=False"
+        )
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         raise RuntimeError(

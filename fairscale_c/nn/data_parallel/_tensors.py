@@ -5,7 +5,7 @@ keep their types."""
 import contextlib
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 
@@ -34,10 +34,10 @@ def map_tensors(fn, obj: Any) -> Any:
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
-def hidden_from_hooks(obj: Any):
-    """When no tensor in `obj` that map_tensors reaches requires grad but `obj` holds an object
-    map_tensors does not look into (any object but a tensor, a container it walks or a plain
-    value, which may hold tensors), that object's type; otherwise None."""
+def scan_outputs(obj: Any) -> Tuple[bool, Any]:
+    """(whether a tensor in `obj` that map_tensors reaches requires grad, and when none does but
+    `obj` holds an object map_tensors does not look into (any object but a tensor, a container it
+    walks or a plain value, which may hold tensors), that object's type, otherwise None)."""
     grad, opaque = [], []
 
     def walk(x: Any) -> None:
@@ -56,7 +56,8 @@ def hidden_from_hooks(obj: Any):
             opaque.append(type(x))
 
     walk(obj)
-    return opaque[0] if opaque and not any(grad) else None
+    reached = any(grad)
+    return reached, (opaque[0] if opaque and not reached else None)
 
 
 def _map_dict(fn, obj: Any) -> Any:

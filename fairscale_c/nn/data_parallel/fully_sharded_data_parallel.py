@@ -353,10 +353,10 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             outputs = self.module(*args, **kwargs)
             if _graph_task() == -1:
                 self._outer_uses_full = start is not None and outer_graph_uses_full(outputs, start)
-            hidden = self._hidden_outputs(outputs)
+            reached, hidden = self._scan_outputs(outputs)
             if self.reshard_after_forward and not hidden and not in_backward:
                 self._free_full_params(in_forward=True)
-                if not torch.is_grad_enabled():  # no backward will read the views
+                if not reached:  # no backward will read the views (a frozen model, no_grad, eval)
                     self._leave_shaped_views()
             outputs = self._register_pre_backward_hooks(outputs)
         finally:
