@@ -678,6 +678,67 @@ def test_oss_without_torch_distributed(tmp_path):
     assert pickle.loads(pickle.dumps(opt.state_dict()))["param_groups"][0]["lr"] == 0.1
 
 
+def test_saving_keeps_the_learning_rate_a_scheduler_set():
+    """state_dict() and local_state_dict() save the options as they are now (a scheduler changed
+    them since the last step) and leave them so (they put the inner optimizer's back: a chainable
+    schedule then restarted from them)."""
+    from fairscale_c.optim import OSS
+
+    p = torch.nn.Parameter(torch.ones(4))
+    for save in ("local", "consolidated"):
+        opt = OSS([p], optim=torch.optim.SGD, lr=1.0)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        for step in range(4):
+            p.grad = torch.ones(4)
+            if save == "consolidated":
+                opt.consolidate_state_dict()
+            opt.step()
+            sched.step()
+            saved = opt.local_state_dict() if save == "local" else opt.state_dict()
+            assert saved["param_groups"][0]["lr"] == 0.5 ** (step + 1), (save, step, saved["param_groups"])
+            assert opt.param_groups[0]["lr"] == 0.5 ** (step + 1), (save, step)
+
+
+@pytest.mark.parametrize("precision", ["FULL_PRECISION", "MIXED_PRECISION"])
+def test_an_inner_adam_of_this_library_saves_and_loads(precision):
+    """fairscale_c.optim.Adam's extra entries (optim_scale) travel in OSS's state dicts, and a
+    reload continues where the saved run goes on: exactly in float32; with bfloat16 parameters
+    the master weights restart from them (they are per partition, not saved), one bf16 step of
+    rounding away."""
+    from fairscale_c.optim import OSS
+    from fairscale_c.optim.adam import Adam, Precision
+
+    dtype = torch.float32 if precision == "FULL_PRECISION" else torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 4, generator=gen).to(dtype) for _ in range(3)]
+
+    def run(model, opt, x):
+        opt.zero_grad()
+        model(x).float().pow(2).sum().backward()
+        opt.step()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to(dtype)
+    opt = OSS(model.parameters(), optim=Adam, lr=1e-2, precision=Precision[precision])
+    run(model, opt, xs[0])
+    opt.consolidate_state_dict()
+    saved = copy.deepcopy(  # state dicts hold the live state, as torch's do
+        {"model": model.state_dict(), "full": opt.state_dict(), "local": [opt.local_state_dict()]}
+    )
+    assert saved["full"]["optim_scale"] == saved["local"][0]["optim_scale"] == opt.optim.state_dict()["optim_scale"]
+    run(model, opt, xs[1])
+    for form in ("full", "local"):
+        torch.manual_seed(1)
+        resumed = torch.nn.Linear(4, 2).to(dtype)
+        opt2 = OSS(resumed.parameters(), optim=Adam, lr=1e-2, precision=Precision[precision])
+        resumed.load_state_dict(saved["model"])  # after the optimizer was built: its masters are stale
+        opt2.load_state_dict(saved[form])
+        run(resumed, opt2, xs[1])
+        tol = dict(atol=0, rtol=0) if dtype is torch.float32 else dict(atol=0, rtol=2**-7)
+        for (k, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+            torch.testing.assert_close(b, a, **tol, msg=lambda m, k=k, f=form: f"{f} {k}: {m}")
+
+
 def test_oss_is_exported():
     import fairscale_c.optim
     import fairscale_c.optim.oss

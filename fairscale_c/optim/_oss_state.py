@@ -53,7 +53,10 @@ def merge_shards(shards: Any) -> Dict[str, Any]:
         if twice:
             raise ValueError(f"{what}: parameters {sorted(twice)} have state in more than one shard")
         state.update(s["state"])
-    return {"state": dict(sorted(state.items())), "param_groups": shards[0]["param_groups"]}
+    first = min(shards, key=lambda s: s["rank"])
+    merged = {k: v for k, v in first.items() if k not in ("rank", "world_size")}  # extras as rank 0 saved them
+    merged["state"] = dict(sorted(state.items()))
+    return merged
 
 
 class TensorRef:

@@ -203,10 +203,14 @@ class Adam(torch.optim.Optimizer):
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, dtype=self.optim_type, copy=True)
-        if masters is not None and self.mixed_precision:
-            for group, saved_group in zip(self.fp32_param_groups, masters):
-                for p32, t in zip(group["params"], saved_group):
-                    p32.data.copy_(t)
+        if self.mixed_precision:
+            # without saved master weights (FairScale's state dicts, OSS's), they restart from the
+            # parameters as they are now, not as they were when this optimizer was built
+            for group, p_group, saved_group in zip(
+                self.fp32_param_groups, self.param_groups, masters or [None] * len(self.param_groups)
+            ):
+                for p32, t in zip(group["params"], saved_group or p_group["params"]):
+                    p32.data.copy_(t.detach())
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:

@@ -498,8 +498,9 @@ class OSS(Optimizer):
                 "OSS.state_dict: the optimizer state has not been consolidated on this rank; call "
                 "consolidate_state_dict() on every rank first (or state_dict(all_ranks=True) on every rank)"
             )
-        OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
+        OSS._sync_param_groups(self.param_groups, self.optim.param_groups)
         sd = super().state_dict()
+        sd.update(self._inner_extras())
         sd["state"] = dict(self._consolidated)
         return sd
 
@@ -508,11 +509,27 @@ class OSS(Optimizer):
         the entries this rank owns (keyed by global parameter index), plus ``rank`` and
         ``world_size``. Every rank's shard together load at any world size: pass the list of them to
         :meth:`load_state_dict`."""
-        OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
+        OSS._sync_param_groups(self.param_groups, self.optim.param_groups)
         sd = super().state_dict()
+        sd.update(self._inner_extras())
         sd["state"] = dict(sorted(self._shard_state().items()))
         sd["rank"], sd["world_size"] = self.rank, self.world_size
         return sd
+
+    def _inner_extras(self, saved: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """The inner optimizer's state-dict entries besides ``state`` and ``param_groups`` that hold
+        one plain value (fairscale_c.optim.Adam's ``optim_scale``), those in `saved` taking their
+        place. Entries per parameter (Adam's master weights) are this rank's partition's and are
+        left out: the inner optimizer rebuilds them from the parameters when loading."""
+        extras = {
+            k: v
+            for k, v in self.optim.state_dict().items()
+            if k not in ("state", "param_groups") and isinstance(v, (bool, int, float, str, type(None)))
+        }
+        for k in extras:
+            if saved is not None and k in saved:
+                extras[k] = saved[k]
+        return extras
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Load a state dict from :meth:`state_dict` (or from the unsharded optimizer), or the list
@@ -562,6 +579,8 @@ class OSS(Optimizer):
             local = {k: v for k, v in saved.items() if k != "params"}
             local["params"] = [local_index[id(p)] for p in g["params"]]
             local_groups.append(local)
-        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self.optim.load_state_dict(
+            {**self._inner_extras(state_dict), "state": local_state, "param_groups": local_groups}
+        )
         OSS._sync_param_groups(saved_groups, self.param_groups)
         OSS._sync_param_groups(self.param_groups, self.optim.param_groups)
