@@ -513,6 +513,35 @@ def scenario_inference_mode_non_contiguous_and_meta_state(rank, world):
         ShardedDataParallel(real, OSS(real.parameters(), torch.optim.SGD, lr=0.1))
 
 
+def scenario_frozen_with_a_gradient_left(rank, world):
+    """A layer frozen while its gradient is still there (zeroed in place: zero_grad(set_to_none=
+    False), the wrapper's default) is not stepped by its owner, with momentum: every rank's copy
+    stays as it was when frozen (FairScale's owner steps it and the other ranks never see it)."""
+    import torch.distributed as dist
+
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    m = _small()
+    opt = OSS(m.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.1)
+    sdp = ShardedDataParallel(m, opt)
+    for step in range(5):
+        if step == 2:
+            m[0].requires_grad_(False)
+            frozen = [p.detach().clone() for p in m[0].parameters()]
+        sdp(_small_batch(step, rank)).pow(2).mean().backward()
+        opt.step()
+        sdp.zero_grad()
+    for p, f in zip(m[0].parameters(), frozen):
+        if opt.param_to_rank[p] == rank:
+            assert p.grad is not None  # the owner's (the others' were dropped after the reduction)
+        torch.testing.assert_close(p.detach(), f, atol=0, rtol=0)
+    for p in m.parameters():
+        copies = [torch.empty_like(p) for _ in range(world)]
+        dist.all_gather(copies, p.detach().contiguous())
+        assert all(torch.equal(c, copies[0]) for c in copies)
+
+
 SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 ALL = sorted(SCENARIOS)
 

@@ -333,8 +333,18 @@ class OSS(Optimizer):
             self._device_params = {}  # owners stay; only the device grouping and buffers are rebuilt
             self.refresh_trainable()
         early = self._receive_early() if closure is None else None
-        with stepped_in_blocks(self.optim):
-            loss = self.optim.step(closure=closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
+        # A frozen parameter is in no exchange buffer: were its owner to step it (a gradient left
+        # from before it was frozen, with momentum or weight decay), the other ranks' copies
+        # would never follow. Its gradient is out of the inner optimizer's sight meanwhile.
+        frozen = [(p, p.grad) for g in self.optim.param_groups for p in g["params"] if not p.requires_grad]
+        try:
+            for p, _ in frozen:
+                p.grad = None
+            with stepped_in_blocks(self.optim):
+                loss = self.optim.step(closure=closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
+        finally:
+            for p, grad in frozen:
+                p.grad = grad
         self._broadcast_params(early)
         OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
@@ -411,7 +421,9 @@ class OSS(Optimizer):
         filter_params_fn: Optional[Callable[[Any], Any]] = None,
     ) -> torch.Tensor:
         """Clip every rank's gradients by the norm of all gradients (over the ranks of the OSS
-        group, each rank counting the parameters it owns). Collective. Returns the total norm."""
+        group, each rank counting the parameters it owns). Collective. Returns the total norm.
+        torch's ``torch.nn.utils.clip_grad_norm_`` does not apply here: each rank would clip by
+        the norm of its own gradients only."""
         max_norm, norm_type = float(max_norm), float(norm_type)
         params = self._local_params
         if filter_params_fn is not None:

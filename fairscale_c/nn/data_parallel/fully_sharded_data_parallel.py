@@ -423,7 +423,9 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global gradient norm over all shards (one all-reduce); returns the total norm."""
+        """Clip the global gradient norm over all shards (one all-reduce); returns the total norm.
+        torch's ``torch.nn.utils.clip_grad_norm_`` does not apply here: on the shards it measures
+        this rank's part only, and each rank would clip by a different factor."""
         self._lazy_init()
         if not self._is_root:
             raise RuntimeError("FullyShardedDataParallel.clip_grad_norm_ may only be called on the root instance")
