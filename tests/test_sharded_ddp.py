@@ -9,6 +9,7 @@ DDP's buffer broadcast keeps). Tolerances: fp32 atol 1e-5 (the reduction sums in
 
 import copy
 import os
+import pickle
 import time
 import traceback
 import weakref
@@ -17,9 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from dist_utils import orphaned_segments, run_ranks
+from torch import nn
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 FP16_WIRE = dict(atol=2e-3, rtol=2e-3)
@@ -455,6 +455,12 @@ def scenario_backward_outside_a_training_step(rank, world):
         sdp(x).sum().backward()
         opt.step()
         assert all(p.dtype == x.dtype for p in m.parameters())
+
+    for obj, name in ((opt, "OSS"), (sdp, "ShardedDataParallel")):  # a copy would not work: said at once
+        for copier in (copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match=f"{name} cannot be pickled or deep-copied"):
+                copier(obj)
+    copy.deepcopy(sdp.module)  # what to copy instead (an EMA model, say)
 
     sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     with pytest.raises(ValueError, match="argument 'module' holds Embedding '0' with sparse=True"):

@@ -137,6 +137,14 @@ class OSS(Optimizer):
         self._default_device = torch.device("cpu")
         self.refresh_trainable()
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch's Optimizer pickles only defaults, state and param_groups: a copy of an OSS would
+        # lack its inner optimizer and group, and fail at its first step
+        raise TypeError(
+            "OSS cannot be pickled or deep-copied: its shard is bound to a live process group. Save "
+            "local_state_dict(), or consolidate_state_dict() then state_dict(), and load it into a new OSS"
+        )
+
     # ------------------------------------------------------------------ partitioning
 
     def partition_parameters(self) -> List[List[dict]]:

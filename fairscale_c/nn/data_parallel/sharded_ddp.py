@@ -200,6 +200,13 @@ class ShardedDataParallel(nn.Module):
         except AttributeError:
             return getattr(self.module, name)
 
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError(
+            "ShardedDataParallel cannot be pickled or deep-copied: it is bound to a live process group and "
+            "its optimizers. Copy or save the wrapped module instead (copy.deepcopy(model.module), "
+            "model.module.state_dict())"
+        )
+
     def to(
         self, device: Any = None, dtype: Optional[torch.dtype] = None, non_blocking: bool = False
     ) -> "ShardedDataParallel":  # type: ignore[override]
