@@ -1360,3 +1360,46 @@ def backward_that_raises(rank, world):
 
 
 SCENARIOS.update(backward_that_raises=backward_that_raises)
+
+
+def gradient_penalty(rank, world):
+    """A gradient penalty (WGAN-GP: the gradient with respect to the input, taken with
+    create_graph=True, in the loss) trains as in plain torch, flat and unflattened, nested, with
+    and without resharding: the full parameters stay for the graph of gradients until the next
+    backward has used it. A create_graph backward into the parameters' gradients is refused."""
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(world * LOCAL_BATCH, 8, generator=gen) for _ in range(3)]
+
+    def loss_of(model, x):
+        x = x.clone().requires_grad_(True)
+        out = model(x)
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return out.pow(2).mean() + ((g.norm(dim=1) - 1) ** 2).mean()
+
+    for flatten in (True, False):
+        for reshard in (True, False):
+            torch.manual_seed(0)
+            ref = MLP()
+            fsdp = copy.deepcopy(ref)
+            fsdp.fc2 = FSDP(fsdp.fc2, flatten_parameters=flatten, reshard_after_forward=reshard)
+            fsdp = FSDP(fsdp, flatten_parameters=flatten, reshard_after_forward=reshard)
+            opt, ref_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+            for x in xs:
+                loss_of(fsdp, _local(x, rank)).backward()
+                # the reference: the mean of every rank's loss on its part
+                (sum(loss_of(ref, _local(x, r)) for r in range(world)) / world).backward()
+                for o in (opt, ref_opt):
+                    o.step()
+                    o.zero_grad()
+            sd = fsdp.state_dict()
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"flatten={flatten}, reshard={reshard}: {k}")
+    with pytest.raises(RuntimeError, match="create_graph=True that reaches the parameters' gradients"):
+        fsdp(_local(xs[0], rank)).sum().backward(create_graph=True)
+    opt.zero_grad()
+    loss_of(fsdp, _local(xs[0], rank)).backward()  # and training goes on
+
+
+SCENARIOS.update(gradient_penalty=gradient_penalty)

@@ -183,6 +183,11 @@ def test_a_backward_that_raises_leaves_no_gradient(world):
     spawn(world, ["backward_that_raises"])
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_gradient_penalty_trains(world):
+    spawn(world, ["gradient_penalty"])
+
+
 def test_clip_grad_norm_of_every_norm_type():
     spawn(2, ["clip_norm_types"])
 

@@ -56,6 +56,9 @@ class BackwardHooks:
     _outer_uses_full = True  # whether autograd's record of its last forward uses the full params
     _grads_shown = False  # root: some instance shows no_sync()'s full gradients on .grad
     _backward_open = False  # root: a backward reached an instance and its end has not run yet
+    # root: the running backward records a graph of its gradients (create_graph=True, a gradient
+    # penalty); that graph reads the full parameters, which stay until a backward without it ends
+    _creates_graph = False
 
     def _scan_outputs(self, outputs: Any) -> Tuple[bool, bool]:
         """(whether a backward can reach the forward through `outputs`, whether they hold tensors
@@ -95,6 +98,8 @@ class BackwardHooks:
                 self._backward_task = _graph_task()
             self.training_state = TrainingState.BACKWARD_PRE
             self._root._backward_open = True
+            if torch.is_grad_enabled():
+                self._root._creates_graph = True
             self._rebuild_full_params()
             if not self.flatten_parameters or self._ties:
                 # A block recomputed in backward (activation checkpointing) reads the attributes:
@@ -124,6 +129,12 @@ class BackwardHooks:
         grad = full.grad
         if grad is None:
             return
+        if grad.requires_grad:
+            raise RuntimeError(
+                "FullyShardedDataParallel: a backward with create_graph=True that reaches the parameters' gradients "
+                "is not supported (the reduced gradient shards would carry no graph); a gradient penalty is: take "
+                "the gradient with respect to the inputs, torch.autograd.grad(outputs, inputs, create_graph=True)"
+            )
         root = self._root
         if not root._pre_backward_hook_has_run:
             # No pre-backward hook ran: the outputs' tensors were out of its reach (_scan_outputs).
@@ -149,10 +160,11 @@ class BackwardHooks:
     def _wait_for_post_backward(self) -> None:
         """Root only, at the end of backward: finish every reduce-scatter and set the grad shards."""
         self._backward_open = False
+        keep_full, self._creates_graph = self._creates_graph, False
         self._bucket.drain()
         for m in self._fsdp_instances:
             m._use_shard_params()
-            if m._require_backward_grad_sync:
+            if m._require_backward_grad_sync and not keep_full:
                 m._free_full_params()
                 m._leave_shaped_views()
             else:
