@@ -956,6 +956,25 @@ def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
     assert lines[3] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu)", lines
 
 
+def test_mixed_precision_inputs_keep_their_gradient():
+    """The root's cast of its inputs to the compute dtype is recorded by autograd: a layer before
+    the instance trains, and a leaf input gets its gradient (saliency, a gradient penalty)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        upstream, body = nn.Linear(4, 4), mlp()
+        ref_up, ref_body = copy.deepcopy(upstream), copy.deepcopy(body)
+        fsdp = FSDP(body, mixed_precision=True, compute_dtype=dtype)
+        x = torch.randn(3, 4, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        fsdp(upstream(x)).float().sum().backward()
+        ref_body(ref_up(xr)).sum().backward()
+        assert upstream.weight.grad is not None and x.grad is not None, dtype
+        assert x.grad.dtype is torch.float32 and upstream.weight.grad.dtype is torch.float32
+        tol = dict(atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(upstream.weight.grad, ref_up.weight.grad, **tol)
+        torch.testing.assert_close(x.grad, xr.grad, **tol)
+
+
 def test_half_after_an_eval_forward_and_after_a_no_sync_backward():
     for step in ("eval forward", "no_sync backward"):
         m = FSDP(mlp(), mixed_precision=False)

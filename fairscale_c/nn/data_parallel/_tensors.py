@@ -2,7 +2,6 @@
 subclasses such as HuggingFace's ModelOutput, dataclasses), mapped or cast while the containers
 keep their types."""
 
-import contextlib
 import copy
 import dataclasses
 from typing import Any, Tuple
@@ -67,18 +66,11 @@ def _map_dict(fn, obj: Any) -> Any:
     return obj
 
 
-def cast_floats(dtype: torch.dtype, args: Any, kwargs: Any, no_grad: bool = True):
-    """(args, kwargs) with every floating-point tensor cast to `dtype`. With `no_grad` the casts
-    are not recorded by autograd, and a cast leaf keeps its requires_grad."""
+def cast_floats(dtype: torch.dtype, args: Any, kwargs: Any):
+    """(args, kwargs) with every floating-point tensor cast to `dtype`; autograd records the casts,
+    so gradients reach the inputs (a layer before the instance, a gradient with respect to them)."""
 
     def cast(x: torch.Tensor) -> torch.Tensor:
-        if x.is_floating_point() and x.dtype is not dtype:
-            y = x.to(dtype)
-            if x.is_leaf and no_grad:
-                y.requires_grad_(x.requires_grad)
-            return y
-        return x
+        return x.to(dtype) if x.is_floating_point() and x.dtype is not dtype else x
 
-    ctx = torch.no_grad() if no_grad else contextlib.nullcontext()
-    with ctx:
-        return map_tensors(cast, args), map_tensors(cast, kwargs)
+    return map_tensors(cast, args), map_tensors(cast, kwargs)

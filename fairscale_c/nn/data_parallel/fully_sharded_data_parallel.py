@@ -341,7 +341,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         if self._is_root and self.mixed_precision:
             args, kwargs = cast_floats(self.compute_dtype, args, kwargs)
         elif self.force_input_to_fp32 and not self.mixed_precision:
-            args, kwargs = cast_floats(torch.float32, args, kwargs, no_grad=False)
+            args, kwargs = cast_floats(torch.float32, args, kwargs)
         for h in self._all_handles:
             h.forward_users += 1
         try:
