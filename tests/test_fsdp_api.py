@@ -956,6 +956,36 @@ def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
     assert lines[3] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu)", lines
 
 
+def test_consolidation_with_a_non_persistent_buffer():
+    """The metadata lists the buffers a state dict holds: one registered with persistent=False (a
+    causal mask, rotary frequencies) is not in the local weights and is not asked for (it was a
+    bare KeyError, as in FairScale); a metadata that lists it names it."""
+
+    class WithBuffers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+            self.register_buffer("shift", torch.ones(4))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale + self.shift
+
+    m = FSDP(WithBuffers())
+    m(torch.randn(2, 4)).sum().backward()
+    weights, meta = m.local_state_dict(), m.local_metadata_dict()
+    assert meta["buffer_names"] == ["shift"]
+    full = FSDP.consolidate_shard_weights([weights], [meta])
+    want = m.state_dict()
+    assert sorted(full) == sorted(want), (list(full), list(want))
+    for k, v in want.items():
+        torch.testing.assert_close(full[k], v, atol=0, rtol=0)
+    listed = dict(meta, buffer_names=["scale", "shift"])  # as FairScale's metadata lists them
+    with pytest.raises(KeyError, match="buffer 'scale' of the metadata is not in rank 0's weights"):
+        FSDP.consolidate_shard_weights([weights], [listed])
+    assert "scale" not in FSDP.consolidate_shard_weights([weights], [listed], strict=False)
+
+
 def test_mixed_precision_inputs_keep_their_gradient():
     """The root's cast of its inputs to the compute dtype is recorded by autograd: a layer before
     the instance trains, and a leaf input gets its gradient (saliency, a gradient penalty)."""

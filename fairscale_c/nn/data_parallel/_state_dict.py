@@ -239,6 +239,20 @@ def check_local_shards(named_instances: List[Tuple[str, Any]], state_dict: Dict[
                 )
 
 
+def _persistent_buffer_names(root: nn.Module) -> List[str]:
+    """The buffers a state dict holds (not those registered with persistent=False), in
+    named_buffers() order, by their names in the unwrapped model."""
+    seen, names = set(), []
+    for path, module in root.named_modules():
+        for name, b in module._buffers.items():
+            if b is None or id(b) in seen:
+                continue
+            seen.add(id(b))
+            if name not in module._non_persistent_buffers_set:
+                names.append(clean_path(_join(path, name)))
+    return names
+
+
 def local_metadata(root: nn.Module, named_instances: List[Tuple[str, Any]]) -> Dict[str, Any]:
     """FairScale's local metadata of `root` and its FSDP instances ((clean path, instance) pairs)."""
     param_metadata = []
@@ -259,7 +273,7 @@ def local_metadata(root: nn.Module, named_instances: List[Tuple[str, Any]]) -> D
             if owner is not None and id(owner) in paths:
                 src, dst = _join(paths[id(owner)], t.slot.name), _join(path, t.name)
                 param_metadata[0]["shared_param_info"].append((clean_path(src), clean_path(dst)))
-    buffer_names = [clean_path(n) for n, _ in root.named_buffers(recurse=True)]
+    buffer_names = _persistent_buffer_names(root)
     # rank and world_size: extra top-level keys (FairScale's readers ignore them) that let
     # consolidation order shards by rank and refuse incomplete or mixed sets
     return {
@@ -385,7 +399,12 @@ def consolidate(shard_weights, shard_metadata, with_module_buffers: bool, strict
             out[dst_key] = out[src_key]
     if with_module_buffers:
         for name in shard_metadata[0]["buffer_names"]:
-            if name not in shard_weights[0] and not strict:
-                continue
+            if name not in shard_weights[0]:
+                if not strict:
+                    continue
+                raise KeyError(
+                    f"consolidate_shard_weights: buffer '{name}' of the metadata is not in rank 0's weights (a "
+                    "non-persistent buffer, listed by FairScale's local_metadata_dict? pass strict=False)"
+                )
             out[name] = shard_weights[0][name]
     return out
