@@ -97,15 +97,21 @@ def _fork_child_job(rank, world):
 
     group = fdist.init_group(name="forked")
     group.all_reduce(torch.ones(8))  # the progress thread is running when the fork happens
+    if rank == 1:
+        time.sleep(0.5)
+    pending = group.all_reduce(torch.ones(8), async_op=True)  # rank 0's waits for rank 1's
     pid = os.fork()
     if pid == 0:  # the child must get an error, not a hang, and destroy() must return
         code = 1
         try:
             _expect_error(lambda: group.all_reduce(torch.ones(8)), "'forked'", "fork() child")
+            _expect_error(pending.wait, "fork() child", "the parent's progress thread runs it")
+            del pending  # the Work it inherited is dropped without a wait (as at a normal exit)
             group.destroy()
             code = 0
         finally:
             os._exit(code)
+    pending.wait()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -125,6 +131,52 @@ def _fork_child_job(rank, world):
 
 def test_fork_child_gets_an_error_not_a_hang():
     assert run_ranks(_fork_child_job, 2, env=FAST) == [2.0, 2.0]
+
+
+def _signal_handler_job(rank, world):
+    """A signal handler that raises while an op waits (torch's DataLoader raises from SIGCHLD when a
+    worker dies): the op finishes and the handler's exception follows, as with gloo, and the group
+    stays usable; a handler that issues an op on the same group gets a RuntimeError, not a wait for
+    ever."""
+    import signal
+    import threading
+
+    import fairscale_c.distributed as fdist
+
+    group = fdist.init_group(name="handled")
+    results = []
+    for handler_does in ("raise", "an op"):
+
+        def handler(signum, frame, what=handler_does):
+            if what == "raise":
+                raise RuntimeError("DataLoader worker (pid 1) is killed by signal")
+            group.barrier()
+
+        signal.signal(signal.SIGUSR1, handler)
+        t = torch.ones(4)
+        if rank == 0:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        else:
+            time.sleep(1.0)  # rank 0 waits in the op meanwhile
+        try:
+            group.all_reduce(t)
+            results.append("no error")
+        except RuntimeError as e:
+            results.append(str(e))
+        assert t.tolist() == [2.0] * 4, (handler_does, t)  # the op finished
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        t = torch.ones(4)
+        group.all_reduce(t)  # the group is still usable
+        assert t.tolist() == [2.0] * 4, handler_does
+    group.destroy()
+    return results
+
+
+def test_a_signal_handler_that_raises_or_runs_an_op_during_an_op():
+    results = run_ranks(_signal_handler_job, 2, env=FAST)
+    assert results[1] == ["no error", "no error"], results
+    assert "killed by signal" in results[0][0], results
+    assert "issued from inside another op of the group on the same thread" in results[0][1], results
 
 
 def _never_joins_job(rank, world):

@@ -148,6 +148,11 @@ int fsc_shm_interrupted(void);
 /* 1 when the op has finished (successfully or not), else 0. Never blocks. */
 int fsc_shm_work_done(fsc_shm_work_t *w);
 
+/* 1 in the process that submitted the op; 0 in a fork() child of it, where nothing runs the op
+ * (fsc_shm_work_check_owner: the same as a status, FSC_ERR_COMM with a message). */
+int fsc_shm_work_owned(const fsc_shm_work_t *w);
+fsc_status_t fsc_shm_work_check_owner(const fsc_shm_work_t *w);
+
 /* Block until the op finishes or `timeout_s` passes (< 0: no limit). Returns the op's status
  * and records its message on the calling thread; FSC_ERR_TIMEOUT if it has not finished in
  * time (the op keeps running). Thread-safe. */

@@ -113,6 +113,7 @@ struct fsc_shm_work {
     fsc_shm_p2p_t *p2p; /* n entries, used by the sends and recvs */
     _Atomic int refs;
     _Atomic int done;
+    int owner_pid; /* the process that submitted it (its progress thread runs it) */
     fsc_status_t st;
     char msg[1024];
     pthread_mutex_t mu;

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "base/log.h"
 #include "comm/shm_internal.h"
@@ -249,6 +250,7 @@ fsc_status_t fsc_shm_submit(fsc_shm_group_t *g, const fsc_shm_args_t *a, size_t 
     w->n = n;
     w->p2p_only = all_p2p(a, n);
     atomic_store(&w->refs, 2); /* caller + queue */
+    w->owner_pid = (int)getpid();
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     pthread_mutex_lock(&g->qmu);
@@ -297,6 +299,18 @@ fsc_status_t fsc_shm_try_inline(fsc_shm_group_t *g, const fsc_shm_args_t *a, siz
     pthread_mutex_unlock(&g->qmu);
     if (st != FSC_OK) fsc_error(st, "%s", msg);
     return st;
+}
+
+int fsc_shm_work_owned(const fsc_shm_work_t *w) {
+    return (int)getpid() == w->owner_pid;
+}
+
+fsc_status_t fsc_shm_work_check_owner(const fsc_shm_work_t *w) {
+    if (fsc_shm_work_owned(w)) return FSC_OK;
+    return fsc_error(FSC_ERR_COMM,
+                     "Work: %s was issued by pid %d; this process (pid %d) is a fork() child of it, where the op "
+                     "does not run (the parent's progress thread runs it): wait for it in the parent",
+                     w->n > 1 ? "the batch" : fsc_comm_op_name(w->args[0].op), w->owner_pid, (int)getpid());
 }
 
 int fsc_shm_work_done(fsc_shm_work_t *w) {

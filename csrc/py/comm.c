@@ -14,7 +14,8 @@ typedef struct {
     PyObject_HEAD fsc_shm_group_t *g;
     PyObject *pending; /* list of in-flight Work objects, oldest first */
     int joined;
-    int inflight; /* threads inside an op with the GIL released (close() waits for them) */
+    int inflight;                /* threads inside an op with the GIL released (close() waits for them) */
+    unsigned long inline_thread; /* the thread running an op inline (fsc_shm_try_inline), or 0 */
 } GroupObject;
 
 /* Seconds an op nobody can wait for any more may still wait for a peer when its group is
@@ -27,10 +28,10 @@ static PyObject *module_of(PyObject *self) {
     return PyType_GetModule(Py_TYPE(self));
 }
 
-/* The check a rendezvous or an op running on the calling thread makes while it waits (GIL
- * released): take the GIL for a moment, run Python's signal handlers, then `arg` (a callable or
- * NULL). Nonzero when one of them raised (Ctrl-C, or the callable's error); the exception then
- * waits in this thread's state until the C call returns. */
+/* The check a rendezvous makes while it waits (GIL released): take the GIL for a moment, run
+ * Python's signal handlers, then `arg` (a callable or NULL). Nonzero when one of them raised
+ * (Ctrl-C, or the callable's error); the exception then waits in this thread's state until the C
+ * call returns. */
 static int interrupted(void *arg) {
     PyGILState_STATE gs = PyGILState_Ensure();
     int raised = PyErr_CheckSignals() < 0;
@@ -39,6 +40,16 @@ static int interrupted(void *arg) {
         raised = r == NULL;
         Py_XDECREF(r);
     }
+    PyGILState_Release(gs);
+    return raised;
+}
+
+/* The check an op running inline on the calling thread makes while it waits: Python's signal
+ * handlers (fsc_py_check_signals: only KeyboardInterrupt and SystemExit stop the op). */
+static int op_interrupted(void *arg) {
+    (void)arg;
+    PyGILState_STATE gs = PyGILState_Ensure();
+    int raised = fsc_py_check_signals() < 0;
     PyGILState_Release(gs);
     return raised;
 }
@@ -300,20 +311,33 @@ static PyObject *run_checked(GroupObject *self, fsc_py_calls_t *c, int async_op)
     for (size_t i = 0; i < n; i++) args[i] = shm_args(&c->calls[i]);
     /* importing the tensors or dropping finished Works ran Python code, which may have closed us */
     if (prune_pending(self) < 0 || check_open(self) < 0) goto exit;
+    if (self->inline_thread != 0 && self->inline_thread == PyThread_get_thread_ident()) {
+        /* a signal handler run by that op's wait: queued, this op would wait for it forever */
+        PyErr_Format(PyExc_RuntimeError,
+                     "ShmGroup '%s': an op was issued from inside another op of the group on the same thread (by "
+                     "a signal handler?), which cannot finish before it returns; issue it after that op (set a "
+                     "flag in the handler)",
+                     fsc_shm_group_name(self->g));
+        goto exit;
+    }
     if (!async_op) {
         int ran = 0;
         fsc_shm_group_t *g = self->g;
         self->inflight++;
+        self->inline_thread = PyThread_get_thread_ident();
         Py_BEGIN_ALLOW_THREADS
-        fsc_shm_set_interrupt_check(interrupted, NULL);
+        fsc_shm_set_interrupt_check(op_interrupted, NULL);
         st = fsc_shm_try_inline(g, args, n, &ran);
         fsc_shm_set_interrupt_check(NULL, NULL);
         Py_END_ALLOW_THREADS
+        self->inline_thread = 0;
         self->inflight--;
         if (st != FSC_OK) {
             if (!PyErr_Occurred()) fsc_py_raise(module, st); /* else: KeyboardInterrupt from a handler */
+            fsc_py_deferred();
             goto exit;
         }
+        if (fsc_py_deferred() < 0) goto exit; /* a handler's exception, now that the op has finished */
         if (ran) {
             result = Py_NewRef(Py_None);
             goto exit;

@@ -8,7 +8,46 @@
 
 #define FSC_WAIT_SLICE_S 0.2
 
+/* The exception a signal handler raised during an op, until the op has finished. Only the main
+ * thread runs handlers, and it takes the exception back before its op returns. */
+static PyObject *deferred_type, *deferred_value, *deferred_tb;
+
+int fsc_py_check_signals(void) {
+    if (PyErr_CheckSignals() == 0) return 0;
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1; /* KeyboardInterrupt, SystemExit */
+    if (deferred_type != NULL) {
+        PyErr_Clear(); /* a second one while the first waits: the first is raised */
+        return 0;
+    }
+    PyErr_Fetch(&deferred_type, &deferred_value, &deferred_tb);
+    return 0;
+}
+
+int fsc_py_deferred(void) {
+    if (deferred_type == NULL) return PyErr_Occurred() ? -1 : 0;
+    PyObject *t = deferred_type, *v = deferred_value, *tb = deferred_tb;
+    deferred_type = deferred_value = deferred_tb = NULL;
+    if (!PyErr_Occurred()) {
+        PyErr_Restore(t, v, tb);
+        return -1;
+    }
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (tb != NULL) PyException_SetTraceback(v, tb);
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyErr_NormalizeException(&et, &ev, &etb);
+    PyException_SetContext(ev, v); /* steals v */
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    PyErr_Restore(et, ev, etb);
+    return -1;
+}
+
 int fsc_py_work_block(fsc_py_work_t *self, double timeout_s) {
+    if (fsc_shm_work_check_owner(self->work) != FSC_OK) {
+        fsc_py_raise(self->module, FSC_ERR_COMM);
+        return -1;
+    }
     double deadline = timeout_s < 0 ? -1 : fsc_comm_now() + timeout_s;
     for (;;) {
         double slice = FSC_WAIT_SLICE_S;
@@ -23,19 +62,16 @@ int fsc_py_work_block(fsc_py_work_t *self, double timeout_s) {
         if (fsc_shm_work_done(self->work)) {
             /* the slice may have timed out just before the op finished: take the op's own status */
             st = fsc_shm_work_wait(self->work, 0);
-            if (st != FSC_OK) {
-                fsc_py_raise(self->module, st);
-                return -1;
-            }
-            return 0;
+            if (st != FSC_OK) fsc_py_raise(self->module, st);
+            return fsc_py_deferred();
         }
-        if (PyErr_CheckSignals() < 0) return -1;
+        if (fsc_py_check_signals() < 0) return fsc_py_deferred();
         if (deadline >= 0 && fsc_comm_now() >= deadline) {
             st = fsc_shm_work_wait(self->work, 0); /* OK if it has just finished */
-            if (st == FSC_OK) return 0;
+            if (st == FSC_OK) return fsc_py_deferred();
             if (!fsc_shm_work_done(self->work)) st = fsc_shm_work_timed_out(self->work, timeout_s);
             fsc_py_raise(self->module, st);
-            return -1;
+            return fsc_py_deferred();
         }
     }
 }
@@ -87,6 +123,11 @@ static PyObject *Work_is_completed(fsc_py_work_t *self, PyObject *Py_UNUSED(igno
 
 static void Work_dealloc(fsc_py_work_t *self) {
     PyTypeObject *tp = Py_TYPE(self);
+    if (self->work != NULL && !fsc_shm_work_owned(self->work)) {
+        /* a fork() child's copy: the op runs in the parent, and the lock of this copy may have
+         * been held there at the fork: left as it is */
+        self->work = NULL;
+    }
     if (self->work != NULL && !fsc_shm_work_done(self->work)) {
         /* the op still reads/writes the tensors: keep them alive until it has finished */
         Py_BEGIN_ALLOW_THREADS(void)
