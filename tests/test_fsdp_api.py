@@ -3,6 +3,7 @@
 import copy
 import pickle
 import re
+import time
 
 import pytest
 import torch
@@ -954,6 +955,101 @@ def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
     assert lines[0] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu) (2, 8) torch.float32", lines
     assert lines[1] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu)" and lines[2] == "True", lines
     assert lines[3] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu)", lines
+
+
+def _stepped_alike(fsdp, ref):
+    """One SGD step with the gradients each holds gives the same weights."""
+    for m in (fsdp, ref):
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    got = fsdp.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, msg=k)
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.6)  # another thread acts meanwhile
+        return g
+
+
+class _SlowInBackward(nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+def test_a_thread_reading_parameters_during_backward_changes_nothing():
+    """A monitoring thread's parameters() while the loop's backward runs is not taken for the
+    call after a backward that failed (which puts that backward away)."""
+    import threading
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _SlowInBackward(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    m = copy.deepcopy(ref)
+    for i in (0, 3, 5):
+        m[i] = FSDP(m[i])
+    f = FSDP(m)
+    x = torch.randn(3, 4)
+    seen = []
+    monitor = threading.Thread(target=lambda: (time.sleep(0.3), seen.append(len(list(f.parameters())))))
+    monitor.start()
+    f(x).pow(2).sum().backward()
+    monitor.join()
+    ref(x).pow(2).sum().backward()
+    assert seen == [3]
+    _stepped_alike(f, ref)
+
+
+class _GradientInForward(nn.Module):
+    """Physics-informed style: the forward takes the gradient of an inner instance's output with
+    respect to the input (that instance's backward hooks run inside the root's forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, x):
+        u = self.body(x)
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return self.head(du) + u
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_gradient_inside_forward_with_a_penalty_on_the_parameters(reshard):
+    torch.manual_seed(0)
+    ref = _GradientInForward()
+    f = copy.deepcopy(ref)
+    f.body = FSDP(f.body, reshard_after_forward=reshard)
+    f = FSDP(f, reshard_after_forward=reshard)
+    for m in (f, ref):
+        for k in range(2):
+            x = torch.randn(5, 2, generator=torch.Generator().manual_seed(k)).requires_grad_()
+            loss = m(x).pow(2).mean() + 1e-3 * sum(p.pow(2).sum() for p in m.parameters())
+            loss.backward()
+    _stepped_alike(f, ref)
+
+
+def test_a_create_graph_gradient_then_a_step_then_a_forward():
+    """The full parameters a create_graph=True gradient keeps for its graph are gathered again
+    after the optimizer step, not reused."""
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 2)
+    f = FSDP(copy.deepcopy(ref))
+    x = torch.randn(3, 4, requires_grad=True)
+    outs = []
+    for m in (f, ref):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        m(x).pow(2).sum().backward()
+        torch.autograd.grad(m(x).sum(), x, create_graph=True)  # an input-gradient metric
+        opt.step()
+        opt.zero_grad()
+        outs.append(m(x).detach())
+    torch.testing.assert_close(outs[0], outs[1])
 
 
 def test_consolidation_with_a_non_persistent_buffer():

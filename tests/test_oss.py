@@ -699,6 +699,32 @@ def test_saving_keeps_the_learning_rate_a_scheduler_set():
             assert opt.param_groups[0]["lr"] == 0.5 ** (step + 1), (save, step)
 
 
+def test_a_closure_sees_and_sets_a_frozen_gradient():
+    """step(closure) keeps a frozen parameter's gradient out of the inner optimizer's sight but
+    not out of the closure's: what the closure leaves (zero_grad: None) is what stays."""
+    from fairscale_c.optim import OSS
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    m(x).sum().backward()
+    m[0].weight.requires_grad_(False)  # frozen with its gradient left on it
+    frozen = m[0].weight.detach().clone()
+    opt = OSS(m.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    seen = []
+
+    def closure():
+        seen.append(m[0].weight.grad is not None)
+        opt.zero_grad()
+        loss = m(x).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert seen == [True] and m[0].weight.grad is None
+    assert torch.equal(m[0].weight.detach(), frozen)
+
+
 @pytest.mark.parametrize("precision", ["FULL_PRECISION", "MIXED_PRECISION"])
 def test_an_inner_adam_of_this_library_saves_and_loads(precision):
     """fairscale_c.optim.Adam's extra entries (optim_scale) travel in OSS's state dicts, and a

@@ -461,6 +461,7 @@ def scenario_backward_outside_a_training_step(rank, world):
             with pytest.raises(TypeError, match=f"{name} cannot be pickled or deep-copied"):
                 copier(obj)
     copy.deepcopy(sdp.module)  # what to copy instead (an EMA model, say)
+    assert copy.copy(opt).optim is opt.optim and copy.copy(sdp).module is sdp.module  # shallow: allowed
 
     sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     with pytest.raises(ValueError, match="argument 'module' holds Embedding '0' with sparse=True"):

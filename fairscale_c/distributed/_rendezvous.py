@@ -274,20 +274,24 @@ def env_store() -> "dist.Store":
             # reported by the first exchange, which can name it, rather than by the store's
             # constructor.
             left = deadline - time.monotonic()
+            try_s = max(0.1, min(_CONNECT_TRY_S, left))
             make = functools.partial(
                 dist.TCPStore,
                 addr,
                 port,
                 world,
                 is_master=master,
-                timeout=datetime.timedelta(seconds=t if master else max(0.1, min(_CONNECT_TRY_S, left))),
+                timeout=datetime.timedelta(seconds=t if master else try_s),
                 wait_for_workers=False,
                 # torch's env:// rendezvous, if the user initialises torch.distributed after
                 # this, starts its store on the same port: one server for both, as torch's are
                 multi_tenant=True,
             )
             try:
-                store = make() if master else _answered_within(max(0.1, left), make)
+                # a try that finds no host returns within about 3x its timeout (torch's client
+                # pauses up to twice it before its last attempt); one still running past that,
+                # and past the deadline, is held by a host that accepted and does not answer
+                store = make() if master else _answered_within(max(left, 3 * try_s + 1), make)
             except _NoAnswer:
                 raise
             except Exception:

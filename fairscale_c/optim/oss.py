@@ -137,6 +137,12 @@ class OSS(Optimizer):
         self._default_device = torch.device("cpu")
         self.refresh_trainable()
 
+    def __copy__(self) -> "OSS":
+        """A shallow copy shares everything (the inner optimizer, the group), as Python's default."""
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        return clone
+
     def __getstate__(self) -> Dict[str, Any]:
         # torch's Optimizer pickles only defaults, state and param_groups: a copy of an OSS would
         # lack its inner optimizer and group, and fail at its first step
@@ -343,16 +349,35 @@ class OSS(Optimizer):
         early = self._receive_early() if closure is None else None
         # A frozen parameter is in no exchange buffer: were its owner to step it (a gradient left
         # from before it was frozen, with momentum or weight decay), the other ranks' copies
-        # would never follow. Its gradient is out of the inner optimizer's sight meanwhile.
-        frozen = [(p, p.grad) for g in self.optim.param_groups for p in g["params"] if not p.requires_grad]
+        # would never follow. Its gradient is out of the inner optimizer's sight meanwhile, and
+        # in the closure's (which may zero or replace it) as it is.
+        frozen = [p for g in self.optim.param_groups for p in g["params"] if not p.requires_grad]
+        held: Dict[int, Optional[torch.Tensor]] = {}
+
+        def hide() -> None:
+            for p in frozen:
+                held[id(p)], p.grad = p.grad, None
+
+        def show() -> None:
+            for p in frozen:
+                p.grad = held.pop(id(p), p.grad)
+
+        if frozen and closure is not None:
+            inner_closure = closure
+
+            def closure() -> Any:
+                show()
+                try:
+                    return inner_closure()
+                finally:
+                    hide()
+
+        hide()
         try:
-            for p, _ in frozen:
-                p.grad = None
             with stepped_in_blocks(self.optim):
                 loss = self.optim.step(closure=closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
         finally:
-            for p, grad in frozen:
-                p.grad = grad
+            show()
         self._broadcast_params(early)
         OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss

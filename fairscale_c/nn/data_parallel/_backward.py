@@ -3,6 +3,7 @@ hand each complete flat gradient to the reduce-scatter buckets, and at the end o
 the averaged gradient shards (a mixin of FullyShardedDataParallel, whose instance attributes it
 uses)."""
 
+import threading
 import warnings
 from typing import Any, Tuple
 
@@ -55,9 +56,10 @@ class BackwardHooks:
     _backward_task = -1  # root: the graph task of the backward its pre-backward hook saw
     _outer_uses_full = True  # whether autograd's record of its last forward uses the full params
     _grads_shown = False  # root: some instance shows no_sync()'s full gradients on .grad
-    _backward_open = False  # root: a backward reached an instance and its end has not run yet
+    _backward_open = False  # root: a backward queued its end (_wait_for_post_backward), not run yet
+    _loop_thread = None  # root: the thread that ran its last forward (the training loop's)
     # root: the running backward records a graph of its gradients (create_graph=True, a gradient
-    # penalty); that graph reads the full parameters, which stay until a backward without it ends
+    # penalty); that graph reads the full parameters, whose memory then stays (_mark_full_params_stale)
     _creates_graph = False
 
     def _scan_outputs(self, outputs: Any) -> Tuple[bool, bool]:
@@ -96,8 +98,8 @@ class BackwardHooks:
             if self._is_root:
                 torch.autograd.Variable._execution_engine.queue_callback(self._wait_for_post_backward)
                 self._backward_task = _graph_task()
+                self._backward_open = True
             self.training_state = TrainingState.BACKWARD_PRE
-            self._root._backward_open = True
             if torch.is_grad_enabled():
                 self._root._creates_graph = True
             self._rebuild_full_params()
@@ -141,7 +143,7 @@ class BackwardHooks:
             root._pre_backward_hook_has_run = True
             root._backward_task = _graph_task()
             torch.autograd.Variable._execution_engine.queue_callback(root._wait_for_post_backward)
-        root._backward_open = True
+            root._backward_open = True
         outer_needs_full = self._outer_uses_full and _graph_task() != self._root._backward_task
         self.training_state = TrainingState.BACKWARD_POST
         if self._require_backward_grad_sync:
@@ -164,8 +166,11 @@ class BackwardHooks:
         self._bucket.drain()
         for m in self._fsdp_instances:
             m._use_shard_params()
-            if m._require_backward_grad_sync and not keep_full:
-                m._free_full_params()
+            if m._require_backward_grad_sync:
+                if keep_full:  # a graph of gradients reads them; the next use gathers them again
+                    m._mark_full_params_stale()
+                else:
+                    m._free_full_params()
                 m._leave_shaped_views()
             else:
                 self._grads_shown = m._show_accumulated_grads() or self._grads_shown
@@ -179,11 +184,15 @@ class BackwardHooks:
         there. They are put away, and that backward leaves no gradient: the reduce-scatters it
         started are finished (every rank started the same ones) and their results dropped, and
         so is the full gradient accumulated since the last synchronised backward (no_sync()).
-        The gradient shards on ``.grad`` are as that backward found them."""
+        The gradient shards on ``.grad`` are as that backward found them. Only on the training
+        loop's thread (the last forward's) outside a backward: another thread's call (a monitor
+        reading parameters()) cannot tell a backward that failed from one that is running."""
         root = getattr(self, "_root", None)  # set by the root's first forward
         if root is None or not root._backward_open or _graph_task() != -1:
             return
-        root._backward_open = False
+        if root._loop_thread != threading.get_ident():
+            return
+        root._backward_open = root._creates_graph = False
         try:
             root._bucket.abandon()
         finally:

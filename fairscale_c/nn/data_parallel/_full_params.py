@@ -132,6 +132,16 @@ class FullParams:
                     if shared.src is slot:
                         shared.module.__dict__[shared.attr] = released
 
+    def _mark_full_params_stale(self) -> None:
+        """After a backward that recorded a graph of its gradients (create_graph=True), which reads
+        the full buffers: their memory stays, but they count as released, so that the next use
+        gathers them again (an optimizer step may have changed the shards meanwhile)."""
+        for h in self._all_handles:
+            if h.gathering is not None:
+                h.gathering.work.wait()
+                h.gathering = None
+            h.has_full = False
+
     def _use_shard_params(self) -> None:
         """Register the shards under the original names again: unflattened instances' own
         parameters, and the parameters shared with other instances."""

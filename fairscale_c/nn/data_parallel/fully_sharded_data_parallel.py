@@ -14,6 +14,7 @@ gradient released); at the end of backward the root retires the rest, casts to f
 """
 
 import contextlib
+import threading
 from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
 
 import torch
@@ -327,6 +328,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
         if self._is_root:
+            self._loop_thread = threading.get_ident()
             self._settle_failed_backward()
         if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError("FullyShardedDataParallel: forward inside summon_full_params is not supported")

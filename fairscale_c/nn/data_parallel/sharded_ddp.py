@@ -200,6 +200,12 @@ class ShardedDataParallel(nn.Module):
         except AttributeError:
             return getattr(self.module, name)
 
+    def __copy__(self) -> "ShardedDataParallel":
+        """A shallow copy shares everything (the module, the optimizers, the group), as Python's default."""
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        return clone
+
     def __getstate__(self) -> Dict[str, Any]:
         raise TypeError(
             "ShardedDataParallel cannot be pickled or deep-copied: it is bound to a live process group and "
