@@ -172,6 +172,66 @@ def _signal_handler_job(rank, world):
     return results
 
 
+def _signal_handler_threads_job(rank, world):
+    """While the main thread waits in an op: another thread's op on the same group (it may not run
+    inline: the guard still knows the main thread's op) and on another group (the handler's
+    exception is not raised there, only in the main thread's op)."""
+    import signal
+    import threading
+
+    import fairscale_c.distributed as fdist
+
+    group, other = fdist.init_group(name="busy"), fdist.init_group(name="other")
+    seen = {}
+
+    def handler(signum, frame):
+        try:
+            group.barrier()
+        except RuntimeError as e:
+            seen["handler"] = str(e)
+            raise ValueError("from the handler") from None
+
+    def side():
+        time.sleep(0.3)
+        for g, name in ((group, "same group"), (other, "other group")):
+            t = torch.ones(2)
+            g.all_reduce(t)
+            seen[name] = t.tolist()
+
+    signal.signal(signal.SIGUSR1, handler)
+    if rank == 0:
+        thread = threading.Thread(target=side)
+        thread.start()
+        threading.Timer(0.8, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    else:
+        time.sleep(2.0)
+    t = torch.ones(4)
+    try:
+        group.all_reduce(t)
+        seen["main"] = "no error"
+    except ValueError as e:
+        seen["main"] = str(e)
+    if rank == 0:
+        thread.join()
+    else:
+        seen.update(zip(("same group", "other group"), [torch.ones(2), torch.ones(2)]))
+        for g, name in ((group, "same group"), (other, "other group")):
+            g.all_reduce(seen[name])
+            seen[name] = seen[name].tolist()
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    assert t.tolist() == [2.0] * 4
+    group.destroy()
+    other.destroy()
+    return seen
+
+
+def test_a_signal_handler_while_other_threads_use_the_groups():
+    results = run_ranks(_signal_handler_threads_job, 2, env={"FAIRSCALE_C_TIMEOUT": "5"}, timeout=60)
+    assert results[0]["main"] == "from the handler", results
+    assert "issued from inside another op of the group on the same thread" in results[0]["handler"], results
+    assert results[0]["same group"] == results[0]["other group"] == [2.0, 2.0], results
+
+
 def test_a_signal_handler_that_raises_or_runs_an_op_during_an_op():
     results = run_ranks(_signal_handler_job, 2, env=FAST)
     assert results[1] == ["no error", "no error"], results

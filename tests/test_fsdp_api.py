@@ -1052,6 +1052,29 @@ def test_a_create_graph_gradient_then_a_step_then_a_forward():
     torch.testing.assert_close(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("between", ["a no_grad forward", "a forward whose output is dropped"])
+def test_a_gradient_penalty_with_a_forward_before_its_backward(between):
+    """Forwards between the create_graph gradient and the backward that uses it keep the full
+    parameters' memory its graph reads."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    f = copy.deepcopy(ref)
+    f[2] = FSDP(f[2])
+    f = FSDP(f)
+    gen = torch.Generator().manual_seed(3)
+    x, x2 = torch.randn(5, 4, generator=gen).requires_grad_(), torch.randn(5, 4, generator=gen)
+    for m in (f, ref):
+        out = m(x)
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        if between == "a no_grad forward":
+            with torch.no_grad():
+                m(x2)
+        else:
+            m(x2)
+        (out.pow(2).mean() + ((g.norm(dim=1) - 1) ** 2).mean()).backward()
+    _stepped_alike(f, ref)
+
+
 def test_consolidation_with_a_non_persistent_buffer():
     """The metadata lists the buffers a state dict holds: one registered with persistent=False (a
     causal mask, rotary frequencies) is not in the local weights and is not asked for (it was a

@@ -164,16 +164,16 @@ typedef struct {
  * it, DistributedError at once: the op runs in the parent). timeout_s < 0: no limit. */
 int fsc_py_work_block(fsc_py_work_t *w, double timeout_s);
 
-/* Run Python's signal handlers while an op waits (GIL held). KeyboardInterrupt or SystemExit
- * from a handler: -1 with it set (the wait stops). Any other exception a handler raises (torch's
- * DataLoader raises one from SIGCHLD when a worker dies) is kept until the op has finished
- * (fsc_py_deferred), as it would surface had the handler run after the call, as with gloo:
- * stopping the op would leave the group unusable on every rank. Else 0. */
+/* A wait for an op, GIL held at both ends: fsc_py_wait_begin() before, fsc_py_wait_end() after
+ * (-1 when an exception is set then, else 0). In between, fsc_py_check_signals() runs Python's
+ * signal handlers: KeyboardInterrupt or SystemExit from one is -1 with it set (the wait stops).
+ * Any other exception a handler raises (torch's DataLoader raises one from SIGCHLD when a worker
+ * dies) is kept until the op it interrupted has finished, and fsc_py_wait_end of that wait raises
+ * it, an error already set taking it as __context__: as it would surface had the handler run
+ * after the call, as with gloo; stopping the op would leave the group unusable on every rank. */
+void fsc_py_wait_begin(void);
 int fsc_py_check_signals(void);
-
-/* After an op's wait (GIL held): raise what fsc_py_check_signals kept, the error already set, if
- * any, taking it as __context__. -1 when an exception is set, else 0. */
-int fsc_py_deferred(void);
+int fsc_py_wait_end(void);
 
 /* Parse the optional seconds argument `name` of `method` ("|O"): None -> -1 (no limit); else a
  * number >= 0 (infinity: no limit), or a datetime.timedelta (its total_seconds()). Returns -1 with ValueError/TypeError

@@ -14,8 +14,7 @@ typedef struct {
     PyObject_HEAD fsc_shm_group_t *g;
     PyObject *pending; /* list of in-flight Work objects, oldest first */
     int joined;
-    int inflight;                /* threads inside an op with the GIL released (close() waits for them) */
-    unsigned long inline_thread; /* the thread running an op inline (fsc_shm_try_inline), or 0 */
+    int inflight; /* threads inside an op with the GIL released (close() waits for them) */
 } GroupObject;
 
 /* Seconds an op nobody can wait for any more may still wait for a peer when its group is
@@ -43,6 +42,9 @@ static int interrupted(void *arg) {
     PyGILState_Release(gs);
     return raised;
 }
+
+/* The group whose op this thread is running inline (a signal handler may run meanwhile), if any */
+static _Thread_local GroupObject *inline_group;
 
 /* The check an op running inline on the calling thread makes while it waits: Python's signal
  * handlers (fsc_py_check_signals: only KeyboardInterrupt and SystemExit stop the op). */
@@ -311,7 +313,7 @@ static PyObject *run_checked(GroupObject *self, fsc_py_calls_t *c, int async_op)
     for (size_t i = 0; i < n; i++) args[i] = shm_args(&c->calls[i]);
     /* importing the tensors or dropping finished Works ran Python code, which may have closed us */
     if (prune_pending(self) < 0 || check_open(self) < 0) goto exit;
-    if (self->inline_thread != 0 && self->inline_thread == PyThread_get_thread_ident()) {
+    if (inline_group == self) {
         /* a signal handler run by that op's wait: queued, this op would wait for it forever */
         PyErr_Format(PyExc_RuntimeError,
                      "ShmGroup '%s': an op was issued from inside another op of the group on the same thread (by "
@@ -323,21 +325,19 @@ static PyObject *run_checked(GroupObject *self, fsc_py_calls_t *c, int async_op)
     if (!async_op) {
         int ran = 0;
         fsc_shm_group_t *g = self->g;
+        GroupObject *outer = inline_group;
         self->inflight++;
-        self->inline_thread = PyThread_get_thread_ident();
+        inline_group = self;
+        fsc_py_wait_begin();
         Py_BEGIN_ALLOW_THREADS
         fsc_shm_set_interrupt_check(op_interrupted, NULL);
         st = fsc_shm_try_inline(g, args, n, &ran);
         fsc_shm_set_interrupt_check(NULL, NULL);
         Py_END_ALLOW_THREADS
-        self->inline_thread = 0;
+        inline_group = outer;
         self->inflight--;
-        if (st != FSC_OK) {
-            if (!PyErr_Occurred()) fsc_py_raise(module, st); /* else: KeyboardInterrupt from a handler */
-            fsc_py_deferred();
-            goto exit;
-        }
-        if (fsc_py_deferred() < 0) goto exit; /* a handler's exception, now that the op has finished */
+        if (st != FSC_OK && !PyErr_Occurred()) fsc_py_raise(module, st); /* else: KeyboardInterrupt */
+        if (fsc_py_wait_end() < 0) goto exit; /* its error, or a handler's now that it has finished */
         if (ran) {
             result = Py_NewRef(Py_None);
             goto exit;

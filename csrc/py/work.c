@@ -8,9 +8,17 @@
 
 #define FSC_WAIT_SLICE_S 0.2
 
-/* The exception a signal handler raised during an op, until the op has finished. Only the main
- * thread runs handlers, and it takes the exception back before its op returns. */
+/* The exception a signal handler raised during an op, until that op has finished: the op this
+ * thread was waiting in (`depth` deep: a handler's own op nests) when the handler ran. Only the
+ * main thread runs handlers; other threads' ops never see it. */
 static PyObject *deferred_type, *deferred_value, *deferred_tb;
+static unsigned long deferred_thread;
+static int deferred_depth;
+static _Thread_local int wait_depth; /* ops this thread is waiting in */
+
+void fsc_py_wait_begin(void) {
+    wait_depth++;
+}
 
 int fsc_py_check_signals(void) {
     if (PyErr_CheckSignals() == 0) return 0;
@@ -20,11 +28,15 @@ int fsc_py_check_signals(void) {
         return 0;
     }
     PyErr_Fetch(&deferred_type, &deferred_value, &deferred_tb);
+    deferred_thread = PyThread_get_thread_ident();
+    deferred_depth = wait_depth;
     return 0;
 }
 
-int fsc_py_deferred(void) {
-    if (deferred_type == NULL) return PyErr_Occurred() ? -1 : 0;
+int fsc_py_wait_end(void) {
+    int mine = deferred_type != NULL && deferred_thread == PyThread_get_thread_ident() && deferred_depth == wait_depth;
+    wait_depth--;
+    if (!mine) return PyErr_Occurred() ? -1 : 0;
     PyObject *t = deferred_type, *v = deferred_value, *tb = deferred_tb;
     deferred_type = deferred_value = deferred_tb = NULL;
     if (!PyErr_Occurred()) {
@@ -43,7 +55,15 @@ int fsc_py_deferred(void) {
     return -1;
 }
 
+static int work_block(fsc_py_work_t *self, double timeout_s);
+
 int fsc_py_work_block(fsc_py_work_t *self, double timeout_s) {
+    fsc_py_wait_begin();
+    work_block(self, timeout_s);
+    return fsc_py_wait_end();
+}
+
+static int work_block(fsc_py_work_t *self, double timeout_s) {
     if (fsc_shm_work_check_owner(self->work) != FSC_OK) {
         fsc_py_raise(self->module, FSC_ERR_COMM);
         return -1;
@@ -63,15 +83,15 @@ int fsc_py_work_block(fsc_py_work_t *self, double timeout_s) {
             /* the slice may have timed out just before the op finished: take the op's own status */
             st = fsc_shm_work_wait(self->work, 0);
             if (st != FSC_OK) fsc_py_raise(self->module, st);
-            return fsc_py_deferred();
+            return st == FSC_OK ? 0 : -1;
         }
-        if (fsc_py_check_signals() < 0) return fsc_py_deferred();
+        if (fsc_py_check_signals() < 0) return -1;
         if (deadline >= 0 && fsc_comm_now() >= deadline) {
             st = fsc_shm_work_wait(self->work, 0); /* OK if it has just finished */
-            if (st == FSC_OK) return fsc_py_deferred();
+            if (st == FSC_OK) return 0;
             if (!fsc_shm_work_done(self->work)) st = fsc_shm_work_timed_out(self->work, timeout_s);
             fsc_py_raise(self->module, st);
-            return fsc_py_deferred();
+            return -1;
         }
     }
 }
@@ -118,6 +138,7 @@ static PyObject *Work_wait(fsc_py_work_t *self, PyObject *args, PyObject *kwds) 
 }
 
 static PyObject *Work_is_completed(fsc_py_work_t *self, PyObject *Py_UNUSED(ignored)) {
+    if (fsc_shm_work_check_owner(self->work) != FSC_OK) return fsc_py_raise(self->module, FSC_ERR_COMM);
     return PyBool_FromLong(fsc_shm_work_done(self->work));
 }
 

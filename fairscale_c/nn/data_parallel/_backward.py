@@ -61,6 +61,9 @@ class BackwardHooks:
     # root: the running backward records a graph of its gradients (create_graph=True, a gradient
     # penalty); that graph reads the full parameters, whose memory then stays (_mark_full_params_stale)
     _creates_graph = False
+    # root: such a graph may still be backpropagated (until a backward without create_graph ends):
+    # forwards meanwhile keep the full parameters' memory too
+    _grads_graph_pending = False
 
     def _scan_outputs(self, outputs: Any) -> Tuple[bool, bool]:
         """(whether a backward can reach the forward through `outputs`, whether they hold tensors
@@ -163,6 +166,7 @@ class BackwardHooks:
         """Root only, at the end of backward: finish every reduce-scatter and set the grad shards."""
         self._backward_open = False
         keep_full, self._creates_graph = self._creates_graph, False
+        self._grads_graph_pending = keep_full
         self._bucket.drain()
         for m in self._fsdp_instances:
             m._use_shard_params()
@@ -192,7 +196,7 @@ class BackwardHooks:
             return
         if root._loop_thread != threading.get_ident():
             return
-        root._backward_open = root._creates_graph = False
+        root._backward_open = root._creates_graph = root._grads_graph_pending = False
         try:
             root._bucket.abandon()
         finally:

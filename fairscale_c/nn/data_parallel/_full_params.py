@@ -132,14 +132,17 @@ class FullParams:
                     if shared.src is slot:
                         shared.module.__dict__[shared.attr] = released
 
-    def _mark_full_params_stale(self) -> None:
+    def _mark_full_params_stale(self, in_forward: bool = False) -> None:
         """After a backward that recorded a graph of its gradients (create_graph=True), which reads
-        the full buffers: their memory stays, but they count as released, so that the next use
-        gathers them again (an optimizer step may have changed the shards meanwhile)."""
+        the full buffers, and after forwards until that graph is used: their memory stays, but
+        they count as released, so that the next use gathers them again (an optimizer step may
+        have changed the shards meanwhile). `in_forward`: as in _free_full_params."""
         for h in self._all_handles:
             if h.gathering is not None:
                 h.gathering.work.wait()
                 h.gathering = None
+            if in_forward and h.forward_users > 1:
+                continue
             h.has_full = False
 
     def _use_shard_params(self) -> None:
