@@ -225,6 +225,69 @@ def _signal_handler_threads_job(rank, world):
     return seen
 
 
+def _nested_handlers_job(rank, world):
+    """Handler 1, run while the main thread's op on group A waits, runs an op on group B; handler 2,
+    run while that op waits, issues an op on A and then destroy()s A: both are refused (they
+    could only wait for the op on A) instead of hanging. Then Ctrl-C still ends a wait after a
+    handler has run an op."""
+    import signal
+    import threading
+
+    import fairscale_c.distributed as fdist
+
+    ga, gb = fdist.init_group(name="nest-a"), fdist.init_group(name="nest-b")
+    seen = {}
+    if rank == 0:
+
+        def h1(signum, frame):
+            gb.all_reduce(torch.ones(2))
+            seen["h1"] = "B op ran"
+
+        def h2(signum, frame):
+            for what, call in (("op", lambda: ga.all_reduce(torch.ones(2))), ("destroy", ga.destroy)):
+                try:
+                    call()
+                except RuntimeError as e:
+                    seen[what] = str(e)
+
+        signal.signal(signal.SIGUSR1, h1)
+        signal.signal(signal.SIGUSR2, h2)
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        threading.Timer(0.6, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+    else:
+        time.sleep(1.0)
+        gb.all_reduce(torch.ones(2))
+    t = torch.ones(2)
+    ga.all_reduce(t)
+    seen["A"] = t.tolist()
+    if rank == 0:  # the peer comes 3 s late: Ctrl-C at 0.6 s ends the wait then
+        signal.signal(signal.SIGUSR1, lambda *a: gb.all_reduce(torch.ones(2)))
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        threading.Timer(0.6, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            ga.all_reduce(torch.ones(2))
+        except KeyboardInterrupt:
+            seen["ctrl-c after"] = time.monotonic() - start
+    else:
+        gb.all_reduce(torch.ones(2))
+        time.sleep(3.0)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    gb.destroy()
+    ga.destroy()
+    return seen
+
+
+def test_nested_signal_handlers_are_refused_not_hung():
+    env = {"FAIRSCALE_C_TIMEOUT": "6"}
+    results = run_ranks(_nested_handlers_job, 2, env=env, timeout=60)
+    assert results[0]["h1"] == "B op ran" and results[0]["A"] == results[1]["A"] == [2.0, 2.0], results
+    assert "issued from inside another op of the group" in results[0]["op"], results
+    assert "destroy() from inside an op of the group" in results[0]["destroy"], results
+    assert results[0]["ctrl-c after"] < 2.0, results
+
+
 def test_a_signal_handler_while_other_threads_use_the_groups():
     results = run_ranks(_signal_handler_threads_job, 2, env={"FAIRSCALE_C_TIMEOUT": "5"}, timeout=60)
     assert results[0]["main"] == "from the handler", results

@@ -1052,14 +1052,18 @@ def test_a_create_graph_gradient_then_a_step_then_a_forward():
     torch.testing.assert_close(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("between", ["a no_grad forward", "a forward whose output is dropped"])
-def test_a_gradient_penalty_with_a_forward_before_its_backward(between):
+@pytest.mark.parametrize("between", ["nothing", "a no_grad forward", "a forward whose output is dropped"])
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_gradient_penalty_with_a_forward_before_its_backward(between, checkpointed):
     """Forwards between the create_graph gradient and the backward that uses it keep the full
-    parameters' memory its graph reads."""
+    parameters' memory its graph reads; activation checkpointing inside the instance recomputes
+    from it in that backward."""
+    from fairscale_c.nn import checkpoint_wrapper
+
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
     f = copy.deepcopy(ref)
-    f[2] = FSDP(f[2])
+    f[2] = FSDP(checkpoint_wrapper(f[2]) if checkpointed else f[2])
     f = FSDP(f)
     gen = torch.Generator().manual_seed(3)
     x, x2 = torch.randn(5, 4, generator=gen).requires_grad_(), torch.randn(5, 4, generator=gen)
@@ -1069,7 +1073,7 @@ def test_a_gradient_penalty_with_a_forward_before_its_backward(between):
         if between == "a no_grad forward":
             with torch.no_grad():
                 m(x2)
-        else:
+        elif between != "nothing":
             m(x2)
         (out.pow(2).mean() + ((g.norm(dim=1) - 1) ** 2).mean()).backward()
     _stepped_alike(f, ref)

@@ -140,6 +140,9 @@ fsc_status_t fsc_shm_try_inline(fsc_shm_group_t *g, const fsc_shm_args_t *a, siz
  * group becomes unusable. Thread-local; NULL removes it. The binding layer uses it to honour
  * Ctrl-C during fsc_shm_try_inline. */
 void fsc_shm_set_interrupt_check(int (*fn)(void *), void *arg);
+/* The calling thread's check as installed (NULL, NULL when none): to put it back after a nested
+ * wait (a signal handler's op inside an op) installed its own. */
+void fsc_shm_get_interrupt_check(int (**fn)(void *), void **arg);
 
 /* The calling thread's interrupt check (nonzero: stop waiting), or 0 when none is installed. The
  * rendezvous waits of fsc_shm_group_open and fsc_shm_group_join call it every 50 ms or so. */

@@ -94,6 +94,11 @@ void fsc_shm_set_interrupt_check(int (*fn)(void *), void *arg) {
     interrupt_arg = arg;
 }
 
+void fsc_shm_get_interrupt_check(int (**fn)(void *), void **arg) {
+    *fn = interrupt_fn;
+    *arg = interrupt_arg;
+}
+
 int fsc_shm_interrupted(void) {
     return interrupt_fn != NULL && interrupt_fn(interrupt_arg);
 }

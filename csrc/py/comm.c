@@ -43,8 +43,19 @@ static int interrupted(void *arg) {
     return raised;
 }
 
-/* The group whose op this thread is running inline (a signal handler may run meanwhile), if any */
-static _Thread_local GroupObject *inline_group;
+/* The groups whose ops this thread is running inline, innermost first: a signal handler run by
+ * one op's wait may run an op of its own, on another group. */
+typedef struct inline_frame {
+    GroupObject *group;
+    struct inline_frame *outer;
+} inline_frame;
+static _Thread_local inline_frame *inline_ops;
+
+static int inside_own_op(GroupObject *self) {
+    for (inline_frame *f = inline_ops; f != NULL; f = f->outer)
+        if (f->group == self) return 1;
+    return 0;
+}
 
 /* The check an op running inline on the calling thread makes while it waits: Python's signal
  * handlers (fsc_py_check_signals: only KeyboardInterrupt and SystemExit stop the op). */
@@ -76,10 +87,13 @@ static int Group_init(GroupObject *self, PyObject *args, PyObject *kwds) {
     if (create < 0) create = segment == NULL; /* default: make one without a name, attach with one */
     fsc_status_t st;
     fsc_shm_group_t *g = NULL;
+    int (*outer_check)(void *);
+    void *outer_arg;
+    fsc_shm_get_interrupt_check(&outer_check, &outer_arg); /* a handler's, inside an op's wait */
     Py_BEGIN_ALLOW_THREADS /* attaching waits for the creator: Ctrl-C and `poll` may end the wait */
     fsc_shm_set_interrupt_check(interrupted, poll == Py_None ? NULL : poll);
     st = fsc_shm_group_open(name, segment, create, creator_pid, rank, size, &g);
-    fsc_shm_set_interrupt_check(NULL, NULL);
+    fsc_shm_set_interrupt_check(outer_check, outer_arg);
     Py_END_ALLOW_THREADS
     self->g = g;
     if (st != FSC_OK) {
@@ -116,10 +130,13 @@ static int check_ready(GroupObject *self) {
 static PyObject *Group_join(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     fsc_status_t st;
+    int (*outer_check)(void *);
+    void *outer_arg;
+    fsc_shm_get_interrupt_check(&outer_check, &outer_arg);
     Py_BEGIN_ALLOW_THREADS
     fsc_shm_set_interrupt_check(interrupted, NULL);
     st = fsc_shm_group_join(self->g);
-    fsc_shm_set_interrupt_check(NULL, NULL);
+    fsc_shm_set_interrupt_check(outer_check, outer_arg);
     if (st == FSC_OK) st = fsc_shm_engine_start(self->g);
     Py_END_ALLOW_THREADS
     if (st != FSC_OK) return PyErr_Occurred() ? NULL : fsc_py_raise(module_of((PyObject *)self), st);
@@ -160,9 +177,24 @@ static void group_close(GroupObject *self, double grace_s) {
     Py_END_ALLOW_THREADS
 }
 
+/* Closing stops the engine, which waits for the op running inline: not from inside it. */
+static PyObject *Group_check_closable(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->g != NULL && inside_own_op(self)) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "ShmGroup '%s': close() or destroy() from inside an op of the group on the same thread (by a "
+                     "signal handler?) would wait for that op forever; close it after the op returns (set a flag "
+                     "in the handler)",
+                     fsc_shm_group_name(self->g));
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *Group_close(GroupObject *self, PyObject *args, PyObject *kwds) {
     double grace_s;
     if (fsc_py_parse_seconds(args, kwds, "close", "grace", &grace_s) < 0) return NULL;
+    if (Group_check_closable(self, NULL) == NULL) return NULL;
+    Py_DECREF(Py_None);
     group_close(self, grace_s);
     if (self->pending != NULL && PyList_SetSlice(self->pending, 0, PY_SSIZE_T_MAX, NULL) < 0) return NULL;
     Py_RETURN_NONE;
@@ -313,7 +345,7 @@ static PyObject *run_checked(GroupObject *self, fsc_py_calls_t *c, int async_op)
     for (size_t i = 0; i < n; i++) args[i] = shm_args(&c->calls[i]);
     /* importing the tensors or dropping finished Works ran Python code, which may have closed us */
     if (prune_pending(self) < 0 || check_open(self) < 0) goto exit;
-    if (inline_group == self) {
+    if (inside_own_op(self)) {
         /* a signal handler run by that op's wait: queued, this op would wait for it forever */
         PyErr_Format(PyExc_RuntimeError,
                      "ShmGroup '%s': an op was issued from inside another op of the group on the same thread (by "
@@ -325,16 +357,19 @@ static PyObject *run_checked(GroupObject *self, fsc_py_calls_t *c, int async_op)
     if (!async_op) {
         int ran = 0;
         fsc_shm_group_t *g = self->g;
-        GroupObject *outer = inline_group;
+        inline_frame frame = {self, inline_ops};
+        int (*outer_check)(void *);
+        void *outer_arg;
+        fsc_shm_get_interrupt_check(&outer_check, &outer_arg);
         self->inflight++;
-        inline_group = self;
+        inline_ops = &frame;
         fsc_py_wait_begin();
         Py_BEGIN_ALLOW_THREADS
         fsc_shm_set_interrupt_check(op_interrupted, NULL);
         st = fsc_shm_try_inline(g, args, n, &ran);
-        fsc_shm_set_interrupt_check(NULL, NULL);
+        fsc_shm_set_interrupt_check(outer_check, outer_arg);
         Py_END_ALLOW_THREADS
-        inline_group = outer;
+        inline_ops = frame.outer;
         self->inflight--;
         if (st != FSC_OK && !PyErr_Occurred()) fsc_py_raise(module, st); /* else: KeyboardInterrupt */
         if (fsc_py_wait_end() < 0) goto exit; /* its error, or a handler's now that it has finished */
@@ -510,6 +545,9 @@ static PyMethodDef Group_methods[] = {
     {"give_up", (PyCFunction)Group_give_up, METH_NOARGS,
      "give_up(): every rank's ops on the group, this rank's included, fail from now on (a DistributedError "
      "naming this rank; ops already waiting within about 50 ms). Idempotent; no-op once closed."},
+    {"check_closable", (PyCFunction)Group_check_closable, METH_NOARGS,
+     "check_closable(): RuntimeError when this thread is inside an op of the group (a signal handler's "
+     "call), which a close would wait for forever."},
     {"close", (PyCFunction)(void (*)(void))Group_close, METH_VARARGS | METH_KEYWORDS,
      "close(grace=None): finish queued ops, stop the progress thread, unmap. With grace (seconds), an op "
      "still waiting for a peer after that long is abandoned (it and the ops behind it fail)."},

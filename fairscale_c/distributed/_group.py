@@ -264,6 +264,8 @@ class Group:
     def _close(self, grace: Optional[float]) -> None:
         """destroy(); with `grace`, an op still waiting for a peer after that many seconds is
         abandoned, and teardown errors are swallowed (the exit and error-unwinding path)."""
+        if self._shm is not None:
+            self._shm.check_closable()  # before anything changes
         _LIVE.discard(self)
         self._closed = True
         for key, (_, group) in list(REGISTRY.items()):

@@ -123,8 +123,8 @@ class FullParams:
         if not self.flatten_parameters:
             return
         for h in self._handles:
-            if h.has_full or h.gathering is not None:
-                continue
+            if h.has_full or h.gathering is not None or h.full.untyped_storage().size() > 0:
+                continue  # the views read memory that is there (kept for a graph of gradients)
             for slot in h.layout.slots:
                 released = ReleasedParameter(slot.shape, h.full.dtype, h.full.device, h.param.requires_grad)
                 slot.module.__dict__[slot.attr] = released
