@@ -106,7 +106,9 @@ class BackwardHooks:
             if torch.is_grad_enabled():
                 self._root._creates_graph = True
             self._rebuild_full_params()
-            if not self.flatten_parameters or self._ties:
+            # a flat instance's names hold ReleasedParameters when its last forward was not
+            # expected to be backpropagated (the graph of a create_graph gradient is, later)
+            if not self.flatten_parameters or self._ties or self._shows_released():
                 # A block recomputed in backward (activation checkpointing) reads the attributes:
                 # they hold full views until the end of backward (flat ones always do). Views
                 # that autograd records, so that a reentrant checkpoint's recomputed block

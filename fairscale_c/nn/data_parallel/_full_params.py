@@ -123,8 +123,8 @@ class FullParams:
         if not self.flatten_parameters:
             return
         for h in self._handles:
-            if h.has_full or h.gathering is not None or h.full.untyped_storage().size() > 0:
-                continue  # the views read memory that is there (kept for a graph of gradients)
+            if h.has_full or h.gathering is not None:
+                continue
             for slot in h.layout.slots:
                 released = ReleasedParameter(slot.shape, h.full.dtype, h.full.device, h.param.requires_grad)
                 slot.module.__dict__[slot.attr] = released
@@ -144,6 +144,14 @@ class FullParams:
             if in_forward and h.forward_users > 1:
                 continue
             h.has_full = False
+
+    def _shows_released(self) -> bool:
+        """Whether the flat parameters' names hold ReleasedParameters (_leave_shaped_views)."""
+        return any(
+            isinstance(h.layout.slots[0].module.__dict__.get(h.layout.slots[0].attr), ReleasedParameter)
+            for h in self._handles
+            if h.layout.slots
+        )
 
     def _use_shard_params(self) -> None:
         """Register the shards under the original names again: unflattened instances' own
