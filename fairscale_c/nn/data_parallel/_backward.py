@@ -180,6 +180,7 @@ class BackwardHooks:
                 m._leave_shaped_views()
             else:
                 self._grads_shown = m._show_accumulated_grads() or self._grads_shown
+                m._leave_shaped_views()  # those its post-backward hook released (resharding)
             m._pre_backward_hook_has_run = False
             m.training_state = TrainingState.IDLE
 
