@@ -951,6 +951,9 @@ def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
         with f.no_sync():  # the inner instance reshards in its backward
             f(torch.randn(2, 4)).sum().backward()
         print(repr(inner.weight))
+        out = f(torch.randn(2, 4))  # between a training forward and its backward
+        print(repr(inner.weight))
+        out.sum().backward()
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -958,7 +961,7 @@ def test_printing_a_held_weight_between_steps_does_not_read_released_memory():
     lines = proc.stdout.splitlines()
     assert lines[0] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu) (2, 8) torch.float32", lines
     assert lines[1] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu)" and lines[2] == "True", lines
-    assert lines[3] == lines[4] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu)", lines
+    assert lines[3] == lines[4] == lines[5] == "ReleasedParameter(shape=(2, 8), dtype=torch.float32, device=cpu)", lines
 
 
 def _stepped_alike(fsdp, ref):

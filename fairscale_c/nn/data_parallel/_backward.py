@@ -5,7 +5,7 @@ uses)."""
 
 import threading
 import warnings
-from typing import Any, Tuple
+from typing import Any
 
 import torch
 
@@ -65,17 +65,16 @@ class BackwardHooks:
     # forwards meanwhile keep the full parameters' memory too
     _grads_graph_pending = False
 
-    def _scan_outputs(self, outputs: Any) -> Tuple[bool, bool]:
-        """(whether a backward can reach the forward through `outputs`, whether they hold tensors
-        that no pre-backward hook can be put on (scan_outputs)). An instance with such hidden
-        outputs keeps its full parameters until its gradient is reduced (nothing re-gathers them
-        before its backward), and the root's end of backward is then started by the first
-        gradient (_post_backward_hook)."""
+    def _hidden_outputs(self, outputs: Any) -> bool:
+        """Whether a training forward's outputs hold tensors that no pre-backward hook can be put
+        on (scan_outputs). Such an instance keeps its full parameters until its gradient is
+        reduced (nothing re-gathers them before its backward), and the root's end of backward is
+        then started by the first gradient (_post_backward_hook)."""
         if not torch.is_grad_enabled():
-            return False, False
-        reached, kind = scan_outputs(outputs)
+            return False
+        _, kind = scan_outputs(outputs)
         if kind is None:
-            return reached, False
+            return False
         if kind not in self._warned_opaque:
             self._warned_opaque.add(kind)
             warnings.warn(
@@ -85,7 +84,7 @@ class BackwardHooks:
                 f"parameters from this forward to its backward",
                 stacklevel=5,
             )
-        return False, True
+        return True
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -106,13 +105,12 @@ class BackwardHooks:
             if torch.is_grad_enabled():
                 self._root._creates_graph = True
             self._rebuild_full_params()
-            # a flat instance's names hold ReleasedParameters when its last forward was not
-            # expected to be backpropagated (the graph of a create_graph gradient is, later)
             if not self.flatten_parameters or self._ties or self._shows_released():
                 # A block recomputed in backward (activation checkpointing) reads the attributes:
-                # they hold full views until the end of backward (flat ones always do). Views
-                # that autograd records, so that a reentrant checkpoint's recomputed block
-                # reaches the full parameters' gradient.
+                # they hold full views until the end of backward (a flat instance's held
+                # ReleasedParameters from the end of its forward, which resharded). Views that
+                # autograd records, so that a reentrant checkpoint's recomputed block reaches
+                # the full parameters' gradient.
                 with torch.enable_grad():
                     self._use_full_params()
             self._root._prefetch_neighbour(self, -1)
@@ -144,7 +142,7 @@ class BackwardHooks:
             )
         root = self._root
         if not root._pre_backward_hook_has_run:
-            # No pre-backward hook ran: the outputs' tensors were out of its reach (_scan_outputs).
+            # No pre-backward hook ran: the outputs' tensors were out of its reach (_hidden_outputs).
             root._pre_backward_hook_has_run = True
             root._backward_task = _graph_task()
             torch.autograd.Variable._execution_engine.queue_callback(root._wait_for_post_backward)

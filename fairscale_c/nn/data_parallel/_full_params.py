@@ -125,8 +125,11 @@ class FullParams:
         for h in self._handles:
             if h.has_full or h.gathering is not None:
                 continue
-            for slot in h.layout.slots:
-                released = ReleasedParameter(slot.shape, h.full.dtype, h.full.device, h.param.requires_grad)
+            key = (h.full.dtype, h.full.device, h.param.requires_grad)
+            if h.released_key != key:  # made once: this runs after every resharding forward
+                h.released_key = key
+                h.released = [ReleasedParameter(s.shape, *key) for s in h.layout.slots]
+            for slot, released in zip(h.layout.slots, h.released):
                 slot.module.__dict__[slot.attr] = released
                 for shared in h.layout.shared:
                     if shared.src is slot:

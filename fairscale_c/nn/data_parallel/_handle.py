@@ -60,6 +60,10 @@ class Handle:
         # full.grad), and the gradient shard param.grad held before it
         self.shown: Optional[torch.Tensor] = None
         self.saved_shard: Optional[torch.Tensor] = None
+        # The ReleasedParameters its names hold while the full buffer is released, and what they
+        # were made for (dtype, device, requires_grad)
+        self.released: List[Any] = []
+        self.released_key: Optional[Tuple[Any, ...]] = None
 
     def places(self) -> List[Tuple[nn.Module, str]]:
         """Unflattened: (module, attribute) where the parameter sits, tied names included."""

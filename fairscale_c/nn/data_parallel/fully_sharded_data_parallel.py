@@ -355,14 +355,15 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             outputs = self.module(*args, **kwargs)
             if _graph_task() == -1:
                 self._outer_uses_full = start is not None and outer_graph_uses_full(outputs, start)
-            reached, hidden = self._scan_outputs(outputs)
+            hidden = self._hidden_outputs(outputs)
             if self.reshard_after_forward and not hidden and not in_backward:
                 if self._root._grads_graph_pending:  # a graph of gradients still reads the memory
                     self._mark_full_params_stale(in_forward=True)
                 else:
                     self._free_full_params(in_forward=True)
-                if not reached:  # no backward will read the views (a frozen model, no_grad, eval)
-                    self._leave_shaped_views()
+                # Until backward (whose hook points them at the gathered buffer again, for a
+                # recompute inside the instance), the names must not read released memory.
+                self._leave_shaped_views()
             outputs = self._register_pre_backward_hooks(outputs)
         finally:
             for h in self._all_handles:
