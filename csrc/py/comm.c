@@ -57,6 +57,19 @@ static int inside_own_op(GroupObject *self) {
     return 0;
 }
 
+/* Install a thread-local interrupt check for a wait; the one it replaces (a signal handler's wait
+ * may run inside another's) is put back with fsc_shm_set_interrupt_check(prev.fn, prev.arg). */
+typedef struct {
+    int (*fn)(void *);
+    void *arg;
+} interrupt_check;
+static interrupt_check swap_interrupt_check(int (*fn)(void *), void *arg) {
+    interrupt_check prev;
+    fsc_shm_get_interrupt_check(&prev.fn, &prev.arg);
+    fsc_shm_set_interrupt_check(fn, arg);
+    return prev;
+}
+
 /* The check an op running inline on the calling thread makes while it waits: Python's signal
  * handlers (fsc_py_check_signals: only KeyboardInterrupt and SystemExit stop the op). */
 static int op_interrupted(void *arg) {
@@ -87,13 +100,10 @@ static int Group_init(GroupObject *self, PyObject *args, PyObject *kwds) {
     if (create < 0) create = segment == NULL; /* default: make one without a name, attach with one */
     fsc_status_t st;
     fsc_shm_group_t *g = NULL;
-    int (*outer_check)(void *);
-    void *outer_arg;
-    fsc_shm_get_interrupt_check(&outer_check, &outer_arg); /* a handler's, inside an op's wait */
     Py_BEGIN_ALLOW_THREADS /* attaching waits for the creator: Ctrl-C and `poll` may end the wait */
-    fsc_shm_set_interrupt_check(interrupted, poll == Py_None ? NULL : poll);
+    interrupt_check prev = swap_interrupt_check(interrupted, poll == Py_None ? NULL : poll);
     st = fsc_shm_group_open(name, segment, create, creator_pid, rank, size, &g);
-    fsc_shm_set_interrupt_check(outer_check, outer_arg);
+    fsc_shm_set_interrupt_check(prev.fn, prev.arg);
     Py_END_ALLOW_THREADS
     self->g = g;
     if (st != FSC_OK) {
@@ -130,13 +140,10 @@ static int check_ready(GroupObject *self) {
 static PyObject *Group_join(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     fsc_status_t st;
-    int (*outer_check)(void *);
-    void *outer_arg;
-    fsc_shm_get_interrupt_check(&outer_check, &outer_arg);
     Py_BEGIN_ALLOW_THREADS
-    fsc_shm_set_interrupt_check(interrupted, NULL);
+    interrupt_check prev = swap_interrupt_check(interrupted, NULL);
     st = fsc_shm_group_join(self->g);
-    fsc_shm_set_interrupt_check(outer_check, outer_arg);
+    fsc_shm_set_interrupt_check(prev.fn, prev.arg);
     if (st == FSC_OK) st = fsc_shm_engine_start(self->g);
     Py_END_ALLOW_THREADS
     if (st != FSC_OK) return PyErr_Occurred() ? NULL : fsc_py_raise(module_of((PyObject *)self), st);
@@ -178,23 +185,25 @@ static void group_close(GroupObject *self, double grace_s) {
 }
 
 /* Closing stops the engine, which waits for the op running inline: not from inside it. */
+static int check_closable(GroupObject *self) {
+    if (self->g == NULL || !inside_own_op(self)) return 0;
+    PyErr_Format(PyExc_RuntimeError,
+                 "ShmGroup '%s': close() or destroy() from inside an op of the group on the same thread (by a "
+                 "signal handler?) would wait for that op forever; close it after the op returns (set a flag "
+                 "in the handler)",
+                 fsc_shm_group_name(self->g));
+    return -1;
+}
+
 static PyObject *Group_check_closable(GroupObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (self->g != NULL && inside_own_op(self)) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "ShmGroup '%s': close() or destroy() from inside an op of the group on the same thread (by a "
-                     "signal handler?) would wait for that op forever; close it after the op returns (set a flag "
-                     "in the handler)",
-                     fsc_shm_group_name(self->g));
-        return NULL;
-    }
+    if (check_closable(self) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *Group_close(GroupObject *self, PyObject *args, PyObject *kwds) {
     double grace_s;
     if (fsc_py_parse_seconds(args, kwds, "close", "grace", &grace_s) < 0) return NULL;
-    if (Group_check_closable(self, NULL) == NULL) return NULL;
-    Py_DECREF(Py_None);
+    if (check_closable(self) < 0) return NULL;
     group_close(self, grace_s);
     if (self->pending != NULL && PyList_SetSlice(self->pending, 0, PY_SSIZE_T_MAX, NULL) < 0) return NULL;
     Py_RETURN_NONE;
@@ -358,16 +367,13 @@ static PyObject *run_checked(GroupObject *self, fsc_py_calls_t *c, int async_op)
         int ran = 0;
         fsc_shm_group_t *g = self->g;
         inline_frame frame = {self, inline_ops};
-        int (*outer_check)(void *);
-        void *outer_arg;
-        fsc_shm_get_interrupt_check(&outer_check, &outer_arg);
         self->inflight++;
         inline_ops = &frame;
         fsc_py_wait_begin();
         Py_BEGIN_ALLOW_THREADS
-        fsc_shm_set_interrupt_check(op_interrupted, NULL);
+        interrupt_check prev = swap_interrupt_check(op_interrupted, NULL);
         st = fsc_shm_try_inline(g, args, n, &ran);
-        fsc_shm_set_interrupt_check(outer_check, outer_arg);
+        fsc_shm_set_interrupt_check(prev.fn, prev.arg);
         Py_END_ALLOW_THREADS
         inline_ops = frame.outer;
         self->inflight--;

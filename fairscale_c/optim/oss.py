@@ -294,12 +294,17 @@ class OSS(Optimizer):
     def _setup_flat_buffers(self) -> None:
         keyed: Dict[Tuple[torch.device, torch.dtype], List[List[torch.Tensor]]] = {}
         old = {b.flat.untyped_storage().data_ptr() for b in self.buckets}
+        # this rank's parameters the exchange does not carry (frozen): step() keeps them unchanged
+        self._unexchanged: List[torch.Tensor] = []
         for device, lists in self.per_device_params.items():
             for r, params in enumerate(lists):
                 for p in params:
                     if p.requires_grad:
                         keyed.setdefault((device, p.dtype), [[] for _ in range(self.world_size)])[r].append(p)
-                    elif p.untyped_storage().data_ptr() in old:
+                        continue
+                    if r == self.rank:
+                        self._unexchanged.append(p)
+                    if p.untyped_storage().data_ptr() in old:
                         p.data = p.data.detach().clone()  # leaves a buffer it no longer belongs to
         buckets = []
         for (device, dtype), lists in keyed.items():
@@ -351,7 +356,7 @@ class OSS(Optimizer):
         # from before it was frozen, with momentum or weight decay), the other ranks' copies
         # would never follow. Its gradient is out of the inner optimizer's sight meanwhile, and
         # in the closure's (which may zero or replace it) as it is.
-        frozen = [p for g in self.optim.param_groups for p in g["params"] if not p.requires_grad]
+        frozen = self._unexchanged
         held: Dict[int, Optional[torch.Tensor]] = {}
 
         def hide() -> None:

@@ -12,7 +12,7 @@ import torch
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
 from ._handle import Handle, TrainingState, free_storage
-from ._tensors import map_tensors, scan_outputs
+from ._tensors import hidden_from_hooks, map_tensors
 
 
 def _graph_task() -> int:
@@ -59,7 +59,7 @@ class BackwardHooks:
     _backward_open = False  # root: a backward queued its end (_wait_for_post_backward), not run yet
     _loop_thread = None  # root: the thread that ran its last forward (the training loop's)
     # root: the running backward records a graph of its gradients (create_graph=True, a gradient
-    # penalty); that graph reads the full parameters, whose memory then stays (_mark_full_params_stale)
+    # penalty); that graph reads the full parameters, whose memory then stays (_free_full_params)
     _creates_graph = False
     # root: such a graph may still be backpropagated (until a backward without create_graph ends):
     # forwards meanwhile keep the full parameters' memory too
@@ -67,12 +67,12 @@ class BackwardHooks:
 
     def _hidden_outputs(self, outputs: Any) -> bool:
         """Whether a training forward's outputs hold tensors that no pre-backward hook can be put
-        on (scan_outputs). Such an instance keeps its full parameters until its gradient is
+        on (hidden_from_hooks). Such an instance keeps its full parameters until its gradient is
         reduced (nothing re-gathers them before its backward), and the root's end of backward is
         then started by the first gradient (_post_backward_hook)."""
         if not torch.is_grad_enabled():
             return False
-        _, kind = scan_outputs(outputs)
+        kind = hidden_from_hooks(outputs)
         if kind is None:
             return False
         if kind not in self._warned_opaque:
@@ -171,10 +171,7 @@ class BackwardHooks:
         for m in self._fsdp_instances:
             m._use_shard_params()
             if m._require_backward_grad_sync:
-                if keep_full:  # a graph of gradients reads them; the next use gathers them again
-                    m._mark_full_params_stale()
-                else:
-                    m._free_full_params()
+                m._free_full_params(keep_memory=keep_full)
                 m._leave_shaped_views()
             else:
                 self._grads_shown = m._show_accumulated_grads() or self._grads_shown

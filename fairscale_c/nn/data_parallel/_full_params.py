@@ -135,19 +135,6 @@ class FullParams:
                     if shared.src is slot:
                         shared.module.__dict__[shared.attr] = released
 
-    def _mark_full_params_stale(self, in_forward: bool = False) -> None:
-        """After a backward that recorded a graph of its gradients (create_graph=True), which reads
-        the full buffers, and after forwards until that graph is used: their memory stays, but
-        they count as released, so that the next use gathers them again (an optimizer step may
-        have changed the shards meanwhile). `in_forward`: as in _free_full_params."""
-        for h in self._all_handles:
-            if h.gathering is not None:
-                h.gathering.work.wait()
-                h.gathering = None
-            if in_forward and h.forward_users > 1:
-                continue
-            h.has_full = False
-
     def _shows_released(self) -> bool:
         """Whether the flat parameters' names hold ReleasedParameters (_leave_shaped_views)."""
         return any(
@@ -178,9 +165,12 @@ class FullParams:
                 params.clear()
                 params.update(ordered)
 
-    def _free_full_params(self, in_forward: bool = False) -> None:
+    def _free_full_params(self, in_forward: bool = False, keep_memory: bool = False) -> None:
         """Release the full buffers. At the end of a forward (`in_forward`), a buffer another
-        instance's running forward also uses (a shared parameter, the instances nested) stays."""
+        instance's running forward also uses (a shared parameter, the instances nested) stays.
+        `keep_memory`: while a graph of gradients (a create_graph=True backward) reads them, they
+        only count as released, so that the next use gathers them again (an optimizer step may
+        have changed the shards meanwhile) into the same memory."""
         for h in self._all_handles:
             if h.gathering is not None:  # a prefetch nobody used: finish it before freeing
                 h.gathering.work.wait()
@@ -189,5 +179,6 @@ class FullParams:
             if in_forward and h.forward_users > 1:
                 continue
             if h.has_full:
-                free_storage(h.full.detach())
+                if not keep_memory:
+                    free_storage(h.full.detach())
                 h.has_full = False

@@ -4,7 +4,7 @@ keep their types."""
 
 import copy
 import dataclasses
-from typing import Any, Tuple
+from typing import Any
 
 import torch
 
@@ -33,10 +33,10 @@ def map_tensors(fn, obj: Any) -> Any:
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
-def scan_outputs(obj: Any) -> Tuple[bool, Any]:
-    """(whether a tensor in `obj` that map_tensors reaches requires grad, and when none does but
-    `obj` holds an object map_tensors does not look into (any object but a tensor, a container it
-    walks or a plain value, which may hold tensors), that object's type, otherwise None)."""
+def hidden_from_hooks(obj: Any):
+    """When no tensor in `obj` that map_tensors reaches requires grad but `obj` holds an object
+    map_tensors does not look into (any object but a tensor, a container it walks or a plain
+    value, which may hold tensors), that object's type; otherwise None."""
     grad, opaque = [], []
 
     def walk(x: Any) -> None:
@@ -55,8 +55,7 @@ def scan_outputs(obj: Any) -> Tuple[bool, Any]:
             opaque.append(type(x))
 
     walk(obj)
-    reached = any(grad)
-    return reached, (opaque[0] if opaque and not reached else None)
+    return opaque[0] if opaque and not any(grad) else None
 
 
 def _map_dict(fn, obj: Any) -> Any:

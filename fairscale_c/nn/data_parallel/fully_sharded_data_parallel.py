@@ -357,10 +357,8 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
                 self._outer_uses_full = start is not None and outer_graph_uses_full(outputs, start)
             hidden = self._hidden_outputs(outputs)
             if self.reshard_after_forward and not hidden and not in_backward:
-                if self._root._grads_graph_pending:  # a graph of gradients still reads the memory
-                    self._mark_full_params_stale(in_forward=True)
-                else:
-                    self._free_full_params(in_forward=True)
+                # a graph of gradients may still read the memory (_grads_graph_pending)
+                self._free_full_params(in_forward=True, keep_memory=self._root._grads_graph_pending)
                 # Until backward (whose hook points them at the gathered buffer again, for a
                 # recompute inside the instance), the names must not read released memory.
                 self._leave_shaped_views()
