@@ -1403,3 +1403,64 @@ def gradient_penalty(rank, world):
 
 
 SCENARIOS.update(gradient_penalty=gradient_penalty)
+
+
+class _GradientInForward(nn.Module):
+    """Physics-informed style: the forward takes the gradient of an inner instance's output with
+    respect to the input, so that instance's backward begins inside the root's forward."""
+
+    def __init__(self, checkpointed):
+        super().__init__()
+        from fairscale_c.nn import checkpoint_wrapper
+
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        if checkpointed:
+            self.body[0] = checkpoint_wrapper(self.body[0])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        u = self.body(x)
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return self.head(du) + u
+
+
+def gradient_inside_forward(rank, world):
+    """That model with a penalty over parameters() in the loss trains as in plain torch, flat and
+    unflattened, resharding or not, with activation checkpointing inside the inner instance: the
+    inner instance's shards are registered again when the gradient inside the forward is done,
+    and nothing keeps the full parameters after the step."""
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+    from fairscale_c.nn.data_parallel import get_fsdp_instances
+
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(world * LOCAL_BATCH, 8, generator=gen) for _ in range(3)]
+
+    def loss_of(model, x):
+        out = model(x.clone().requires_grad_(True))
+        return out.pow(2).mean() + 1e-2 * sum(p.pow(2).sum() for p in model.parameters())
+
+    for flatten in (True, False):
+        for reshard in (True, False):
+            for checkpointed in (False, True):
+                where = f"flatten={flatten}, reshard={reshard}, checkpointed={checkpointed}"
+                torch.manual_seed(0)
+                ref = _GradientInForward(checkpointed)
+                fsdp = copy.deepcopy(ref)
+                fsdp.body = FSDP(fsdp.body, flatten_parameters=flatten, reshard_after_forward=reshard)
+                fsdp = FSDP(fsdp, flatten_parameters=flatten, reshard_after_forward=reshard)
+                opt, ref_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+                for x in xs:
+                    # the penalty counts every rank's shard once: the reference's is divided as the loss is
+                    loss_of(fsdp, _local(x, rank)).backward()
+                    (sum(loss_of(ref, _local(x, r)) for r in range(world)) / world).backward()
+                    for o in (opt, ref_opt):
+                        o.step()
+                        o.zero_grad()
+                    held = [h for m in get_fsdp_instances(fsdp) for h in m._handles if h.has_full]
+                    assert not reshard or not held, f"{where}: {len(held)} full parameters held after the step"
+                sd = fsdp.state_dict()
+                for k, v in ref.state_dict().items():
+                    torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"{where}: {k}")
+
+
+SCENARIOS.update(gradient_inside_forward=gradient_inside_forward)

@@ -188,6 +188,11 @@ def test_a_gradient_penalty_trains(world):
     spawn(world, ["gradient_penalty"])
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_gradient_inside_forward_with_a_penalty_on_the_parameters(world):
+    spawn(world, ["gradient_inside_forward"])
+
+
 def test_clip_grad_norm_of_every_norm_type():
     spawn(2, ["clip_norm_types"])
 

@@ -64,6 +64,30 @@ class BackwardHooks:
     # root: such a graph may still be backpropagated (until a backward without create_graph ends):
     # forwards meanwhile keep the full parameters' memory too
     _grads_graph_pending = False
+    _outer_forward_running = False  # root: its forward runs, outside any backward
+
+    def _backward_inside_forward(self) -> None:
+        """The pre-backward hook of a gradient taken inside the root's forward (physics-informed
+        style: torch.autograd.grad of an inner instance's output with respect to the input). Its
+        graph, and the training backward that later runs through it, read this instance's full
+        parameters: they are gathered again and stay. Meanwhile the names point at them (for a
+        recompute inside the instance); when that inner backward ends, the instance is as its
+        forward left it, its shards registered again (a penalty over ``parameters()`` sees them),
+        and the training backward's hook runs as usual."""
+        entry = self.training_state
+        self.training_state = TrainingState.BACKWARD_PRE
+        self._pre_backward_hook_has_run = True
+        self._rebuild_full_params()
+        if not self.flatten_parameters or self._ties or self._shows_released():
+            with torch.enable_grad():
+                self._use_full_params()
+
+        def inner_backward_ended() -> None:
+            self._use_shard_params()
+            self._pre_backward_hook_has_run = False
+            self.training_state = entry
+
+        torch.autograd.Variable._execution_engine.queue_callback(inner_backward_ended)
 
     def _hidden_outputs(self, outputs: Any) -> bool:
         """Whether a training forward's outputs hold tensors that no pre-backward hook can be put
@@ -93,6 +117,9 @@ class BackwardHooks:
 
         def hook(*unused: Any) -> None:
             if self._pre_backward_hook_has_run:
+                return
+            if self._root._outer_forward_running:
+                self._backward_inside_forward()
                 return
             if self._is_root:
                 self._take_back_accumulated_grads()

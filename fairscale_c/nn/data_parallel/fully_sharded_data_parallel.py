@@ -327,6 +327,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
+        outer = self._is_root and _graph_task() == -1
         if self._is_root:
             self._loop_thread = threading.get_ident()
             self._settle_failed_backward()
@@ -346,6 +347,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             args, kwargs = cast_floats(torch.float32, args, kwargs)
         for h in self._all_handles:
             h.forward_users += 1
+        self._outer_forward_running = outer
         try:
             self._check_own_shards()
             self._sync_requires_grad()
@@ -364,6 +366,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
                 self._leave_shaped_views()
             outputs = self._register_pre_backward_hooks(outputs)
         finally:
+            self._outer_forward_running = False
             for h in self._all_handles:
                 h.forward_users -= 1
             if in_backward:
