@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_utils import join_gloo, run_ranks
 
@@ -176,7 +177,7 @@ def _torch_code_job(rank: int, world: int):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert fdist.all_reduce(x, group=sub) is None and fdist.recv(x, 0, sub) == -1
-            assert fdist.batch_isend_irecv([fdist.P2POp("send", x, 0, group=sub)]) is None
+            assert fdist.batch_isend_irecv([fdist.P2POp("send", x, 0, group=sub)]) == []  # as torch
         assert x.tolist() == [1.0, 1.0] and "not in the process group" in str(caught[0].message)
     t = torch.full((2,), float(rank + 1))
     fdist.all_reduce(t)  # every rank, as torch's group=None
@@ -319,3 +320,108 @@ def test_rendezvous_keys_are_deleted_once_every_rank_has_read_them():
     # may drop a key of its own meanwhile: the count must not grow.)
     grown = run_ranks(_store_keys_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"})
     assert all(n <= 0 for n in grown), grown
+
+
+def _torch_groups_in_any_order_job(rank: int, world: int, threaded: bool):
+    """Two torch groups over the same ranks, first used in a different order on each rank: each
+    rank's engine group meets the same torch group's on the others. From one thread per group
+    (which torch allows) this works; from one thread with async ops (which torch also allows,
+    its groups being built in new_group) the first op's build waits for the peer's: an error at
+    the timeout, never one group's data summed with the other's."""
+    import threading
+
+    import fairscale_c.distributed as fdist
+
+    join_gloo(rank, world)
+    pg_a, pg_b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    a, b = torch.full((4,), 1.0), torch.full((4,), 100.0)
+    order = [(pg_a, a), (pg_b, b)] if rank == 0 else [(pg_b, b), (pg_a, a)]
+    if threaded:
+        threads = []
+        for pg, t in order:
+            threads.append(threading.Thread(target=fdist.all_reduce, args=(t,), kwargs={"group": pg}))
+            threads[-1].start()
+            time.sleep(0.2)
+        for t in threads:
+            t.join(60)
+        return a[0].item(), b[0].item()
+    try:
+        for w in [fdist.all_reduce(t, group=pg, async_op=True) for pg, t in order]:
+            w.wait()
+    except fdist.DistributedError:
+        return "DistributedError"
+    return a[0].item(), b[0].item()
+
+
+def test_torch_groups_over_the_same_ranks_first_used_in_any_order():
+    env = {"FAIRSCALE_C_TIMEOUT": "60"}
+    assert run_ranks(_torch_groups_in_any_order_job, 2, True, env=env) == [(2.0, 200.0)] * 2
+    env = {"FAIRSCALE_C_TIMEOUT": "3"}
+    assert run_ranks(_torch_groups_in_any_order_job, 2, False, env=env) == ["DistributedError"] * 2
+
+
+def _first_use_from_two_threads_job(rank: int, world: int):
+    """Two threads whose first op runs at once build one engine group for the default group."""
+    import threading
+
+    import fairscale_c.distributed as fdist
+    from fairscale_c.distributed import _group
+
+    join_gloo(rank, world)
+    go = threading.Barrier(2)
+    threads = [threading.Thread(target=lambda: (go.wait(), fdist.all_reduce(torch.ones(8)))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    same = fdist.get_group() is fdist.group_for(dist.group.WORLD)
+    live = len(_group._LIVE)
+    fdist.destroy()
+    return same, live, len(_group._LIVE)
+
+
+def test_a_group_first_used_by_two_threads_at_once_is_built_once():
+    for _ in range(3):  # a race: a few tries
+        assert run_ranks(_first_use_from_two_threads_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [(True, 1, 0)] * 2
+
+
+def _torch_semantics_job(rank: int, world: int):
+    """What torch.distributed's functions accept, these do too, and what gloo refuses, they refuse."""
+    import fairscale_c.distributed as fdist
+
+    join_gloo(rank, world)
+    results = {}
+    # a Parameter (it requires grad): broadcast into its memory, as torch does
+    p = torch.nn.Parameter(torch.full((3,), float(rank)))
+    fdist.broadcast(p, 0)
+    outs = [torch.nn.Parameter(torch.zeros(3)) for _ in range(world)]
+    fdist.all_gather(outs, p)
+    results["parameter"] = (p.tolist(), [o.tolist() for o in outs], p.requires_grad)
+    # an empty tensor torch calls contiguous whatever its strides
+    empty = torch.zeros(0, 3)[:, ::2]
+    assert empty.is_contiguous()
+    fdist.all_reduce(empty)
+    # list outputs of another dtype or shape than the input: gloo refuses them
+    for bad in ([torch.zeros(3, dtype=torch.int64) for _ in range(world)], [torch.zeros(2, 3) for _ in range(world)]):
+        wrong = r"all_gather: output\[0\] must be a tensor of the input's dtype and shape"
+        with pytest.raises(ValueError, match=wrong):
+            fdist.all_gather(bad, torch.ones(3))
+    # a P2POp naming another group than the batch's
+    other = dist.new_group([0, 1])
+    op = fdist.P2POp("send" if rank == 0 else "recv", torch.ones(2), 1 - rank, group=other)
+    with pytest.raises(ValueError, match="names another group than argument 'group'"):
+        fdist.batch_isend_irecv([op], group=dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"src=5 is not a rank"):
+        fdist.broadcast(torch.ones(2), src=5, group=dist.group.WORLD)
+    with pytest.raises(TypeError, match="new_group: argument 'group' must be a fairscale_c.distributed Group"):
+        fdist.new_group([0, 1], group=dist.group.WORLD)
+    with pytest.raises(TypeError, match="unsupported dtype complex64"):
+        fdist.all_reduce(torch.ones(2, dtype=torch.complex64))
+    dist.barrier()
+    return results
+
+
+def test_torch_distributed_semantics_of_the_module_functions():
+    got = run_ranks(_torch_semantics_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"})
+    for r in got:
+        assert r["parameter"] == ([0.0] * 3, [[0.0] * 3] * 2, True)

@@ -30,9 +30,10 @@ const char *fsc_dtype_name(fsc_dtype_t dt) {
 }
 
 int fsc_tensor_is_contiguous(const fsc_tensor_t *t) {
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] == 0) return 1; /* empty: nothing to lay out, whatever the strides */
     int64_t expected = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
-        if (t->shape[i] == 0) return 1; /* empty: nothing to lay out */
         if (t->shape[i] != 1 && t->strides[i] != expected) return 0;
         expected *= t->shape[i];
     }

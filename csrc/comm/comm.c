@@ -95,6 +95,10 @@ double fsc_comm_now(void) {
 
 void fsc_comm_header_format(const fsc_comm_header_t *h, char *buf, size_t cap) {
     fsc_comm_op_t op = (fsc_comm_op_t)h->op;
+    if (op == FSC_OP_NONE) { /* a rank that has not entered any op of the group */
+        snprintf(buf, cap, "no op yet");
+        return;
+    }
     const char *dt = h->dtype < FSC_NUM_DTYPES ? fsc_dtype_name((fsc_dtype_t)h->dtype) : "?";
     int n = snprintf(buf, cap, "%s(count=%llu, dtype=%s", fsc_comm_op_name(op), (unsigned long long)h->count, dt);
     if (n < 0 || (size_t)n >= cap) return;

@@ -146,10 +146,12 @@ static int view_from_dl(const DLTensor *t, int readonly, const char *argname, in
     }
     out->device_id = t->device.device_id;
     if (dtype_from_dl(t->dtype, &out->dtype) < 0) {
+        static const char *kinds[] = {"int", "uint", "float", "opaque handle", "bfloat", "complex", "bool"};
+        const char *kind = t->dtype.code < sizeof(kinds) / sizeof(kinds[0]) ? kinds[t->dtype.code] : "unknown";
         PyErr_Format(PyExc_TypeError,
-                     "argument '%s': unsupported dtype (DLPack code %u, %u bits, %u lanes); expected one of "
+                     "argument '%s': unsupported dtype %s%u (DLPack code %u, %u lanes); expected one of "
                      "float16, bfloat16, float32, float64, int8, int16, int32, int64, uint8, bool",
-                     argname, (unsigned)t->dtype.code, (unsigned)t->dtype.bits, (unsigned)t->dtype.lanes);
+                     argname, kind, (unsigned)t->dtype.bits, (unsigned)t->dtype.code, (unsigned)t->dtype.lanes);
         return -1;
     }
     if (t->ndim < 0 || t->ndim > FSC_MAX_NDIM) {

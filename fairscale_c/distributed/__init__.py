@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
+import threading
 import warnings
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -81,7 +82,9 @@ __all__ = [
 ]
 
 _default: Optional[Group] = None
-_built: Dict[Tuple[int, ...], int] = defaultdict(int)
+_built: Dict[Any, int] = defaultdict(int)
+_building = threading.Lock()  # guards _key_locks
+_key_locks: Dict[Tuple[int, str], threading.Lock] = {}  # one per registry key: one build per key
 _env_store: Optional["dist.Store"] = None
 # What torch.distributed.new_group returns on a rank outside the group.
 _NON_GROUP_MEMBER = dist.GroupMember.NON_GROUP_MEMBER if dist.is_available() else object()
@@ -117,16 +120,31 @@ def _key_prefix(gname: str) -> str:
     return f"fairscale_c/{gname}" if attempt == "0" else f"fairscale_c/attempt{attempt}/{gname}"
 
 
+def _lock_for(key: Any) -> threading.Lock:
+    with _building:
+        return _key_locks.setdefault(key, threading.Lock())
+
+
+def _registry_name(pg: "dist.ProcessGroup", ranks: Tuple[int, ...], role: str) -> str:
+    """The name of the registry's group for torch process group ``pg`` and ``role``: from torch's
+    name of ``pg``, which every rank gives the same group (torch builds groups in one order on
+    every rank), so two groups over the same ranks used first in a different order on different
+    ranks still meet their own peers. The count tells apart the groups of a name that torch gives
+    again after destroy_process_group and a new init_process_group."""
+    tname = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
+    members = ",".join(map(str, ranks)) if len(ranks) <= 8 else str(len(ranks))
+    base = f"pg{tname}[{members}]" + ("" if role == "default" else f"/{role}")
+    _built[base] += 1
+    return base if _built[base] == 1 else f"{base}#{_built[base]}"
+
+
 def _build(pg: Optional["dist.ProcessGroup"], name: Optional[str], role: str = "default") -> Group:
     global _default
     timeout_s()  # an invalid FAIRSCALE_C_TIMEOUT is a ValueError here, before any exchange
     if dist.is_available() and dist.is_initialized():
         pg = pg if pg is not None else dist.group.WORLD
         ranks = tuple(dist.get_process_group_ranks(pg))
-        _built[ranks] += 1
-        gname = name or f"pg{_built[ranks]}[{','.join(map(str, ranks)) if len(ranks) <= 8 else len(ranks)}]"
-        if name is None and role != "default":
-            gname += f"/{role}"
+        gname = name or _registry_name(pg, ranks, role)
         store = default_store()
         if store is not None:
             rank = dist.get_rank(pg)
@@ -199,12 +217,18 @@ def group_for(process_group: Any = None, role: str = "default", *, device: Any =
     key = (id(process_group), role)
     entry = REGISTRY.get(key)
     if entry is None:
-        _release_destroyed_groups()
-        if dist.get_world_size(process_group) == 1:
-            group: Any = LocalGroup(process_group)
-        else:
-            group = _build(process_group, None, role)
-        REGISTRY[key] = entry = (process_group, group)
+        # Threads asking at once get one group: the first builds it, the others wait for it (a
+        # lock per key, so that groups that different threads build meet their peers in any order).
+        with _lock_for(key):
+            entry = REGISTRY.get(key)
+            if entry is None:
+                with _building:
+                    _release_destroyed_groups()
+                if dist.get_world_size(process_group) == 1:
+                    group: Any = LocalGroup(process_group)
+                else:
+                    group = _build(process_group, None, role)
+                REGISTRY[key] = entry = (process_group, group)
     group = entry[1]
     if device is not None and not isinstance(group, LocalGroup):
         group.init_nccl(device)
@@ -268,6 +292,7 @@ def _release_destroyed_groups() -> None:
     for key, (pg, group) in list(REGISTRY.items()):
         if pg not in live:
             REGISTRY.pop(key, None)
+            _key_locks.pop(key, None)
             group.destroy()
 
 
@@ -282,6 +307,8 @@ def _torch_shaped(fn: Any) -> Any:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(map(_without_autograd, args))
+        kwargs = {k: _without_autograd(v) for k, v in kwargs.items()}
         try:
             return fn(*args, **kwargs)
         except _NonMember:
@@ -289,9 +316,20 @@ def _torch_shaped(fn: Any) -> Any:
                 f"fairscale_c.distributed.{fn.__name__}: this rank is not in the process group; nothing to do",
                 stacklevel=2,
             )
-            return -1 if fn.__name__ == "recv" else None
+            return {"recv": -1, "batch_isend_irecv": []}.get(fn.__name__)
 
     return call
+
+
+def _without_autograd(arg: Any) -> Any:
+    """torch.distributed's functions take tensors that require grad (a Parameter broadcast from
+    rank 0) and read or write their memory unseen by autograd; the engine takes tensors without
+    autograd history: such a tensor (alone, or in a list) is passed as its detached alias."""
+    if getattr(arg, "requires_grad", False):
+        return arg.detach()
+    if isinstance(arg, (list, tuple)) and any(getattr(t, "requires_grad", False) for t in arg):
+        return [t.detach() if getattr(t, "requires_grad", False) else t for t in arg]
+    return arg
 
 
 @_torch_shaped
@@ -300,11 +338,17 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp], group: Any = None) -> List[A
     issue deadlocks) and return a list with one Work for them. The group is ``group``, else the
     one the P2POps name (all the same one, as torch requires), else the default group."""
     ops = list(p2p_op_list)
+    named = {id(op.group): op.group for op in ops if isinstance(op, P2POp) and op.group is not None}
     if group is None:
-        named = {id(op.group): op.group for op in ops if isinstance(op, P2POp) and op.group is not None}
         if len(named) > 1:
             raise ValueError("batch_isend_irecv: the P2POps name different groups; expected one group for all")
         group = next(iter(named.values()), None)
+    elif any(g is not group for g in named.values()):
+        raise ValueError("batch_isend_irecv: a P2POp names another group than argument 'group'; expected one group")
+    ops = [
+        P2POp(op.op, _without_autograd(op.tensor), op.peer, op.group, op.tag) if isinstance(op, P2POp) else op
+        for op in ops
+    ]
     if _is_torch_group(group):  # torch's P2POp peers are global ranks
         ops = [
             (op.op, op.tensor, _group_rank(group, op.peer, f"P2POp {i}: peer", "batch_isend_irecv"), op.tag)
@@ -329,7 +373,10 @@ def get_group() -> Group:
                 "init_process_group again, or pass a group"
             )
         _default = None
-    return _default if _default is not None else init_group()
+    if _default is not None:
+        return _default
+    with _lock_for("default"):  # threads asking at once get one default group
+        return _default if _default is not None else init_group()
 
 
 def _still_every_rank(group: Group) -> bool:
@@ -350,6 +397,12 @@ def _live_process_groups() -> Any:
 def new_group(ranks: Optional[Sequence[int]] = None, group: Optional[Group] = None) -> Optional[Group]:
     """Subgroup of ``ranks`` (ranks of ``group``, default: the default group; None: all of its
     ranks); see Group.new_group."""
+    if group is not None and not isinstance(group, Group):
+        raise TypeError(
+            f"new_group: argument 'group' must be a fairscale_c.distributed Group or None, got {type(group).__name__} "
+            "(for a torch.distributed process group, build the subgroup with torch.distributed.new_group and pass it "
+            "as 'group' to the functions here)"
+        )
     return (group or get_group()).new_group(ranks)
 
 
@@ -392,13 +445,15 @@ def _group_rank(group: Any, rank: Any, arg: str, fn: str) -> int:
     except TypeError:
         raise TypeError(f"{fn}: argument '{arg}' must be an int (a global rank), got {type(rank).__name__}") from None
     try:
-        return dist.get_group_rank(group, rank)
+        got = dist.get_group_rank(group, rank)
+        if 0 <= got < dist.get_world_size(group):  # torch takes any rank of the default group as is
+            return got
     except (ValueError, RuntimeError):
-        ranks = dist.get_process_group_ranks(group)
-        raise ValueError(
-            f"{fn}: {arg}={rank} is not a rank of the process group; with a torch.distributed process group as "
-            f"'group', ranks are global ranks, as in torch.distributed (its ranks: {ranks})"
-        ) from None
+        pass
+    raise ValueError(
+        f"{fn}: {arg}={rank} is not a rank of the process group; with a torch.distributed process group as "
+        f"'group', ranks are global ranks, as in torch.distributed (its ranks: {dist.get_process_group_ranks(group)})"
+    )
 
 
 def _complete_into(work: Any, copy: Any, async_op: bool) -> Any:
@@ -418,6 +473,13 @@ def all_gather(output: Any, input: Any, group: Any = None, async_op: bool = Fals
     if isinstance(output, (list, tuple)):
         import torch
 
+        for i, out in enumerate(output):
+            if not isinstance(out, torch.Tensor) or (out.dtype, out.shape) != (input.dtype, input.shape):
+                got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(
+                    f"all_gather: output[{i}] must be a tensor of the input's dtype and shape "
+                    f"({input.dtype} {tuple(input.shape)}), got {got}"
+                )
         flat = torch.empty((len(output),) + tuple(input.shape), dtype=input.dtype, device=input.device)
         work = _resolve(group).all_gather(flat, input, async_op=async_op)
 
@@ -462,7 +524,7 @@ def all_reduce(tensor: Any, op: Any = "sum", group: Any = None, async_op: bool =
 def broadcast(tensor: Any, root: int = 0, group: Any = None, async_op: bool = False, *, src: Any = None) -> Any:
     """From rank ``root`` of ``group`` (a global rank when ``group`` is a torch.distributed process
     group, as torch.distributed.broadcast's ``src``, which may be given by that name too)."""
-    root = _group_rank(group, root if src is None else src, "root", "broadcast")
+    root = _group_rank(group, root if src is None else src, "root" if src is None else "src", "broadcast")
     return _resolve(group).broadcast(tensor, root=root, async_op=async_op)
 
 
@@ -472,7 +534,7 @@ def reduce(
 ) -> Any:
     """Onto rank ``root`` of ``group`` (a global rank when ``group`` is a torch.distributed process
     group, as torch.distributed.reduce's ``dst``, which may be given by that name too)."""
-    root = _group_rank(group, root if dst is None else dst, "root", "reduce")
+    root = _group_rank(group, root if dst is None else dst, "root" if dst is None else "dst", "reduce")
     return _resolve(group).reduce(tensor, root=root, op=op, async_op=async_op)
 
 
