@@ -1464,3 +1464,38 @@ def gradient_inside_forward(rank, world):
 
 
 SCENARIOS.update(gradient_inside_forward=gradient_inside_forward)
+
+
+def later_layout_mismatch(rank, world):
+    """Ranks whose models differ only in a later flat parameter (a frozen last layer, or any
+    parameter but the first unflattened): the construction is refused on every rank, the module's
+    parameters untouched, and the corrected model builds and trains as plain torch."""
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    for flatten in (True, False):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2 + rank))  # the last layer differs per rank
+        if flatten:
+            m[1].requires_grad_(False)  # a flat parameter of its own
+        before = {n: (p, p.detach().clone()) for n, p in m.named_parameters()}
+        with pytest.raises(ValueError, match="every rank must ask for the same size"):
+            FSDP(m, flatten_parameters=flatten)
+        after = dict(m.named_parameters())
+        assert list(after) == list(before), (flatten, list(after))
+        for n, (p, data) in before.items():
+            assert after[n] is p and torch.equal(p, data), (flatten, n)
+        torch.manual_seed(1)
+        m[1] = nn.Linear(8, 2)
+        ref = copy.deepcopy(m)
+        fsdp = FSDP(m, flatten_parameters=flatten)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))  # one batch on every rank
+        fsdp(x).sum().backward()
+        ref(x).sum().backward()
+        for o in (torch.optim.SGD(fsdp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)):
+            o.step()
+        got = fsdp.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, **FP32_TOL, msg=f"flatten={flatten}: {k}")
+
+
+SCENARIOS.update(later_layout_mismatch=later_layout_mismatch)

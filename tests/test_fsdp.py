@@ -193,6 +193,10 @@ def test_a_gradient_inside_forward_with_a_penalty_on_the_parameters(world):
     spawn(world, ["gradient_inside_forward"])
 
 
+def test_a_refusal_found_in_a_later_flat_parameter_leaves_the_module_as_it_was():
+    spawn(2, ["later_layout_mismatch"])
+
+
 def test_clip_grad_norm_of_every_norm_type():
     spawn(2, ["clip_norm_types"])
 

@@ -1264,3 +1264,15 @@ def test_optimizer_state_round_trip_with_a_0d_parameter_first():
     opt.load_state_dict(shard)
     m(torch.randn(2, 4)).sum().backward()
     opt.step()
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda", "cuda:7"])
+def test_a_compute_device_this_process_cannot_use_is_refused_before_anything_changes(device):
+    if device != "meta" and torch.cuda.is_available() and torch.cuda.device_count() > 7:
+        pytest.skip("this process can use that CUDA device")
+    m = mlp()
+    before = dict(m.named_parameters())
+    with pytest.raises(ValueError, match="argument 'compute_device'"):
+        FSDP(m, compute_device=device, move_params_to_cpu=True)
+    assert dict(m.named_parameters()) == before
+    FSDP(m, move_params_to_cpu=True)(torch.randn(2, 4)).sum().backward()  # the retry trains

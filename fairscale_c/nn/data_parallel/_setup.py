@@ -114,7 +114,12 @@ class Setup:
         for f in foreign:
             self._check_share(f)
         self._fsdp_wrapped_module = module
-        self._handles: List[Handle] = [self._new_handle(i, layout, shard_device) for i, layout in enumerate(layouts)]
+        # Every shard first (collectives that find the ranks' layouts differ), and only then the
+        # module's parameters replaced: such a refusal leaves them as they were.
+        for layout in layouts:
+            layout.world_size, layout.rank = self.world_size, self.rank
+        shards = [self._make_shard(layout, shard_device) for layout in layouts]
+        self._handles: List[Handle] = [self._install(i, layout, s) for i, (layout, s) in enumerate(zip(layouts, shards))]
         self._ties: List[Tie] = [self._tie(f) for f in foreign]
         # what this instance gathers and frees: its own flat parameters, then those it shares
         self._all_handles: List[Handle] = self._handles + [t.handle for t in self._ties]
@@ -133,19 +138,20 @@ class Setup:
         for h in self._handles:
             free_storage(h.full.detach())
 
-    def _new_handle(self, i: int, layout: FlatLayout, shard_device: torch.device) -> Handle:
-        """Shard the `i`-th layout and register its shard: as ``flat_param_<i>``, or, as in
-        FairScale, under the original name when not flattening."""
-        layout.world_size, layout.rank = self.world_size, self.rank
-        originals = [slot.param for slot in layout.slots]
-        shard = self._make_shard(layout, shard_device)
+    def _install(self, i: int, layout: FlatLayout, shard: torch.Tensor) -> Handle:
+        """Put the `i`-th layout's shard in place of its original parameters: as
+        ``flat_param_<i>``, or, as in FairScale, under the original name when not flattening."""
         param = nn.Parameter(shard, requires_grad=layout.requires_grad)
         param._fsc_fsdp_managed = True
         param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
         handle = Handle(layout, param, self.compute_dtype, self.compute_device)
-        for original, slot in zip(originals, layout.slots):
+        for slot in layout.slots:
             # an instance built later that still reaches the original (a tie) shares it from here
-            original._fsc_fsdp_sharded = (weakref.ref(self), handle, slot)
+            slot.param._fsc_fsdp_sharded = (weakref.ref(self), handle, slot)
+            delattr(slot.module, slot.attr)
+            slot.param = None
+        for shared in layout.shared:
+            delattr(shared.module, shared.attr)
         if self.flatten_parameters:
             handle.backing_name = f"flat_param_{i}"
             self.register_parameter(handle.backing_name, param)
@@ -253,8 +259,7 @@ class Setup:
 
     @torch.no_grad()
     def _make_shard(self, layout: FlatLayout, device: torch.device) -> torch.Tensor:
-        """Copy this rank's slice of the flattened parameters into a fresh padded shard (in C) and
-        release the original parameters' storage."""
+        """Copy this rank's slice of the flattened parameters into a fresh padded shard (in C)."""
         dtype = layout.slots[0].param.dtype
         # On CPU with peers on this host a shared tensor (every rank maps the shards of this flat
         # parameter), so all-gathers that read it copy the peers' shards straight from their memory.
@@ -265,9 +270,4 @@ class Setup:
             if a < b:
                 src = slot.param.detach().reshape(-1)[a - slot.offset : b - slot.offset]
                 _copy(shard[a - lo : b - lo], src)
-        for slot in layout.slots:
-            delattr(slot.module, slot.attr)
-            slot.param = None
-        for shared in layout.shared:
-            delattr(shared.module, shared.attr)
         return shard
