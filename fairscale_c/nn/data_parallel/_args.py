@@ -54,8 +54,7 @@ def _check_device(name: str, value: Any) -> None:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or (device.index is not None and device.index >= count):
             raise ValueError(
-                f"{_WHERE}: argument 'compute_device' is {value!r}, but this process sees "
-                f"{count} CUDA device(s)"
+                f"{_WHERE}: argument 'compute_device' is {value!r}, but this process sees {count} CUDA device(s)"
             )
 
 

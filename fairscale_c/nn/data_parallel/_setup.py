@@ -119,7 +119,7 @@ class Setup:
         for layout in layouts:
             layout.world_size, layout.rank = self.world_size, self.rank
         shards = [self._make_shard(layout, shard_device) for layout in layouts]
-        self._handles: List[Handle] = [self._install(i, layout, s) for i, (layout, s) in enumerate(zip(layouts, shards))]
+        self._handles: List[Handle] = [self._install(i, *pair) for i, pair in enumerate(zip(layouts, shards))]
         self._ties: List[Tie] = [self._tie(f) for f in foreign]
         # what this instance gathers and frees: its own flat parameters, then those it shares
         self._all_handles: List[Handle] = self._handles + [t.handle for t in self._ties]
