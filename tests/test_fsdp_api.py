@@ -1276,3 +1276,9 @@ def test_a_compute_device_this_process_cannot_use_is_refused_before_anything_cha
         FSDP(m, compute_device=device, move_params_to_cpu=True)
     assert dict(m.named_parameters()) == before
     FSDP(m, move_params_to_cpu=True)(torch.randn(2, 4)).sum().backward()  # the retry trains
+
+
+def test_load_local_state_dict_of_something_else_names_the_argument():
+    m = FSDP(mlp())
+    with pytest.raises(TypeError, match="argument 'state_dict' must be a mapping .* got NoneType"):
+        m.load_local_state_dict(None)

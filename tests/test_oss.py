@@ -873,3 +873,15 @@ def test_oss_on_cuda_clip_consolidate_reload(world, tmp_path):
     results = run_ranks(_cuda_job, world, str(tmp_path), env=env, timeout=300)
     failures = [f for fs in results for f in fs]
     assert not failures, "\n\n".join(failures)
+
+
+def test_bad_arguments_of_consolidate_and_clip_name_the_argument():
+    from fairscale_c.optim import OSS
+
+    model = torch.nn.Linear(3, 2)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(TypeError, match="argument 'recipient_rank' must be an int, got str"):
+        opt.consolidate_state_dict(recipient_rank="0")
+    with pytest.raises(TypeError, match="argument 'filter_params_fn' must be None or a callable, got int"):
+        opt.clip_grad_norm(1.0, filter_params_fn=3)

@@ -465,6 +465,11 @@ class OSS(Optimizer):
         max_norm, norm_type = float(max_norm), float(norm_type)
         params = self._local_params
         if filter_params_fn is not None:
+            if not callable(filter_params_fn):
+                raise TypeError(
+                    "OSS.clip_grad_norm: argument 'filter_params_fn' must be None or a callable, "
+                    f"got {type(filter_params_fn).__name__}"
+                )
             params = list(filter_params_fn(params))
         grads = [p.grad.detach() for p in params if p.grad is not None]
         total = reduce_norm_term(self.comm, grad_norm_term(grads, norm_type, device=self._default_device), norm_type)
@@ -488,6 +493,11 @@ class OSS(Optimizer):
         """Gather the optimizer state of every rank on ``recipient_rank`` (-1: on every rank), for
         :meth:`state_dict`. Collective. One rank's shard is in flight at a time, as one flat buffer
         (plus its pickled layout); the recipient keeps only the merged state, on CPU."""
+        if isinstance(recipient_rank, bool) or not isinstance(recipient_rank, int):
+            raise TypeError(
+                "OSS.consolidate_state_dict: argument 'recipient_rank' must be an int, "
+                f"got {type(recipient_rank).__name__}"
+            )
         if not (recipient_rank == -1 or 0 <= recipient_rank < self.world_size):
             raise ValueError(
                 f"OSS.consolidate_state_dict: recipient_rank={recipient_rank} is not a rank of the group "

@@ -15,6 +15,7 @@ gradient released); at the end of backward the root retires the rest, casts to f
 
 import contextlib
 import threading
+from collections.abc import Mapping
 from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
 
 import torch
@@ -534,6 +535,11 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
 
     def load_local_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> Any:
         """Load a local (sharded) state dict saved by local_state_dict() at the same world size."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                "FullyShardedDataParallel.load_local_state_dict: argument 'state_dict' must be a mapping "
+                f"(what local_state_dict() returns), got {type(state_dict).__name__}"
+            )
         self._settle_failed_backward()
         self.assert_state(TrainingState.IDLE)
         instances = get_fsdp_instances(self)
