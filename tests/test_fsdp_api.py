@@ -1282,3 +1282,19 @@ def test_load_local_state_dict_of_something_else_names_the_argument():
     m = FSDP(mlp())
     with pytest.raises(TypeError, match="argument 'state_dict' must be a mapping .* got NoneType"):
         m.load_local_state_dict(None)
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_wrapping_a_module_an_instance_outside_it_has_sharded_is_refused(flatten):
+    m = mlp()
+    outer = FSDP(m, flatten_parameters=flatten)
+    for again, where in ((m, "of its submodule '0' are"), (m[0], "of it are")):
+        with pytest.raises(ValueError, match=f"argument 'module' .*the parameters {where} already sharded"):
+            FSDP(again, flatten_parameters=flatten)
+    container = nn.Sequential(m)
+    with pytest.raises(ValueError, match="its submodule '0.0' are already sharded"):
+        FSDP(container)
+    outer(torch.randn(2, 4)).sum().backward()  # the first instance is untouched
+    inner = mlp()
+    inner[0] = FSDP(inner[0], flatten_parameters=flatten)
+    FSDP(inner, flatten_parameters=flatten)(torch.randn(2, 4)).sum().backward()  # nesting is not this
