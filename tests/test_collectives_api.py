@@ -425,3 +425,23 @@ def test_torch_distributed_semantics_of_the_module_functions():
     got = run_ranks(_torch_semantics_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"})
     for r in got:
         assert r["parameter"] == ([0.0] * 3, [[0.0] * 3] * 2, True)
+
+
+def _subgroup_orders_job(rank: int, world: int):
+    import fairscale_c.distributed as fdist
+
+    join_gloo(rank, world)
+    group = fdist.init_group()
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"in different orders \(rank 0: \[0,1\]; rank 1: \[1,0\]\)"):
+        group.new_group([0, 1] if rank == 0 else [1, 0])
+    waited = time.monotonic() - started
+    sub = group.new_group([1, 0])  # the group goes on: the same list on every rank
+    t = torch.full((1,), float(rank))
+    sub.broadcast(t, root=0)  # subgroup rank 0 is group rank 1
+    return waited, t.item()
+
+
+def test_subgroup_ranks_given_in_different_orders_are_refused_at_once():
+    for waited, value in run_ranks(_subgroup_orders_job, 2, env={"FAIRSCALE_C_TIMEOUT": "60"}):
+        assert waited < 30 and value == 1.0, (waited, value)

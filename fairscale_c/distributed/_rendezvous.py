@@ -182,6 +182,24 @@ class StoreExchange(Exchange):
         return value
 
     def sub(self, ranks: Sequence[int], index: int) -> "Exchange":
+        # The members first meet under their sorted ranks and compare the lists they were given:
+        # one given in another order would otherwise wait for peers under another key until the
+        # timeout, and be told a rank that did call did not join.
+        members = sorted(ranks)
+        check = StoreExchange(
+            self.store,
+            f"{self.prefix}/sub{index}/order[{'-'.join(map(str, members))}]",
+            members.index(self.rank),
+            len(members),
+            f"{self.name}/sub{index}",
+        )
+        given = check.all_gather(",".join(map(str, ranks)).encode())
+        if len(set(given)) > 1:
+            raise ValueError(
+                f"new_group: the ranks of group '{self.name}' gave the subgroup's ranks in different orders ("
+                + "; ".join(f"rank {r}: [{g.decode()}]" for r, g in zip(members, given))
+                + "); every rank must give the same list, whose order is the subgroup's rank order"
+            )
         tag = "-".join(map(str, ranks))
         return StoreExchange(
             self.store,
