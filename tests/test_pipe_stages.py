@@ -1056,3 +1056,10 @@ def job_setup_pass_is_silent(rank, world):
 
 def test_the_set_up_pass_gives_no_warnings_of_the_module():
     assert run_ranks(job_setup_pass_is_silent, 2, timeout=120, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [2, 0]
+
+
+def test_a_device_that_is_no_device_names_the_argument():
+    from fairscale_c.nn.pipe import PipelineStage
+
+    with pytest.raises(ValueError, match="PipelineStage: argument 'device' is not a device: 'foo'"):
+        PipelineStage(nn.Linear(2, 2), device="foo")
