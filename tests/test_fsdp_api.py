@@ -1298,3 +1298,10 @@ def test_wrapping_a_module_an_instance_outside_it_has_sharded_is_refused(flatten
     inner = mlp()
     inner[0] = FSDP(inner[0], flatten_parameters=flatten)
     FSDP(inner, flatten_parameters=flatten)(torch.randn(2, 4)).sum().backward()  # nesting is not this
+
+
+def test_a_process_group_this_rank_is_not_in_is_named():
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="argument 'process_group' is GroupMember.NON_GROUP_MEMBER"):
+        FSDP(mlp(), process_group=dist.GroupMember.NON_GROUP_MEMBER)

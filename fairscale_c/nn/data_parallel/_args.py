@@ -74,6 +74,11 @@ def _check_process_group(name: str, value: Any, names: Any) -> None:
             f"{_WHERE}: argument '{name}' must be a process group, None or a ProcessGroupName "
             f"('default' or 'reduce_scatter'), got {value!r}"
         )
+    if dist.is_available() and value is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{_WHERE}: argument '{name}' is GroupMember.NON_GROUP_MEMBER, what torch.distributed.new_group "
+            "gives a rank outside the group: this rank is not a member; build FSDP on a group that includes it"
+        )
     expected = "a process group, an object with rank() and size(), " + (
         "None or a ProcessGroupName" if names is not None else "or None"
     )
