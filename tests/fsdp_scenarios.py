@@ -1499,3 +1499,69 @@ def later_layout_mismatch(rank, world):
 
 
 SCENARIOS.update(later_layout_mismatch=later_layout_mismatch)
+
+
+class _KeepsItsResult(nn.Module):
+    """Leaves its result in an attribute that the parent reads; returns None, or a copy nobody uses."""
+
+    def __init__(self, returns):
+        super().__init__()
+        self.lin, self.returns, self.cache = nn.Linear(8, 10), returns, None
+
+    def forward(self, x):
+        self.cache = torch.tanh(self.lin(x))
+        return None if self.returns == "None" else self.cache * 1.0
+
+
+class _ReadsTheAttribute(nn.Module):
+    def __init__(self, returns):
+        super().__init__()
+        self.inner, self.head = _KeepsItsResult(returns), nn.Linear(10, 3)
+
+    def forward(self, x):
+        self.inner(x)
+        inner = getattr(self.inner, "module", self.inner)
+        return self.head(inner.cache)
+
+
+def result_in_an_attribute(rank, world):
+    """A nested instance whose result the parent reads from an attribute: the backward reaches its
+    parameters without its pre-backward hook. Returning None it trains as plain torch (no prefetch
+    writes into its released buffers meanwhile); returning a tensor the backward never reaches, a
+    prefetch may have gathered into them while its backward ran, and that is a clear RuntimeError
+    that the next step recovers from. Before, the prefetch's buffer was freed under the engine's
+    writes: heap corruption."""
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(world * LOCAL_BATCH, 8, generator=gen) for _ in range(3)]
+    for flatten in (True, False):
+        where = f"flatten={flatten}"
+        torch.manual_seed(0)
+        ref = _ReadsTheAttribute("None")
+        fsdp = copy.deepcopy(ref)
+        fsdp.inner = FSDP(fsdp.inner, flatten_parameters=flatten)
+        fsdp = FSDP(fsdp, flatten_parameters=flatten)
+        opt, ref_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for x in xs:
+            fsdp(_local(x, rank)).pow(2).mean().backward()
+            (sum(ref(_local(x, r)).pow(2).mean() for r in range(world)) / world).backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        sd = fsdp.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"{where}: {k}")
+        torch.manual_seed(0)
+        model = _ReadsTheAttribute("an unused copy")
+        model.inner = FSDP(model.inner, flatten_parameters=flatten)
+        model = FSDP(model, flatten_parameters=flatten)
+        model(_local(xs[0], rank)).sum().backward()  # the first: no order recorded, no prefetch
+        with pytest.raises(RuntimeError, match="reached this instance's parameters but not the outputs"):
+            model(_local(xs[1], rank)).sum().backward()
+        model.zero_grad()
+        model.inner.reshard_after_forward = False  # what the message says to do
+        model(_local(xs[2], rank)).sum().backward()
+
+
+SCENARIOS.update(result_in_an_attribute=result_in_an_attribute)

@@ -197,6 +197,10 @@ def test_a_refusal_found_in_a_later_flat_parameter_leaves_the_module_as_it_was()
     spawn(2, ["later_layout_mismatch"])
 
 
+def test_a_result_the_parent_reads_from_an_attribute():
+    spawn(2, ["result_in_an_attribute"])
+
+
 def test_clip_grad_norm_of_every_norm_type():
     spawn(2, ["clip_norm_types"])
 

@@ -65,6 +65,11 @@ class BackwardHooks:
     # forwards meanwhile keep the full parameters' memory too
     _grads_graph_pending = False
     _outer_forward_running = False  # root: its forward runs, outside any backward
+    _released_in_forward = False  # its last forward (not a recompute) released the full parameters
+    # its last forward's outputs hold no tensor that requires grad (None, ints, detached): no
+    # pre-backward hook, so a backward reaching its parameters comes through something else (a
+    # result kept in an attribute), and no prefetch is started for it
+    _unreachable_outputs = False
 
     def _backward_inside_forward(self) -> None:
         """The pre-backward hook of a gradient taken inside the root's forward (physics-informed
@@ -168,6 +173,21 @@ class BackwardHooks:
                 "the gradient with respect to the inputs, torch.autograd.grad(outputs, inputs, create_graph=True)"
             )
         root = self._root
+        if self._released_in_forward and not self._pre_backward_hook_has_run:
+            # Its backward ran without its pre-backward hook, on the buffers its forward released.
+            # Had they stayed released, reading them would have failed in torch (setStorage) and
+            # this gradient does not need them; a gather into them meanwhile (a prefetch) may have
+            # been read while it was writing.
+            regathered = any(h.has_full or h.gathering is not None for h in self._handles)
+            self._finish_gathers()
+            if regathered:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel ({type(self.module).__name__}): the backward reached this instance's "
+                    "parameters but not the outputs of its forward (a result kept in an attribute and read by the "
+                    "parent, say), after its full parameters had been released at the end of that forward: return "
+                    "the tensors the loss depends on from forward, or build this instance with "
+                    "reshard_after_forward=False"
+                )
         if not root._pre_backward_hook_has_run:
             # No pre-backward hook ran: the outputs' tensors were out of its reach (_hidden_outputs).
             root._pre_backward_hook_has_run = True

@@ -72,6 +72,14 @@ class FullParams:
                 self.all_gather_tracker.notify_all_gather(full, shard)
             h.gathering = Gathering(self.comm.all_gather(full, shard, async_op=True), shard)
 
+    def _finish_gathers(self) -> None:
+        """Wait for the all-gathers in flight into this instance's full buffers."""
+        for h in self._all_handles:
+            if h.gathering is not None:
+                h.gathering.work.wait()
+                h.gathering = None
+                h.has_full = True
+
     @torch.no_grad()
     def _rebuild_full_params(self) -> None:
         """All-gather every flat parameter that is not already full (C: cast + all-gather)."""
@@ -171,11 +179,8 @@ class FullParams:
         `keep_memory`: while a graph of gradients (a create_graph=True backward) reads them, they
         only count as released, so that the next use gathers them again (an optimizer step may
         have changed the shards meanwhile) into the same memory."""
+        self._finish_gathers()  # a prefetch nobody used: finished before its buffer is freed
         for h in self._all_handles:
-            if h.gathering is not None:  # a prefetch nobody used: finish it before freeing
-                h.gathering.work.wait()
-                h.gathering = None
-                h.has_full = True
             if in_forward and h.forward_users > 1:
                 continue
             if h.has_full:

@@ -37,25 +37,35 @@ def hidden_from_hooks(obj: Any):
     """When no tensor in `obj` that map_tensors reaches requires grad but `obj` holds an object
     map_tensors does not look into (any object but a tensor, a container it walks or a plain
     value, which may hold tensors), that object's type; otherwise None."""
-    grad, opaque = [], []
-
-    def walk(x: Any) -> None:
-        if torch.is_tensor(x):
-            grad.append(x.requires_grad)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            for f in dataclasses.fields(x):
-                walk(getattr(x, f.name, None))
-        elif not isinstance(x, _PLAIN):
-            opaque.append(type(x))
-
-    walk(obj)
+    grad: list = []
+    opaque: list = []
+    _scan(obj, grad, opaque)
     return opaque[0] if opaque and not any(grad) else None
+
+
+def any_requires_grad(obj: Any) -> bool:
+    """Whether a tensor in `obj` that map_tensors reaches requires grad."""
+    grad: list = []
+    _scan(obj, grad, [])
+    return any(grad)
+
+
+def _scan(x: Any, grad: list, opaque: list) -> None:
+    # Module level, not a closure calling itself: that would be a reference cycle per call,
+    # garbage that only the cycle collector frees (and never, with gc disabled).
+    if torch.is_tensor(x):
+        grad.append(x.requires_grad)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _scan(v, grad, opaque)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _scan(v, grad, opaque)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            _scan(getattr(x, f.name, None), grad, opaque)
+    elif not isinstance(x, _PLAIN):
+        opaque.append(type(x))
 
 
 def _map_dict(fn, obj: Any) -> Any:

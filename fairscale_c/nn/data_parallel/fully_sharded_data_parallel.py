@@ -33,7 +33,7 @@ from ._backward import BackwardHooks, _graph_task, outer_graph_uses_full, sequen
 from ._full_params import FullParams
 from ._setup import Setup, is_managed
 from ._handle import TrainingState, free_storage
-from ._tensors import cast_floats
+from ._tensors import any_requires_grad, cast_floats
 
 
 class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
@@ -359,6 +359,9 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             if _graph_task() == -1:
                 self._outer_uses_full = start is not None and outer_graph_uses_full(outputs, start)
             hidden = self._hidden_outputs(outputs)
+            if not in_backward:
+                self._released_in_forward = self.reshard_after_forward and not hidden
+                self._unreachable_outputs = torch.is_grad_enabled() and not any_requires_grad(outputs)
             if self.reshard_after_forward and not hidden and not in_backward:
                 # a graph of gradients may still read the memory (_grads_graph_pending)
                 self._free_full_params(in_forward=True, keep_memory=self._root._grads_graph_pending)
@@ -417,7 +420,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         if not self._order_recorded or m not in order:
             return
         i = (order.index(m) + step) % len(order)
-        if i != 0:  # the root needs no prefetch: it gathers first
+        if i != 0 and not order[i]._unreachable_outputs:  # the root needs no prefetch: it gathers first
             order[i]._start_gather()
 
     @contextlib.contextmanager
