@@ -1298,6 +1298,34 @@ def test_wrapping_a_module_an_instance_outside_it_has_sharded_is_refused(flatten
     inner = mlp()
     inner[0] = FSDP(inner[0], flatten_parameters=flatten)
     FSDP(inner, flatten_parameters=flatten)(torch.randn(2, 4)).sum().backward()  # nesting is not this
+    # nor is a module reused by an instance that has parameters of its own (the owner keeps its
+    # full parameters): flat, that trains as plain torch
+    if not flatten:
+        return
+    torch.manual_seed(0)
+    ref = _EncoderDecoderSharingALayer()
+    m = copy.deepcopy(ref)
+    m.enc = FSDP(m.enc, reshard_after_forward=False, flatten_parameters=flatten)
+    m.dec = FSDP(m.dec, reshard_after_forward=False, flatten_parameters=flatten)
+    m = FSDP(m, reshard_after_forward=False, flatten_parameters=flatten)
+    x = torch.randn(3, 4)
+    for model in (m, ref):
+        model(x).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    got = m.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, msg=k)
+
+
+class _EncoderDecoderSharingALayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        shared = nn.Linear(4, 4)
+        self.enc = nn.Sequential(shared, nn.ReLU())
+        self.dec = nn.Sequential(shared, nn.Linear(4, 2))
+
+    def forward(self, x):
+        return self.dec(self.enc(x))
 
 
 def test_a_process_group_this_rank_is_not_in_is_named():

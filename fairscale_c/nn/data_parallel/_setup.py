@@ -112,8 +112,9 @@ class Setup:
         self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
         shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
         orders = {id(m): list(m._parameters) for m in module.modules()}
-        self._check_not_sharded_elsewhere(module)
         layouts, self._shared_pairs, foreign = collect_params(module, is_managed, self.flatten_parameters)
+        if not layouts:
+            self._check_not_sharded_elsewhere(module)
         self._check_dtypes(layouts)
         for f in foreign:
             self._check_share(f)
@@ -144,8 +145,11 @@ class Setup:
 
     @staticmethod
     def _check_not_sharded_elsewhere(module: nn.Module) -> None:
-        """A module (or a submodule) whose parameters an instance outside it has already taken:
-        wrapping it again would compute with that instance's released buffers."""
+        """For an instance that finds no parameters to manage: a module (or a submodule) whose
+        parameters an instance outside it has already taken. Wrapping it again (twice by mistake)
+        would compute with that instance's released buffers. (A module reused inside another
+        instance that has parameters of its own is not refused: it computes with the owner's
+        full parameters, which works while the owner keeps them, reshard_after_forward=False.)"""
         inside = {id(m) for m in module.modules()}
         for name, sub in module.named_modules():
             ref = _SHARDED_BY.get(sub)
