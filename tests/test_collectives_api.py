@@ -411,6 +411,16 @@ def _torch_semantics_job(rank: int, world: int):
     op = fdist.P2POp("send" if rank == 0 else "recv", torch.ones(2), 1 - rank, group=other)
     with pytest.raises(ValueError, match="names another group than argument 'group'"):
         fdist.batch_isend_irecv([op], group=dist.group.WORLD)
+    # a torch group and its engine group are one group, either way round
+    for given, named in ((other, fdist.group_for(other)), (fdist.group_for(other), other)):
+        got = torch.zeros(2)
+        ops = [
+            fdist.P2POp("send", torch.full((2,), float(rank)), 1 - rank, group=named),
+            fdist.P2POp("recv", got, 1 - rank, group=named),
+        ]
+        for w in fdist.batch_isend_irecv(ops, group=given):
+            w.wait()
+        assert got.tolist() == [float(1 - rank)] * 2
     with pytest.raises(ValueError, match=r"src=5 is not a rank"):
         fdist.broadcast(torch.ones(2), src=5, group=dist.group.WORLD)
     with pytest.raises(TypeError, match="new_group: argument 'group' must be a fairscale_c.distributed Group"):

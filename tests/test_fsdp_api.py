@@ -1284,37 +1284,33 @@ def test_load_local_state_dict_of_something_else_names_the_argument():
         m.load_local_state_dict(None)
 
 
-@pytest.mark.parametrize("flatten", [True, False])
-def test_wrapping_a_module_an_instance_outside_it_has_sharded_is_refused(flatten):
-    m = mlp()
-    outer = FSDP(m, flatten_parameters=flatten)
-    for again, where in ((m, "of its submodule '0' are"), (m[0], "of it are")):
-        with pytest.raises(ValueError, match=f"argument 'module' .*the parameters {where} already sharded"):
-            FSDP(again, flatten_parameters=flatten)
-    container = nn.Sequential(m)
-    with pytest.raises(ValueError, match="its submodule '0.0' are already sharded"):
-        FSDP(container)
-    outer(torch.randn(2, 4)).sum().backward()  # the first instance is untouched
-    inner = mlp()
-    inner[0] = FSDP(inner[0], flatten_parameters=flatten)
-    FSDP(inner, flatten_parameters=flatten)(torch.randn(2, 4)).sum().backward()  # nesting is not this
-    # nor is a module reused by an instance that has parameters of its own (the owner keeps its
-    # full parameters): flat, that trains as plain torch
-    if not flatten:
-        return
+def test_a_layer_reused_in_several_places_and_wrapped_at_each():
+    """A module object used in several places, each wrapped (the same layer applied three times;
+    a layer shared by an encoder and a decoder that have layers of their own): the instances after
+    the first manage no parameters of it and compute with the first's full parameters, which it
+    keeps with reshard_after_forward=False. That trains as plain torch, as in FairScale."""
     torch.manual_seed(0)
-    ref = _EncoderDecoderSharingALayer()
+    layer = nn.Linear(4, 4)
+    ref = nn.Sequential(layer, layer, layer)
     m = copy.deepcopy(ref)
-    m.enc = FSDP(m.enc, reshard_after_forward=False, flatten_parameters=flatten)
-    m.dec = FSDP(m.dec, reshard_after_forward=False, flatten_parameters=flatten)
-    m = FSDP(m, reshard_after_forward=False, flatten_parameters=flatten)
+    for i in range(3):
+        m[i] = FSDP(m[i], reshard_after_forward=False)
+    torch.manual_seed(0)
+    pair = _EncoderDecoderSharingALayer()
+    pair_ref = copy.deepcopy(pair)
+    pair.enc = FSDP(pair.enc, reshard_after_forward=False)
+    pair.dec = FSDP(pair.dec, reshard_after_forward=False)
     x = torch.randn(3, 4)
-    for model in (m, ref):
-        model(x).sum().backward()
-        torch.optim.SGD(model.parameters(), lr=0.1).step()
-    got = m.state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(got[k], v, msg=k)
+    for model, ref_model in (
+        (FSDP(m, reshard_after_forward=False), ref),
+        (FSDP(pair, reshard_after_forward=False), pair_ref),
+    ):
+        for mm in (model, ref_model):
+            mm(x).sum().backward()
+            torch.optim.SGD(mm.parameters(), lr=0.1).step()
+        got = model.state_dict()
+        for k, v in ref_model.state_dict().items():
+            torch.testing.assert_close(got[k], v, msg=k)
 
 
 class _EncoderDecoderSharingALayer(nn.Module):
@@ -1361,3 +1357,60 @@ def test_training_steps_leave_no_garbage_for_the_cycle_collector(flatten):
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _RaisesInBackward.armed:
+            raise RuntimeError("on purpose")
+        return g
+
+
+class _Raiser(nn.Module):
+    def forward(self, x):
+        return _RaisesInBackward.apply(x)
+
+
+class _CatchesItsInnerGradient(_GradientInForward):
+    """The gradient inside the forward raises inside the inner instance (its pre-backward hook has
+    run); the forward catches it and goes on without it."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 16), _Raiser(), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        u = self.body(x)
+        _RaisesInBackward.armed = True
+        try:
+            torch.autograd.grad(u.sum(), x, create_graph=True)
+        except RuntimeError:
+            pass
+        finally:
+            _RaisesInBackward.armed = False
+        return self.head(x) + u
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_a_gradient_inside_forward_that_raises_leaves_the_inner_instance_as_its_forward_did(flatten):
+    torch.manual_seed(0)
+    ref = _CatchesItsInnerGradient()
+    f = copy.deepcopy(ref)
+    f.body = FSDP(f.body, flatten_parameters=flatten)
+    f = FSDP(f, flatten_parameters=flatten)
+    x = torch.randn(5, 2).requires_grad_()
+    before = list(f.parameters())
+    out = f(x)
+    assert f.body.training_state.name == "IDLE"
+    assert list(f.parameters()) == before  # unflattened, the inner shards were left out
+    f.state_dict()  # allowed: nothing is in backward
+    out.pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    _stepped_alike(f, ref)

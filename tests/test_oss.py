@@ -883,5 +883,6 @@ def test_bad_arguments_of_consolidate_and_clip_name_the_argument():
     model(torch.ones(1, 3)).sum().backward()
     with pytest.raises(TypeError, match="argument 'recipient_rank' must be an int, got str"):
         opt.consolidate_state_dict(recipient_rank="0")
+    opt.consolidate_state_dict(recipient_rank=torch.tensor(0))  # what operator.index takes, as FairScale
     with pytest.raises(TypeError, match="argument 'filter_params_fn' must be None or a callable, got int"):
         opt.clip_grad_norm(1.0, filter_params_fn=3)

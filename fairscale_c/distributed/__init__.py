@@ -321,6 +321,12 @@ def _torch_shaped(fn: Any) -> Any:
     return call
 
 
+def _same_group(a: Any, b: Any) -> bool:
+    """Whether `a` and `b` are one group: the same object, or a torch process group and its engine
+    group."""
+    return a is b or getattr(a, "process_group", None) is b or getattr(b, "process_group", None) is a
+
+
 def _without_autograd(arg: Any) -> Any:
     """torch.distributed's functions take tensors that require grad (a Parameter broadcast from
     rank 0) and read or write their memory unseen by autograd; the engine takes tensors without
@@ -343,7 +349,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp], group: Any = None) -> List[A
         if len(named) > 1:
             raise ValueError("batch_isend_irecv: the P2POps name different groups; expected one group for all")
         group = next(iter(named.values()), None)
-    elif any(g is not group for g in named.values()):
+    elif any(not _same_group(g, group) for g in named.values()):
         raise ValueError("batch_isend_irecv: a P2POp names another group than argument 'group'; expected one group")
     ops = [
         P2POp(op.op, _without_autograd(op.tensor), op.peer, op.group, op.tag) if isinstance(op, P2POp) else op

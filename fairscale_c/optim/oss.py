@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import warnings
 from dataclasses import dataclass, field
 from itertools import chain
@@ -493,11 +494,13 @@ class OSS(Optimizer):
         """Gather the optimizer state of every rank on ``recipient_rank`` (-1: on every rank), for
         :meth:`state_dict`. Collective. One rank's shard is in flight at a time, as one flat buffer
         (plus its pickled layout); the recipient keeps only the merged state, on CPU."""
-        if isinstance(recipient_rank, bool) or not isinstance(recipient_rank, int):
+        try:
+            recipient_rank = operator.index(recipient_rank)  # numpy ints and 0-d int tensors too
+        except TypeError:
             raise TypeError(
                 "OSS.consolidate_state_dict: argument 'recipient_rank' must be an int, "
                 f"got {type(recipient_rank).__name__}"
-            )
+            ) from None
         if not (recipient_rank == -1 or 0 <= recipient_rank < self.world_size):
             raise ValueError(
                 f"OSS.consolidate_state_dict: recipient_rank={recipient_rank} is not a rank of the group "

@@ -88,11 +88,14 @@ class BackwardHooks:
                 self._use_full_params()
 
         def inner_backward_ended() -> None:
-            self._use_shard_params()
-            self._pre_backward_hook_has_run = False
-            self.training_state = entry
+            if self._pre_backward_hook_has_run:  # once: at its end, or at the forward's if it raised
+                self._use_shard_params()
+                self._pre_backward_hook_has_run = False
+                self.training_state = entry
 
         torch.autograd.Variable._execution_engine.queue_callback(inner_backward_ended)
+        # autograd runs no callback of a backward that raised: the root's forward then does
+        self._root._inner_backwards.append(inner_backward_ended)
 
     def _hidden_outputs(self, outputs: Any) -> bool:
         """Whether a training forward's outputs hold tensors that no pre-backward hook can be put

@@ -19,9 +19,6 @@ from . import _state_dict
 from ._handle import Handle, Tie, TrainingState, free_storage
 from .flat_param import FlatLayout, ForeignParam, collect_params
 
-# module -> weakref to the instance that took its parameters (the module holds its shards' views)
-_SHARDED_BY: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
-
 
 def is_managed(p: torch.Tensor) -> bool:
     """Whether `p` is a shard an FSDP instance registered (not a parameter of the wrapped module)."""
@@ -113,8 +110,6 @@ class Setup:
         shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
         orders = {id(m): list(m._parameters) for m in module.modules()}
         layouts, self._shared_pairs, foreign = collect_params(module, is_managed, self.flatten_parameters)
-        if not layouts:
-            self._check_not_sharded_elsewhere(module)
         self._check_dtypes(layouts)
         for f in foreign:
             self._check_share(f)
@@ -143,25 +138,6 @@ class Setup:
         for h in self._handles:
             free_storage(h.full.detach())
 
-    @staticmethod
-    def _check_not_sharded_elsewhere(module: nn.Module) -> None:
-        """For an instance that finds no parameters to manage: a module (or a submodule) whose
-        parameters an instance outside it has already taken. Wrapping it again (twice by mistake)
-        would compute with that instance's released buffers. (A module reused inside another
-        instance that has parameters of its own is not refused: it computes with the owner's
-        full parameters, which works while the owner keeps them, reshard_after_forward=False.)"""
-        inside = {id(m) for m in module.modules()}
-        for name, sub in module.named_modules():
-            ref = _SHARDED_BY.get(sub)
-            owner = ref() if ref is not None else None
-            if owner is not None and id(owner) not in inside:
-                where = f"its submodule '{name}'" if name else "it"
-                raise ValueError(
-                    f"FullyShardedDataParallel: argument 'module' ({type(module).__name__}): the parameters of {where} "
-                    "are already sharded by another FullyShardedDataParallel instance, which is not inside it; wrap "
-                    "each module once (to nest instances, wrap the inner module first, then a module containing it)"
-                )
-
     def _install(self, i: int, layout: FlatLayout, shard: torch.Tensor) -> Handle:
         """Put the `i`-th layout's shard in place of its original parameters: as
         ``flat_param_<i>``, or, as in FairScale, under the original name when not flattening."""
@@ -174,10 +150,8 @@ class Setup:
             slot.param._fsc_fsdp_sharded = (weakref.ref(self), handle, slot)
             delattr(slot.module, slot.attr)
             slot.param = None
-            _SHARDED_BY[slot.module] = weakref.ref(self)
         for shared in layout.shared:
             delattr(shared.module, shared.attr)
-            _SHARDED_BY[shared.module] = weakref.ref(self)
         if self.flatten_parameters:
             handle.backing_name = f"flat_param_{i}"
             self.register_parameter(handle.backing_name, param)

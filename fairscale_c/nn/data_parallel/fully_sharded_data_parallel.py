@@ -349,6 +349,8 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         for h in self._all_handles:
             h.forward_users += 1
         self._outer_forward_running = outer
+        if outer:
+            self._inner_backwards: List[Any] = []  # _backward_inside_forward's, to end
         try:
             self._check_own_shards()
             self._sync_requires_grad()
@@ -371,6 +373,10 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             outputs = self._register_pre_backward_hooks(outputs)
         finally:
             self._outer_forward_running = False
+            if outer:
+                for end in self._inner_backwards:
+                    end()
+                self._inner_backwards.clear()
             for h in self._all_handles:
                 h.forward_users -= 1
             if in_backward:
