@@ -421,6 +421,17 @@ def _divide_factors_job(rank, world):
             for p in ref.parameters():
                 p -= p.grad / 4
         _assert_state_close(model, ref)
+        # in fp16, each rank's 40000 is divided before the sum (80000 would overflow), as FairScale's
+        from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+        lin = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.ones_(lin.weight)
+        model = FSDP(lin, mixed_precision=True, compute_dtype=torch.float16)
+        model.set_gradient_divide_factors(2.0, 2.0, recursive=True)
+        model(torch.full((1, 1), 40000.0)).sum().backward()
+        got = model.params[0].grad.max()
+        dist.all_reduce(got, op=dist.ReduceOp.MAX)
+        assert got.item() == 20000.0, got
     finally:
         dist.destroy_process_group()
 

@@ -1414,3 +1414,26 @@ def test_a_gradient_inside_forward_that_raises_leaves_the_inner_instance_as_its_
     out.pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
     _stepped_alike(f, ref)
+
+
+class _RecordsInputDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.seen = None
+
+    def forward(self, a, b, c):
+        self.seen = (a.dtype, b.dtype, c.dtype)
+        return self.lin(a.to(self.lin.weight.dtype)).sum() + b.sum() + c.sum()
+
+
+def test_which_root_inputs_are_cast():
+    """As FairScale's: under mixed precision float32 inputs only (to the compute dtype); with
+    force_input_to_fp32, float16 inputs only."""
+    a, b, c = torch.ones(1, 2), torch.tensor([1.7e9], dtype=torch.float64), torch.ones(1, dtype=torch.bfloat16)
+    m = FSDP(_RecordsInputDtypes(), mixed_precision=True, compute_dtype=torch.float16)
+    m(a, b, c)
+    assert m.module.seen == (torch.float16, torch.float64, torch.bfloat16)
+    m = FSDP(_RecordsInputDtypes(), force_input_to_fp32=True)
+    m(a.half(), b, c)
+    assert m.module.seen == (torch.float32, torch.float64, torch.bfloat16)

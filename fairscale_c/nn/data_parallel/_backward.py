@@ -206,6 +206,8 @@ class BackwardHooks:
                 _copy(g32, grad)
                 grad = g32
             average = abs(self.gradient_predivide_factor * self.gradient_postdivide_factor - self.world_size) < 1e-6
+            if not average and self.gradient_predivide_factor > 1:
+                grad.div_(self.gradient_predivide_factor)  # before the sum, as FairScale: fp16 stays in range
             self._root._bucket.add(self, h, grad, average)
         if (self._require_backward_grad_sync or self.reshard_after_forward) and not outer_needs_full:
             free_storage(h.full.detach())

@@ -108,13 +108,14 @@ class ReduceScatterBucket:
 
     def drain(self) -> None:
         """End of backward: send every partly filled bucket, retire every reduce-scatter, divide
-        the shards of those that summed, and hand each shard to its parameter's ``.grad``."""
+        the shards of those that summed by the post-divide factor, and hand each shard to its
+        parameter's ``.grad``."""
         for key in list(self.buckets):
             self._send(key)
         self._retire(0)
         for r in self.reduced:
-            if not r.averaged:
-                r.out.div_(r.fsdp.gradient_predivide_factor * r.fsdp.gradient_postdivide_factor)
+            if not r.averaged and r.fsdp.gradient_postdivide_factor > 1:
+                r.out.div_(r.fsdp.gradient_postdivide_factor)
             r.fsdp._accumulate_grad(r.handle, r.out)
         self.reduced.clear()
 

@@ -75,11 +75,13 @@ def _map_dict(fn, obj: Any) -> Any:
     return obj
 
 
-def cast_floats(dtype: torch.dtype, args: Any, kwargs: Any):
-    """(args, kwargs) with every floating-point tensor cast to `dtype`; autograd records the casts,
-    so gradients reach the inputs (a layer before the instance, a gradient with respect to them)."""
+def cast_floats(src: torch.dtype, dst: torch.dtype, args: Any, kwargs: Any):
+    """(args, kwargs) with every tensor of dtype `src` cast to `dst`, others as they are (as
+    FairScale's casts: float32 to the compute dtype, float16 to float32); autograd records the
+    casts, so gradients reach the inputs (a layer before the instance, a gradient with respect to
+    them)."""
 
     def cast(x: torch.Tensor) -> torch.Tensor:
-        return x.to(dtype) if x.is_floating_point() and x.dtype is not dtype else x
+        return x.to(dst) if x.dtype is src else x
 
     return map_tensors(cast, args), map_tensors(cast, kwargs)

@@ -343,9 +343,9 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         # record of this forward starts (see outer_graph_uses_full).
         start = sequence_mark() if _graph_task() == -1 and torch.is_grad_enabled() else None
         if self._is_root and self.mixed_precision:
-            args, kwargs = cast_floats(self.compute_dtype, args, kwargs)
+            args, kwargs = cast_floats(torch.float32, self.compute_dtype, args, kwargs)
         elif self.force_input_to_fp32 and not self.mixed_precision:
-            args, kwargs = cast_floats(torch.float32, args, kwargs)
+            args, kwargs = cast_floats(torch.float16, torch.float32, args, kwargs)
         for h in self._all_handles:
             h.forward_users += 1
         self._outer_forward_running = outer
