@@ -1565,3 +1565,41 @@ def result_in_an_attribute(rank, world):
 
 
 SCENARIOS.update(result_in_an_attribute=result_in_an_attribute)
+
+
+def forward_between_backward_and_step(rank, world):
+    """A forward between a backward and the optimizer step (an evaluation under no_grad, or a
+    forward for logging whose graph is dropped): the full parameters it keeps (the root's, or an
+    instance's with reshard_after_forward=False) are gathered again after the step, so the next
+    forward computes with the stepped weights, as plain torch does."""
+    from fairscale_c.nn import FullyShardedDataParallel as FSDP
+
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(world * LOCAL_BATCH, 8, generator=gen) for _ in range(3)]
+    for mixed in (False, True):
+        for reshard in (True, False):
+            where = f"mixed_precision={mixed}, reshard={reshard}"
+            torch.manual_seed(0)
+            ref = MLP()
+            fsdp = copy.deepcopy(ref)
+            fsdp.fc2 = FSDP(fsdp.fc2, reshard_after_forward=reshard, mixed_precision=mixed)
+            fsdp = FSDP(fsdp, reshard_after_forward=reshard, mixed_precision=mixed)
+            opt, ref_opt = torch.optim.SGD(fsdp.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+            for i, x in enumerate(xs):
+                fsdp(_local(x, rank)).pow(2).mean().backward()
+                (sum(ref(_local(x, r)).pow(2).mean() for r in range(world)) / world).backward()
+                if i % 2:
+                    with torch.no_grad():
+                        fsdp(_local(x, rank))
+                else:
+                    fsdp(_local(x, rank)).sum()  # a graph that is dropped
+                for o in (opt, ref_opt):
+                    o.step()
+                    o.zero_grad()
+                with torch.no_grad():
+                    got, want = fsdp(_local(x, rank)), ref(_local(x, rank))
+                tol = dict(atol=2e-2, rtol=2e-2) if mixed else FP32_TOL
+                torch.testing.assert_close(got.float(), want, **tol, msg=f"{where}, step {i}")
+
+
+SCENARIOS.update(forward_between_backward_and_step=forward_between_backward_and_step)

@@ -201,6 +201,11 @@ def test_a_result_the_parent_reads_from_an_attribute():
     spawn(2, ["result_in_an_attribute"])
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_forward_between_the_backward_and_the_step(world):
+    spawn(world, ["forward_between_backward_and_step"])
+
+
 def test_clip_grad_norm_of_every_norm_type():
     spawn(2, ["clip_norm_types"])
 

@@ -5,10 +5,24 @@ whose instance attributes it uses)."""
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
 from ._handle import Gathering, alloc_storage, free_storage
+
+_steps = 0  # optimizer steps this process has taken (every torch.optim.Optimizer, OSS included)
+
+
+def _count_step(*unused: Any) -> None:
+    global _steps
+    _steps += 1
+
+
+# Full parameters an instance keeps between forwards (the root's; reshard_after_forward=False)
+# were gathered from the shards before any optimizer step since: they are gathered again. Every
+# rank steps alike, so every rank gathers again alike.
+register_optimizer_step_post_hook(_count_step)
 
 
 class ReleasedParameter(torch.Tensor):
@@ -57,8 +71,9 @@ class FullParams:
     def _start_gather(self) -> None:
         """Start (asynchronously) the all-gather of every flat parameter that is not full yet."""
         for h in self._all_handles:
-            if h.has_full or h.gathering is not None:
+            if h.gathering is not None or (h.has_full and h.gathered_at == _steps):
                 continue
+            h.gathered_at = _steps
             full = h.full.detach()
             alloc_storage(full)  # on the current stream, which the collective is ordered after
             shard = h.param.detach()
