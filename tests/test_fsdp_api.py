@@ -1276,6 +1276,9 @@ def test_a_compute_device_this_process_cannot_use_is_refused_before_anything_cha
         FSDP(m, compute_device=device, move_params_to_cpu=True)
     assert dict(m.named_parameters()) == before
     FSDP(m, move_params_to_cpu=True)(torch.randn(2, 4)).sum().backward()  # the retry trains
+    if device != "meta":
+        with pytest.raises(ValueError, match="argument 'state_dict_device'"):
+            FSDP(mlp(), state_dict_device=device)
 
 
 def test_load_local_state_dict_of_something_else_names_the_argument():
@@ -1437,3 +1440,13 @@ def test_which_root_inputs_are_cast():
     m = FSDP(_RecordsInputDtypes(), force_input_to_fp32=True)
     m(a.half(), b, c)
     assert m.module.seen == (torch.float32, torch.float64, torch.bfloat16)
+
+
+def test_a_mixed_precision_model_converted_away_from_float32_refuses_to_compute():
+    m = FSDP(mlp(), mixed_precision=True, compute_dtype=torch.bfloat16)
+    for convert in (m.half, m.bfloat16):
+        convert()
+        with pytest.raises(RuntimeError, match="mixed_precision=True computes in torch.bfloat16 from float32 shards"):
+            m(torch.randn(2, 4))
+        m.float()
+    m(torch.randn(2, 4)).float().sum().backward()

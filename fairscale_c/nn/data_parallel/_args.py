@@ -46,16 +46,12 @@ def _check_device(name: str, value: Any) -> None:
         device = torch.device(value)
     except (RuntimeError, ValueError) as exc:
         raise ValueError(f"{_WHERE}: argument '{name}' is not a device: {value!r} ({exc})") from None
-    if name != "compute_device":
-        return
-    if device.type not in ("cpu", "cuda"):
+    if name == "compute_device" and device.type not in ("cpu", "cuda"):
         raise ValueError(f"{_WHERE}: argument 'compute_device' must be a CPU or CUDA device, got {value!r}")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or (device.index is not None and device.index >= count):
-            raise ValueError(
-                f"{_WHERE}: argument 'compute_device' is {value!r}, but this process sees {count} CUDA device(s)"
-            )
+            raise ValueError(f"{_WHERE}: argument '{name}' is {value!r}, but this process sees {count} CUDA device(s)")
 
 
 def _check_process_group(name: str, value: Any, names: Any) -> None:

@@ -399,6 +399,12 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         An empty slot is this instance's own doing: a forward recomputed in backward (activation
         checkpointing around the instance) finds the full parameters in place of the shards."""
         for h in self._handles:
+            if self.mixed_precision and h.param.dtype is not torch.float32:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: mixed_precision=True computes in {self.compute_dtype} from float32 "
+                    f"shards, but '{h.backing_name}' is {h.param.dtype} (converted after wrapping, by .half() say): "
+                    "call .float(), or convert the module before wrapping it without mixed precision"
+                )
             module, attr = (self, h.backing_name) if self.flatten_parameters else h.places()[0]
             held = module._parameters.get(attr)
             if held is not None and held is not h.param:
