@@ -1600,6 +1600,14 @@ def forward_between_backward_and_step(rank, world):
                     got, want = fsdp(_local(x, rank)), ref(_local(x, rank))
                 tol = dict(atol=2e-2, rtol=2e-2) if mixed else FP32_TOL
                 torch.testing.assert_close(got.float(), want, **tol, msg=f"{where}, step {i}")
+            # an optimizer of other parameters that one rank steps between evaluation forwards
+            # does not count: the ranks still gather alike
+            probe = nn.Linear(2, 2)
+            if rank == 0:
+                probe(torch.ones(1, 2)).sum().backward()
+                torch.optim.SGD(probe.parameters(), lr=0.1).step()
+            with torch.no_grad():
+                torch.testing.assert_close(fsdp(_local(xs[0], rank)).float(), ref(_local(xs[0], rank)), **tol)
 
 
 SCENARIOS.update(forward_between_backward_and_step=forward_between_backward_and_step)

@@ -11,17 +11,22 @@ from fairscale_c.distributed import local_copy as _copy  # copies/casts that kee
 
 from ._handle import Gathering, alloc_storage, free_storage
 
-_steps = 0  # optimizer steps this process has taken (every torch.optim.Optimizer, OSS included)
+_steps = 0  # steps of optimizers (torch.optim.Optimizer, OSS included) that hold FSDP shards
 
 
-def _count_step(*unused: Any) -> None:
+def _count_step(optimizer: Any, *unused: Any) -> None:
     global _steps
-    _steps += 1
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_fsc_fsdp_managed", False):
+                _steps += 1
+                return
 
 
 # Full parameters an instance keeps between forwards (the root's; reshard_after_forward=False)
-# were gathered from the shards before any optimizer step since: they are gathered again. Every
-# rank steps alike, so every rank gathers again alike.
+# that were gathered before a step of an optimizer holding shards are gathered again. Every rank
+# steps such optimizers alike, so every rank gathers again alike (an optimizer of other
+# parameters that only some ranks step does not count).
 register_optimizer_step_post_hook(_count_step)
 
 
