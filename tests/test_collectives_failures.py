@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from dist_utils import free_port, orphaned_segments, run_ranks, shm_segments
+from dist_utils import free_port, join_gloo, orphaned_segments, run_ranks, shm_segments
 
 # dead, stalled and missing ranks, timed against short engine timeouts: run alone
 pytestmark = pytest.mark.serial
@@ -1075,3 +1075,51 @@ def test_rendezvous_store_failure_is_a_distributed_error(fail, when):
     assert StoreExchange(_FailingStore("none"), "p", 0, 1, "g").all_gather(b"x") == [b"x"]
     with pytest.raises(DistributedError, match=r"rendezvous \(broadcast\) of group 'g'"):
         StoreExchange(_FailingStore(fail), "q", 0, 1, "g").broadcast(b"y")
+
+
+def _outlasting_op_job(rank, world):
+    """A collective that takes longer than FAIRSCALE_C_TIMEOUT while both ranks keep moving: rank 1
+    is stopped for 0.2 s at a time (SIGSTOP from rank 0), so no wait of rank 0's lasts the 0.5 s
+    timeout, though the whole op does."""
+    import os
+    import signal
+    import threading
+
+    import torch.distributed as dist
+
+    import fairscale_c.distributed as fdist
+
+    join_gloo(rank, world)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    group = fdist.init_group()
+    t = torch.ones(64 << 20)
+    group.barrier()
+    stop = threading.Event()
+
+    def pulse():
+        while not stop.is_set():
+            os.kill(pids[1], signal.SIGSTOP)
+            time.sleep(0.2)
+            os.kill(pids[1], signal.SIGCONT)
+            time.sleep(0.005)
+
+    if rank == 0:
+        pulser = threading.Thread(target=pulse)
+        pulser.start()
+    started = time.monotonic()
+    try:
+        group.all_reduce(t)
+    finally:
+        took = time.monotonic() - started
+        if rank == 0:
+            stop.set()
+            pulser.join()
+            os.kill(pids[1], signal.SIGCONT)
+    return bool((t == world).all()), took
+
+
+def test_a_collective_that_keeps_moving_may_outlast_the_timeout():
+    results = run_ranks(_outlasting_op_job, 2, env={"FAIRSCALE_C_TIMEOUT": "0.5"}, timeout=120)
+    assert all(ok for ok, _ in results), results
+    assert max(took for _, took in results) > 0.5, results  # else the op did not outlast the timeout

@@ -331,9 +331,14 @@ static fsc_status_t split_rows(const char *op, const char *argname, const fsc_te
         return FSC_OK;
     }
     for (int j = 0; j < size; j++) {
-        if (given[j] < 0 || __builtin_add_overflow(sum, given[j], &sum))
+        if (given[j] < 0)
             return fsc_error(FSC_ERR_VALUE, "%s: argument '%s' must hold %d ints >= 0, got %lld at index %d", op,
                              argname, size, (long long)given[j], j);
+        if (__builtin_add_overflow(sum, given[j], &sum))
+            return fsc_error(FSC_ERR_VALUE,
+                             "%s: argument '%s' sums past the largest int64 (at index %d); expected dim 0 of the "
+                             "tensor (%lld)",
+                             op, argname, j, (long long)dim0);
         rows[j] = given[j];
     }
     if (sum != dim0)

@@ -228,12 +228,14 @@ static inline int fsc_shm_reached(_Atomic uint32_t *word, uint32_t target) {
 /* How long a waiter has been waiting: spins, then yields, then futex sleeps in slices. */
 typedef struct {
     int spins, yields;
+    double started;    /* when this waiter first slept */
     double last_check; /* last peer liveness check */
     int read_proc;     /* looked in /proc whether the peer waits for this CPU (shm_wait.c, fsc_shm_backoff) */
 } fsc_shm_backoff_t;
 
 /* One step of waiting for `word` to change from `seen` (spin, yield or a futex slice), then the
- * checks a sleeping waiter makes: the deadline, the group being abandoned, an interrupt of the
+ * checks a sleeping waiter makes: the timeout (the op's deadline passed and this waiter has slept
+ * for the timeout: an op that keeps moving may outlast it), the group being abandoned, an interrupt of the
  * calling thread, and (every 50 ms) whether rank `peer` is alive and whether any rank gave up on
  * the group. FSC_OK to look again. */
 fsc_status_t fsc_shm_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, _Atomic uint32_t *word,

@@ -202,7 +202,8 @@ fsc_status_t fsc_shm_backoff(fsc_shm_group_t *g, fsc_shm_backoff_t *b, _Atomic u
     char mine[192];
     double now = fsc_comm_now();
     if (b->last_check == 0) b->last_check = now;
-    if (now > g->deadline) return wait_failed(g, peer, 0);
+    if (b->started == 0) b->started = now;
+    if (now > g->deadline && now - b->started > g->timeout) return wait_failed(g, peer, 0);
     if (atomic_load_explicit(&g->abandon, memory_order_relaxed))
         return fsc_error(FSC_ERR_COMM,
                          "%s on group '%s' (rank %d of %d): abandoned while waiting for rank %d, because "
