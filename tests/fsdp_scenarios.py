@@ -1362,6 +1362,21 @@ def backward_that_raises(rank, world):
 SCENARIOS.update(backward_that_raises=backward_that_raises)
 
 
+def _train_alike(fsdp, ref, xs, rank, world, loss_of, after_step=None):
+    """SGD steps (lr 0.1) of `fsdp` on this rank's part of each batch and of `ref` on the mean of
+    every rank's loss, the same data in one process; `after_step()` runs after each."""
+    opt, ref_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x in xs:
+        loss_of(fsdp, _local(x, rank)).backward()
+        (sum(loss_of(ref, _local(x, r)) for r in range(world)) / world).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        if after_step is not None:
+            after_step()
+    return opt
+
+
 def gradient_penalty(rank, world):
     """A gradient penalty (WGAN-GP: the gradient with respect to the input, taken with
     create_graph=True, in the loss) trains as in plain torch, flat and unflattened, nested, with
@@ -1385,14 +1400,7 @@ def gradient_penalty(rank, world):
             fsdp = copy.deepcopy(ref)
             fsdp.fc2 = FSDP(fsdp.fc2, flatten_parameters=flatten, reshard_after_forward=reshard)
             fsdp = FSDP(fsdp, flatten_parameters=flatten, reshard_after_forward=reshard)
-            opt, ref_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-            for x in xs:
-                loss_of(fsdp, _local(x, rank)).backward()
-                # the reference: the mean of every rank's loss on its part
-                (sum(loss_of(ref, _local(x, r)) for r in range(world)) / world).backward()
-                for o in (opt, ref_opt):
-                    o.step()
-                    o.zero_grad()
+            opt = _train_alike(fsdp, ref, xs, rank, world, loss_of)
             sd = fsdp.state_dict()
             for k, v in ref.state_dict().items():
                 torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"flatten={flatten}, reshard={reshard}: {k}")
@@ -1448,16 +1456,13 @@ def gradient_inside_forward(rank, world):
                 fsdp = copy.deepcopy(ref)
                 fsdp.body = FSDP(fsdp.body, flatten_parameters=flatten, reshard_after_forward=reshard)
                 fsdp = FSDP(fsdp, flatten_parameters=flatten, reshard_after_forward=reshard)
-                opt, ref_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-                for x in xs:
-                    # the penalty counts every rank's shard once: the reference's is divided as the loss is
-                    loss_of(fsdp, _local(x, rank)).backward()
-                    (sum(loss_of(ref, _local(x, r)) for r in range(world)) / world).backward()
-                    for o in (opt, ref_opt):
-                        o.step()
-                        o.zero_grad()
+
+                def nothing_held(fsdp=fsdp, reshard=reshard, where=where):
                     held = [h for m in get_fsdp_instances(fsdp) for h in m._handles if h.has_full]
                     assert not reshard or not held, f"{where}: {len(held)} full parameters held after the step"
+
+                # the penalty counts every rank's shard once: the reference's is divided as the loss is
+                _train_alike(fsdp, ref, xs, rank, world, loss_of, nothing_held)
                 sd = fsdp.state_dict()
                 for k, v in ref.state_dict().items():
                     torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"{where}: {k}")
@@ -1542,13 +1547,7 @@ def result_in_an_attribute(rank, world):
         fsdp = copy.deepcopy(ref)
         fsdp.inner = FSDP(fsdp.inner, flatten_parameters=flatten)
         fsdp = FSDP(fsdp, flatten_parameters=flatten)
-        opt, ref_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-        for x in xs:
-            fsdp(_local(x, rank)).pow(2).mean().backward()
-            (sum(ref(_local(x, r)).pow(2).mean() for r in range(world)) / world).backward()
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad()
+        _train_alike(fsdp, ref, xs, rank, world, lambda model, x: model(x).pow(2).mean())
         sd = fsdp.state_dict()
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"{where}: {k}")
