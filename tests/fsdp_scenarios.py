@@ -9,6 +9,7 @@ autocast) atol/rtol 3e-2, since bf16 keeps 8 bits of mantissa.
 import copy
 import dataclasses
 import functools
+import itertools
 import os
 import re
 import traceback
@@ -1417,7 +1418,7 @@ class _GradientInForward(nn.Module):
     """Physics-informed style: the forward takes the gradient of an inner instance's output with
     respect to the input, so that instance's backward begins inside the root's forward."""
 
-    def __init__(self, checkpointed):
+    def __init__(self, checkpointed, derivative_only=False):
         super().__init__()
         from fairscale_c.nn import checkpoint_wrapper
 
@@ -1425,11 +1426,13 @@ class _GradientInForward(nn.Module):
         if checkpointed:
             self.body[0] = checkpoint_wrapper(self.body[0])
         self.head = nn.Linear(8, 1)
+        self.derivative_only = derivative_only
 
     def forward(self, x):
         u = self.body(x)
         (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
-        return self.head(du) + u
+        # a loss of the derivative only reaches the inner instance through this graph alone
+        return self.head(du) if self.derivative_only else self.head(du) + u
 
 
 def gradient_inside_forward(rank, world):
@@ -1447,25 +1450,23 @@ def gradient_inside_forward(rank, world):
         out = model(x.clone().requires_grad_(True))
         return out.pow(2).mean() + 1e-2 * sum(p.pow(2).sum() for p in model.parameters())
 
-    for flatten in (True, False):
-        for reshard in (True, False):
-            for checkpointed in (False, True):
-                where = f"flatten={flatten}, reshard={reshard}, checkpointed={checkpointed}"
-                torch.manual_seed(0)
-                ref = _GradientInForward(checkpointed)
-                fsdp = copy.deepcopy(ref)
-                fsdp.body = FSDP(fsdp.body, flatten_parameters=flatten, reshard_after_forward=reshard)
-                fsdp = FSDP(fsdp, flatten_parameters=flatten, reshard_after_forward=reshard)
+    for flatten, reshard, checkpointed, derivative_only in itertools.product([True, False], repeat=4):
+        where = f"flatten={flatten}, reshard={reshard}, checkpointed={checkpointed}, derivative={derivative_only}"
+        torch.manual_seed(0)
+        ref = _GradientInForward(checkpointed, derivative_only)
+        fsdp = copy.deepcopy(ref)
+        fsdp.body = FSDP(fsdp.body, flatten_parameters=flatten, reshard_after_forward=reshard)
+        fsdp = FSDP(fsdp, flatten_parameters=flatten, reshard_after_forward=reshard)
 
-                def nothing_held(fsdp=fsdp, reshard=reshard, where=where):
-                    held = [h for m in get_fsdp_instances(fsdp) for h in m._handles if h.has_full]
-                    assert not reshard or not held, f"{where}: {len(held)} full parameters held after the step"
+        def nothing_held(fsdp=fsdp, reshard=reshard, where=where):
+            held = [h for m in get_fsdp_instances(fsdp) for h in m._handles if h.has_full]
+            assert not reshard or not held, f"{where}: {len(held)} full parameters held after the step"
 
-                # the penalty counts every rank's shard once: the reference's is divided as the loss is
-                _train_alike(fsdp, ref, xs, rank, world, loss_of, nothing_held)
-                sd = fsdp.state_dict()
-                for k, v in ref.state_dict().items():
-                    torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"{where}: {k}")
+        # the penalty counts every rank's shard once: the reference's is divided as the loss is
+        _train_alike(fsdp, ref, xs, rank, world, loss_of, nothing_held)
+        sd = fsdp.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(sd[k], v, **FP32_TOL, msg=f"{where}: {k}")
 
 
 SCENARIOS.update(gradient_inside_forward=gradient_inside_forward)
@@ -1600,11 +1601,15 @@ def forward_between_backward_and_step(rank, world):
                 tol = dict(atol=2e-2, rtol=2e-2) if mixed else FP32_TOL
                 torch.testing.assert_close(got.float(), want, **tol, msg=f"{where}, step {i}")
             # an optimizer of other parameters that one rank steps between evaluation forwards
-            # does not count: the ranks still gather alike
+            # does not count, nor does one of another FSDP model on this rank's own group: the
+            # ranks still gather alike
             probe = nn.Linear(2, 2)
+            own = [dist.new_group([r]) for r in range(world)][rank]
+            own_model = FSDP(nn.Linear(2, 2), process_group=own)
             if rank == 0:
-                probe(torch.ones(1, 2)).sum().backward()
-                torch.optim.SGD(probe.parameters(), lr=0.1).step()
+                for m in (probe, own_model):
+                    m(torch.ones(1, 2)).sum().backward()
+                    torch.optim.SGD(m.parameters(), lr=0.1).step()
             with torch.no_grad():
                 torch.testing.assert_close(fsdp(_local(xs[0], rank)).float(), ref(_local(xs[0], rank)), **tol)
 

@@ -437,6 +437,17 @@ def _divide_factors_job(rank, world):
         got = model.params[0].grad.max()
         dist.all_reduce(got, op=dist.ReduceOp.MAX)
         assert got.item() == 20000.0, got
+        # a factor below 1 is not applied, as in FairScale (4 x 0.5 is the world size, but the
+        # gradient is the sum over ranks / 4, not their mean)
+        for pre, post in ((4.0, 0.5), (0.5, 4.0)):
+            lin = torch.nn.Linear(1, 1, bias=False)
+            torch.nn.init.ones_(lin.weight)
+            model = FSDP(lin)
+            model.set_gradient_divide_factors(pre, post, recursive=True)
+            model(torch.ones(1, 1)).sum().backward()
+            got = model.params[0].grad.max()
+            dist.all_reduce(got, op=dist.ReduceOp.MAX)
+            assert got.item() == 0.5, (pre, post, got)
     finally:
         dist.destroy_process_group()
 

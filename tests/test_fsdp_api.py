@@ -1431,15 +1431,16 @@ class _RecordsInputDtypes(nn.Module):
 
 
 def test_which_root_inputs_are_cast():
-    """As FairScale's: under mixed precision float32 inputs only (to the compute dtype); with
-    force_input_to_fp32, float16 inputs only."""
+    """float32, float16 and bfloat16 inputs, to the compute dtype under mixed precision and to
+    float32 with force_input_to_fp32; float64 ones pass as they are (FairScale casts float32 only,
+    resp. float16 only; a float64 1.7e9 cast to float16 would be inf)."""
     a, b, c = torch.ones(1, 2), torch.tensor([1.7e9], dtype=torch.float64), torch.ones(1, dtype=torch.bfloat16)
     m = FSDP(_RecordsInputDtypes(), mixed_precision=True, compute_dtype=torch.float16)
     m(a, b, c)
-    assert m.module.seen == (torch.float16, torch.float64, torch.bfloat16)
+    assert m.module.seen == (torch.float16, torch.float64, torch.float16)
     m = FSDP(_RecordsInputDtypes(), force_input_to_fp32=True)
     m(a.half(), b, c)
-    assert m.module.seen == (torch.float32, torch.float64, torch.bfloat16)
+    assert m.module.seen == (torch.float32, torch.float64, torch.float32)
 
 
 def test_a_mixed_precision_model_converted_away_from_float32_refuses_to_compute():
@@ -1450,3 +1451,20 @@ def test_a_mixed_precision_model_converted_away_from_float32_refuses_to_compute(
             m(torch.randn(2, 4))
         m.float()
     m(torch.randn(2, 4)).float().sum().backward()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_backward_computes_with_its_forwards_weights(reshard):
+    """An optimizer step between a forward and its backward (which torch refuses) does not make
+    the backward gather the stepped shards into the memory the forward computed with."""
+    torch.manual_seed(0)
+    m = FSDP(nn.Linear(3, 3), reshard_after_forward=reshard)
+    with m.summon_full_params():
+        weight = m.module.weight.detach().clone()
+    x = torch.randn(2, 3, requires_grad=True)
+    out = m(x)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    torch.optim.SGD(m.parameters(), lr=1.0).step()
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(2, 3))

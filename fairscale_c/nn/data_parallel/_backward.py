@@ -83,13 +83,16 @@ class BackwardHooks:
         self.training_state = TrainingState.BACKWARD_PRE
         self._pre_backward_hook_has_run = True
         self._rebuild_full_params()
+        # held from now on, gathered here: the training backward may reach them through this
+        # gradient's graph alone (a loss of the derivative only), without the outputs' hook
+        self._released_in_forward = False
         if not self.flatten_parameters or self._ties or self._shows_released():
             with torch.enable_grad():
                 self._use_full_params()
 
         def inner_backward_ended() -> None:
             if self._pre_backward_hook_has_run:  # once: at its end, or at the forward's if it raised
-                self._use_shard_params()
+                self._register_shards_under_views()
                 self._pre_backward_hook_has_run = False
                 self.training_state = entry
 
@@ -205,9 +208,12 @@ class BackwardHooks:
                 g32 = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
                 _copy(g32, grad)
                 grad = g32
-            average = abs(self.gradient_predivide_factor * self.gradient_postdivide_factor - self.world_size) < 1e-6
-            if not average and self.gradient_predivide_factor > 1:
-                grad.div_(self.gradient_predivide_factor)  # before the sum, as FairScale: fp16 stays in range
+            pre, post = self.gradient_predivide_factor, self.gradient_postdivide_factor
+            # FairScale divides by each factor only where it is > 1: the engine's average is that
+            # where both are >= 1 and their product is the world size
+            average = pre >= 1 and post >= 1 and abs(pre * post - self.world_size) < 1e-6
+            if not average and pre > 1:
+                grad.div_(pre)  # before the sum, as FairScale: fp16 stays in range
             self._root._bucket.add(self, h, grad, average)
         if (self._require_backward_grad_sync or self.reshard_after_forward) and not outer_needs_full:
             free_storage(h.full.detach())

@@ -11,22 +11,28 @@ from fairscale_c.distributed import local_copy as _copy  # copies/casts that kee
 
 from ._handle import Gathering, alloc_storage, free_storage
 
-_steps = 0  # steps of optimizers (torch.optim.Optimizer, OSS included) that hold FSDP shards
+_any_instance = False  # set by the first FSDP instance: until then a step costs nothing here
+
+
+def note_instance() -> None:
+    global _any_instance
+    _any_instance = True
 
 
 def _count_step(optimizer: Any, *unused: Any) -> None:
-    global _steps
+    """After an optimizer step: count it on each FSDP shard it holds (``_fsc_steps``)."""
+    if not _any_instance:
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             if getattr(p, "_fsc_fsdp_managed", False):
-                _steps += 1
-                return
+                p._fsc_steps = getattr(p, "_fsc_steps", 0) + 1
 
 
 # Full parameters an instance keeps between forwards (the root's; reshard_after_forward=False)
-# that were gathered before a step of an optimizer holding shards are gathered again. Every rank
-# steps such optimizers alike, so every rank gathers again alike (an optimizer of other
-# parameters that only some ranks step does not count).
+# that were gathered before a step of their shards are gathered again at the next forward. Every
+# rank steps a flat parameter's shards alike, so every rank gathers it again alike (an optimizer
+# of other parameters, stepped on some ranks only, does not count).
 register_optimizer_step_post_hook(_count_step)
 
 
@@ -73,12 +79,15 @@ class FullParams:
     """The full buffers' life cycle of one FSDP instance."""
 
     @torch.no_grad()
-    def _start_gather(self) -> None:
-        """Start (asynchronously) the all-gather of every flat parameter that is not full yet."""
+    def _start_gather(self, refresh: bool = False) -> None:
+        """Start (asynchronously) the all-gather of every flat parameter that is not full yet, and
+        with `refresh` (a forward's) of every one whose shard an optimizer has stepped since its
+        gather. Not in backward: that reads what its forward computed with."""
         for h in self._all_handles:
-            if h.gathering is not None or (h.has_full and h.gathered_at == _steps):
+            steps = getattr(h.param, "_fsc_steps", 0)
+            if h.gathering is not None or (h.has_full and (not refresh or h.gathered_at == steps)):
                 continue
-            h.gathered_at = _steps
+            h.gathered_at = steps
             full = h.full.detach()
             alloc_storage(full)  # on the current stream, which the collective is ordered after
             shard = h.param.detach()
@@ -101,9 +110,10 @@ class FullParams:
                 h.has_full = True
 
     @torch.no_grad()
-    def _rebuild_full_params(self) -> None:
-        """All-gather every flat parameter that is not already full (C: cast + all-gather)."""
-        self._start_gather()
+    def _rebuild_full_params(self, refresh: bool = False) -> None:
+        """All-gather every flat parameter that is not already full (C: cast + all-gather); with
+        `refresh`, see _start_gather."""
+        self._start_gather(refresh)
         for h in self._all_handles:
             if h.gathering is not None:
                 h.gathering.work.wait()
@@ -181,6 +191,19 @@ class FullParams:
             for h in self._handles:
                 for module, attr in h.places():
                     module.__dict__.pop(attr, None)
+                    module._parameters[attr] = h.param
+        self._restore_param_order()
+
+    def _register_shards_under_views(self) -> None:
+        """Register the shards again (``parameters()`` shows them) while the attributes still read
+        the full views (an instance dict entry comes before nn.Module's ``_parameters``): after a
+        gradient taken inside the forward, whose graph, recomputed by activation checkpointing in
+        the training backward, reads the attributes. The next _use_shard_params drops the views."""
+        for t in self._ties:
+            t.module._parameters[t.attr] = t.handle.param
+        if not self.flatten_parameters:
+            for h in self._handles:
+                for module, attr in h.places():
                     module._parameters[attr] = h.param
         self._restore_param_order()
 

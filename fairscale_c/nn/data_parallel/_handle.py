@@ -51,7 +51,7 @@ class Handle:
         pad = layout.padded_numel - layout.numel
         self.split_sizes = [s.numel for s in layout.slots] + ([pad] if pad else [])
         self.has_full = False
-        self.gathered_at = -1  # optimizer_steps() when the full buffer was last gathered
+        self.gathered_at = -1  # the shard's optimizer steps (_fsc_steps) at the full buffer's last gather
         self.gathering: Optional[Gathering] = None  # while an all-gather started ahead runs
         self.backing_name = ""  # "flat_param_<i>", or the parameter's name when not flattened
         self.forward_users = 0  # instances using it (owner and sharers) whose forward is running

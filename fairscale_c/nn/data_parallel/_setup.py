@@ -16,6 +16,7 @@ from fairscale_c.internal.hooks import weak_hook
 from fairscale_c.internal.parallel import ProcessGroupName
 
 from . import _state_dict
+from ._full_params import note_instance
 from ._handle import Handle, Tie, TrainingState, free_storage
 from .flat_param import FlatLayout, ForeignParam, collect_params
 
@@ -143,6 +144,7 @@ class Setup:
         ``flat_param_<i>``, or, as in FairScale, under the original name when not flattening."""
         param = nn.Parameter(shard, requires_grad=layout.requires_grad)
         param._fsc_fsdp_managed = True
+        note_instance()  # optimizer steps are counted on the shards from now on
         param._is_sharded = self.world_size > 1  # FairScale's marker, read by some user code
         handle = Handle(layout, param, self.compute_dtype, self.compute_device)
         for slot in layout.slots:

@@ -75,13 +75,16 @@ def _map_dict(fn, obj: Any) -> Any:
     return obj
 
 
-def cast_floats(src: torch.dtype, dst: torch.dtype, args: Any, kwargs: Any):
-    """(args, kwargs) with every tensor of dtype `src` cast to `dst`, others as they are (as
-    FairScale's casts: float32 to the compute dtype, float16 to float32); autograd records the
-    casts, so gradients reach the inputs (a layer before the instance, a gradient with respect to
-    them)."""
+_NARROW = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cast_floats(dtype: torch.dtype, args: Any, kwargs: Any):
+    """(args, kwargs) with every float32, float16 and bfloat16 tensor cast to `dtype`; float64
+    ones (a position, a timestamp: FairScale leaves them too) and the others as they are. Autograd
+    records the casts, so gradients reach the inputs (a layer before the instance, a gradient with
+    respect to them)."""
 
     def cast(x: torch.Tensor) -> torch.Tensor:
-        return x.to(dst) if x.dtype is src else x
+        return x.to(dtype) if x.dtype in _NARROW and x.dtype is not dtype else x
 
     return map_tensors(cast, args), map_tensors(cast, kwargs)

@@ -343,9 +343,9 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         # record of this forward starts (see outer_graph_uses_full).
         start = sequence_mark() if _graph_task() == -1 and torch.is_grad_enabled() else None
         if self._is_root and self.mixed_precision:
-            args, kwargs = cast_floats(torch.float32, self.compute_dtype, args, kwargs)
+            args, kwargs = cast_floats(self.compute_dtype, args, kwargs)
         elif self.force_input_to_fp32 and not self.mixed_precision:
-            args, kwargs = cast_floats(torch.float16, torch.float32, args, kwargs)
+            args, kwargs = cast_floats(torch.float32, args, kwargs)
         for h in self._all_handles:
             h.forward_users += 1
         self._outer_forward_running = outer
@@ -354,7 +354,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         try:
             self._check_own_shards()
             self._sync_requires_grad()
-            self._rebuild_full_params()
+            self._rebuild_full_params(refresh=not in_backward)
             self._root._on_forward(self)
             self._use_full_params()
             outputs = self.module(*args, **kwargs)
@@ -432,7 +432,11 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         if not self._order_recorded or m not in order:
             return
         i = (order.index(m) + step) % len(order)
-        if i != 0 and not order[i]._unreachable_outputs:  # the root needs no prefetch: it gathers first
+        if i == 0:  # the root needs no prefetch: it gathers first
+            return
+        if step > 0:
+            order[i]._start_gather(refresh=True)
+        elif not order[i]._unreachable_outputs:  # no pre-backward hook will wait for it
             order[i]._start_gather()
 
     @contextlib.contextmanager
