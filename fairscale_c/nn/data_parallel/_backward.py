@@ -68,7 +68,7 @@ class BackwardHooks:
     _released_in_forward = False  # its last forward (not a recompute) released the full parameters
     # its last forward's outputs hold no tensor that requires grad (None, ints, detached): no
     # pre-backward hook, so a backward reaching its parameters comes through something else (a
-    # result kept in an attribute), and no prefetch is started for it
+    # result kept in an attribute), and no backward prefetch is started for it
     _unreachable_outputs = False
 
     def _backward_inside_forward(self) -> None:

@@ -114,11 +114,7 @@ class FullParams:
         """All-gather every flat parameter that is not already full (C: cast + all-gather); with
         `refresh`, see _start_gather."""
         self._start_gather(refresh)
-        for h in self._all_handles:
-            if h.gathering is not None:
-                h.gathering.work.wait()
-                h.gathering = None
-                h.has_full = True
+        self._finish_gathers()
 
     def _use_full_params(self) -> None:
         """Point the module's parameter attributes, shared ones included, at views of the full buffers."""
