@@ -1535,8 +1535,7 @@ def result_in_an_attribute(rank, world):
     parameters without its pre-backward hook. Returning None it trains as plain torch (no prefetch
     writes into its released buffers meanwhile); returning a tensor the backward never reaches, a
     prefetch may have gathered into them while its backward ran, and that is a clear RuntimeError
-    that the next step recovers from. Before, the prefetch's buffer was freed under the engine's
-    writes: heap corruption."""
+    that the next step recovers from; the buffer the prefetch writes is not freed under it."""
     from fairscale_c.nn import FullyShardedDataParallel as FSDP
 
     gen = torch.Generator().manual_seed(3)

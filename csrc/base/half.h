@@ -20,7 +20,7 @@ static inline float fsc_bits_f32(uint32_t u) {
 
 /* `cond ? a : b` with both computed, by masks: a conditional expression lets the compiler move
  * a floating-point operation into one arm (it may trap, so it is not evaluated speculatively),
- * and the branch left in the loop keeps it from vectorising (about 8x slower). */
+ * and the branch left in the loop keeps it from vectorising. */
 static inline uint32_t fsc_select_u32(int cond, uint32_t a, uint32_t b) {
     uint32_t mask = 0u - (uint32_t)(cond != 0);
     return (a & mask) | (b & ~mask);

@@ -84,7 +84,7 @@ __all__ = [
 _default: Optional[Group] = None
 _built: Dict[Any, int] = defaultdict(int)
 _building = threading.Lock()  # guards _key_locks
-_key_locks: Dict[Tuple[int, str], threading.Lock] = {}  # one per registry key: one build per key
+_key_locks: Dict[Any, threading.Lock] = {}  # one per registry key (and the default group's): one build each
 _env_store: Optional["dist.Store"] = None
 # What torch.distributed.new_group returns on a rank outside the group.
 _NON_GROUP_MEMBER = dist.GroupMember.NON_GROUP_MEMBER if dist.is_available() else object()
@@ -352,7 +352,9 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp], group: Any = None) -> List[A
     elif any(not _same_group(g, group) for g in named.values()):
         raise ValueError("batch_isend_irecv: a P2POp names another group than argument 'group'; expected one group")
     ops = [
-        P2POp(op.op, _without_autograd(op.tensor), op.peer, op.group, op.tag) if isinstance(op, P2POp) else op
+        P2POp(op.op, op.tensor.detach(), op.peer, op.group, op.tag)
+        if isinstance(op, P2POp) and getattr(op.tensor, "requires_grad", False)
+        else op
         for op in ops
     ]
     if _is_torch_group(group):  # torch's P2POp peers are global ranks

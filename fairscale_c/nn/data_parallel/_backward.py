@@ -5,14 +5,14 @@ uses)."""
 
 import threading
 import warnings
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 
 from fairscale_c.distributed import local_copy as _copy  # copies/casts that keep autograd's version counters
 
 from ._handle import Handle, TrainingState, free_storage
-from ._tensors import hidden_from_hooks, map_tensors
+from ._tensors import map_tensors, scan_outputs
 
 
 def _graph_task() -> int:
@@ -100,16 +100,17 @@ class BackwardHooks:
         # autograd runs no callback of a backward that raised: the root's forward then does
         self._root._inner_backwards.append(inner_backward_ended)
 
-    def _hidden_outputs(self, outputs: Any) -> bool:
-        """Whether a training forward's outputs hold tensors that no pre-backward hook can be put
-        on (hidden_from_hooks). Such an instance keeps its full parameters until its gradient is
-        reduced (nothing re-gathers them before its backward), and the root's end of backward is
-        then started by the first gradient (_post_backward_hook)."""
+    def _scan_outputs(self, outputs: Any) -> Tuple[bool, bool]:
+        """For a forward with gradients on: (whether a backward can reach it through `outputs`,
+        whether they hold tensors that no pre-backward hook can be put on (scan_outputs)). An
+        instance with such hidden outputs keeps its full parameters until its gradient is reduced
+        (nothing re-gathers them before its backward), and the root's end of backward is then
+        started by the first gradient (_post_backward_hook)."""
         if not torch.is_grad_enabled():
-            return False
-        kind = hidden_from_hooks(outputs)
+            return False, False
+        reached, kind = scan_outputs(outputs)
         if kind is None:
-            return False
+            return reached, False
         if kind not in self._warned_opaque:
             self._warned_opaque.add(kind)
             warnings.warn(
@@ -119,7 +120,7 @@ class BackwardHooks:
                 f"parameters from this forward to its backward",
                 stacklevel=5,
             )
-        return True
+        return False, True
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -195,7 +196,7 @@ class BackwardHooks:
                     "reshard_after_forward=False"
                 )
         if not root._pre_backward_hook_has_run:
-            # No pre-backward hook ran: the outputs' tensors were out of its reach (_hidden_outputs).
+            # No pre-backward hook ran: the outputs' tensors were out of its reach (_scan_outputs).
             root._pre_backward_hook_has_run = True
             root._backward_task = _graph_task()
             torch.autograd.Variable._execution_engine.queue_callback(root._wait_for_post_backward)

@@ -192,7 +192,8 @@ class Setup:
         self._require_backward_grad_sync = True
         self._return_full_state_dict = True
         self._pre_backward_hook_has_run = False
-        self._warned_opaque: set = set()  # output types _hidden_outputs has warned about
+        self._warned_opaque: set = set()  # output types _scan_outputs has warned about
+        self._inner_backwards: List[Any] = []  # root: _backward_inside_forward's ends, run by its forward
         self.training_state = TrainingState.IDLE
         self._register_state_dict_hook(_state_dict.post_state_dict_hook)
         self._register_load_state_dict_pre_hook(functools.partial(_state_dict.pre_load_state_dict_hook, self))

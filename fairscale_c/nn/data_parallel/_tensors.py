@@ -4,7 +4,7 @@ keep their types."""
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 
@@ -33,21 +33,15 @@ def map_tensors(fn, obj: Any) -> Any:
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
-def hidden_from_hooks(obj: Any):
-    """When no tensor in `obj` that map_tensors reaches requires grad but `obj` holds an object
-    map_tensors does not look into (any object but a tensor, a container it walks or a plain
-    value, which may hold tensors), that object's type; otherwise None."""
+def scan_outputs(obj: Any) -> Tuple[bool, Any]:
+    """(whether a tensor in `obj` that map_tensors reaches requires grad, and when none does but
+    `obj` holds an object map_tensors does not look into (any object but a tensor, a container it
+    walks or a plain value, which may hold tensors), that object's type, otherwise None)."""
     grad: list = []
     opaque: list = []
     _scan(obj, grad, opaque)
-    return opaque[0] if opaque and not any(grad) else None
-
-
-def any_requires_grad(obj: Any) -> bool:
-    """Whether a tensor in `obj` that map_tensors reaches requires grad."""
-    grad: list = []
-    _scan(obj, grad, [])
-    return any(grad)
+    reached = any(grad)
+    return reached, (opaque[0] if opaque and not reached else None)
 
 
 def _scan(x: Any, grad: list, opaque: list) -> None:

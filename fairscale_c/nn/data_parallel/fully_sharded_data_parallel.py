@@ -33,7 +33,7 @@ from ._backward import BackwardHooks, _graph_task, outer_graph_uses_full, sequen
 from ._full_params import FullParams
 from ._setup import Setup, is_managed
 from ._handle import TrainingState, free_storage
-from ._tensors import any_requires_grad, cast_floats
+from ._tensors import cast_floats
 
 
 class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
@@ -349,8 +349,6 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
         for h in self._all_handles:
             h.forward_users += 1
         self._outer_forward_running = outer
-        if outer:
-            self._inner_backwards: List[Any] = []  # _backward_inside_forward's, to end
         try:
             self._check_own_shards()
             self._sync_requires_grad()
@@ -360,11 +358,11 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             outputs = self.module(*args, **kwargs)
             if _graph_task() == -1:
                 self._outer_uses_full = start is not None and outer_graph_uses_full(outputs, start)
-            hidden = self._hidden_outputs(outputs)
+            reached, hidden = self._scan_outputs(outputs)
             if not in_backward:
+                self._unreachable_outputs = torch.is_grad_enabled() and not reached
                 self._released_in_forward = self.reshard_after_forward and not hidden
-                self._unreachable_outputs = torch.is_grad_enabled() and not any_requires_grad(outputs)
-            if self.reshard_after_forward and not hidden and not in_backward:
+            if self._released_in_forward and not in_backward:
                 # a graph of gradients may still read the memory (_grads_graph_pending)
                 self._free_full_params(in_forward=True, keep_memory=self._root._grads_graph_pending)
                 # Until backward (whose hook points them at the gathered buffer again, for a
@@ -373,7 +371,7 @@ class FullyShardedDataParallel(Setup, FullParams, BackwardHooks, nn.Module):
             outputs = self._register_pre_backward_hooks(outputs)
         finally:
             self._outer_forward_running = False
-            if outer:
+            if outer and self._inner_backwards:
                 for end in self._inner_backwards:
                     end()
                 self._inner_backwards.clear()
