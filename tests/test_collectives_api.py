@@ -310,6 +310,7 @@ def _store_keys_job(rank: int, world: int):
         fdist.init_group(name=f"mine{i}").destroy()
     dist.barrier()
     grown = store.num_keys() - before
+    dist.barrier()  # the store lives in rank 0: it must not exit before rank 1 has read it
     dist.destroy_process_group()
     return grown
 
