@@ -43,10 +43,11 @@ class OneRankGroup:
 
 
 @contextlib.contextmanager
-def rpc_workers(rank: int, world: int, prefix: str = "worker"):
-    """torch RPC on a joined gloo rank, workers named "<prefix><rank>"; yields {rank: name}. The
-    agent shuts down gracefully only if the body succeeded, so a failed rank does not wait for its
-    peer's."""
+def rpc_workers(rank: int, world: int, prefix: str = "worker", threads: Optional[int] = None):
+    """torch RPC on a joined gloo rank, workers named "<prefix><rank>" (``threads``: each agent's
+    RPC thread count, TensorPipe's default where None); yields {rank: name}. The agents shut down
+    gracefully only if every rank's body succeeded (the ranks tell each other over gloo first), so
+    that no rank waits in a graceful shutdown for a peer that failed."""
     import torch
     import torch.distributed as dist
     from torch.distributed import rpc
@@ -54,13 +55,17 @@ def rpc_workers(rank: int, world: int, prefix: str = "worker"):
     port = torch.tensor([free_port() if rank == 0 else 0])
     dist.broadcast(port, 0)
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port.item()}")
+    if threads is not None:
+        options.num_worker_threads = threads
     rpc.init_rpc(f"{prefix}{rank}", rank=rank, world_size=world, rpc_backend_options=options)
-    graceful = False
+    succeeded = False
     try:
         yield {r: f"{prefix}{r}" for r in range(world)}
-        graceful = True
+        succeeded = True
     finally:
-        rpc.shutdown(graceful=graceful)
+        everywhere = torch.tensor([int(succeeded)])
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+        rpc.shutdown(graceful=bool(everywhere.item()))
 
 
 @contextlib.contextmanager

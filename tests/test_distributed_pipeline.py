@@ -29,9 +29,9 @@ def _fetch_params(remote_modules):
     return [[p.to_here() for p in m.remote_parameters()] for m in remote_modules]
 
 
-def _sequence_case(failures, chunks, checkpoint, last="worker0/cpu"):
+def _sequence_case(failures, chunks, checkpoint, last="worker0/cpu", rows=10):
     """Linear, Tanh on worker0; Linear, ReLU on worker1; the last Linear on `last`: worker1 puts
-    the loss on another worker than the one that calls backward."""
+    the loss on another worker than the one that calls backward. A batch of `rows`."""
     import torch.distributed.autograd as dist_autograd
     from torch.distributed import rpc
     from torch.distributed.nn import RemoteModule
@@ -61,7 +61,10 @@ def _sequence_case(failures, chunks, checkpoint, last="worker0/cpu"):
             for p, q in zip(mine.parameters(), theirs):
                 p.copy_(q)
     g = torch.Generator().manual_seed(1)
-    x, t = torch.randn(10, 4, generator=g, dtype=torch.float64), torch.randn(10, 2, generator=g, dtype=torch.float64)
+    x, t = (
+        torch.randn(rows, 4, generator=g, dtype=torch.float64),
+        torch.randn(rows, 2, generator=g, dtype=torch.float64),
+    )
     opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.5)
     # Fetched outside the autograd context: inside it, fetching a value from another worker records
     # a send there that backward then waits to receive a gradient for (torch's distributed autograd)
@@ -185,6 +188,59 @@ def _job(rank, world):
 
 def test_pipeline_on_two_workers_equals_the_plain_model():
     assert run_ranks(_job, 2, timeout=240) == [[], []]
+
+
+def _many_chunks_job(rank, world, threads):
+    import torch.distributed as dist
+
+    from dist_utils import rpc_workers
+
+    join_gloo(rank, world)
+    failures = []
+    try:
+        with rpc_workers(rank, world, threads=threads):
+            if rank == 0:
+                # worker0 runs two partitions: 2 x chunks requests that wait for their inputs
+                _sequence_case(failures, 32, "except_last", rows=32)
+    finally:
+        dist.destroy_process_group()
+    return failures
+
+
+@pytest.mark.parametrize("threads", [None, 5])
+def test_more_micro_batches_than_rpc_threads(threads):
+    """More waiting (micro-batch, partition) requests than a worker has RPC threads: each would
+    hold a thread while it waits for its inputs, and with every thread held no reply could wake
+    them (a hang past the RPC timeout). The pipeline keeps enough threads free; same results."""
+    assert run_ranks(_many_chunks_job, 2, threads, timeout=240) == [[], []]
+
+
+def _few_threads_job(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.nn import RemoteModule
+
+    from dist_utils import rpc_workers
+    from fairscale_c.experimental.nn.distributed_pipeline import DistributedPipeline, PipelineModulesGraph
+
+    join_gloo(rank, world)
+    message = ""
+    try:
+        with rpc_workers(rank, world, threads=4):
+            if rank == 0:
+                graph = PipelineModulesGraph()
+                graph.add_sequence([RemoteModule("worker1/cpu", nn.ReLU)], [0])
+                try:
+                    DistributedPipeline(graph, chunks=2)
+                except ValueError as e:
+                    message = str(e)
+    finally:
+        dist.destroy_process_group()
+    return message
+
+
+def test_too_few_rpc_threads_is_a_value_error():
+    message = run_ranks(_few_threads_job, 2, timeout=120)[0]
+    assert "worker1 has 4 RPC threads" in message and "num_worker_threads" in message, message
 
 
 def _bad_input_job(rank, world):

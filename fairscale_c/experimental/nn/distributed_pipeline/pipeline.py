@@ -2,19 +2,24 @@
 
 ``pipe(*inputs)`` cuts the inputs into ``chunks`` micro-batches and, for every micro-batch and
 partition in graph order, asks the partition's worker (``rpc.remote``) to run it on its inputs:
-model inputs travel with the request, other partitions' outputs as RRefs the worker fetches. All
-requests go out at once, so the workers run different micro-batches at the same time and each
-waits only for its own inputs. The last partition's worker joins the micro-batches' outputs and
-the call returns an RRef to them there. Inside ``torch.distributed.autograd.context()`` every
-hop is recorded, so a loss computed from that RRef (DistributedLoss) backpropagates through
-every worker; the first ``checkpoint_stop`` micro-batches of a training step keep only their
-partitions' inputs and recompute in backward.
+model inputs travel with the request, other partitions' outputs as RRefs the worker fetches. The
+requests go out in that order without waiting for one another, so the workers run different
+micro-batches at the same time and each waits only for its own inputs. A request waiting for its
+inputs holds one of its worker's RPC threads, so the caller keeps fewer requests pending on a
+worker than the worker has threads (see :func:`_request_budget`), waiting for the oldest before
+sending more; every pending request's inputs come from requests sent before it, so the oldest can
+always run. The last partition's worker joins the micro-batches' outputs and the call returns an
+RRef to them there. Inside ``torch.distributed.autograd.context()`` every hop is recorded, so a
+loss computed from that RRef (DistributedLoss) backpropagates through every worker; the first
+``checkpoint_stop`` micro-batches of a training step keep only their partitions' inputs and
+recompute in backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Set, Tuple, Union
+from collections import defaultdict, deque
+from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -60,12 +65,60 @@ def _join(rrefs: List[rpc.RRef]) -> Any:
     return microbatch.from_tuple(joined, atomic)
 
 
-def _import_on(workers: Set[str]) -> None:
-    """Import this package on each worker now, in one call: otherwise its first requests (run by
-    several threads of the worker's RPC pool at once) import it concurrently, which Python's
-    import lock can refuse as a deadlock."""
-    for worker in sorted(workers):
+# Threads of a worker's RPC pool kept free of pipeline requests: the last worker's join, the loss
+# and its wait (DistributedLoss) may each hold one, and one must stay free to take the replies
+# that wake them (TensorPipe completes them on the same pool).
+_RESERVED_THREADS = 4
+# Requests sent and not yet finished, per worker, across pipelines (they share the pools).
+_pending: Dict[str, Deque[torch.futures.Future]] = defaultdict(deque)
+
+
+def _pool_size() -> int:
+    """On a worker: its RPC agent's thread count (TensorPipe's default, 16, where not reported)."""
+    agent = rpc.api._get_current_rpc_agent()
+    try:
+        return int(agent.get_debug_info().get("agent.thread_pool_size", 16))
+    except (AttributeError, ValueError):
+        return 16
+
+
+def _request_budget(worker: str, threads: int) -> int:
+    """How many pipeline requests may wait at once on ``worker``, which has ``threads`` RPC threads."""
+    if threads <= _RESERVED_THREADS:
+        raise ValueError(
+            f"DistributedPipeline: worker {worker} has {threads} RPC threads; it needs at least "
+            f"{_RESERVED_THREADS + 1} (TensorPipeRpcBackendOptions(num_worker_threads=...); the default is 16)"
+        )
+    return threads - _RESERVED_THREADS
+
+
+def _import_on(workers: Set[Union[str, int]]) -> None:
+    """Import this package on each worker (a name or a rank) now, in one call: otherwise its first
+    requests (run by several threads of the worker's RPC pool at once) import it concurrently,
+    which Python's import lock can refuse as a deadlock."""
+    for worker in sorted(workers, key=str):
         rpc.rpc_sync(worker, exec, args=(f"import {__package__}",))
+
+
+def _budgets(workers: List[rpc.WorkerInfo]) -> Dict[str, int]:
+    """Each worker's request budget, by worker name."""
+    by_name = {w.name: w for w in workers}
+    return {name: _request_budget(name, rpc.rpc_sync(w, _pool_size)) for name, w in sorted(by_name.items())}
+
+
+def _make_room(worker: str, budget: int) -> None:
+    """Wait until fewer than ``budget`` requests are pending on ``worker``, oldest first (each
+    wait ends by the request's RPC timeout). A request's error is not raised here: it reaches the
+    caller through the RRefs that depend on it (the join's, the loss's)."""
+    pending = _pending[worker]
+    if len(pending) >= budget:
+        pending = _pending[worker] = deque(f for f in pending if not f.done())
+    while len(pending) >= budget:
+        oldest = pending.popleft()
+        try:
+            oldest.wait()
+        except Exception:
+            pass
 
 
 def _parameter_rrefs(module_rref: rpc.RRef) -> List[rpc.RRef]:
@@ -100,8 +153,9 @@ class DistributedPipeline(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.checkpoint_stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
-        _import_on({str(n.module.on) for n in graph.nodes})
+        _import_on({n.module.on for n in graph.nodes})
         self.partitions = [self.Partition(nodes, rref) for nodes, rref in graph.partition_graph()]
+        self._budgets = _budgets([p.handler.owner() for p in self.partitions])
         self._first_of = {id(p.nodes[0]): i for i, p in enumerate(self.partitions)}
         self._last_of = {id(p.nodes[-1]): i for i, p in enumerate(self.partitions)}
         for i, p in enumerate(self.partitions):
@@ -149,9 +203,11 @@ class DistributedPipeline(nn.Module):
                 args = [self._argument(source, scattered, outputs, j) for source in p.nodes[0].inputs]
                 device = str(p.nodes[0].module.device) if p.nodes[0].module.device is not None else ""
                 checkpointed = j < self.checkpoint_stop
-                outputs.append(
-                    rpc.remote(p.handler.owner(), _run_partition, args=(p.handler, args, device, checkpointed))
-                )
+                worker = p.handler.owner().name
+                _make_room(worker, self._budgets[worker])
+                rref = rpc.remote(p.handler.owner(), _run_partition, args=(p.handler, args, device, checkpointed))
+                _pending[worker].append(rref._get_future())
+                outputs.append(rref)
             finals.append(outputs[-1])
         return rpc.remote(self.partitions[-1].handler.owner(), _join, args=(finals,))
 
