@@ -6,7 +6,9 @@ DEPS   := $(VENV)/.deps-installed
 
 .PHONY: demo test install dist asan ctest bench bench-compare bench-tables lint clean tango fairscale-tests
 
-# torch is pinned: the CPU build of 2.13.0 (an unpinned torch pulls a multi-GB CUDA build).
+# torch is pinned to 2.13.0, the release the suite runs against. pip takes the CPU build where one
+# is on its path (a local wheel, or PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu);
+# from PyPI alone it takes the multi-GB CUDA build (README.md).
 # Rerun when this file changes, so that a venv made before gets what the list adds.
 $(DEPS): Makefile
 	$(PYTHON) -m venv $(VENV)

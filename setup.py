@@ -27,6 +27,8 @@ VERSION = read_version()
 def cuda_wanted():
     """FAIRSCALE_C_CUDA=0|1 forces the choice; otherwise build kernels when nvcc is found."""
     forced = os.environ.get("FAIRSCALE_C_CUDA")
+    if forced not in (None, "", "0", "1"):
+        raise RuntimeError(f"FAIRSCALE_C_CUDA={forced!r}: expected 0 (no CUDA kernels), 1 (require nvcc) or unset")
     if forced == "0":
         return None, None
     sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -412,6 +412,10 @@ def _torch_semantics_job(rank: int, world: int):
     op = fdist.P2POp("send" if rank == 0 else "recv", torch.ones(2), 1 - rank, group=other)
     with pytest.raises(ValueError, match="names another group than argument 'group'"):
         fdist.batch_isend_irecv([op], group=dist.group.WORLD)
+    # one P2POp naming a group, one none (the default group): torch refuses such a batch too
+    unnamed = fdist.P2POp("recv" if rank == 0 else "send", torch.ones(2), 1 - rank)
+    with pytest.raises(ValueError, match="the P2POps name different groups"):
+        fdist.batch_isend_irecv([op, unnamed])
     # a torch group and its engine group are one group, either way round
     for given, named in ((other, fdist.group_for(other)), (fdist.group_for(other), other)):
         got = torch.zeros(2)

@@ -406,6 +406,11 @@ def test_stand_in_group_bad_input(pg, exc, match):
         FSDP(nn.Linear(2, 2), process_group=pg)
     with pytest.raises((TypeError, ValueError)):
         fdist.group_for(pg)
+    if isinstance(pg, StandIn):  # each feature names its own argument
+        from fairscale_c.optim import OSS
+
+        with pytest.raises(exc, match=match.replace("'process_group'", "'group'")):
+            OSS(nn.Linear(2, 2).parameters(), lr=0.1, group=pg)
 
 
 def test_alias_serves_wgit():

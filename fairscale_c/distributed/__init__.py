@@ -189,7 +189,13 @@ def require_initialised_world(what: str) -> None:
         )
 
 
-def group_for(process_group: Any = None, role: str = "default", *, device: Any = None) -> Any:
+def group_for(
+    process_group: Any = None,
+    role: str = "default",
+    *,
+    device: Any = None,
+    argument: str = "group_for: argument 'process_group'",
+) -> Any:
     """The one engine group of a torch process group and role, built on first use (a collective
     over that group; every rank asks in the same order). ``None`` means the default group; with
     torch.distributed not initialised, or for a group of one rank, a :class:`LocalGroup` (every
@@ -204,12 +210,13 @@ def group_for(process_group: Any = None, role: str = "default", *, device: Any =
     As in FairScale, ``process_group`` may also be any object with ``rank()`` and ``size()`` (a
     stand-in for a torch process group): of size 1 it gets a :class:`LocalGroup` and needs no
     torch.distributed at all; of a larger size it is a ValueError, since only a torch process
-    group can carry collectives across processes."""
+    group can carry collectives across processes. ``argument`` names ``process_group`` in
+    those errors as the caller's user knows it (e.g. "OSS: argument 'group'")."""
     traced = getattr(process_group, "traced_process_group", None)
     if traced is not None:  # a tracker around a process group (layer_memory_tracker.ProcessGroupTracker)
-        return group_for(traced, role, device=device)
+        return group_for(traced, role, device=device, argument=argument)
     if process_group is not None and not _is_torch_group(process_group):
-        return _stand_in_group(process_group, role)
+        return _stand_in_group(process_group, role, argument)
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return LocalGroup()
@@ -257,25 +264,21 @@ def _is_torch_group(pg: Any) -> bool:
     return dist.is_available() and isinstance(pg, dist.ProcessGroup)
 
 
-def _stand_in_group(pg: Any, role: str) -> LocalGroup:
+def _stand_in_group(pg: Any, role: str, argument: str) -> LocalGroup:
     """The engine group of a process-group stand-in (an object with rank() and size())."""
-    what = f"argument 'process_group' ({type(pg).__name__})"
+    what = f"{argument} ({type(pg).__name__})"
     if not (callable(getattr(pg, "rank", None)) and callable(getattr(pg, "size", None))):
-        raise TypeError(
-            f"group_for: {what} must be a torch.distributed process group, None, or an object with rank() and size()"
-        )
+        raise TypeError(f"{what} must be a torch.distributed process group, None, or an object with rank() and size()")
     rank, size = pg.rank(), pg.size()
     if (
         not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, size))
         or size < 1
         or not 0 <= rank < size
     ):
-        raise ValueError(
-            f"group_for: {what} reports rank()={rank!r}, size()={size!r}; expected ints with 0 <= rank < size"
-        )
+        raise ValueError(f"{what} reports rank()={rank!r}, size()={size!r}; expected ints with 0 <= rank < size")
     if size != 1:
         raise ValueError(
-            f"group_for: {what} is not a torch.distributed process group and has size {size}; such a stand-in "
+            f"{what} is not a torch.distributed process group and has size {size}; such a stand-in "
             "is usable only at size 1 (collectives across processes need a torch.distributed process group)"
         )
     return LocalGroup(pg, name=f"local/{role}")  # stateless: not kept in the registry
@@ -346,8 +349,12 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp], group: Any = None) -> List[A
     ops = list(p2p_op_list)
     named = {id(op.group): op.group for op in ops if isinstance(op, P2POp) and op.group is not None}
     if group is None:
-        if len(named) > 1:
-            raise ValueError("batch_isend_irecv: the P2POps name different groups; expected one group for all")
+        unnamed = any(isinstance(op, P2POp) and op.group is None for op in ops)
+        if len(named) > 1 or (named and unnamed):
+            raise ValueError(
+                "batch_isend_irecv: the P2POps name different groups (group=None is the default group); "
+                "expected one group for all"
+            )
         group = next(iter(named.values()), None)
     elif any(not _same_group(g, group) for g in named.values()):
         raise ValueError("batch_isend_irecv: a P2POp names another group than argument 'group'; expected one group")

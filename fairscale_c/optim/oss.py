@@ -79,7 +79,7 @@ def _group_rank_size(group: Any) -> Tuple[int, int]:
         return 0, 1
     if dist.is_available() and isinstance(group, dist.ProcessGroup):
         return dist.get_rank(group), dist.get_world_size(group)
-    comm = fdist.group_for(group)  # a stand-in with rank()/size(): checked there
+    comm = fdist.group_for(group, argument="OSS: argument 'group'")  # a stand-in with rank()/size()
     return comm.rank, comm.size
 
 
@@ -124,7 +124,7 @@ class OSS(Optimizer):
         self._optim_constructor = optim
         self.group = dist.group.WORLD if group is None and dist.is_available() and dist.is_initialized() else group
         self.rank, self.world_size = _group_rank_size(group)
-        self.comm = fdist.group_for(group)
+        self.comm = fdist.group_for(group, argument="OSS: argument 'group'")
         self.global_rank = (
             dist.get_global_rank(group, self.rank)
             if dist.is_available() and isinstance(group, dist.ProcessGroup)

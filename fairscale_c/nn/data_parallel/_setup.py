@@ -76,7 +76,7 @@ class Setup:
         reduce-scatters (see _reduce_scatter_comm), and this rank's place in them."""
         if process_group is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             fdist.require_initialised_world("FullyShardedDataParallel(process_group=None)")
-        self.comm = fdist.group_for(process_group)
+        self.comm = fdist.group_for(process_group, argument="FullyShardedDataParallel: argument 'process_group'")
         self.process_group = self.comm.process_group
         # a ProcessGroupTracker (layer_memory_tracker) given as process_group hears of each all-gather
         self.all_gather_tracker = process_group if hasattr(process_group, "notify_all_gather") else None

@@ -129,7 +129,7 @@ class ShardedDataParallel(nn.Module):
         self._process_group = process_group
         if process_group is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             fdist.require_initialised_world("ShardedDataParallel(process_group=None)")
-        self.comm = fdist.group_for(process_group)
+        self.comm = fdist.group_for(process_group, argument="ShardedDataParallel: argument 'process_group'")
         self._rank, self._world_size = self.comm.rank, self.comm.size
         for o in optims:
             if o.world_size != self._world_size or o.rank != self._rank:

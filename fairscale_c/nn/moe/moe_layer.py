@@ -111,7 +111,11 @@ class MOELayer(nn.Module):
     def _engine(self) -> Any:
         if isinstance(self.group, _ENGINE_GROUPS):
             return self.group
-        return fdist.group_for(self.group) if self.group is not None else fdist.LocalGroup()
+        return (
+            fdist.group_for(self.group, argument="MOELayer: argument 'group'")
+            if self.group is not None
+            else fdist.LocalGroup()
+        )
 
     def _compact_gate(self) -> bool:
         gate = self.gate

@@ -122,7 +122,7 @@ class AsyncPipe(nn.Module):
         size, rank = group.size(), group.rank()
         if size < len(self.balance):
             raise IndexError(f"too few ranks to hold given partitions (ranks: {size}, partitions: {len(self.balance)})")
-        comm = fdist.group_for(group)
+        comm = fdist.group_for(group, argument="AsyncPipe: argument 'group'")
         self.stage = rank
         self.final_stage = rank == len(self.balance) - 1
         self.partition: Optional[nn.Sequential] = None
