@@ -267,6 +267,61 @@ def scenario_trainability_changes(rank, world):
     train(rank, world, steps=5, freeze_at=1)  # frozen at step 1, unfrozen at step 3: picked up by forward
 
 
+class Gated(nn.Module):
+    """A layer used or skipped by the input (data-dependent routing, as in mixture-of-experts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(12, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, use_b):
+        h = F.relu(self.a(x))
+        return self.head(self.b(h) if use_b else h)
+
+
+def scenario_parameter_unused_in_the_last_backward(rank, world):
+    """Two micro-batches: the first uses Gated.b on every rank, the last on some ranks only (or
+    none). A rank that skips b in the last backward still contributes its gradient from the first:
+    accumulated locally under no_sync, or, accumulating without it, the owner's gradient from the
+    first reduction stays in the sum. DDP's gradients, as plain torch gives them."""
+    from fairscale_c.nn import ShardedDataParallel
+    from fairscale_c.optim import OSS
+
+    micro = 2
+    for accumulate in ("no_sync", "every_backward"):
+        for last_uses in (
+            [True] * world,
+            [False] * world,
+            [r == 0 for r in range(world)],
+            [r != 0 for r in range(world)],
+        ):
+            torch.manual_seed(0)
+            model = Gated().to(DEVICE["device"])
+            ref = copy.deepcopy(model)
+            opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+            sdp = ShardedDataParallel(model, opt)
+            for step in range(2):
+                for j in range(micro):
+                    uses = [True] * world if j < micro - 1 else last_uses
+                    x, y = _global_batch(step, world, j)
+                    ctx = sdp.no_sync() if (j < micro - 1 and accumulate == "no_sync") else _Null()
+                    with ctx:
+                        (F.mse_loss(sdp(_slice(x, rank), uses[rank]), _slice(y, rank)) / micro).backward()
+                    total = sum(F.mse_loss(ref(_slice(x, r), uses[r]), _slice(y, r)) for r in range(world))
+                    (total / world / micro).backward()
+                what = f"{accumulate}, last micro-batch uses b on {last_uses}, step {step}"
+                try:
+                    _check_grads(sdp, opt, ref, rank, FP32)
+                except AssertionError as e:
+                    raise AssertionError(f"{what}: {e}") from None
+                opt.step()
+                ref_opt.step()
+                opt.zero_grad()
+                ref_opt.zero_grad()
+                _compare(sdp, ref, FP32, what)
+
+
 def scenario_manual_reduce_and_api(rank, world):
     from fairscale_c.nn import ShardedDataParallel
     from fairscale_c.optim import OSS

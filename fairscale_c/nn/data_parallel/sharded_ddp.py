@@ -367,6 +367,13 @@ class ShardedDataParallel(nn.Module):
             )
         if not self._armed:
             return  # no reduction comes: the gradient adds to p.grad as autograd does
+        self._set_aside_reduced(p)
+
+    def _set_aside_reduced(self, p: nn.Parameter) -> None:
+        """If ``p.grad`` is what the last reduction gave this owner, take it out of ``p.grad``:
+        into ``_saved`` (added back after the next reduction), or dropped if zero_grad zeroed it
+        and nothing wrote since; one living in a bucket's buffer is copied (the buffer is about to
+        be reused)."""
         ref = self._reduced.pop(p, None)
         g = ref() if ref is not None else None
         zeroed = self._zeroed.pop(p, None)
@@ -378,6 +385,14 @@ class ShardedDataParallel(nn.Module):
             buf = self._buckets[where[0]].buffer if where is not None else None
             in_buffer = buf is not None and g.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
             self._saved[p] = g.clone() if in_buffer else g
+
+    def _take_local_grad(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+        """This rank's contribution for ``p`` when its gradient hook did not run in this backward
+        (unused by it here), taken out of ``p.grad``: what backward passes under no_sync() left
+        there, or None where there is nothing (what the last reduction gave is set aside instead)."""
+        self._set_aside_reduced(p)
+        g, p.grad = p.grad, None
+        return g
 
     @torch.no_grad()
     def _grad_ready(self, p: nn.Parameter) -> None:
@@ -439,7 +454,8 @@ class ShardedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        """End of backward: send what is left (zeros for gradients that never came), wait for every
+        """End of backward: send what is left (for a parameter this backward did not reach, what
+        no_sync() backward passes left in its gradient, else zeros), wait for every
         reduction, hand owners their gradients."""
         self._callback_queued = False
         self._flush()
@@ -448,8 +464,8 @@ class ShardedDataParallel(nn.Module):
         self._drop_checked_in()
         for b in self._buckets[self._next_launch :]:
             for j, done in enumerate(b.checked_in):
-                if not done:
-                    self._check_in(b, j, None)
+                if not done:  # unused by this rank in this backward
+                    self._check_in(b, j, self._take_local_grad(b.params[j]))
         self._launch_ready()
         try:
             for b in self._buckets:
@@ -484,8 +500,7 @@ class ShardedDataParallel(nn.Module):
             for b in self._buckets:
                 for j, p in enumerate(b.params):
                     if not b.checked_in[j]:
-                        self._check_in(b, j, p.grad)
-                        p.grad = None
+                        self._check_in(b, j, self._take_local_grad(p))
             self._flush()
 
     # ------------------------------------------------------------------ gradient accumulation, zero_grad
