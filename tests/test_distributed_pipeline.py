@@ -190,6 +190,28 @@ def test_pipeline_on_two_workers_equals_the_plain_model():
     assert run_ranks(_job, 2, timeout=240) == [[], []]
 
 
+def _many_forwards_case(failures):
+    """40 pipe(x) calls in flight before their outputs are fetched: each output's join waits on
+    worker1 (in an RPC thread) for its micro-batches."""
+    from torch.distributed.nn import RemoteModule
+
+    from fairscale_c.experimental.nn.distributed_pipeline import DistributedPipeline, PipelineModulesGraph
+
+    lin = RemoteModule("worker0/cpu", nn.Linear, args=(3, 3), kwargs={"dtype": torch.float64})
+    relu = RemoteModule("worker1/cpu", nn.ReLU)
+    graph = PipelineModulesGraph()
+    graph.add_sequence([lin, relu], [0])
+    pipe = DistributedPipeline(graph, chunks=1, checkpoint="never")
+    plain = nn.Linear(3, 3, dtype=torch.float64)
+    with torch.no_grad():
+        for p, q in zip(plain.parameters(), _fetch_params([lin])[0]):
+            p.copy_(q)
+    xs = [torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(40)]
+    outs = [pipe(x) for x in xs]
+    if not all(torch.allclose(o.to_here(), plain(x).relu(), **TOL) for o, x in zip(outs, xs)):
+        failures.append("40 forwards in flight: an output differs")
+
+
 def _many_chunks_job(rank, world, threads):
     import torch.distributed as dist
 
@@ -202,6 +224,7 @@ def _many_chunks_job(rank, world, threads):
             if rank == 0:
                 # worker0 runs two partitions: 2 x chunks requests that wait for their inputs
                 _sequence_case(failures, 32, "except_last", rows=32)
+                _many_forwards_case(failures)
     finally:
         dist.destroy_process_group()
     return failures

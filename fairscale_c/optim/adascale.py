@@ -143,7 +143,7 @@ class AdaScale(Optimizer):
         self._optimizer = optimizer
         self._group: Any = None
         if world_size != 1:
-            self._group = fdist.group_for(process_group)
+            self._group = fdist.group_for(process_group, argument="AdaScale: argument 'process_group'")
             if world_size is None:
                 world_size = self._group.size
             elif world_size != self._group.size:

@@ -85,7 +85,7 @@ class ShardedGradScaler(GradScaler):
         if self._comm is None:
             if self.group is None and not (dist.is_available() and dist.is_initialized()):
                 fdist.require_initialised_world("ShardedGradScaler(process_group=None)")
-            self._comm = fdist.group_for(self.group)  # a LocalGroup for one process
+            self._comm = fdist.group_for(self.group, argument="ShardedGradScaler: argument 'process_group'")
         return self._comm
 
     def unscale_(self, optimizer: Any) -> None:

@@ -150,7 +150,7 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
             raise ValueError(
                 f"SyncBatchNorm: input has {input.size(1)} channels (dim 1); expected num_features={self.num_features}"
             )
-        group = group_for(self._process_group)
+        group = group_for(self._process_group, argument="SyncBatchNorm: argument 'process_group'")
         if group.size == 1 and input.numel() <= input.size(1):
             raise ValueError(
                 "SyncBatchNorm: expected more than 1 value per channel when training, got input size "

@@ -18,6 +18,7 @@ recompute in backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import threading
 from collections import defaultdict, deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -65,12 +66,30 @@ def _join(rrefs: List[rpc.RRef]) -> Any:
     return microbatch.from_tuple(joined, atomic)
 
 
-# Threads of a worker's RPC pool kept free of pipeline requests: the last worker's join, the loss
-# and its wait (DistributedLoss) may each hold one, and one must stay free to take the replies
-# that wake them (TensorPipe completes them on the same pool).
+# Threads of a worker's RPC pool kept free of pipeline requests (the micro-batches' and the
+# joins'): the loss and its wait (DistributedLoss) may each hold one, and one must stay free to
+# take the replies that wake them (TensorPipe completes them on the same pool); one spare.
 _RESERVED_THREADS = 4
-# Requests sent and not yet finished, per worker, across pipelines (they share the pools).
-_pending: Dict[str, Deque[torch.futures.Future]] = defaultdict(deque)
+
+
+class _Pending:
+    """Requests sent by this process and not yet finished, per worker, across pipelines (they
+    share the workers' pools), for the current RPC agent only: a request of an agent that was
+    shut down may never finish. One lock: threads calling pipelines at once take turns."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.agent: Any = None
+        self.by_worker: Dict[str, Deque[torch.futures.Future]] = defaultdict(deque)
+
+    def on(self, worker: str) -> Deque[torch.futures.Future]:
+        agent = rpc.api._get_current_rpc_agent()
+        if agent is not self.agent:
+            self.agent, self.by_worker = agent, defaultdict(deque)
+        return self.by_worker[worker]
+
+
+_pending = _Pending()
 
 
 def _pool_size() -> int:
@@ -106,19 +125,26 @@ def _budgets(workers: List[rpc.WorkerInfo]) -> Dict[str, int]:
     return {name: _request_budget(name, rpc.rpc_sync(w, _pool_size)) for name, w in sorted(by_name.items())}
 
 
-def _make_room(worker: str, budget: int) -> None:
-    """Wait until fewer than ``budget`` requests are pending on ``worker``, oldest first (each
-    wait ends by the request's RPC timeout). A request's error is not raised here: it reaches the
-    caller through the RRefs that depend on it (the join's, the loss's)."""
-    pending = _pending[worker]
-    if len(pending) >= budget:
-        pending = _pending[worker] = deque(f for f in pending if not f.done())
+def _send(worker: rpc.WorkerInfo, budget: int, fn: Any, args: Tuple[Any, ...]) -> rpc.RRef:
+    """``rpc.remote(worker, fn, args)`` once fewer than ``budget`` requests of this process are
+    pending on ``worker``, waiting for the oldest first (each wait ends by the request's RPC
+    timeout). Every pending request's inputs come from requests sent before it, so the oldest can
+    always run. A request's error is not raised here: it reaches the caller through the RRefs
+    that depend on it (the join's, the loss's). Called with ``_pending.lock`` held."""
+    pending = _pending.on(worker.name)
+    while pending and pending[0].done():
+        pending.popleft()
     while len(pending) >= budget:
         oldest = pending.popleft()
         try:
             oldest.wait()
         except Exception:
             pass
+        while pending and pending[0].done():
+            pending.popleft()
+    rref = rpc.remote(worker, fn, args=args)
+    pending.append(rref._get_future())
+    return rref
 
 
 def _parameter_rrefs(module_rref: rpc.RRef) -> List[rpc.RRef]:
@@ -197,19 +223,19 @@ class DistributedPipeline(nn.Module):
         if any(len(s) != count for s in scattered):
             raise ValueError("DistributedPipeline: the inputs split into different numbers of micro-batches")
         finals = []
-        for j in range(count):
-            outputs: List[rpc.RRef] = []
-            for p in self.partitions:
-                args = [self._argument(source, scattered, outputs, j) for source in p.nodes[0].inputs]
-                device = str(p.nodes[0].module.device) if p.nodes[0].module.device is not None else ""
-                checkpointed = j < self.checkpoint_stop
-                worker = p.handler.owner().name
-                _make_room(worker, self._budgets[worker])
-                rref = rpc.remote(p.handler.owner(), _run_partition, args=(p.handler, args, device, checkpointed))
-                _pending[worker].append(rref._get_future())
-                outputs.append(rref)
-            finals.append(outputs[-1])
-        return rpc.remote(self.partitions[-1].handler.owner(), _join, args=(finals,))
+        with _pending.lock:
+            for j in range(count):
+                outputs: List[rpc.RRef] = []
+                for p in self.partitions:
+                    args = [self._argument(source, scattered, outputs, j) for source in p.nodes[0].inputs]
+                    device = str(p.nodes[0].module.device) if p.nodes[0].module.device is not None else ""
+                    checkpointed = j < self.checkpoint_stop
+                    worker = p.handler.owner()
+                    request = (p.handler, args, device, checkpointed)
+                    outputs.append(_send(worker, self._budgets[worker.name], _run_partition, request))
+                finals.append(outputs[-1])
+            last = self.partitions[-1].handler.owner()
+            return _send(last, self._budgets[last.name], _join, (finals,))
 
     def _argument(
         self, source: Any, scattered: Sequence[List[Tuple[Tensor, ...]]], outputs: List[rpc.RRef], j: int

@@ -121,7 +121,7 @@ class _SetupMixin:
 
         self.global_group = global_group if global_group is not None else (dist.group.WORLD if distributed else None)
         self.process_group = self.global_group
-        self._global_comm = group_for(self.global_group)
+        self._global_comm = group_for(self.global_group, argument=f"{_NAME}: argument 'global_group'")
 
         self._local_comm = None
         self._local_root = 0
@@ -137,7 +137,7 @@ class _SetupMixin:
                 if process_rank in ranks:
                     self.local_node_group = pg
         if self.local_node_group is not None:
-            self._local_comm = group_for(self.local_node_group)
+            self._local_comm = group_for(self.local_node_group, argument=f"{_NAME}: argument 'local_node_group'")
             master = logical_rank * nprocs_per_node
             self._local_root = dist.get_group_rank(self.local_node_group, master) if distributed else 0
 

@@ -57,7 +57,7 @@ class Gossiper:
             raise ValueError(f"{name}: argument 'msg' must be a 1-D tensor, got {_describe(msg)}")
         if not isinstance(graph, GraphManager):
             raise TypeError(f"{name}: argument 'graph' must be a GraphManager, got {type(graph).__name__}")
-        self._group = group if hasattr(group, "batch") else group_for(group)
+        self._group = group if hasattr(group, "batch") else group_for(group, argument=f"{name}: argument 'group'")
         self.rank = self._group.rank if rank is None else int(rank)
         self.world_size = self._group.size if world_size is None else int(world_size)
         self.logger = logger
