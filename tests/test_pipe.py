@@ -535,6 +535,43 @@ def test_autograd_functions_and_inplace_ops_in_partitions(mode):
     assert_same_training(ref, pipe, torch.randn(6, 8))
 
 
+class AddOne(nn.Module):
+    def forward(self, x):
+        return x.add_(1.0)
+
+
+class ExpInPlace(nn.Module):
+    def forward(self, x):
+        return x.mul_(0.1).exp_()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_inplace_ops_that_are_not_idempotent_opening_partitions(mode, chunks):
+    """A checkpointed partition's recomputation starts from its inputs as they were, whatever its
+    first pass did to them in place; an in-place op on one micro-batch (a view of the batch)
+    leaves what another saved for backward alone, and so does a recomputation what a later
+    partition saved. The first partition's in-place op acts on a non-leaf input, as plain torch
+    allows."""
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(AddOne(), nn.Linear(8, 8), AddOne(), nn.Linear(8, 8), ExpInPlace(), nn.Linear(8, 4))
+
+    ref = build()
+    pipe = Pipe(build(), [2, 2, 2], devices=["cpu"] * 3, chunks=chunks, checkpoint=mode)
+    x = torch.randn(8, 8)
+    wa, wb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ref(wa * 2), pipe(wb * 2)
+    w = torch.linspace(-1, 1, ya.numel()).view_as(ya)
+    (ya * w).sum().backward()
+    (yb * w).sum().backward()
+    torch.testing.assert_close(yb, ya, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(wb.grad, wa.grad, atol=1e-6, rtol=1e-5)
+    for pa, pb in zip(ref.parameters(), pipe.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, atol=1e-6, rtol=1e-5)
+
+
 def test_checkpointing_flags():
     flags = Flags()
     pipe = Pipe(nn.Sequential(nn.Linear(2, 2), flags), [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint="except_last")

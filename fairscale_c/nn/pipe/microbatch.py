@@ -50,6 +50,8 @@ def scatter(value: TensorOrTensors, chunks: int) -> List[Tensors]:
         )
     pieces = [t.chunk(chunks) for t in tensors]
     count = len(pieces[0])
+    if count == 1:  # the tensors themselves: a view from chunk() may not be modified in place
+        return [tuple(tensors)]
     return [tuple(p[i] for p in pieces) for i in range(count)]
 
 

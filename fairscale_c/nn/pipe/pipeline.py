@@ -133,8 +133,14 @@ class _Identity(torch.autograd.Function):
         return grads
 
 
-def _inputs_of(leaves: Tensors) -> Tensors:
-    if torch.is_grad_enabled() and any(x.requires_grad for x in leaves):
+def _inputs_of(leaves: Tensors, copy: bool = False) -> Tensors:
+    """What a partition is given of its input leaves. ``copy``: copies, for a checkpointed task,
+    whose first pass and recomputation must both find the stored leaves unchanged whatever the
+    partition does to its inputs in place (and whose recomputation must not change tensors a later
+    partition saved for its backward)."""
+    if copy:
+        leaves = tuple(x.clone() for x in leaves)
+    if torch.is_grad_enabled() and any(x.requires_grad and x.is_leaf for x in leaves):
         return _Identity.apply(*leaves)
     return leaves
 
@@ -255,7 +261,11 @@ class Pipeline:
                 values, flags, atomic = run.board.take(("act", i, j))
                 values = move(values, device, self.streams, run.holds)
                 checkpointed = run.grad and i < run.checkpoint_stop
-                if run.grad:
+                if run.grad and j == 0 and run.m > 1:
+                    # Micro-batches of one batch share its version counter: an in-place operation
+                    # on one would invalidate what another saved for backward. Copies do not.
+                    leaves = tuple(x.detach().clone().requires_grad_(f) for x, f in zip(values, flags))
+                elif run.grad:
                     leaves = tuple(x.detach().requires_grad_(f) for x, f in zip(values, flags))
                 else:
                     leaves = values
@@ -284,7 +294,7 @@ class Pipeline:
             task.rng_state = before if task.checkpointed else None
             tracker = _PipeSkipTracker(self, run, i, j, task, recomputing=False)
             partition = self.partitions[j]
-            inputs = _inputs_of(task.leaves)
+            inputs = _inputs_of(task.leaves, copy=task.checkpointed)
             with use_skip_tracker(tracker), run.share.computing(j):
                 if task.checkpointed:
                     with torch.no_grad(), enable_checkpointing():
@@ -385,7 +395,7 @@ class Pipeline:
             stack.enter_context(torch.enable_grad())
             stack.enter_context(enable_recomputing())
             stack.enter_context(use_skip_tracker(_PipeSkipTracker(self, run, i, j, task, recomputing=True)))
-            inputs = _inputs_of(task.leaves)
+            inputs = _inputs_of(task.leaves, copy=True)
             out = self.partitions[j](inputs[0] if task.atomic else inputs)
         task.outputs = microbatch.as_tuple(out)
 
