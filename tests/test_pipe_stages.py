@@ -777,7 +777,43 @@ def job_autocast(rank, world):
     return got
 
 
+class _AddOne(nn.Module):
+    def forward(self, x):
+        return x.add_(1.0)
+
+
+def job_inplace_first(rank, world):
+    """Each stage begins with an in-place op that is not idempotent: stage 1's received
+    activations (leaves that need a gradient) and stage 0's micro-batches (views of one batch)
+    take it as plain torch does; outputs and gradients are those of the whole model on the same
+    micro-batches."""
+    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    n_micro = 4
+    for cls in (ScheduleGPipe, Schedule1F1B):
+        torch.manual_seed(0)
+        full = nn.Sequential(_AddOne(), nn.Linear(4, 4), _AddOne(), nn.Linear(4, 4))
+        ref = copy.deepcopy(full)
+        mod = full[2 * rank : 2 * rank + 2]
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+        out = cls(PipelineStage(mod, rank, 2), n_micro, F.mse_loss).step(x.clone(), target=y)
+        ref_outs = [ref(c.clone()) for c in x.tensor_split(n_micro)]
+        (sum(F.mse_loss(o, t) for o, t in zip(ref_outs, y.tensor_split(n_micro))) / n_micro).backward()
+        if rank == 1:
+            torch.testing.assert_close(out, torch.cat(ref_outs).detach())
+        for p, q in zip(mod.parameters(), ref[2 * rank : 2 * rank + 2].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, c=cls: f"{c.__name__}: {m}")
+    return True
+
+
 # ------------------------------------------------------------------------------ tests
+
+
+def test_stages_beginning_with_inplace_ops():
+    assert run_ranks(job_inplace_first, 2, timeout=120, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [True, True]
 
 
 def test_two_stages_match_single_process_and_reject_bad_input():

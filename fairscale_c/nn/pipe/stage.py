@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ... import distributed as fdist
+from .pipeline import _inputs_of
 
 # dtypes a stage may pass to the next one (what the collectives layer moves)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
@@ -514,12 +515,17 @@ class PipelineStage:
             assert args is not None
             inputs = args
             self._inputs[mb] = inputs
+            if has_backward:
+                # Micro-batches cut from one batch are views sharing its version counter: an
+                # in-place op on one would invalidate what another saved for backward. Copies not.
+                inputs = tuple(x.clone() if isinstance(x, torch.Tensor) and x._is_view() else x for x in inputs)
         else:
             inputs = self._inputs[mb]
             if has_backward:
                 for x in inputs:
                     if x.dtype.is_floating_point:
                         x.requires_grad_(True)
+                inputs = _inputs_of(inputs)  # non-leaves: the module may change them in place
         out = self.module(*inputs, **(kwargs or {}))
         outs = as_tuple(out)
         if not has_backward:
