@@ -801,6 +801,34 @@ def test_optimizer_state_arguments_are_checked():
     torch.testing.assert_close(shard["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
 
 
+def test_optimizer_state_of_another_wrapping_is_refused():
+    """A gathered state names parameters by their order in the model that saved it and groups
+    them by its flat parameters: a model wrapped otherwise (here one instance against a nested
+    one, which order the parameters differently) would get other parameters' states, silently
+    where the shapes agree. FairScale refuses it too (its count of instances)."""
+
+    def build(nested):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        if nested:
+            model[0] = FSDP(model[0])
+        return FSDP(model)
+
+    states = {}
+    for nested in (True, False):
+        m = build(nested)
+        opt = torch.optim.Adam(m.parameters(), lr=0.01)
+        m(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        states[nested] = m.gather_full_optim_state_dict(opt)
+    for saved_nested, load_nested, why in ((True, False, r"\[0, 1\]"), (False, True, "another flat parameter has it")):
+        with pytest.raises(ValueError, match=f"grouped into flat parameters otherwise.*{why}.*same FSDP nesting"):
+            build(load_nested).get_shard_from_optim_state_dict(states[saved_nested])
+    for nested in (True, False):  # the same wrapping loads
+        m = build(nested)
+        torch.optim.Adam(m.parameters(), lr=0.01).load_state_dict(m.get_shard_from_optim_state_dict(states[nested]))
+
+
 @pytest.mark.parametrize("flatten", [True, False])
 def test_the_wrapped_modules_own_state_dict_is_refused_where_it_would_be_partial(flatten):
     # DDP's habit, model.module.state_dict(), would leave out (flat) or flatten (unflattened) the

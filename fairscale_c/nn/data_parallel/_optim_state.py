@@ -154,7 +154,18 @@ def shard_from_full(instances: List[Any], full_osd: Dict[str, Any]) -> Dict[str,
     for k, (_, h) in enumerate(entries):
         ids = list(range(global_id, global_id + len(h.layout.slots)))
         global_id += len(ids)
-        local_id = full_osd["param_id_map"][ids[0]]
+        saved = {full_osd["param_id_map"].get(g, "absent") for g in ids}
+        local_id = next(iter(saved))
+        if len(saved) != 1 or local_id == "absent" or (local_id is not None and local_id in local_ids):
+            shared = " (another flat parameter has it too)" if len(saved) == 1 else ""
+            raise ValueError(
+                "get_shard_from_optim_state_dict: argument 'full_optim_state_dict' was saved from a model whose "
+                f"parameters were grouped into flat parameters otherwise: this model's flat parameter {k} holds "
+                f"parameters {ids[0]}..{ids[-1]} (in this model's order), which the state gives to optimizer "
+                f"parameter(s) {sorted(saved, key=str)}{shared}; "
+                "load it into the model wrapped as the one that saved it (the same FSDP nesting and "
+                "flatten_parameters)"
+            )
         per_entry.append((k, local_id))
         if local_id is None:
             continue
