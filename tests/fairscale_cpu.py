@@ -62,3 +62,16 @@ def enable() -> None:
             self._streams.setdefault(name, stream)
 
     fsdp.FullyShardedDataParallel._setup_streams = _setup_streams
+    gather = fsdp.FullyShardedDataParallel._gather_optim_state
+
+    def _gather_optim_state(self, *args, **kwargs):
+        # It keeps x.cpu() of each gathered chunk and reuses the gather buffer for the next state:
+        # from a GPU that is a copy; on the CPU it would be the buffer itself.
+        cpu = torch.Tensor.cpu
+        torch.Tensor.cpu = lambda t, *a, **k: t.clone() if t.device.type == "cpu" else cpu(t, *a, **k)
+        try:
+            return gather(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cpu = cpu
+
+    fsdp.FullyShardedDataParallel._gather_optim_state = _gather_optim_state
