@@ -142,6 +142,47 @@ def test_training_equals_plain_torch(world):
     assert run_ranks(_job, world, timeout=300) == [[]] * world
 
 
+class _AddOne(nn.Module):
+    def forward(self, x):
+        return x.add_(1.0)
+
+
+def _inplace_job(rank, world):
+    """Each stage begins with an in-place op that is not idempotent, in every checkpoint mode and
+    with 1 or 2 micro-batches (views of one batch on stage 0): the plain model's gradients."""
+    import copy
+
+    import torch.distributed as dist
+
+    from fairscale_c.nn.pipe import AsyncPipe
+
+    join_gloo(rank, world)
+    failures = []
+    try:
+        for mode, chunks in itertools.product(["never", "except_last", "always"], [1, 2]):
+            torch.manual_seed(0)
+            model = nn.Sequential(_AddOne(), nn.Linear(3, 3), _AddOne(), nn.Linear(3, 3))
+            ref = copy.deepcopy(model)
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+            pipe = AsyncPipe(model, [2, 2], group=dist.group.WORLD, chunks=chunks, checkpoint=mode)
+            out = pipe(x.clone())
+            if rank == 1:
+                out.sum().backward()
+            else:
+                pipe.back_helper(out)
+            ref(x.clone()).sum().backward()
+            mine = [p for i, p in enumerate(ref.parameters()) if (i < 2) == (rank == 0)]
+            if not all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(pipe.parameters(), mine)):
+                failures.append(f"{mode}, {chunks} chunks: gradients differ on rank {rank}")
+    finally:
+        dist.destroy_process_group()
+    return failures
+
+
+def test_stages_beginning_with_inplace_ops():
+    assert run_ranks(_inplace_job, 2, timeout=120, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [[], []]
+
+
 def _lazy_job(rank, world):
     import torch.distributed as dist
 

@@ -572,6 +572,35 @@ def test_inplace_ops_that_are_not_idempotent_opening_partitions(mode, chunks):
         torch.testing.assert_close(pb.grad, pa.grad, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_popped_skip_changed_in_place_in_a_checkpointed_partition(mode, chunks):
+    """A partition changes a popped skip tensor in place: its recomputation starts from the tensor
+    as it arrived (FairScale's recomputes from the changed one)."""
+    from fairscale_c.nn.pipe.skip import pop, skippable, stash
+
+    @skippable(stash=["s"])
+    class Stash(nn.Module):
+        def forward(self, x):
+            yield stash("s", x * 3)
+            return x * 1
+
+    @skippable(pop=["s"])
+    class Pop(nn.Module):
+        def forward(self, x):
+            s = yield pop("s")
+            s.mul_(2)
+            return x * s * s
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 3), Stash(), nn.Linear(3, 3), Pop(), nn.Linear(3, 3))
+
+    ref = build()
+    pipe = Pipe(build(), [2, 2, 1], devices=["cpu"] * 3, chunks=chunks, checkpoint=mode)
+    assert_same_training(ref, pipe, torch.randn(4, 3))
+
+
 def test_checkpointing_flags():
     flags = Flags()
     pipe = Pipe(nn.Sequential(nn.Linear(2, 2), flags), [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint="except_last")

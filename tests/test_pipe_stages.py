@@ -809,7 +809,49 @@ def job_inplace_first(rank, world):
     return True
 
 
+class _MaskedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        x = x.mul_(2.0)  # on the positional input, then on the keyword one: both in place
+        mask = mask.clamp_(min=0.0)
+        return torch.tanh(self.fc(x)) * mask[:, None]
+
+
+def job_inplace_on_keyword_inputs(rank, world):
+    """Stage 0 changes its positional and keyword inputs in place: the first step's set-up pass
+    (which runs the module once to learn its outputs) leaves the caller's tensors alone, and the
+    keyword micro-batches (views of one batch) are copied as the positional ones are."""
+    from fairscale_c.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for cls in (ScheduleGPipe, Schedule1F1B):
+        for n_micro in (1, 2):
+            torch.manual_seed(0)
+            head, tail = _MaskedHead(), nn.Linear(4, 3)
+            ref_head, ref_tail = copy.deepcopy(head), copy.deepcopy(tail)
+            mod = head if rank == 0 else tail
+            g = torch.Generator().manual_seed(5)
+            x, y, mask = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g), torch.randn(8, generator=g)
+            x0, mask0 = x.clone(), mask.clone()
+            cls(PipelineStage(mod, rank, 2), n_micro, F.mse_loss).step(x, target=y, mask=mask)
+            parts = zip(x0.tensor_split(n_micro), mask0.tensor_split(n_micro), y.tensor_split(n_micro))
+            ref_loss = sum(F.mse_loss(ref_tail(ref_head(a.clone(), mask=m.clone())), t) for a, m, t in parts) / n_micro
+            ref_loss.backward()
+            what = f"{cls.__name__}, {n_micro} micro-batches"
+            for p, q in zip(mod.parameters(), (ref_head if rank == 0 else ref_tail).parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda m, w=what: f"{w}: {m}")
+    return True
+
+
 # ------------------------------------------------------------------------------ tests
+
+
+def test_stages_changing_positional_and_keyword_inputs_in_place():
+    assert run_ranks(job_inplace_on_keyword_inputs, 2, timeout=120, env={"FAIRSCALE_C_TIMEOUT": "60"}) == [True, True]
 
 
 def test_stages_beginning_with_inplace_ops():

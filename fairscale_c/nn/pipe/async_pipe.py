@@ -245,6 +245,10 @@ class StageStep:
         for i, batch in enumerate(self.batches):
             if self.stage == 0:
                 xs, in_atomic = batch, self.atomic
+                if self.train and len(self.batches) > 1:
+                    # micro-batches of one batch share its version counter: an in-place op on one
+                    # would invalidate what another saved for backward. Copies do not.
+                    xs = tuple(x.clone() for x in xs)
             else:
                 xs, in_atomic = self.receive_activations(i)
             ys = self.compute(xs, in_atomic, i)

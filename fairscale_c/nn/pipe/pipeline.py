@@ -104,14 +104,14 @@ class _PipeSkipTracker(SkipTracker):
         key = (ns, name)
         if self.recomputing:
             value = self.task.popped[key]
-            return None if value is None else _inputs_of((value,))[0]
+            return None if value is None else _inputs_of((value,), copy=True)[0]
         # The stashing task ran before this one (it precedes it on the activations' path).
         value, flag = self.run.board.take(("skip", self.i, key))
         if value is not None:
             (value,) = move((value,), self.pipeline.devices[self.j], self.pipeline.streams, self.run.holds)
             value = value.detach().requires_grad_(flag)
         self.task.popped[key] = value
-        return None if value is None else _inputs_of((value,))[0]
+        return None if value is None else _inputs_of((value,), copy=self.task.checkpointed)[0]
 
 
 def _needs_grad(t: Tensor, grad: bool, checkpointed: bool) -> bool:

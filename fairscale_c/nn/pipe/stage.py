@@ -45,6 +45,10 @@ _MSG_BYTES = 480  # a stage's set-up verdict as UTF-8 text (empty: fine)
 _OK, _UPSTREAM_FAILED = 0, 1
 
 
+def _copy_view(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) and x._is_view() else x
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """Shape and dtype of one tensor passed between stages (per micro-batch)."""
@@ -448,7 +452,10 @@ class PipelineStage:
         saved = [b.detach().clone() for b in self.module.buffers()]
         try:
             with torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad():
-                return self.module(*sample, **(kwargs or {}))
+                # copies: the module may change its inputs in place, and these are the caller's
+                sample = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in sample)
+                kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in (kwargs or {}).items()}
+                return self.module(*sample, **kwargs)
         finally:
             with torch.no_grad():
                 for b, s in zip(self.module.buffers(), saved):
@@ -518,7 +525,8 @@ class PipelineStage:
             if has_backward:
                 # Micro-batches cut from one batch are views sharing its version counter: an
                 # in-place op on one would invalidate what another saved for backward. Copies not.
-                inputs = tuple(x.clone() if isinstance(x, torch.Tensor) and x._is_view() else x for x in inputs)
+                inputs = tuple(_copy_view(x) for x in inputs)
+                kwargs = {k: _copy_view(v) for k, v in (kwargs or {}).items()}
         else:
             inputs = self._inputs[mb]
             if has_backward:
