@@ -132,16 +132,11 @@ def _send(worker: rpc.WorkerInfo, budget: int, fn: Any, args: Tuple[Any, ...]) -
     always run. A request's error is not raised here: it reaches the caller through the RRefs
     that depend on it (the join's, the loss's). Called with ``_pending.lock`` held."""
     pending = _pending.on(worker.name)
-    while pending and pending[0].done():
-        pending.popleft()
-    while len(pending) >= budget:
-        oldest = pending.popleft()
+    while pending and (pending[0].done() or len(pending) >= budget):
         try:
-            oldest.wait()
+            pending.popleft().wait()
         except Exception:
             pass
-        while pending and pending[0].done():
-            pending.popleft()
     rref = rpc.remote(worker, fn, args=args)
     pending.append(rref._get_future())
     return rref
